@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh machine: each builds .venv itself.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# CPU build on machines without a GPU; on a GPU host set TORCH_SPEC to the build you want.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test test-all test-gpu clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)" numpy
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/python examples/kill_and_remap.py
+
+test: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: venv
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

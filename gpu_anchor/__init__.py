@@ -1,0 +1,21 @@
+"""gpu-anchor: keep PyTorch jobs' GPU state alive across worker crashes.
+
+Public API: ``connect`` (this module), ``managed_scope``, ``train.AnchoredOptimizer``,
+and the ``gpu-anchor`` command.  Importing this package does not import torch;
+the names that need it load it on first use.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import AnchorError, ConflictError, DaemonUnavailable, OutOfMemoryError, PermissionDenied
+
+
+def connect(device=None, namespace=None, socket=None):
+    """See :func:`gpu_anchor.client.connect`."""
+    from .client import connect as _connect
+    return _connect(device, namespace, socket)
+
+
+__all__ = ["AnchorError", "ConflictError", "DaemonUnavailable", "OutOfMemoryError", "PermissionDenied",
+           "connect", "__version__"]

@@ -1,0 +1,169 @@
+"""The ``gpu-anchor`` command.
+
+    gpu-anchor daemon --device cuda:0 [--socket PATH] [--detach]
+    gpu-anchor status [--json]
+    gpu-anchor drop NAMESPACE [--device D]
+    gpu-anchor stop [--device D]
+
+Subcommands that only talk to daemons never import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gpu_anchor import errors
+from gpu_anchor.client.channel import Channel
+from gpu_anchor.daemon import control
+from gpu_anchor.paths import default_socket, normalize_device, socket_dir
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _targets(args) -> dict[str, str | None]:
+    if getattr(args, "socket", None):
+        return {normalize_device(args.device or "cpu"): args.socket}
+    if getattr(args, "device", None):
+        return {normalize_device(args.device): None}
+    return control.discover()
+
+
+def cmd_daemon(args) -> int:
+    device = normalize_device(args.device)
+    path = args.socket or default_socket(device)
+    if args.detach:
+        hello = control.ping(device, path)
+        if hello is not None:
+            print(f"a daemon for {device} already answers at {path} (pid {hello['pid']})")
+            return 0
+        proc = control.start(device, path)
+        print(f"gpu-anchor daemon for {device} started at {path} (pid {proc.pid})")
+        return 0
+    from gpu_anchor.daemon.__main__ import main as daemon_main
+    return daemon_main(["--device", device, "--socket", path, "--log-level", args.log_level])
+
+
+def _status_of(device: str, path: str | None) -> dict:
+    try:
+        ch = Channel(device, path, timeout=5.0)
+    except errors.AnchorError as e:
+        return {"device": device, "socket": path, "error": str(e).splitlines()[0]}
+    try:
+        st = ch.request({"op": "status"})[0]
+        st.pop("ok", None), st.pop("nfds", None)
+        st["socket"] = ch.path
+        return st
+    finally:
+        ch.close()
+
+
+def cmd_status(args) -> int:
+    targets = _targets(args)
+    report = [_status_of(d, p) for d, p in targets.items()]
+    if args.json:
+        json.dump({"socket_dir": socket_dir(), "daemons": report}, sys.stdout, indent=2)
+        print()
+        return 0
+    if not report:
+        print(f"no gpu-anchor daemons in {socket_dir()} (start one: gpu-anchor daemon --device cuda:0 --detach)")
+        return 0
+    for st in report:
+        if "error" in st:
+            print(f"{st['device']}: not answering ({st['error']})")
+            continue
+        be = st["backend"]
+        extra = f", {be['name']} {be['uuid']}" if "uuid" in be else ""
+        print(f"{st['device']}: pid {st['pid']}, up {st['uptime_s']} s, {st['connections']} connection(s){extra}")
+        print(f"  memory: {_human(st['object_bytes'])} in objects, {_human(st['reserved_bytes'])} reserved "
+              f"in {st['segments']} segment(s)")
+        for name, ns in sorted(st["namespaces"].items()):
+            print(f"  namespace {name!r}: {len(ns['objects'])} object(s), {_human(ns['object_bytes'])}; "
+                  f"journal v{ns['journal_version']}, {len(ns['journal_keys'])} key(s)")
+            objs = sorted(ns["objects"], key=lambda o: -o["nbytes"])
+            for o in objs[: args.limit]:
+                print(f"    {o['name']:<60} {o['dtype']:>9} {str(tuple(o['shape'])):<22} {_human(o['nbytes'])}")
+            if len(objs) > args.limit:
+                print(f"    ... {len(objs) - args.limit} more (--limit N)")
+            if ns["journal_keys"]:
+                keys = ns["journal_keys"]
+                print(f"    journal keys: {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}")
+    return 0
+
+
+def cmd_drop(args) -> int:
+    total = 0
+    for device, path in _targets(args).items():
+        try:
+            ch = Channel(device, path, timeout=10.0)
+        except errors.AnchorError as e:
+            print(f"{device}: skipped ({str(e).splitlines()[0]})", file=sys.stderr)
+            continue
+        try:
+            names = ch.request({"op": "status"})[0]["namespaces"]
+            # the host daemon keeps each rank's state under NAMESPACE/rankN
+            for ns in [n for n in names if n == args.namespace or n.startswith(args.namespace + "/")]:
+                freed = ch.request({"op": "drop", "namespace": ns})[0]["freed"]
+                total += freed
+                print(f"{device}: dropped namespace {ns!r} ({freed} object(s))")
+        finally:
+            ch.close()
+    if total == 0:
+        print(f"nothing anchored under {args.namespace!r}")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    for device, path in _targets(args).items():
+        print(f"{device}: {'stopped' if control.stop(device, path) else 'no daemon answering'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpu-anchor", description="Keep PyTorch jobs' GPU state alive across crashes.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("daemon", help="run the memory daemon of one device")
+    d.add_argument("--device", required=True, help="cpu or cuda:N")
+    d.add_argument("--socket", help="socket path (default: per-user directory)")
+    d.add_argument("--detach", action="store_true", help="start in the background and return once it answers")
+    d.add_argument("--log-level", default="INFO")
+    d.set_defaults(func=cmd_daemon)
+
+    s = sub.add_parser("status", help="devices, namespaces, objects, memory and journal keys")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--device")
+    s.add_argument("--socket")
+    s.add_argument("--limit", type=int, default=20, help="objects listed per namespace")
+    s.set_defaults(func=cmd_status)
+
+    dr = sub.add_parser("drop", help="free a job's anchored state on purpose")
+    dr.add_argument("namespace")
+    dr.add_argument("--device")
+    dr.add_argument("--socket")
+    dr.set_defaults(func=cmd_drop)
+
+    st = sub.add_parser("stop", help="shut daemons down (their memory is released)")
+    st.add_argument("--device")
+    st.add_argument("--socket")
+    st.set_defaults(func=cmd_stop)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except errors.AnchorError as e:
+        print(f"gpu-anchor: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

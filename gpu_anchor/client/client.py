@@ -1,0 +1,242 @@
+"""The worker-side client: bind names to anchored memory and get zero-copy tensors.
+
+    client = gpu_anchor.connect("cuda:0", namespace="job-42")
+    w = client.tensor("model.fc.weight", (4096, 4096), torch.bfloat16)   # same memory in every restart
+    client.journal.commit({"cursor": b"3", "step": b"17"})               # atomic
+
+Contract:
+- ``tensor``/``bind`` return tensors over daemon-owned memory; the same name in a
+  new process returns the same memory and data ("matched"), or fresh memory
+  ("created", contents undefined) if it was never anchored.
+- A tensor whose last reference dies (with all its views) frees its object in
+  the daemon, except during interpreter shutdown, in a forked child, or on a
+  crash: then the object stays for the next worker.  ``free`` frees at once.
+- One client per process and device is the normal case; it is thread-safe.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from gpu_anchor import protocol
+from gpu_anchor.paths import normalize_device
+
+from . import mapping
+from .channel import Channel
+from .journal import Journal
+
+_EXPORT_BATCH = 200
+
+
+# Per process, not per client: two clients of one daemon in one process must share
+# one lease per object, or the death of one's tensor would free the other's memory.
+_segments: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # (instance, id)
+_leases: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # (instance, ns, name)
+_pending_frees: deque[tuple[str, str, str, int]] = deque()  # (instance, ns, name, generation)
+_live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def _queue_free(key: tuple, name: str, generation: int) -> None:
+    # Runs from a finalizer, possibly in the middle of another request: only queue.
+    _pending_frees.append((key[0], key[1], name, generation))
+
+
+@atexit.register
+def _stop_reporting_frees() -> None:
+    """Objects the program deleted are freed; those still alive at exit stay anchored."""
+    for client in list(_live_clients):
+        client.flush_frees()
+    mapping.shutting_down = True
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    generation: int
+
+
+@dataclass
+class Bound:
+    """One name's answer from the daemon: ``status`` is ``matched``, ``created`` or ``missing``."""
+    name: str
+    status: str
+    tensor: torch.Tensor | None
+    info: ObjectInfo | None
+
+
+def _info(d: dict) -> ObjectInfo:
+    return ObjectInfo(d["name"], d["dtype"], tuple(d["shape"]), d["nbytes"], d["generation"])
+
+
+class Client:
+    def __init__(self, device: str = "cpu", namespace: str = "default", socket_path: str | None = None) -> None:
+        self.device = normalize_device(device)
+        self.namespace = namespace
+        self._channel = Channel(self.device, socket_path)
+        hello = self._channel.hello
+        if hello.get("device") != self.device:
+            raise RuntimeError(f"{self._channel.path} serves {hello.get('device')}, not {self.device}")
+        if self.device == "cpu":
+            self._mapper = mapping.HostMapper()
+        else:
+            self._mapper = mapping.CudaMapper(int(self.device.split(":")[1]), hello.get("uuid"))
+        self._instance = hello["instance"]
+        self._lock = threading.RLock()
+        self.journal = Journal(self)
+        _live_clients.add(self)
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def socket_path(self) -> str:
+        return self._channel.path
+
+    def _request(self, header: dict, blob: bytes = b"") -> tuple[dict, bytes, list[int]]:
+        if os.getpid() != self._channel.pid:
+            raise RuntimeError("this gpu-anchor client was created in the parent process; call connect() in the child")
+        self.flush_frees()
+        header.setdefault("namespace", self.namespace)
+        return self._channel.request(header, blob)
+
+    def flush_frees(self) -> None:
+        """Forward frees of objects whose tensors died; runs before every request and at exit."""
+        if not _pending_frees or os.getpid() != self._channel.pid:
+            return
+        mine: dict[str, list] = {}
+        for _ in range(len(_pending_frees)):
+            entry = _pending_frees.popleft()
+            if entry[0] == self._instance:
+                mine.setdefault(entry[1], []).append([entry[2], entry[3]])
+            else:
+                _pending_frees.append(entry)  # another daemon's: its own client will send it
+        for ns, names in mine.items():
+            try:
+                self._channel.request({"op": "free", "namespace": ns, "names": names})
+            except Exception:
+                pass  # daemon gone: nothing to free any more
+
+    # ------------------------------------------------------------------ objects
+    def bind(self, specs, policy: str = "match_or_create") -> list[Bound]:
+        """Bind many ``(name, shape, dtype)`` at once: one round trip, all-or-nothing.
+
+        ``policy``: ``match_or_create`` (conflict raises ``ConflictError``, nothing
+        changes), ``replace`` (a conflicting object is freed and recreated) or
+        ``lookup`` (absent names come back as ``missing``, nothing is created).
+        """
+        objects = [{"name": n, "shape": [int(d) for d in shape], "dtype": mapping.dtype_name(dtype)}
+                   for n, shape, dtype in specs]
+        with self._lock:
+            reply = self._request({"op": "bind", "objects": objects, "policy": policy})[0]
+            sizes = {int(k): v for k, v in reply["segments"].items()}
+            segs = {sid: _segments.get((self._instance, sid)) for sid in sizes}
+            self._map_segments([sid for sid, s in segs.items() if s is None], segs)
+            out = []
+            for res in reply["results"]:
+                if res["status"] == "missing":
+                    out.append(Bound(res["name"], "missing", None, None))
+                    continue
+                info = _info(res)
+                out.append(Bound(info.name, res["status"], self._wrap(info, segs[res["segment"]], res["offset"]), info))
+            return out
+
+    def _map_segments(self, ids: list[int], into: dict) -> None:
+        for i in range(0, len(ids), _EXPORT_BATCH):
+            chunk = ids[i:i + _EXPORT_BATCH]
+            reply, _, fds = self._request({"op": "export", "segments": chunk})
+            try:
+                for k, (sid, size) in enumerate(zip(reply["segments"], reply["sizes"])):
+                    seg = self._mapper.open_segment(sid, fds[k], size)
+                    fds[k] = -1
+                    _segments[(self._instance, sid)] = into[sid] = seg
+            finally:
+                protocol.close_fds([fd for fd in fds if fd >= 0])
+
+    def _wrap(self, info: ObjectInfo, seg, offset: int) -> torch.Tensor:
+        dtype = mapping.torch_dtype(info.dtype)
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype, device=self._mapper.device)
+        key = (self._instance, self.namespace, info.name)
+        lease = _leases.get(key)
+        if lease is None or lease.generation != info.generation:
+            release = functools.partial(_queue_free, key)
+            lease = self._mapper.lease(seg, offset, info.nbytes, info.name, info.generation, release)
+            _leases[key] = lease
+        return mapping.as_typed(self._mapper.raw(lease), dtype, info.shape)
+
+    def tensor(self, name: str, shape, dtype: torch.dtype = torch.float32, policy: str = "match_or_create") -> torch.Tensor:
+        """Get-or-create one named tensor (see ``bind``)."""
+        return self.bind([(name, shape, dtype)], policy)[0].tensor
+
+    def lookup(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """The anchored tensor if ``name`` exists with this dtype and shape, else ``None``; creates nothing."""
+        return self.bind([(name, shape, dtype)], "lookup")[0].tensor
+
+    def objects(self) -> dict[str, ObjectInfo]:
+        return {o["name"]: _info(o) for o in self._request({"op": "list"})[0]["objects"]}
+
+    def names(self) -> list[str]:
+        return sorted(self.objects())
+
+    def free(self, *names: str) -> list[str]:
+        """Free objects now; tensors still held over them must not be used afterwards."""
+        return self._request({"op": "free", "names": list(names)})[0]["freed"]
+
+    def drop_namespace(self) -> int:
+        """Free every object and the journal of this client's namespace."""
+        return self._request({"op": "drop"})[0]["freed"]
+
+    def status(self) -> dict:
+        return self._request({"op": "status"})[0]
+
+    def close(self) -> None:
+        self.flush_frees()
+        self._channel.close()
+        _live_clients.discard(self)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(device={self.device!r}, namespace={self.namespace!r}, socket={self.socket_path!r})"
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def default_namespace(device: str) -> str:
+    """``GPU_ANCHOR_NAMESPACE`` or ``default``; on the host daemon, which a node's ranks
+    share, a rank suffix keeps their names apart."""
+    ns = os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
+    return namespace_for(ns, device)
+
+
+def namespace_for(ns: str, device: str) -> str:
+    if device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"{ns}/rank{os.environ.get('RANK', '0')}"
+    return ns
+
+
+def connect(device=None, namespace: str | None = None, socket: str | None = None) -> Client:
+    """Connect to the daemon of ``device`` (default: the current CUDA device, else ``cpu``).
+
+    The daemon is found at ``socket``, else ``GPU_ANCHOR_SOCKET``, else the per-user
+    default path; if none answers, the error says how to start one.
+    """
+    device = normalize_device(device if device is not None else default_device())
+    ns = namespace_for(namespace, device) if namespace is not None else default_namespace(device)
+    return Client(device, ns, socket)

@@ -1,0 +1,371 @@
+"""The per-device daemon: one process, one thread, a Unix socket (torch-free).
+
+State machine of a connection::
+
+    ACCEPTED --peer uid != ours--> REFUSED (error frame, closed)
+    ACCEPTED --peer uid ok--> SERVING
+    SERVING --valid frame--> handle op, reply, SERVING
+    SERVING --bad request (valid frame, bad fields)--> error reply, SERVING
+    SERVING --framing error (bad magic, oversize)--> error reply, CLOSED
+    SERVING --peer closed / died--> CLOSED   (frees nothing: anchored state outlives sessions)
+
+The daemon trusts nothing a client sends: every field is validated before use,
+descriptors sent by clients are closed unread, and a handler that raises turns
+into an error reply.  It runs no user code, no kernels, and holds no CUDA
+context.  See docs/daemon.md.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import struct
+import time
+from collections import deque
+
+from gpu_anchor import protocol
+from gpu_anchor.paths import ensure_private_dir
+
+from .arena import Arena
+from .backends import open_backend
+from .journal import JournalError, VersionMismatch
+from .registry import ConflictError, OutOfMemory, Registry
+
+log = logging.getLogger("gpu_anchor.daemon")
+
+MAX_CONNECTIONS = 1024
+MAX_EXPORT = 200  # descriptors per reply, under SCM_MAX_FD
+_PEERCRED = struct.Struct("3i")
+
+
+class _Conn:
+    __slots__ = ("sock", "uid", "pid", "inbuf", "outq", "closing")
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sock, self.pid, self.uid = sock, pid, uid
+        self.inbuf = bytearray()
+        self.outq: deque[tuple[memoryview, list[int]]] = deque()
+        self.closing = False
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class Daemon:
+    def __init__(self, device: str, socket_path: str, backend=None) -> None:
+        self.device = device
+        self.socket_path = socket_path
+        self.backend = backend or open_backend(device)
+        self.arena = Arena(self.backend.create, self.backend.release, self.backend.granularity)
+        self.registry = Registry(self.arena)
+        self.instance = secrets.token_hex(8)
+        self.started = time.time()
+        self.uid = os.getuid()
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[int, _Conn] = {}
+        self._running = False
+        self._listener: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self.requests = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def bind_socket(self) -> None:
+        ensure_private_dir(os.path.dirname(self.socket_path) or ".")
+        self._lock_fd = os.open(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RuntimeError(f"a daemon for {self.device} is already running at {self.socket_path}") from None
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # stale: whoever made it no longer holds the lock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)
+        try:
+            sock.bind(self.socket_path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._sel.register(sock, selectors.EVENT_READ, None)
+
+    def serve_forever(self) -> None:
+        if self._listener is None:
+            self.bind_socket()
+        self._running = True
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        log.info("serving %s at %s (instance %s)", self.device, self.socket_path, self.instance)
+        try:
+            while self._running:
+                for key, events in self._sel.select(timeout=1.0):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        conn = key.data
+                        try:
+                            if events & selectors.EVENT_READ:
+                                self._on_readable(conn)
+                            if events & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
+                                self._flush(conn)
+                        except Exception:  # never let one connection take the daemon down
+                            log.exception("connection from pid %s failed; dropping it", conn.pid)
+                            self._close(conn)
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _shutdown(self) -> None:
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        if self._listener is not None:
+            self._sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        self.arena.release_all()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        log.info("stopped")
+
+    # ---------------------------------------------------------------- connections
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if uid != self.uid or len(self._conns) >= MAX_CONNECTIONS:
+            why = (f"refused: this gpu-anchor daemon belongs to uid {self.uid}; you are uid {uid}"
+                   if uid != self.uid else f"refused: {MAX_CONNECTIONS} connections already open")
+            log.warning("%s (pid %d)", why, pid)
+            try:
+                sock.settimeout(0.5)
+                protocol.send_frame(sock, {"ok": False, "error": {"code": "permission", "message": why}})
+            except OSError:
+                pass
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, pid, uid)
+        self._conns[sock.fileno()] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _close(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd >= 0:
+            self._conns.pop(fd, None)
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+        for _, fds in conn.outq:
+            protocol.close_fds(fds)
+        conn.outq.clear()
+        conn.sock.close()
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            data, anc, _, _ = conn.sock.recvmsg(1 << 20, socket.CMSG_SPACE(protocol.MAX_FDS_PER_FRAME * 4))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        protocol.close_fds(protocol.fds_from_ancillary(anc))  # clients never send descriptors
+        if not data:
+            self._close(conn)
+            return
+        conn.inbuf += data
+        while not conn.closing:
+            if len(conn.inbuf) < protocol.PREFIX.size:
+                break
+            try:
+                hlen, blen = protocol.parse_prefix(bytes(conn.inbuf[: protocol.PREFIX.size]))
+            except protocol.ProtocolError as e:
+                self._reply_error(conn, "protocol", str(e))
+                conn.closing = True
+                break
+            total = protocol.PREFIX.size + hlen + blen
+            if len(conn.inbuf) < total:
+                break
+            raw = bytes(conn.inbuf[protocol.PREFIX.size: total])
+            del conn.inbuf[:total]
+            self._handle_frame(conn, raw[:hlen], raw[hlen:])
+        if conn.sock.fileno() >= 0:
+            self._flush(conn)
+
+    def _queue(self, conn: _Conn, header: dict, blob: bytes = b"", fds: list[int] = ()) -> None:
+        header["nfds"] = len(fds)
+        conn.outq.append((memoryview(protocol.encode(header, blob)), list(fds)))
+
+    def _reply_error(self, conn: _Conn, code: str, message: str, **extra) -> None:
+        self._queue(conn, {"ok": False, "error": {"code": code, "message": message, **extra}})
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.outq:
+            data, fds = conn.outq[0]
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+            try:
+                sent = conn.sock.sendmsg([data], anc)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                if e.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    log.warning("send to pid %d failed: %s", conn.pid, e)
+                self._close(conn)
+                return
+            protocol.close_fds(fds)  # the peer has its own copies now (or never will)
+            if sent < len(data):
+                conn.outq[0] = (data[sent:], [])
+                break
+            conn.outq.popleft()
+        if conn.closing and not conn.outq:
+            self._close(conn)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outq else 0)
+        self._sel.modify(conn.sock, want, conn)
+
+    # ---------------------------------------------------------------- requests
+    def _handle_frame(self, conn: _Conn, raw_header: bytes, blob: bytes) -> None:
+        self.requests += 1
+        try:
+            req = protocol.decode_header(raw_header)
+        except protocol.ProtocolError as e:
+            self._reply_error(conn, "bad_request", str(e))
+            return
+        op = req.get("op")
+        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
+        if handler is None:
+            self._reply_error(conn, "bad_request", f"unknown op {op!r:.60}")
+            return
+        try:
+            header, out_blob, fds = handler(req, blob)
+        except ConflictError as e:
+            self._reply_error(conn, "conflict", str(e), conflicts=e.conflicts)
+        except (OutOfMemory, MemoryError) as e:
+            self._reply_error(conn, "out_of_memory", str(e) or "out of memory")
+        except VersionMismatch as e:
+            self._reply_error(conn, "version_mismatch", str(e))
+        except (BadRequest, JournalError, ValueError, TypeError, KeyError) as e:
+            self._reply_error(conn, "bad_request", f"{op}: {e}")
+        except Exception as e:  # a backend failure: report it, keep serving
+            log.exception("op %s failed", op)
+            self._reply_error(conn, "internal", f"{op}: {type(e).__name__}: {e}")
+        else:
+            header["ok"] = True
+            self._queue(conn, header, out_blob, fds)
+        if op == "shutdown":
+            self.stop()
+
+    @staticmethod
+    def _ns(req: dict) -> str:
+        ns = req.get("namespace")
+        if not isinstance(ns, str):
+            raise BadRequest("namespace must be a string")
+        return ns
+
+    def _op_hello(self, req, blob):
+        info = self.backend.info()
+        return {"version": protocol.PROTOCOL_VERSION, "instance": self.instance, "pid": os.getpid(),
+                "uid": self.uid, "device": self.device, **info}, b"", []
+
+    def _op_ping(self, req, blob):
+        return {}, b"", []
+
+    def _op_bind(self, req, blob):
+        policy = req.get("policy", "match_or_create")
+        results = self.registry.bind(self._ns(req), req.get("objects"), policy)
+        out = []
+        for status, obj in results:
+            out.append({"status": status, **(obj.describe() if obj else {})})
+        segs = {o["segment"]: self.arena.segments[o["segment"]].size for o in out if "segment" in o}
+        return {"results": out, "segments": segs}, b"", []
+
+    def _op_export(self, req, blob):
+        ids = req.get("segments")
+        if not isinstance(ids, list) or len(ids) > MAX_EXPORT:
+            raise BadRequest(f"segments must be a list of at most {MAX_EXPORT} ids")
+        fds, sizes = [], []
+        try:
+            for sid in ids:
+                seg = self.arena.segments.get(sid) if isinstance(sid, int) else None
+                if seg is None:
+                    raise BadRequest(f"no segment {sid!r:.40} (freed, or never existed)")
+                fds.append(self.backend.export(seg.handle))
+                sizes.append(seg.size)
+        except BaseException:
+            protocol.close_fds(fds)
+            raise
+        return {"segments": ids, "sizes": sizes}, b"", fds
+
+    def _op_free(self, req, blob):
+        return {"freed": self.registry.free(self._ns(req), req.get("names"))}, b"", []
+
+    def _op_list(self, req, blob):
+        ns = self.registry.namespace(self._ns(req), create=False)
+        objs = [o.describe() for o in ns.objects.values()] if ns else []
+        return {"objects": objs}, b"", []
+
+    def _op_drop(self, req, blob):
+        return {"freed": self.registry.drop(self._ns(req))}, b"", []
+
+    def _op_journal_get(self, req, blob):
+        ns = self.registry.namespace(self._ns(req), create=False)
+        keys, prefix = req.get("keys"), req.get("prefix")
+        if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
+            raise BadRequest("keys must be a list of strings")
+        if prefix is not None and not isinstance(prefix, str):
+            raise BadRequest("prefix must be a string")
+        values = ns.journal.get(keys, prefix) if ns else {}
+        refs, out = protocol.pack_blobs(values)
+        return {"values": refs, "version": ns.journal.version if ns else 0}, out, []
+
+    def _op_journal_commit(self, req, blob):
+        puts = protocol.unpack_blobs(req.get("puts", {}), blob)
+        deletes = req.get("deletes", [])
+        expect = req.get("expect_version")
+        if not isinstance(deletes, list):
+            raise BadRequest("deletes must be a list")
+        if expect is not None and (not isinstance(expect, int) or isinstance(expect, bool)):
+            raise BadRequest("expect_version must be an integer")
+        version = self.registry.namespace(self._ns(req)).journal.commit(puts, deletes, expect)
+        return {"version": version}, b"", []
+
+    def _op_status(self, req, blob):
+        namespaces = {}
+        for name, ns in self.registry.namespaces.items():
+            namespaces[name] = {
+                "objects": [o.describe() for o in ns.objects.values()],
+                "object_bytes": sum(o.nbytes for o in ns.objects.values()),
+                "journal_keys": sorted(ns.journal.values),
+                "journal_bytes": ns.journal.nbytes,
+                "journal_version": ns.journal.version,
+            }
+        header = {"device": self.device, "pid": os.getpid(), "instance": self.instance,
+                  "uptime_s": round(time.time() - self.started, 1), "connections": len(self._conns),
+                  "requests": self.requests, "segments": len(self.arena.segments),
+                  "reserved_bytes": self.arena.reserved_bytes(), "object_bytes": self.registry.object_bytes(),
+                  "backend": self.backend.info(), "namespaces": namespaces}
+        return header, b"", []
+
+    def _op_shutdown(self, req, blob):
+        return {}, b"", []
+
+
+def run(device: str, socket_path: str) -> None:
+    daemon = Daemon(device, socket_path)
+    daemon.bind_socket()
+    print(f"gpu-anchor daemon: {device} at {socket_path} (pid {os.getpid()})", flush=True)
+    daemon.serve_forever()
