@@ -1,0 +1,61 @@
+"""Shared fixtures: real daemons in a private socket directory per test."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpu_anchor.daemon import control
+
+
+def _cuda_ready() -> bool:
+    try:
+        import torch
+        from gpu_anchor.cuda_driver import driver
+        driver()
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_ready():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and cuda-bindings")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def socket_dir(tmp_path, monkeypatch):
+    """A private socket directory for this test, exported to child processes too."""
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(d))
+    monkeypatch.delenv("GPU_ANCHOR_SOCKET", raising=False)
+    return str(d)
+
+
+def _daemon(device: str, socket_dir: str):
+    path = os.path.join(socket_dir, device.replace(":", "") + ".sock")
+    proc = control.start(device, path)
+    yield path, proc
+    if proc.poll() is None:
+        control.stop(device, path)
+        try:
+            proc.wait(timeout=10)
+        except Exception:
+            proc.kill()
+
+
+@pytest.fixture
+def host_daemon(socket_dir):
+    """A real host-memory daemon: yields ``(socket_path, Popen)``; stopped afterwards."""
+    yield from _daemon("cpu", socket_dir)
+
+
+@pytest.fixture
+def cuda_daemon(socket_dir):
+    """A real daemon for cuda:0 (GPU tests only)."""
+    yield from _daemon("cuda:0", socket_dir)
