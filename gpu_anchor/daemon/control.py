@@ -66,15 +66,18 @@ def stop(device: str, socket_path: str | None = None, timeout: float = 10.0) -> 
     finally:
         ch.close()
     deadline = time.monotonic() + timeout
-    while pid and time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        except PermissionError:
-            break
-        time.sleep(0.02)
+    while pid and pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def discover(directory: str | None = None) -> dict[str, str]:

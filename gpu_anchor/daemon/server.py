@@ -288,8 +288,8 @@ class Daemon:
         policy = req.get("policy", "match_or_create")
         results = self.registry.bind(self._ns(req), req.get("objects"), policy)
         out = []
-        for status, obj in results:
-            out.append({"status": status, **(obj.describe() if obj else {})})
+        for req_obj, (status, obj) in zip(req["objects"], results):
+            out.append({"status": status, **(obj.describe() if obj else {"name": req_obj["name"]})})
         segs = {o["segment"]: self.arena.segments[o["segment"]].size for o in out if "segment" in o}
         return {"results": out, "segments": segs}, b"", []
 
