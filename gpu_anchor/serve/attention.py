@@ -1,0 +1,126 @@
+"""Attention over the paged KV cache.
+
+Cache layout, per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(K then V).  Token ``p`` of a sequence lives in slot ``block_table[p // bs] * bs + p % bs``.
+
+Two paths with one contract — ``attend(q, cache, meta) -> [T, num_heads, head_dim]``
+where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
+``meta.token_seq[t]``) attends causally to keys ``0..positions[t]`` of its sequence:
+
+- CUDA: a Triton kernel; one program per (query token, KV head) walks the block table
+  and keeps an online softmax over the GQA group (no gather of the whole context).
+- CPU (and the reference for tests): per sequence, gather its blocks and run SDPA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+
+
+@dataclass
+class AttnMeta:
+    positions: torch.Tensor      # [T] int64, absolute position of each query token
+    slots: torch.Tensor          # [T] int64, flat cache slot each token's K/V goes to
+    token_seq: torch.Tensor      # [T] int32, row of block_tables for each token
+    block_tables: torch.Tensor   # [B, max_blocks] int32 (padded with 0)
+    # host-side copies for the CPU path
+    q_starts: list[int]
+    q_lens: list[int]
+    ctx_lens: list[int]          # keys visible to the sequence's last query token
+    tables: list[list[int]]
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store this step's K/V ([T, Hkv, D]) into their slots (overwrites: replay-safe)."""
+    _, nb, bs, h, d = cache.shape
+    cache[0].view(nb * bs, h, d)[slots] = k.to(cache.dtype)
+    cache[1].view(nb * bs, h, d)[slots] = v.to(cache.dtype)
+
+
+def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
+    if q.is_cuda and triton is not None:
+        return attend_triton(q, cache, meta, scale)
+    return attend_reference(q, cache, meta, scale)
+
+
+def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
+    _, nb, bs, hkv, d = cache.shape
+    hq = q.shape[1]
+    out = torch.empty_like(q)
+    for start, n, ctx, table in zip(meta.q_starts, meta.q_lens, meta.ctx_lens, meta.tables):
+        blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=q.device)
+        k = cache[0][blocks].reshape(-1, hkv, d)[:ctx]
+        v = cache[1][blocks].reshape(-1, hkv, d)[:ctx]
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+        qs = q[start:start + n]
+        # query i sits at position ctx - n + i and sees keys 0..ctx - n + i
+        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), k.transpose(0, 1).to(qs.dtype),
+                                           v.transpose(0, 1).to(qs.dtype), attn_mask=mask, scale=scale)
+        out[start:start + n] = o.transpose(0, 1)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_attn_kernel(Q, C, O, BT, TSEQ, TPOS, scale,
+                           sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, so_t, so_h, s_bt,
+                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.load(TSEQ + t)
+        pos = tl.load(TPOS + t)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        n = tl.arange(0, BS)
+        gmask = g < G
+        heads = kvh * G + g
+        q = tl.load(Q + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        n_blocks = pos // BS + 1
+        for b in range(0, n_blocks):
+            blk = tl.load(BT + seq * s_bt + b).to(tl.int64)
+            off = blk * sc_b + n[:, None] * sc_s + kvh * sc_h + d[None, :]
+            k = tl.load(C + off)
+            v = tl.load(C + sc_kv + off)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            kpos = b * BS + n
+            s = tl.where(kpos[None, :] <= pos, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(O + t * so_t + heads[:, None] * so_h + d[None, :], acc.to(O.dtype.element_ty), mask=gmask[:, None])
+
+
+def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
+    _, nb, bs, hkv, d = cache.shape
+    T, hq, _ = q.shape
+    g = hq // hkv
+    if d & (d - 1) or d < 16 or bs < 16 or bs & (bs - 1):
+        raise ValueError(f"the Triton path needs power-of-two head_dim and block_size >= 16, got {d}, {bs}")
+    q = q.to(cache.dtype).contiguous()
+    out = torch.empty_like(q)
+    bt = meta.block_tables
+    _paged_attn_kernel[(T, hkv)](
+        q, cache, out, bt, meta.token_seq, meta.positions, scale,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        out.stride(0), out.stride(1), bt.stride(0),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs)
+    return out

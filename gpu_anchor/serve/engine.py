@@ -1,0 +1,247 @@
+"""The serving engine: anchored weights + paged KV, continuous batching, a commit per step.
+
+    eng = Engine(EngineConfig(model="/models/qwen3", device="cuda:0"))
+    eng.add_request("r1", prompt_ids, SamplingParams(max_tokens=64))
+    while eng.has_work(): events = eng.step()
+
+Step contract: ``schedule → forward (writes KV) → sample → commit → return events``.
+Tokens leave the engine only after the commit that contains them, so whatever a client
+has seen is durable, and a crash costs at most the one uncommitted step.
+Construction rebinds anchored memory and restores every committed sequence.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import commit as C
+from .anchor import Anchor
+from .attention import AttnMeta
+from .block_manager import BlockManager
+from .model_runner import Model, head_dim, init_random, load_config, load_weights, param_specs, weights_fingerprint
+from .sampling import sample
+from .scheduler import Scheduler, Work
+from .sequence import SamplingParams, Sequence
+
+log = logging.getLogger("gpu_anchor.serve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+PHASES = ("between_steps", "mid_forward", "before_commit", "after_commit")
+
+
+@dataclass
+class EngineConfig:
+    model: str                       # model dir (config + safetensors) or, with random_weights, a config path
+    random_weights: bool = False
+    seed: int = 0                    # for random weights
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 256
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_model_len: int = 2048
+    anchor: bool = True
+    namespace: str | None = None
+    socket: str | None = None        # daemon socket
+    fault: tuple[int, str] | None = None   # (step, phase): SIGKILL self there (tests)
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.timings: dict[str, float] = {}
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+        self.dtype = DTYPES[cfg.dtype]
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.empty(1, device=self.device)
+        self.timings["cuda_init_s"] = time.perf_counter() - t0
+        self.mc = load_config(cfg.model)
+        t1 = time.perf_counter()
+        self.anchor = Anchor(str(self.device), cfg.namespace, cfg.socket, enabled=cfg.anchor)
+        wspecs = param_specs(self.mc, self.dtype)
+        L, hkv, d = self.mc.num_hidden_layers, self.mc.num_key_value_heads, head_dim(self.mc)
+        kshape = (2, cfg.num_blocks, cfg.block_size, hkv, d)
+        kspecs = [(f"kv_cache[{i}]", kshape, self.dtype) for i in range(L)]
+        tensors, status = self.anchor.bind(wspecs + kspecs)
+        self.timings["bind_s"] = time.perf_counter() - t1
+        self.bind_status = status
+        weights = {n: tensors[n] for n, _, _ in wspecs}
+        kv = [tensors[n] for n, _, _ in kspecs]
+        journal = self.anchor.journal
+        fp = weights_fingerprint(cfg.model, self.mc, self.dtype, cfg.seed if cfg.random_weights else None)
+        t2 = time.perf_counter()
+        have = journal.get(C.WEIGHTS) if journal is not None else None
+        weights_matched = all(status[n] == "matched" for n, _, _ in wspecs) and have == fp.encode()
+        if not weights_matched:
+            if journal is not None:
+                journal.commit({}, [C.WEIGHTS])      # a crash mid-load must not look complete
+            if cfg.random_weights:
+                init_random(weights, self.mc, cfg.seed)
+            else:
+                load_weights(cfg.model, weights)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if journal is not None:
+                journal.commit({C.WEIGHTS: fp.encode()})
+        self.weights_loaded = not weights_matched
+        self.timings["weights_s"] = time.perf_counter() - t2
+        self.model = Model(self.mc, weights, kv, self.device)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        eos = self.mc.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
+        self.committer = C.Committer(journal)
+        t3 = time.perf_counter()
+        self.recovery_notes: list[str] = []
+        self.restored: list[Sequence] = []
+        if journal is not None:
+            self._restore(journal, fp, kspecs)
+        self.timings["restore_s"] = time.perf_counter() - t3
+        self.steps = 0
+        self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
+        self._gone: list[str] = []
+        self.model.mid_hook = lambda: self._fault("mid_forward")
+        self.tokens_generated = 0
+        self.timings["init_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ recovery
+    def _restore(self, journal, fp: str, kspecs) -> None:
+        layout = C.layout_record({"fp": fp, "kv": [list(s[1]) for s in kspecs[:1]], "layers": len(kspecs),
+                                  "dtype": self.cfg.dtype})
+        old = journal.get(C.LAYOUT)
+        seqs, problems = C.read_sequences(journal)
+        kv_matched = all(self.bind_status[n] == "matched" for n, _, _ in kspecs)
+        why = ""
+        if old != layout:
+            why = "the KV layout or the weights changed since the commit" if old else "no layout record"
+        elif not kv_matched:
+            why = "the KV cache memory is new (the daemon lost it)"
+        elif self.weights_loaded:
+            why = "the weights had to be loaded again"
+        notes = problems + C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
+        for n in notes:
+            log.warning("%s", n)
+        self.recovery_notes = notes
+        for s in seqs:
+            self.scheduler.seqs[s.rid] = s
+        # A dropped (damaged) record must not linger; the new layout goes in the same commit.
+        bad = [k for k in journal.get_many(prefix=C.P + "req/") if k[len(C.P + "req/"):] not in self.scheduler.seqs]
+        journal.commit({C.LAYOUT: layout}, bad)
+        self.committer.adopt(seqs)
+        if why and seqs:
+            self.committer.commit(seqs)      # their KV is gone: say so durably before any step
+        self.restored = seqs
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, rid: str, prompt_ids, params: SamplingParams, output_ids=()) -> list[tuple]:
+        """Queue a request (``output_ids``: tokens a client already received, to continue
+        after them).  Returns events if it is already complete."""
+        if params.seed is None and not params.greedy:
+            params.seed = random.getrandbits(62)
+        bad = [t for t in list(prompt_ids) + list(output_ids) if not 0 <= int(t) < self.mc.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary (size {self.mc.vocab_size})")
+        seq = Sequence(rid, [int(t) for t in prompt_ids], params, output_ids=[int(t) for t in output_ids],
+                       arrival=self._arrivals)
+        if seq.output_ids:
+            last, p = seq.output_ids[-1], params
+            reason = None
+            if last in p.stop_token_ids or (not p.ignore_eos and last in self.scheduler.eos_token_ids):
+                reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens:
+                reason = "length"
+            if reason:
+                return [(rid, len(seq.output_ids), [], reason)]
+        self.scheduler.add(seq)
+        self._arrivals += 1
+        return []
+
+    def abort(self, rid: str) -> None:
+        if self.scheduler.abort(rid) is not None:
+            self._gone.append(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def _fault(self, phase: str) -> None:
+        f = self.cfg.fault
+        if f is not None and f[0] == self.steps and f[1] == phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _prepare(self, work: list[Work]):
+        bs, dev = self.cfg.block_size, self.device
+        ids, pos, slots, tseq, rows = [], [], [], [], []
+        q_starts, q_lens, ctx, tables = [], [], [], []
+        for b, w in enumerate(work):
+            s = w.seq
+            q_starts.append(len(ids))
+            ids += s.tokens(w.start, w.start + w.n)
+            r = range(w.start, w.start + w.n)
+            pos += r
+            t = s.block_table
+            slots += [t[p // bs] * bs + p % bs for p in r]
+            tseq += [b] * w.n
+            q_lens.append(w.n)
+            ctx.append(w.start + w.n)
+            tables.append(t)
+            if w.sample:
+                rows.append(len(ids) - 1)
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        meta = AttnMeta(torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
+                        torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+                        torch.tensor(tseq, dtype=torch.int32).to(dev, non_blocking=True),
+                        bt.to(dev, non_blocking=True), q_starts, q_lens, ctx, tables)
+        return torch.tensor(ids, dtype=torch.long).to(dev), meta, torch.tensor(rows, dtype=torch.long).to(dev)
+
+    def step(self) -> list[tuple]:
+        """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``."""
+        self._fault("between_steps")
+        work = self.scheduler.schedule()
+        events = []
+        sampled: dict[str, int] = {}
+        if work:
+            ids, meta, rows = self._prepare(work)
+            logits = self.model.forward(ids, meta, rows)
+            sw = [w for w in work if w.sample]
+            if sw:
+                toks = sample(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
+                sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
+        grown, finished = self.scheduler.finish_step(work, sampled)
+        self._fault("before_commit")
+        gone = self._gone + [s.rid for s in finished]
+        self.committer.commit(self.scheduler.seqs.values(), gone)
+        self.blocks.on_commit()
+        self._gone = []
+        self._fault("after_commit")
+        self.steps += 1
+        self.tokens_generated += len(grown)
+        for s in grown:
+            events.append((s.rid, len(s.output_ids) - 1, [s.output_ids[-1]], s.finish_reason))
+        return events
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline convenience: run ``prompts`` to completion, return their output ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        out = {r: [] for r in rids}
+        for r, p, sp in zip(rids, prompts, plist):
+            for ev in self.add_request(r, p, SamplingParams(**sp.to_dict())):
+                out[ev[0]] += ev[2]
+        while self.has_work():
+            for rid, _, toks, _ in self.step():
+                out[rid] += toks
+        return [out[r] for r in rids]

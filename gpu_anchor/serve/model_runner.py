@@ -1,0 +1,163 @@
+"""A compact Llama / Qwen2 / Qwen3 forward over the paged KV cache.
+
+The Hugging Face module is built on the ``meta`` device only to learn parameter names
+and shapes (and its rotary embedding class); the weights themselves are anchored
+tensors, loaded from safetensors or seeded-random only when the daemon "created" them.
+The forward mirrors the HF modules op for op (RMSNorm in float32, rotary from HF's own
+module, optional q/k/v biases, Qwen3's q_norm/k_norm), but attention reads the paged
+cache through :mod:`.attention`.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttnMeta, attend, write_kv
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+def load_config(path: str):
+    """A transformers config from a model directory or a ``config.json`` file."""
+    from transformers import AutoConfig
+    if os.path.isdir(path):
+        cfg = AutoConfig.from_pretrained(path)
+    elif os.path.isfile(path):
+        with open(path) as f:
+            d = json.load(f)
+        cfg = AutoConfig.for_model(**d)
+    else:
+        raise FileNotFoundError(f"no model directory or config file at {path}")
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"model_type {cfg.model_type!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
+    return cfg
+
+
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def meta_model(cfg):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def param_specs(cfg, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    m = meta_model(cfg)
+    return [(n, tuple(p.shape), dtype) for n, p in m.named_parameters()]
+
+
+def weights_fingerprint(source: str, cfg, dtype: torch.dtype, seed: int | None) -> str:
+    """Identifies what the anchored weights must contain: checkpoint files or (config, seed)."""
+    h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode() + f"seed={seed}".encode())
+    for f in sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else ():
+        st = os.stat(f)
+        h.update(f"{os.path.basename(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+@torch.no_grad()
+def load_weights(model_dir: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy safetensors checkpoint values into the (anchored) tensors."""
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    seen = set()
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                if name in tensors:
+                    tensors[name].copy_(sf.get_tensor(name))
+                    seen.add(name)
+    missing = set(tensors) - seen
+    if missing:
+        raise ValueError(f"{model_dir} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+
+
+@torch.no_grad()
+def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int) -> None:
+    """Seeded random weights (normal(0, initializer_range); norms 1, biases 0)."""
+    std = getattr(cfg, "initializer_range", 0.02)
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith(".bias"):
+            t.zero_()
+        else:
+            g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
+            t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * std)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Model:
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], device) -> None:
+        from transformers.activations import ACT2FN
+        self.cfg = cfg
+        self.w = weights
+        self.kv = kv_caches
+        self.L = cfg.num_hidden_layers
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.d ** -0.5
+        self.act = ACT2FN[cfg.hidden_act]
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        rot_cls = type(meta_model(cfg).model.rotary_emb)
+        try:   # the constructor's signature differs across transformers versions
+            self.rotary = rot_cls(config=cfg, device=device)
+        except TypeError:
+            self.rotary = rot_cls(config=cfg)
+        self.rotary.to(device)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, sample_rows: torch.Tensor) -> torch.Tensor:
+        """Writes every token's K/V into the cache; returns logits [len(sample_rows), V]."""
+        w, T = self.w, input_ids.shape[0]
+        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        cos, sin = self.rotary(h[None], meta.positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        for i in range(self.L):
+            p = f"model.layers.{i}."
+            x = _rms(h, w[p + "input_layernorm.weight"], self.eps)
+            a = p + "self_attn."
+            q = F.linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(T, self.hq, self.d)
+            k = F.linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(T, self.hkv, self.d)
+            v = F.linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(T, self.hkv, self.d)
+            if a + "q_norm.weight" in w:
+                q = _rms(q, w[a + "q_norm.weight"], self.eps)
+                k = _rms(k, w[a + "k_norm.weight"], self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            write_kv(self.kv[i], k, v, meta.slots)
+            if i == self.L // 2 and self.mid_hook is not None:
+                self.mid_hook()
+            o = attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
+            h = h + F.linear(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            x = _rms(h, w[p + "post_attention_layernorm.weight"], self.eps)
+            m = p + "mlp."
+            h = h + F.linear(self.act(F.linear(x, w[m + "gate_proj.weight"])) * F.linear(x, w[m + "up_proj.weight"]),
+                             w[m + "down_proj.weight"])
+        h = _rms(h[sample_rows], w["model.norm.weight"], self.eps)
+        return F.linear(h, self.lm_head).float()
+
+    mid_hook = None   # fault injection: called once per forward, halfway through the layers

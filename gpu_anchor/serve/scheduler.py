@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill over the paged cache (torch-free).
+
+Each step is a list of ``Work(seq, start, n, sample)``: ``n`` tokens of ``seq`` starting
+at position ``start`` (= its ``num_computed``) get their KV written; if they reach the
+sequence's last token, the step's logits for it are sampled.  Decode steps are the
+case ``n == 1``.  The schedule is a pure function of the sequences' state and arrival
+order, so a recovered engine makes the same decisions as the one that crashed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Work:
+    seq: Sequence
+    start: int
+    n: int
+    sample: bool
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 64, max_batched_tokens: int = 2048,
+                 max_model_len: int = 4096, eos_token_ids=()) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}     # every unfinished sequence
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+    def add(self, seq: Sequence) -> None:
+        if seq.rid in self.seqs:
+            raise ValueError(f"request {seq.rid} already exists")
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {seq.rid}: {seq.num_tokens} tokens, max_model_len is {self.max_model_len}")
+        if -(-(seq.num_tokens + 1) // self.blocks.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"request {seq.rid} cannot fit in the KV cache")
+        self.seqs[seq.rid] = seq
+
+    def abort(self, rid: str) -> Sequence | None:
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.blocks.release(seq.block_table)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def _ordered(self, status: Status) -> list[Sequence]:
+        return sorted((s for s in self.seqs.values() if s.status is status), key=lambda s: (s.arrival, s.rid))
+
+    def _preempt_one(self, keep: Sequence) -> bool:
+        victims = [s for s in self._ordered(Status.RUNNING) if s is not keep]
+        if not victims:
+            return False
+        v = victims[-1]          # youngest first: the oldest keep making progress
+        self.blocks.release(v.block_table)
+        v.reset_kv()
+        self.preemptions += 1
+        return True
+
+    # ------------------------------------------------------------------ stepping
+    def schedule(self) -> list[Work]:
+        budget = self.max_batched_tokens
+        work: list[Work] = []
+        running = self._ordered(Status.RUNNING)
+        # 1. decodes, oldest first; preempt the youngest when blocks run out.
+        for seq in running:
+            if seq.status is not Status.RUNNING or seq.in_prefill or budget < 1:
+                continue
+            while not self.blocks.can_grow(seq.block_table, seq.num_computed + 1):
+                if not self._preempt_one(keep=seq):
+                    break
+            if seq.status is not Status.RUNNING or not self.blocks.can_grow(seq.block_table, seq.num_computed + 1):
+                continue
+            self.blocks.grow(seq.rid, seq.block_table, seq.num_computed + 1)
+            work.append(Work(seq, seq.num_computed, 1, True))
+            budget -= 1
+        scheduled = {w.seq.rid for w in work}
+        # 2. prefill chunks: partly prefilled sequences first, then new admissions.
+        n_running = sum(1 for s in self.seqs.values() if s.status is Status.RUNNING)
+        candidates = [s for s in self._ordered(Status.RUNNING) if s.rid not in scheduled]
+        candidates += self._ordered(Status.WAITING)
+        for seq in candidates:
+            if budget < 1:
+                break
+            if seq.status is Status.WAITING and n_running >= self.max_num_seqs:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+                free_slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
+                n = min(n, free_slots - seq.num_computed)
+                if n < 1:
+                    break        # wait for blocks; admitting out of order would starve the oldest
+            self.blocks.grow(seq.rid, seq.block_table, seq.num_computed + n)
+            if seq.status is Status.WAITING:
+                seq.status = Status.RUNNING
+                n_running += 1
+            work.append(Work(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            budget -= n
+        return work
+
+    def finish_step(self, work: list[Work], sampled: dict[str, int]) -> tuple[list[Sequence], list[Sequence]]:
+        """Advance after a step's forward.  Returns (sequences that got a token, finished ones)."""
+        grown, finished = [], []
+        for w in work:
+            seq = w.seq
+            seq.num_computed = w.start + w.n
+            if not w.sample:
+                continue
+            tok = sampled[seq.rid]
+            seq.output_ids.append(tok)
+            grown.append(seq)
+            p = seq.params
+            reason = None
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                seq.status, seq.finish_reason = Status.FINISHED, reason
+                self.blocks.release(seq.block_table)
+                del self.seqs[seq.rid]
+                finished.append(seq)
+        return grown, finished

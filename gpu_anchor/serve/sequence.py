@@ -1,0 +1,151 @@
+"""Per-request bookkeeping (torch-free): what a sequence is, and how it is serialised.
+
+A ``Sequence`` is the engine's view of one request: its prompt, the tokens generated
+so far, the KV blocks that hold its cache (``block_table``) and how many of its tokens
+already have their KV written (``num_computed``).  Everything here is plain data, so the
+scheduler, the block manager and the commit protocol are unit-tested in milliseconds.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from array import array
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"    # no KV (or KV dropped by preemption / recovery fallback)
+    RUNNING = "running"    # holds blocks; prefill chunks or decode steps are scheduled
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """``temperature == 0`` is greedy.  ``seed`` drives a counter-based RNG: the random
+    number used for output token ``i`` depends only on ``(seed, i)``, so the sampling
+    state to persist is just the seed and the number of tokens already generated."""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if int(self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.seed is not None:
+            self.seed = int(self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+                "ignore_eos": self.ignore_eos}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(**d)
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0          # tokens (prompt + output) whose KV is written
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: int = 0               # admission order: keeps scheduling deterministic
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.rid}: the prompt is empty")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < p else self.output_ids[i - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    def reset_kv(self) -> None:
+        """Forget the KV (preemption or recovery fallback): it is recomputed from the tokens."""
+        self.block_table = []
+        self.num_computed = 0
+        self.status = Status.WAITING
+
+
+# ---------------------------------------------------------------- serialisation
+# The per-step commit must stay small: the request (prompt, params) is written once at
+# admission; each step rewrites only the small ``state`` record and the last, partial
+# segment of the output tokens.
+OUT_SEGMENT = 64
+
+
+def pack_ints(xs) -> bytes:
+    return array("i", xs).tobytes()
+
+
+def unpack_ints(b: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(b)
+    return a.tolist()
+
+
+def request_record(seq: Sequence) -> bytes:
+    head = json.dumps({"params": seq.params.to_dict(), "arrival": seq.arrival}).encode()
+    return struct.pack("<I", len(head)) + head + pack_ints(seq.prompt_ids)
+
+
+def parse_request(rid: str, blob: bytes) -> Sequence:
+    (n,) = struct.unpack_from("<I", blob)
+    head = json.loads(blob[4:4 + n])
+    return Sequence(rid, unpack_ints(blob[4 + n:]), SamplingParams.from_dict(head["params"]),
+                    arrival=int(head["arrival"]))
+
+
+def state_record(seq: Sequence) -> bytes:
+    """num_computed, #outputs, status, then the block table."""
+    status = {Status.WAITING: 0, Status.RUNNING: 1, Status.FINISHED: 2}[seq.status]
+    return struct.pack("<iii", seq.num_computed, len(seq.output_ids), status) + pack_ints(seq.block_table)
+
+
+def parse_state(seq: Sequence, blob: bytes) -> int:
+    """Apply a state record; returns the number of output tokens it claims."""
+    num_computed, n_out, status = struct.unpack_from("<iii", blob)
+    seq.num_computed = num_computed
+    seq.status = [Status.WAITING, Status.RUNNING, Status.FINISHED][status]
+    seq.block_table = unpack_ints(blob[12:])
+    return n_out
+
+
+def segment_keys(n_before: int, n_after: int) -> range:
+    """Indices of output segments touched when outputs grow from n_before to n_after."""
+    if n_after <= n_before:
+        return range(0)
+    return range(n_before // OUT_SEGMENT, (n_after - 1) // OUT_SEGMENT + 1)
