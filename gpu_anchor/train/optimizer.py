@@ -1,0 +1,441 @@
+"""``AnchoredOptimizer``: a torch optimizer whose step survives SIGKILL at any instant.
+
+    model = build_model(); anchor_module(model, client)          # or managed_scope
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    for step in range(opt.completed_steps, total):
+        loss = model(batch(step)).loss; loss.backward()
+        opt.step(); opt.zero_grad()
+
+What it anchors itself (one ``bind``, names under ``prefix``, parameters named by the
+model's access paths if ``model=`` is given, else ``g<group>.p<index>`` in optimizer
+order): ``<prefix>.grad.<param>`` (``p.grad`` points there, so backward accumulates into
+anchored memory), ``<prefix>.state.<param>.<key>`` (optimizer state, created up front),
+``<prefix>.undo.0`` / ``.1`` (the two undo slots).  Step counts, hyper-parameters,
+scheduler state, RNG state and ``loop_state`` go to the journal (see ``protocol``).
+The parameters themselves must already be anchored (``anchor_module`` or managed_scope).
+
+Recovery happens in the constructor: an in-flight step is rolled back / redone from
+the anchored gradients, so ``completed_steps`` is always a whole number of steps.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import time
+
+import torch
+
+from . import chunking, distributed, faults
+from .kinds import kind_of
+from .protocol import APPLYING, StepState, key, slot_of
+
+_HP_SKIP = ("params",)
+
+
+def _hparams(group: dict) -> dict:
+    out = {}
+    for k, v in group.items():
+        if k in _HP_SKIP:
+            continue
+        if isinstance(v, torch.Tensor):
+            raise TypeError(f"tensor hyper-parameter {k!r} is not supported by AnchoredOptimizer; use a float")
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _set_hparams(group: dict, hp: dict) -> None:
+    for k, v in hp.items():
+        group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
+class _Param:
+    __slots__ = ("index", "name", "group", "p", "grad", "states", "flat", "gflat", "sflat")
+
+
+class AnchoredOptimizer:
+    """Wraps ``optimizer`` (Adam, AdamW or SGD; foreach/fused as configured).
+
+    ``client``: a ``gpu_anchor`` client for the parameters' device (default: connect).
+    ``chunk_bytes``: undo bytes per chunk (default: both slots <= 2 % of the anchored state).
+    ``schedulers``: LR schedulers built on ``optimizer``; they step inside ``step()``
+    and their state commits with it — do not call their ``step()`` yourself.
+    ``track_rng``: journal torch's CPU (and this device's CUDA) RNG state at each step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,
+                 client=None, prefix: str = "train", chunk_bytes: int | None = None,
+                 schedulers=(), track_rng: bool = True) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("AnchoredOptimizer wraps a torch.optim.Optimizer")
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError("wrap the optimizer before its first step (its state must start anchored)")
+        self.optimizer = optimizer
+        self.kind = kind_of(optimizer)
+        self.schedulers = list(schedulers)
+        self.track_rng = track_rng
+        self.prefix = prefix
+        self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
+        self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0, "copy_s": 0.0}
+        faults.arm_from_env()
+
+        names = {}
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+        self._params: list[_Param] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if any(q.p is p for q in self._params):
+                    raise ValueError("a parameter appears twice in the optimizer")
+                if not p.is_contiguous():
+                    raise ValueError("AnchoredOptimizer needs contiguous parameters")
+                e = _Param()
+                e.index, e.group, e.p = len(self._params), gi, p
+                e.name = names.get(id(p), f"g{gi}.p{j}")
+                self._params.append(e)
+        if not self._params:
+            raise ValueError("the optimizer has no parameters")
+        devices = {q.p.device for q in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        if client is None:
+            import gpu_anchor
+            client = gpu_anchor.connect("cpu" if self.device.type == "cpu" else str(self.device))
+        self.client = client
+        self._journal = client.journal
+
+        # ------------------------------------------------------------ journal first
+        vals = self._journal.get_many(prefix=prefix + "/")
+        self._state = StepState.decode(vals.get(key(prefix, "state")))
+        meta = json.loads(vals[key(prefix, "meta")]) if key(prefix, "meta") in vals else None
+        keys_of = [self.kind.state_keys(optimizer.param_groups[q.group]) for q in self._params]
+        sizes = [[q.p.element_size()] * (1 + len(k)) for q, k in zip(self._params, keys_of)]
+        total = sum(q.p.numel() * (sum(s) + q.p.element_size()) for q, s in zip(self._params, sizes))
+        if self._state.in_flight:
+            if meta is None:
+                raise RuntimeError("journal shows a step in flight but no protocol metadata")
+            if meta["params"] != self._signature():
+                raise RuntimeError("a step is in flight but the parameters changed (names, shapes or dtypes); "
+                                   "finish it with the previous program or restore from a checkpoint")
+            chunk_bytes = meta["chunk_bytes"]
+        elif chunk_bytes is None:
+            chunk_bytes = chunking.default_chunk_bytes(total)
+        self.chunk_bytes = int(chunk_bytes)
+        self._elem_sizes = sizes
+        self._chunks = chunking.plan([q.p.numel() for q in self._params], sizes, self.chunk_bytes)
+        if self._state.in_flight and len(self._chunks) != self._state.chunks:
+            raise RuntimeError(f"in-flight step has {self._state.chunks} chunks, the plan now {len(self._chunks)}")
+        slot_bytes = max(chunking.chunk_bytes_used(c, sizes) for c in self._chunks)
+        self.undo_bytes = 2 * slot_bytes
+
+        # ------------------------------------------------------------ bind everything at once
+        specs = []
+        for q, ks in zip(self._params, keys_of):
+            specs.append((f"{prefix}.grad.{q.name}", tuple(q.p.shape), q.p.dtype))
+            specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.p.shape), q.p.dtype) for k in ks]
+        bound = client.bind(specs)
+        resuming = self._state.step > 0 or self._state.in_flight
+        lost = [b.name for b in bound if b.status == "created"]
+        if resuming and lost:
+            raise RuntimeError(f"the journal says {self._state.step} steps were committed but the anchored "
+                               f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
+        undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)],
+                           policy="match_or_create" if self._state.in_flight else "replace")
+        if self._state.in_flight and any(b.status == "created" for b in undo):
+            raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
+        self._undo = [b.tensor for b in undo]
+        it = iter(bound)
+        for q, ks in zip(self._params, keys_of):
+            q.grad = next(it).tensor
+            q.states = {k: next(it).tensor for k in ks}
+            q.flat = q.p.detach().view(-1)
+            q.gflat = q.grad.view(-1)
+            q.sflat = {k: t.view(-1) for k, t in q.states.items()}
+            optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
+        self._cleared = [True] * len(self._params)
+        self._hooks = [q.p.register_post_accumulate_grad_hook(self._make_hook(q.index))
+                       for q in self._params if q.p.requires_grad]
+        self._build_chunk_views()
+        self._counts = [0] * len(self._params)
+        self._rank, self._world = distributed.world()
+        self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
+
+        with torch.no_grad():
+            if not resuming:
+                states = [t for q in self._params for t in q.states.values()]
+                if states:
+                    torch._foreach_zero_(states)
+                self._commit({key(prefix, "state"): StepState(0, "idle", 0, -1, len(self._chunks)).encode(),
+                              key(prefix, "meta"): self._meta()})
+            else:
+                self._resume(vals)
+                if meta is None or json.loads(self._meta()) != meta:
+                    self._commit({key(prefix, "meta"): self._meta()})
+            self._zero_grads()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps committed; the training loop continues at this iteration."""
+        return self._state.step
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the anchored gradients in place (``p.grad`` keeps pointing at them).
+
+        With ``set_to_none=True`` (torch's default) a parameter that receives no gradient
+        before the next ``step`` is skipped by it, exactly as torch skips ``grad is None``.
+        """
+        if self._state.in_flight:
+            raise RuntimeError("zero_grad during an optimizer step")
+        faults.hit("between_steps", self._state.step)
+        with torch.no_grad():
+            self._zero_grads(cleared=set_to_none)
+
+    def step(self, closure=None) -> None:
+        """Finalize gradients, then apply the update chunk by chunk under the protocol.
+
+        Call after backward (and any all-reduce), on every rank.  Returns when the step
+        is committed in the journal.
+        """
+        if closure is not None:
+            raise ValueError("AnchoredOptimizer.step does not take a closure")
+        st = self._state
+        faults.hit("before_boundary", st.step)
+        with torch.no_grad():
+            mask = self._finalize_grads()
+            counts = list(self._counts)
+            hps = [_hparams(g) for g in self.optimizer.param_groups]
+            carry = self._capture_carry()
+            t0 = time.perf_counter()
+            self._copy_to_undo(0)
+            self._wait()
+            self.stats["copy_s"] += time.perf_counter() - t0
+            boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask),
+                                   "counts": counts, "hparams": hps}).encode()
+            new = st.begin(len(self._chunks))
+            self._commit({key(self.prefix, "state"): new.encode(), key(self.prefix, "boundary"): boundary,
+                          key(self.prefix, "carry_inflight"): carry})
+            self._state = new
+            if self._barrier is not None:
+                self._barrier()
+            self._run_from(0, mask, counts, hps, carry)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict`` (anchored tensors, current step counts)."""
+        for q in self._params:
+            if self.kind.has_step:
+                q.states.setdefault("step", torch.zeros((), dtype=torch.float32)).fill_(self._counts[q.index])
+        return self.optimizer.state_dict()
+
+    # ------------------------------------------------------------------ protocol
+    def _run_from(self, c0: int, mask, counts, hps, carry) -> None:
+        steps = self._step_tensors(mask, counts, hps)
+        n = len(self._chunks)
+        s = self._state.step
+        for i in range(c0, n):
+            faults.hit("before_update", s, i)
+            self._apply(i, mask, counts, steps, hps)
+            if faults.armed("mid_chunk", s, i):
+                faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i))
+            if i + 1 < n:
+                t0 = time.perf_counter()
+                self._copy_to_undo(i + 1)
+                self.stats["copy_s"] += time.perf_counter() - t0
+                self._wait()
+                faults.hit("after_update", s, i)
+                new = self._state.chunk_done(i)
+                self._commit({key(self.prefix, "state"): new.encode()})
+                self._state = new
+            else:
+                self._finish(mask, counts, carry)
+            faults.hit("after_commit", s, i)
+        self.stats["steps"] += 1
+
+    def _finish(self, mask, counts, carry) -> None:
+        for sch in self.schedulers:
+            sch.step()
+        new_counts = [c + (1 if m else 0) for c, m in zip(counts, mask)]
+        committed = json.dumps({"counts": new_counts,
+                                "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
+        sched = pickle.dumps([sch.state_dict() for sch in self.schedulers])
+        self._wait()
+        faults.hit("after_update", self._state.step, len(self._chunks) - 1)
+        new = self._state.chunk_done(len(self._chunks) - 1)
+        p = self.prefix
+        self._commit({key(p, "state"): new.encode(), key(p, "committed"): committed, key(p, "sched"): sched,
+                      key(p, "carry"): carry}, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
+        self._state = new
+        self._counts = new_counts
+
+    def _resume(self, vals: dict) -> None:
+        p = self.prefix
+        if key(p, "committed") in vals:
+            committed = json.loads(vals[key(p, "committed")])
+            self._counts = committed["counts"]
+            for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
+                _set_hparams(g, hp)
+            for sch, sd in zip(self.schedulers, pickle.loads(vals[key(p, "sched")])):
+                sch.load_state_dict(sd)
+        action = "finish" if self._state.in_flight else "none"
+        if self._world > 1:
+            st = self._state
+            action = distributed.decide(distributed.gather_states(
+                (st.step, st.step if st.in_flight else None)), self._rank)
+        if action == "discard":
+            # Every rank stopped before the boundary barrier: no chunk was written.
+            new = self._state.discard()
+            self._commit({key(p, "state"): new.encode()})
+            self._state = new
+        elif action == "finish":
+            b = json.loads(vals[key(p, "boundary")])
+            mask = [c == "1" for c in b["mask"]]
+            for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
+                _set_hparams(g, hp)
+            carry = vals[key(p, "carry_inflight")]
+            rb = self._state.rollback_chunk()
+            if rb is not None:
+                self._copy_from_undo(rb)
+            self._run_from(self._state.cursor, mask, b["counts"], b["hparams"], carry)
+            vals = dict(vals, **{key(p, "carry"): carry})
+        if key(p, "carry") in vals:
+            self._restore_carry(vals[key(p, "carry")])
+
+    # ------------------------------------------------------------------ pieces
+    def _apply(self, i, mask, counts, steps, hps) -> None:
+        by_group: dict[int, list] = {}
+        for k, s in enumerate(self._chunks[i]):
+            if mask[s.param]:
+                by_group.setdefault(self._params[s.param].group, []).append((k, s))
+        for gi, items in by_group.items():
+            views = self._views[i]
+            params = [views[k][0] for k, _ in items]
+            grads = [views[k][1] for k, _ in items]
+            states = [views[k][2] for k, _ in items]
+            cnts = [counts[s.param] for _, s in items]
+            stp = [steps[i][k] for k, _ in items] if steps is not None else []
+            for k, name, t in self.kind.apply(params, grads, states, cnts, stp, hps[gi]):
+                states[k][name].copy_(t)
+
+    def _step_tensors(self, mask, counts, hps):
+        """Per-slice step counters (Adam increments them; the counts live in the journal)."""
+        if not self.kind.has_step:
+            return None
+        flat = [float(counts[s.param]) for c in self._chunks for s in c]
+        on_dev = any(hp.get("fused") or hp.get("capturable") for hp in hps)
+        from torch.optim.optimizer import _get_scalar_dtype
+        t = torch.tensor(flat, dtype=_get_scalar_dtype())
+        if on_dev:
+            t = t.to(self.device)
+        out, k = [], 0
+        for c in self._chunks:
+            out.append([t[k + j] for j in range(len(c))])
+            k += len(c)
+        return out
+
+    def _build_chunk_views(self) -> None:
+        self._views, self._undo_src, self._undo_dst = [], [], []
+        for i, chunk in enumerate(self._chunks):
+            offs = chunking.layout(chunk, self._elem_sizes)
+            views, src, dst = [], [], []
+            slot = self._undo[slot_of(i)]
+            for s, row in zip(chunk, offs):
+                q = self._params[s.param]
+                pv = q.flat[s.start:s.stop]
+                sv = {k: t[s.start:s.stop] for k, t in q.sflat.items()}
+                views.append((pv, q.gflat[s.start:s.stop], sv))
+                n = s.stop - s.start
+                for t, off in zip([pv] + list(sv.values()), row):
+                    src.append(t)
+                    dst.append(slot[off:off + n * t.element_size()].view(t.dtype))
+            self._views.append(views)
+            self._undo_src.append(src)
+            self._undo_dst.append(dst)
+
+    def _copy_to_undo(self, i) -> None:
+        torch._foreach_copy_(self._undo_dst[i], self._undo_src[i])
+
+    def _copy_from_undo(self, i) -> None:
+        torch._foreach_copy_(self._undo_src[i], self._undo_dst[i])
+        self._wait()
+
+    def _scribble(self, i) -> None:
+        """Fault injection only: leave chunk ``i`` visibly half written before the kill."""
+        for t in self._undo_src[i]:
+            t[: max(1, t.numel() // 2)].fill_(float("nan"))
+        self._wait()
+
+    def _finalize_grads(self) -> list[bool]:
+        """The gradient-finalization boundary: anchored buffers hold the final gradients."""
+        mask = []
+        for q in self._params:
+            g = q.p.grad
+            if g is None:
+                q.p.grad = q.grad
+                mask.append(False)
+            elif g.data_ptr() != q.grad.data_ptr():
+                q.grad.copy_(g)              # someone replaced p.grad: bring it home
+                q.p.grad = q.grad
+                mask.append(True)
+            else:
+                mask.append(not self._cleared[q.index])
+        return mask
+
+    def _zero_grads(self, cleared: bool = True) -> None:
+        torch._foreach_zero_([q.grad for q in self._params])
+        for q in self._params:
+            if q.p.grad is None or q.p.grad.data_ptr() != q.grad.data_ptr():
+                q.p.grad = q.grad
+        self._cleared = [cleared] * len(self._params)
+
+    def _make_hook(self, idx):
+        def hook(_p):
+            self._cleared[idx] = False
+        return hook
+
+    def _capture_carry(self) -> bytes:
+        rng = {}
+        if self.track_rng:
+            rng["cpu"] = torch.get_rng_state().numpy().tobytes()
+            if self.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.device).numpy().tobytes()
+        return pickle.dumps({"rng": rng, "loop": self.loop_state})
+
+    def _restore_carry(self, raw: bytes) -> None:
+        carry = pickle.loads(raw)
+        self.loop_state = carry["loop"]
+        rng = carry["rng"]
+        if "cpu" in rng:
+            torch.set_rng_state(torch.frombuffer(bytearray(rng["cpu"]), dtype=torch.uint8))
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(rng["cuda"]), dtype=torch.uint8), self.device)
+
+    def _wait(self) -> None:
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.stats["wait_s"] += time.perf_counter() - t0
+
+    def _commit(self, puts: dict, deletes=()) -> None:
+        t0 = time.perf_counter()
+        self._journal.commit(puts, deletes)
+        self.stats["commit_s"] += time.perf_counter() - t0
+        self.stats["commits"] += 1
+
+    def _signature(self) -> list:
+        return [[q.name, list(q.p.shape), str(q.p.dtype)] for q in self._params]
+
+    def _meta(self) -> bytes:
+        return json.dumps({"params": self._signature(), "chunk_bytes": self.chunk_bytes,
+                           "optimizer": type(self.optimizer).__name__}).encode()
+
+    def __repr__(self) -> str:
+        return (f"AnchoredOptimizer({type(self.optimizer).__name__}, params={len(self._params)}, "
+                f"chunks={len(self._chunks)}, undo={self.undo_bytes} B, completed_steps={self.completed_steps})")

@@ -1,0 +1,145 @@
+"""The optimizer-step protocol as a plain-Python state machine (no torch).
+
+The journal of the namespace holds, under ``<prefix>/``:
+
+``state``    JSON ``{"step": s, "phase": "idle"|"applying", "cursor": c, "undo": u, "chunks": N}``
+             ``step`` = optimizer steps committed so far (the next step to run is ``s``).
+``boundary`` the in-flight step's redo metadata, written at the gradient-finalization
+             boundary (which parameters have gradients, the hyper-parameters used,
+             the per-parameter step counts before the step, the carried loop state).
+``committed`` what the last committed step leaves behind for the next iteration
+             (per-parameter step counts, hyper-parameters after scheduler steps, scheduler
+             state, carried RNG / loop state).
+
+The undo buffer has two slots; chunk ``i`` is saved in slot ``i % 2``.  Invariant, at
+every instant, for the durable journal state ``(phase, cursor=c, undo=u)``:
+
+* ``idle``: parameters and optimizer state are exactly the result of ``step`` steps.
+* ``applying``: chunks ``< c`` hold their post-step values, chunks ``> c`` their
+  pre-step values, the anchored gradients are the finalized gradients of step ``step``
+  (the redo log), and when ``u == c`` slot ``c % 2`` holds chunk ``c``'s complete
+  pre-step image (chunk ``c`` itself may be half written).
+
+Normal path (one journal commit per chunk, because the copy of chunk ``i+1`` goes to
+the *other* slot and so may be made before chunk ``i`` is committed)::
+
+    copy chunk 0 -> slot 0; wait
+    commit {applying, cursor 0, undo 0, boundary}                 # gradient finalization
+    for i in 0..N-1:
+        apply chunk i                                              # optimizer numerics
+        if i+1 < N: copy chunk i+1 -> slot (i+1)%2
+        wait
+        commit {cursor i+1, undo i+1}   or, for the last chunk, {idle, step+1, committed}
+
+Recovery (``recover``): ``idle`` -> nothing to do; ``applying`` -> if ``undo == cursor``
+copy slot ``cursor % 2`` back over chunk ``cursor``; then run the normal loop from
+``cursor`` with the redo metadata of ``boundary``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+IDLE = "idle"
+APPLYING = "applying"
+
+#: The fault points of the paper's five phases (plus the boundary itself), in order.
+PHASES = ("before_boundary",   # after backward, before the gradients are finalized
+          "before_update",     # chunk i's undo image is durable, nothing of chunk i written
+          "mid_chunk",         # chunk i half written
+          "after_update",      # chunk i fully written, its cursor not yet committed
+          "after_commit",      # cursor i+1 (or the whole step) committed
+          "between_steps")     # the step is committed; the next iteration has not begun
+
+
+def key(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}"
+
+
+@dataclass(frozen=True)
+class StepState:
+    step: int = 0
+    phase: str = IDLE
+    cursor: int = 0
+    undo: int = -1
+    chunks: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"step": self.step, "phase": self.phase, "cursor": self.cursor,
+                           "undo": self.undo, "chunks": self.chunks}, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> "StepState":
+        if raw is None:
+            return cls()
+        d = json.loads(raw)
+        st = cls(int(d["step"]), d["phase"], int(d["cursor"]), int(d["undo"]), int(d["chunks"]))
+        st.check()
+        return st
+
+    def check(self) -> None:
+        if self.phase not in (IDLE, APPLYING):
+            raise ValueError(f"unknown training phase {self.phase!r}")
+        if self.step < 0 or self.chunks < 0:
+            raise ValueError(f"corrupt training state {self}")
+        if self.phase == APPLYING and not (0 <= self.cursor < self.chunks and self.undo in (-1, self.cursor)):
+            raise ValueError(f"corrupt training state {self}: cursor/undo out of range")
+
+    # ------------------------------------------------------------------ transitions
+    def begin(self, chunks: int) -> "StepState":
+        """Gradient-finalization boundary: step ``self.step`` goes in flight, chunk 0 saved."""
+        if self.phase != IDLE:
+            raise RuntimeError("a step is already in flight; recover it first")
+        if chunks < 1:
+            raise ValueError("a step needs at least one chunk")
+        return StepState(self.step, APPLYING, 0, 0, chunks)
+
+    def chunk_done(self, i: int) -> "StepState":
+        """Chunk ``i`` written (and chunk ``i+1`` saved if it exists); the last one commits the step."""
+        if self.phase != APPLYING or i != self.cursor:
+            raise RuntimeError(f"chunk {i} done out of order in {self}")
+        if i + 1 == self.chunks:
+            return StepState(self.step + 1, IDLE, 0, -1, self.chunks)
+        return StepState(self.step, APPLYING, i + 1, i + 1, self.chunks)
+
+    def discard(self) -> "StepState":
+        """Forget an in-flight step whose chunks were never touched (multi-rank agreement)."""
+        return StepState(self.step, IDLE, 0, -1, self.chunks)
+
+    # ------------------------------------------------------------------ recovery
+    @property
+    def in_flight(self) -> bool:
+        return self.phase == APPLYING
+
+    def rollback_chunk(self) -> int | None:
+        """The chunk to restore from its undo slot before redoing, if any."""
+        if self.phase == APPLYING and self.undo == self.cursor:
+            return self.cursor
+        return None
+
+
+def slot_of(chunk: int) -> int:
+    return chunk % 2
+
+
+def describe(values: dict[str, bytes], prefix: str = "train") -> dict:
+    """What the journal says about the training state (the supervisor's fallback hook).
+
+    ``consistent``: anchored state is either a committed step or an in-flight step that
+    the next worker completes from its redo log.  ``completed_steps`` is what training
+    resumes at once that is done.
+    """
+    raw = values.get(key(prefix, "state"))
+    if raw is None:
+        return {"present": False, "consistent": True, "completed_steps": 0, "phase": IDLE,
+                "in_flight_step": None, "cursor": None, "chunks": None}
+    try:
+        st = StepState.decode(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        return {"present": True, "consistent": False, "error": str(e), "completed_steps": None}
+    ok = not st.in_flight or key(prefix, "boundary") in values
+    return {"present": True, "consistent": ok, "phase": st.phase,
+            "completed_steps": st.step + (1 if st.in_flight else 0) if ok else st.step,
+            "committed_steps": st.step,
+            "in_flight_step": st.step if st.in_flight else None,
+            "cursor": st.cursor if st.in_flight else None, "chunks": st.chunks}
