@@ -1,0 +1,107 @@
+"""``gpu-anchor run`` and ``gpu-anchor torchrun`` (registered by gpu_anchor/cli.py).
+
+Also runnable on its own: ``python -m gpu_anchor.launch.cli run ... -- python train.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_run_parser(sub) -> argparse.ArgumentParser:
+    r = sub.add_parser("run", help="run a job under supervision: in-place restarts, checkpoint fallback",
+                       description="Run COMMAND on this node under supervision. Example: gpu-anchor run "
+                                   "--nproc-per-node 2 --checkpoint-dir ckpt --checkpoint-every 500 -- python train.py")
+    r.add_argument("--nproc-per-node", type=int, default=1, dest="nproc")
+    r.add_argument("--namespace", help="anchored-state namespace (default: GPU_ANCHOR_NAMESPACE or job-<script>)")
+    r.add_argument("--max-restarts", type=int, default=3)
+    r.add_argument("--restart-backoff", type=float, default=1.0, dest="backoff",
+                   help="seconds before a restart that follows a failure without progress (doubles each time)")
+    r.add_argument("--crash-loop", type=int, default=3,
+                   help="stop after this many failures in a row at the same step with the same exit (0: never)")
+    r.add_argument("--checkpoint-dir")
+    r.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    r.add_argument("--checkpoint-keep", type=int, default=2)
+    r.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="do not restore the newest checkpoint when the daemons hold nothing of this job")
+    r.add_argument("--device-type", default="auto", choices=["auto", "cuda", "cpu"])
+    r.add_argument("--cold", dest="warm", action="store_false", help="no warm-worker server: every start is cold")
+    r.add_argument("--preload", default="torch",
+                   help="comma-separated modules the warm-worker server imports (e.g. torch,transformers,mymodel)")
+    r.add_argument("--keep-daemons", action="store_true", help="leave daemons and anchored state after success")
+    r.add_argument("--chaos-kills", type=int, default=0, help="SIGKILL this many times at random instants")
+    r.add_argument("--chaos-kill-every", type=float, default=2.0, dest="chaos_every",
+                   help="mean seconds between chaos kills (counted from the first step after a recovery)")
+    r.add_argument("--chaos-seed", type=int)
+    r.add_argument("--chaos-target", default="worker", choices=["worker", "daemon"])
+    r.add_argument("--quiet", action="store_true")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    r.set_defaults(func=cmd_run)
+    return r
+
+
+def cmd_run(args) -> int:
+    from .supervisor import RunConfig, Supervisor
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("gpu-anchor run: give the command to run after --", file=sys.stderr)
+        return 2
+    cfg = RunConfig(command=command, nproc=args.nproc, namespace=args.namespace, max_restarts=args.max_restarts,
+                    backoff=args.backoff, crash_loop=args.crash_loop, checkpoint_dir=args.checkpoint_dir,
+                    checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
+                    device_type=args.device_type, warm=args.warm,
+                    preload=[m for m in args.preload.split(",") if m], keep_daemons=args.keep_daemons,
+                    resume=args.resume, chaos_kills=args.chaos_kills, chaos_every=args.chaos_every,
+                    chaos_seed=args.chaos_seed, chaos_target=args.chaos_target, quiet=args.quiet)
+    try:
+        sup = Supervisor(cfg)
+    except ValueError as e:
+        print(f"gpu-anchor run: {e}", file=sys.stderr)
+        return 2
+    return sup.run()
+
+
+def add_torchrun_parser(sub) -> argparse.ArgumentParser:
+    t = sub.add_parser("torchrun", add_help=False,
+                       help="torch.distributed.run with this node's daemons started and workers reattaching",
+                       description="gpu-anchor torchrun [gpu-anchor options] [torchrun options] script.py ARGS")
+    t.add_argument("args", nargs=argparse.REMAINDER)
+    t.set_defaults(func=cmd_torchrun)
+    return t
+
+
+def cmd_torchrun(args) -> int:
+    from .torchrun import main
+    return main(list(args.args))
+
+
+def jobs_status_lines(as_json: bool = False):
+    """For ``gpu-anchor status``: the supervised jobs (list of dicts, or text)."""
+    from . import jobstate
+    jobs = jobstate.load_all()
+    return jobs if as_json else jobstate.format_jobs(jobs)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="gpu-anchor")
+    sub = p.add_subparsers(dest="command_name", required=True)
+    add_run_parser(sub)
+    add_torchrun_parser(sub)
+    j = sub.add_parser("jobs", help="supervised jobs: ranks, restarts, recovery times")
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(func=lambda a: _print_jobs(a.json))
+    args = p.parse_args(argv)
+    return args.func(args) or 0
+
+
+def _print_jobs(as_json: bool) -> int:
+    import json
+    out = jobs_status_lines(as_json)
+    print(json.dumps(out, indent=1) if as_json else (out or "no supervised jobs"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

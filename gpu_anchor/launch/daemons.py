@@ -1,0 +1,130 @@
+"""The daemons of one job on one node (torch-free).
+
+One daemon per local device the job uses plus the host daemon.  A daemon that
+already answers is reused (and left running at the end: it is not ours);
+daemons we started are stopped at the end of the job unless ``keep``.
+Namespaces separate jobs that share daemons.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from gpu_anchor.daemon import control
+from gpu_anchor.paths import default_socket, normalize_device
+
+from . import health
+
+
+class JobDaemons:
+    def __init__(self, devices: list[str], namespace: str, keep: bool = False, log=print) -> None:
+        # host daemon always: host-side state (CPU tensors, per-rank namespaces) lives there
+        devs = ["cpu"] + [normalize_device(d) for d in devices if normalize_device(d) != "cpu"]
+        self.devices = list(dict.fromkeys(devs))
+        self.namespace = namespace
+        self.keep = keep
+        self.log = log
+        self.paths = {d: default_socket(d) for d in self.devices}
+        self.started: dict[str, object] = {}     # device -> Popen of daemons we started
+        self.instances: dict[str, str] = {}      # device -> instance id the job's state lives in
+
+    def ensure(self) -> None:
+        """Start what does not answer; remember every daemon's instance id."""
+        for d in self.devices:
+            view = health.probe_daemon(d, self.paths[d])
+            if view.alive:
+                self.log(f"daemon {d}: reusing pid {view.pid} at {self.paths[d]}")
+            else:
+                self.start(d)
+                view = health.probe_daemon(d, self.paths[d])
+            self.instances[d] = view.instance
+
+    def start(self, device: str) -> None:
+        proc = control.start(device, self.paths[device])
+        self.started[device] = proc
+        self.log(f"daemon {device}: started pid {proc.pid} at {self.paths[device]}")
+
+    def check(self) -> tuple[bool, bool, list[str]]:
+        """(all alive, all the same instances as bound, problems)."""
+        alive, same, problems = True, True, []
+        for d in self.devices:
+            view = health.probe_daemon(d, self.paths[d])
+            if not view.alive:
+                alive = False
+                problems.append(f"{d} not answering")
+            elif view.instance != self.instances.get(d):
+                same = False
+                problems.append(f"{d} is a new instance")
+        return alive, same, problems
+
+    def replace_dead(self) -> list[str]:
+        """Fresh daemons for those that died or were replaced; drops this job's namespaces
+        in the survivors' places too, so a restore starts from nothing.  Returns devices restarted."""
+        fresh = []
+        for d in self.devices:
+            view = health.probe_daemon(d, self.paths[d])
+            if not view.alive:
+                self._reap(d)
+                self.start(d)
+                fresh.append(d)
+                view = health.probe_daemon(d, self.paths[d])
+            self.instances[d] = view.instance
+        return fresh
+
+    def drop_namespace(self) -> None:
+        from gpu_anchor.client.channel import Channel
+        for d in self.devices:
+            try:
+                ch = Channel(d, self.paths[d], timeout=10.0)
+            except Exception:
+                continue
+            try:
+                names = ch.request({"op": "status"})[0]["namespaces"]
+                for ns in names:
+                    if ns == self.namespace or ns.startswith(self.namespace + "/"):
+                        ch.request({"op": "drop", "namespace": ns})
+            finally:
+                ch.close()
+
+    def namespaces_of(self, device: str, world_size: int, ranks: list[int]) -> list[str]:
+        """The namespaces the job's local ranks use on ``device`` (host daemon: one per rank)."""
+        if device == "cpu" and world_size > 1:
+            return [f"{self.namespace}/rank{r}" for r in ranks]
+        return [self.namespace]
+
+    def _reap(self, device: str) -> None:
+        proc = self.started.pop(device, None)
+        if proc is not None:
+            try:
+                proc.wait(timeout=0)
+            except Exception:
+                pass
+
+    def stop(self) -> None:
+        if self.keep:
+            self.log("daemons kept (--keep-daemons): anchored state stays for the next run")
+            return
+        for d, proc in list(self.started.items()):
+            control.stop(d, self.paths[d])
+            try:
+                proc.wait(timeout=10)
+            except Exception:
+                proc.kill()
+        self.started.clear()
+
+
+def local_devices(kind: str, nproc: int) -> list[str]:
+    """Devices of the local ranks: ``cuda:LOCAL_RANK`` on GPUs, else the host."""
+    if kind == "auto":
+        kind = "cuda" if _have_gpus() else "cpu"
+    if kind == "cpu":
+        return []
+    if kind != "cuda":
+        raise ValueError(f"--device-type must be auto, cuda or cpu, got {kind!r}")
+    return [f"cuda:{r}" for r in range(nproc)]
+
+
+def _have_gpus() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl")) and sys.platform == "linux"

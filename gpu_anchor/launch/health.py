@@ -1,0 +1,126 @@
+"""What the supervisor checks after a worker leaves (torch-free).
+
+- daemons: does each answer, and is it the same instance the job bound its state in?
+- device: NVML (``pynvml``/``nvidia-ml-py``) where installed; otherwise unknown.
+- journal: the job's contract keys (see ``STEP_KEY``/``INCONSISTENT_KEY``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_anchor import errors
+from gpu_anchor.client.channel import Channel
+
+# Journal contract (documented in docs/supervisor.md): a job commits STEP_KEY
+# (ASCII integer) in the same atomic commit that makes a step durable; a
+# consistency protocol that finds state it cannot roll back writes
+# INCONSISTENT_KEY (UTF-8 reason) so that the supervisor restores instead.
+STEP_KEY = "gpu_anchor/step"
+INCONSISTENT_KEY = "gpu_anchor/inconsistent"
+
+
+@dataclass
+class DaemonView:
+    alive: bool
+    instance: str | None = None
+    pid: int | None = None
+
+
+def probe_daemon(device: str, socket_path: str, timeout: float = 2.0) -> DaemonView:
+    try:
+        ch = Channel(device, socket_path, timeout=timeout)
+    except errors.AnchorError:
+        return DaemonView(False)
+    except OSError:
+        return DaemonView(False)
+    try:
+        return DaemonView(True, ch.hello.get("instance"), ch.hello.get("pid"))
+    finally:
+        ch.close()
+
+
+def read_namespace(device: str, socket_path: str, namespace: str, timeout: float = 5.0) -> dict | None:
+    """``{"objects": n, "step": int|None, "inconsistent": str|None}`` or None if the daemon is gone."""
+    try:
+        ch = Channel(device, socket_path, timeout=timeout)
+    except (errors.AnchorError, OSError):
+        return None
+    try:
+        from gpu_anchor import protocol
+        reply, blob, _ = ch.request({"op": "journal_get", "namespace": namespace,
+                                     "keys": [STEP_KEY, INCONSISTENT_KEY]})
+        values = protocol.unpack_blobs(reply["values"], blob)
+        objs = ch.request({"op": "list", "namespace": namespace})[0]["objects"]
+    except (errors.AnchorError, OSError):
+        return None
+    finally:
+        ch.close()
+    step = values.get(STEP_KEY)
+    bad = values.get(INCONSISTENT_KEY)
+    return {"objects": len(objs), "step": int(step) if step else None,
+            "inconsistent": bad.decode(errors="replace") if bad is not None else None}
+
+
+def journal_problem(views: list[dict | None]) -> str:
+    """Empty string if every namespace view is consistent, else why not."""
+    for v in views:
+        if v is None:
+            return "daemon did not answer the journal read"
+        if v["inconsistent"] is not None:
+            return f"the job marked its state inconsistent: {v['inconsistent']}"
+        if v["step"] is not None and v["objects"] == 0:
+            return f"journal says step {v['step']} is committed but no objects are anchored"
+    return ""
+
+
+class DeviceHealth:
+    """NVML-based health of the job's GPUs; ``check()`` -> (healthy: bool|None, problem)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+        self._nvml = None
+        self._baseline: dict[int, int] = {}
+        if not indices:
+            return
+        try:
+            import pynvml  # from nvidia-ml-py; optional
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._baseline = {i: self._ecc(i) for i in indices}
+        except Exception:
+            self._nvml = None
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def _ecc(self, i: int) -> int:
+        nv = self._nvml
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        try:
+            return int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))
+        except nv.NVMLError:
+            return 0  # ECC not supported/enabled
+
+    def check(self) -> tuple[bool | None, str]:
+        if not self.indices:
+            return True, ""  # host-only job: nothing to go wrong but the host itself
+        if self._nvml is None:
+            return None, "NVML unavailable"
+        nv = self._nvml
+        for i in self.indices:
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                nv.nvmlDeviceGetMemoryInfo(h)
+                ecc = self._ecc(i)
+            except Exception as e:  # GPU fell off the bus, driver gone, ...
+                return False, f"GPU {i}: NVML query failed ({e})"
+            if ecc > self._baseline.get(i, 0):
+                return False, f"GPU {i}: {ecc - self._baseline.get(i, 0)} new uncorrectable ECC error(s)"
+            try:
+                pending = nv.nvmlDeviceGetRetiredPagesPendingStatus(h)
+                if pending == nv.NVML_FEATURE_ENABLED:
+                    return False, f"GPU {i}: retired pages pending (needs a reset)"
+            except Exception:
+                pass
+        return True, ""

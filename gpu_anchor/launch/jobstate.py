@@ -1,0 +1,103 @@
+"""A job's record: ranks, restarts with their classification and recovery times
+(torch-free).  The supervisor rewrites it atomically after every event;
+``gpu-anchor status`` reads it.
+
+File: ``<socket dir>/jobs/<namespace>.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from gpu_anchor.paths import ensure_private_dir, socket_dir
+
+
+def jobs_dir() -> str:
+    return os.path.join(socket_dir(), "jobs")
+
+
+def path_for(namespace: str) -> str:
+    return os.path.join(jobs_dir(), namespace.replace("/", "_") + ".json")
+
+
+class JobState:
+    def __init__(self, namespace: str, command: list[str], nproc: int, devices: list[str], warm: bool) -> None:
+        self.path = path_for(namespace)
+        self.data = {"namespace": namespace, "command": command, "nproc": nproc, "devices": devices,
+                     "warm": warm, "supervisor_pid": os.getpid(), "started": time.time(), "state": "starting",
+                     "generation": 0, "ranks": {}, "restarts": [], "checkpoints": [], "result": None}
+        ensure_private_dir(os.path.dirname(self.path))
+        self.save()
+
+    def set(self, **fields) -> None:
+        self.data.update(fields)
+        self.save()
+
+    def set_ranks(self, ranks: dict[int, dict]) -> None:
+        self.data["ranks"] = {str(k): v for k, v in ranks.items()}
+        self.save()
+
+    def add_restart(self, record: dict) -> dict:
+        self.data["restarts"].append(record)
+        self.save()
+        return record
+
+    def save(self) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def load_all(directory: str | None = None) -> list[dict]:
+    d = directory or jobs_dir()
+    out = []
+    if not os.path.isdir(d):
+        return out
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(d, name)) as f:
+                    job = json.load(f)
+            except (OSError, ValueError):
+                continue
+            job["supervisor_alive"] = _alive(job.get("supervisor_pid"))
+            out.append(job)
+    return out
+
+
+def _alive(pid) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def format_jobs(jobs: list[dict]) -> str:
+    """Human-readable lines for ``gpu-anchor status``."""
+    lines = []
+    for job in jobs:
+        state = job["state"] if job.get("supervisor_alive") or job["state"] in ("done", "stopped") else \
+            f"{job['state']} (supervisor gone)"
+        lines.append(f"job {job['namespace']!r}: {state}, {job['nproc']} rank(s) on "
+                     f"{', '.join(job['devices']) or 'cpu'}, {'warm' if job.get('warm') else 'cold'} starts, "
+                     f"{len(job['restarts'])} restart(s)")
+        lines.append(f"  command: {' '.join(job['command'])}")
+        for r, info in sorted(job.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(f"  rank {r}: pid {info.get('pid')}, {info.get('how', '')}")
+        for i, rs in enumerate(job["restarts"], 1):
+            rec = rs.get("recovery_s")
+            rec_s = f"{rec:.3f} s to first step" if rec is not None else "recovery not yet measured"
+            lines.append(f"  restart {i}: {rs['action']} ({rs.get('kind') or '-'}), step {rs.get('step')}, "
+                         f"{rec_s}: {rs['reason']}")
+        if job.get("checkpoints"):
+            lines.append(f"  last checkpoint: {job['checkpoints'][-1]}")
+        if job.get("result"):
+            lines.append(f"  result: {job['result']}")
+    return "\n".join(lines)

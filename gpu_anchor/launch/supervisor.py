@@ -1,0 +1,475 @@
+"""``gpu-anchor run``: start a node's daemons and workers, watch, classify, restart.
+
+State machine of a job (one node, ``nproc`` local ranks = one group)::
+
+    STARTING --daemons up, (restore if asked)--> RUNNING(gen g)
+    RUNNING --every rank exit 0--> DONE (daemons stopped unless --keep-daemons)
+    RUNNING --a rank fails--> KILL GROUP (SIGKILL every rank's process group; the
+            collectives of the others are broken anyway) --> CLASSIFY (classify.decide)
+    CLASSIFY --restart (shallow)--> RUNNING(g+1): same daemons, workers reattach
+    CLASSIFY --restore (destructive)--> fresh daemons, namespaces dropped,
+            GPU_ANCHOR_RESTORE=DIR:STEP for gen g+1 (until every rank reports "restored")
+    CLASSIFY --stop--> STOPPED (daemons and anchored state kept for a rerun)
+    any --SIGINT/SIGTERM--> workers terminated, STOPPED, state kept (debug restart)
+
+Invariant: workers of generation g only ever read state of one committed step —
+the one in the live daemons (shallow) or the one restored from a complete
+checkpoint (destructive); a generation that needs a restore keeps needing it
+until all its ranks have restored.  Every decision is logged as one line.
+"""
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from gpu_anchor.paths import socket_dir
+
+from . import classify, daemons as daemons_mod, events, health, jobstate, snapshot_paths
+from .chaos import Chaos
+
+_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+_PY_FLAGS_NOARG = {"-u", "-O", "-OO", "-B", "-E", "-s", "-I", "-S", "-q", "-b", "-bb", "-P"}
+_PY_FLAGS_ARG = {"-X", "-W"}
+
+
+@dataclass
+class RunConfig:
+    command: list[str]
+    nproc: int = 1
+    namespace: str | None = None
+    max_restarts: int = 3
+    backoff: float = 1.0
+    crash_loop: int = 3
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    device_type: str = "auto"
+    warm: bool = True
+    preload: list[str] = field(default_factory=lambda: ["torch"])
+    keep_daemons: bool = False
+    resume: bool = True
+    chaos_kills: int = 0
+    chaos_every: float = 2.0
+    chaos_seed: int | None = None
+    chaos_target: str = "worker"
+    master_addr: str = "127.0.0.1"
+    quiet: bool = False
+
+
+def split_python(command: list[str]) -> tuple[str, list[str]] | None:
+    """``(interpreter, target)`` for a ``python [flags] script|-m mod|-c code ...`` command, else None."""
+    if not command or not _PYTHON_RE.match(os.path.basename(command[0])):
+        return None
+    python = shutil.which(command[0]) or command[0]
+    i = 1
+    while i < len(command):
+        a = command[i]
+        if a in _PY_FLAGS_NOARG:
+            i += 1
+        elif a in _PY_FLAGS_ARG:
+            i += 2
+        elif a in ("-m", "-c"):
+            return (python, command[i:]) if i + 1 < len(command) else None
+        elif a.startswith("-"):
+            return None  # unknown interpreter flag: run it cold, exactly as given
+        else:
+            return python, command[i:]
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Worker:
+    __slots__ = ("rank", "pid", "popen", "status", "t_exit")
+
+    def __init__(self, rank, pid, popen=None):
+        self.rank, self.pid, self.popen, self.status, self.t_exit = rank, pid, popen, None, None
+
+
+class Supervisor:
+    def __init__(self, cfg: RunConfig) -> None:
+        if cfg.nproc < 1:
+            raise ValueError("--nproc-per-node must be >= 1")
+        if not cfg.command:
+            raise ValueError("nothing to run: give the command after --")
+        if cfg.checkpoint_every and not cfg.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir")
+        self.cfg = cfg
+        self.py = split_python(cfg.command)
+        stem = os.path.splitext(os.path.basename(self.py[1][1] if self.py and self.py[1][0] == "-m"
+                                                 else (self.py[1][0] if self.py else cfg.command[0])))[0]
+        self.namespace = cfg.namespace or os.environ.get("GPU_ANCHOR_NAMESPACE") or f"job-{stem}"
+        self.devices = daemons_mod.local_devices(cfg.device_type, cfg.nproc)
+        self.daemons = daemons_mod.JobDaemons(self.devices, self.namespace, cfg.keep_daemons, self.log)
+        self.health = health.DeviceHealth([int(d.split(":")[1]) for d in self.devices])
+        self.chaos = Chaos(cfg.chaos_kills, cfg.chaos_every, cfg.chaos_seed, cfg.chaos_target)
+        self.crash = classify.CrashLoop(cfg.crash_loop)
+        self.zygote = None
+        self.workers: dict[int, _Worker] = {}
+        self.gen = 0
+        self.restarts = 0
+        self.pending_restore: int | None = None
+        self.restored_ranks: set[int] = set()
+        self.current: dict | None = None      # the restart being measured
+        self.last_fail_step: int | None = None
+        self.no_progress = 0
+        self.chaos_victim: int | None = None
+        self.t_chaos: float | None = None
+        self._stop_signal: int | None = None
+        self._mtime = self._code_mtime()
+
+    # ------------------------------------------------------------------ logging
+    def log(self, msg: str) -> None:
+        if not self.cfg.quiet:
+            print(f"[gpu-anchor] {msg}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> int:
+        self.daemons.ensure()
+        self.state = jobstate.JobState(self.namespace, self.cfg.command, self.cfg.nproc, self.devices,
+                                       bool(self.py and self.cfg.warm))
+        self.events = events.Receiver(os.path.join(jobstate.jobs_dir(), self.namespace.replace("/", "_") + ".ev"))
+        self._install_signals()
+        try:
+            self._start_zygote()
+            self.pending_restore = self._initial_restore()
+            self._start_group()
+            return self._loop()
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> int:
+        while True:
+            self._wait_io()
+            self._collect_exits()
+            self._drain_events()
+            if self._stop_signal is not None:
+                self.log(f"{signal.Signals(self._stop_signal).name} received: stopping workers; anchored state kept")
+                self._kill_group(signal.SIGTERM, grace=10.0)
+                self.state.set(state="stopped", result=f"interrupted by {signal.Signals(self._stop_signal).name}")
+                self.daemons.keep = True
+                return 128 + self._stop_signal
+            fired = self.chaos.fire({r: w.pid for r, w in self.workers.items() if w.status is None},
+                                    self._daemon_pids())
+            if fired:
+                self.t_chaos = time.time()
+                self.chaos_victim = fired[1]
+                self.log(f"chaos: SIGKILL {fired[0]} (pid {fired[1]}), {self.chaos.left} kill(s) left")
+            failed = [w for w in self.workers.values() if w.status not in (None, 0)]
+            if failed:
+                action = self._on_failure(min(failed, key=lambda w: w.t_exit))
+                if action is not None:
+                    return action
+            elif all(w.status == 0 for w in self.workers.values()):
+                self.log("all ranks exited 0: job done")
+                self.state.set(state="done", result="success")
+                return 0
+
+    # ------------------------------------------------------------------ workers
+    def _env(self, rank: int, port: int) -> dict:
+        env = dict(os.environ)
+        env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.cfg.nproc),
+                    "LOCAL_WORLD_SIZE": str(self.cfg.nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(self.cfg.nproc), "MASTER_ADDR": self.cfg.master_addr,
+                    "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(self.gen),
+                    "GPU_ANCHOR_NAMESPACE": self.namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir(),
+                    "GPU_ANCHOR_RESTART_COUNT": str(self.gen), events.ENV: self.events.path})
+        env.pop("GPU_ANCHOR_SOCKET", None)
+        if self.cfg.checkpoint_dir and self.cfg.checkpoint_every:
+            env[snapshot_paths.DIR_ENV] = os.path.abspath(self.cfg.checkpoint_dir)
+            env[snapshot_paths.EVERY_ENV] = str(self.cfg.checkpoint_every)
+            env[snapshot_paths.KEEP_ENV] = str(self.cfg.checkpoint_keep)
+        env.pop(snapshot_paths.RESTORE_ENV, None)
+        if self.pending_restore is not None:
+            env[snapshot_paths.RESTORE_ENV] = f"{os.path.abspath(self.cfg.checkpoint_dir)}:{self.pending_restore}"
+        return env
+
+    def _start_group(self) -> None:
+        port = _free_port()
+        self.workers = {}
+        self.restored_ranks = set()
+        t0 = time.time()
+        for rank in range(self.cfg.nproc):
+            env = self._env(rank, port)
+            if self.zygote is not None:
+                try:
+                    pid = self.zygote.spawn(self.py[1], env, os.getcwd())
+                    self.workers[rank] = _Worker(rank, pid)
+                    continue
+                except (RuntimeError, OSError) as e:
+                    self.log(f"warm start failed ({e}); falling back to cold starts")
+                    self.zygote = None
+            self.workers[rank] = self._cold(rank, env)
+        how = "warm (forked)" if self.zygote is not None else "cold"
+        self.state.set(generation=self.gen, state="running")
+        self.state.set_ranks({r: {"pid": w.pid, "how": how} for r, w in self.workers.items()})
+        if self.current is not None:
+            self.current["spawn_s"] = time.time() - t0
+            self.current["how"] = how
+        self._mtime = self._code_mtime()
+
+    def _cold(self, rank: int, env: dict) -> _Worker:
+        import subprocess
+        if self.py:
+            cmd = [self.py[0], "-m", "gpu_anchor.launch.worker", *self.py[1]]
+        else:
+            if self.pending_restore is not None:  # not Python: restore in a helper first
+                subprocess.run([sys.executable, "-m", "gpu_anchor.launch.worker", "--restore-only"], env=env,
+                               check=True)
+            cmd = self.cfg.command
+        p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0)
+        return _Worker(rank, p.pid, p)
+
+    def _start_zygote(self) -> None:
+        if not (self.py and self.cfg.warm):
+            return
+        env = dict(os.environ)
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            z = zygote_mod().Zygote(self.py[0], self.cfg.preload, env)
+        except (RuntimeError, OSError) as e:
+            self.log(f"warm-worker server did not start ({e}); cold starts")
+            return
+        r = z.ready
+        if r["failed"]:
+            self.log(f"warm-worker server could not preload {r['failed']}; they load in each worker")
+        if r["threads"] > 2:
+            self.log(f"warm-worker server has {r['threads']} OS threads after preloading: forking it is unsafe; "
+                     "cold starts")
+            z.close()
+            return
+        self.log(f"warm-worker server pid {r['pid']} ready (preloaded {','.join(self.cfg.preload)} "
+                 f"in {r['preload_s']:.2f} s)")
+        self.zygote = z
+
+    def _collect_exits(self) -> None:
+        now = time.time()
+        if self.zygote is not None:
+            try:
+                msgs = self.zygote.messages()
+            except RuntimeError:
+                self.log("warm-worker server died; its workers die with it; cold starts from now on")
+                self.zygote = None
+                for w in self.workers.values():
+                    if w.status is None and w.popen is None:
+                        w.status, w.t_exit = -signal.SIGKILL, now
+                msgs = []
+            by_pid = {w.pid: w for w in self.workers.values()}
+            for m in msgs:
+                w = by_pid.get(m["pid"])
+                if w is not None and w.status is None:
+                    w.status, w.t_exit = m["status"], m.get("t", now)
+        for w in self.workers.values():
+            if w.popen is not None and w.status is None and w.popen.poll() is not None:
+                w.status, w.t_exit = w.popen.returncode, now
+
+    def _kill_group(self, sig=signal.SIGKILL, grace: float = 10.0) -> None:
+        for w in self.workers.values():
+            if w.status is None:
+                try:
+                    os.killpg(w.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + grace
+        while any(w.status is None for w in self.workers.values()):
+            if time.monotonic() > deadline:
+                if sig == signal.SIGKILL:
+                    break
+                return self._kill_group(signal.SIGKILL, grace=10.0)
+            self._wait_io(0.02)
+            self._collect_exits()
+
+    # ------------------------------------------------------------------ decisions
+    def _on_failure(self, first: _Worker) -> int | None:
+        t_detect = time.time()
+        self._kill_group()
+        exits = [classify.Exit.from_status(first.rank, first.status)] + [
+            classify.Exit.from_status(w.rank, w.status if w.status is not None else -signal.SIGKILL)
+            for w in self.workers.values() if w is not first]
+        by_chaos = self.chaos_victim is not None  # we killed something since the last failure
+        alive, same, dproblems = self.daemons.check()
+        healthy, dev_problem = self.health.check()
+        views = []
+        ranks = list(range(self.cfg.nproc))
+        if alive and same:
+            for d in self.daemons.devices:
+                for ns in self.daemons.namespaces_of(d, self.cfg.nproc, ranks):
+                    views.append(health.read_namespace(d, self.daemons.paths[d], ns))
+        jproblem = health.journal_problem(views) if views else ""
+        steps = [v["step"] for v in views if v and v["step"] is not None]
+        step = min(steps) if steps else None
+        code_changed = self._code_mtime() != self._mtime
+        if code_changed:
+            self.crash.reset()
+        loop = False if by_chaos else self.crash.record(step, exits[0].key())
+        ckpt = snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) \
+            if self.cfg.checkpoint_dir else None
+        obs = classify.Observation(
+            tuple(exits), self.cfg.nproc, alive, same, healthy, dev_problem, not jproblem, jproblem,
+            self.restarts, self.cfg.max_restarts, ckpt is not None, loop, self.crash.detail() if loop else "")
+        d = classify.decide(obs)
+        if d.action == "restart" and self.pending_restore is not None:
+            d = classify.Decision("restore", d.reason + "; the previous restore did not finish -> restore again",
+                                  "destructive")
+        reason = d.reason + ("; code changed since the last start" if code_changed else "") + \
+            (" [chaos]" if by_chaos else "") + (f" ({'; '.join(dproblems)})" if dproblems else "")
+        self.log(f"decision: {d.action.upper()} — {reason}")
+        rec = {"action": d.action, "kind": d.kind, "reason": reason, "step": step, "chaos": by_chaos,
+               "t_detect": t_detect, "t_kill": self.t_chaos if by_chaos else None,
+               "t_exit": first.t_exit, "generation": self.gen + 1, "marks": {}, "recovery_s": None}
+        self.state.add_restart(rec)
+        self.chaos_victim, self.t_chaos = None, None
+        self.chaos.disarm()
+        if d.action == "stop":
+            self.state.set(state="stopped", result=reason)
+            self.daemons.keep = True
+            self.log(f"stopped. Anchored state kept in namespace {self.namespace!r}: rerun the same command to "
+                     f"continue, or free it with `gpu-anchor drop {self.namespace}` / `gpu-anchor stop`")
+            return 1
+        # backoff: only when failures repeat without progress
+        progressed = step is not None and (self.last_fail_step is None or step > self.last_fail_step)
+        self.no_progress = 0 if (progressed or by_chaos) else self.no_progress + 1
+        self.last_fail_step = step
+        if self.no_progress and self.cfg.backoff > 0:
+            delay = min(30.0, self.cfg.backoff * 2 ** (self.no_progress - 1))
+            self.log(f"no progress since the last failure: waiting {delay:.1f} s")
+            time.sleep(delay)
+        if d.action == "restore":
+            fresh = self.daemons.replace_dead()
+            self.daemons.drop_namespace()
+            self.pending_restore = ckpt
+            self.log(f"restore: fresh daemon(s) {fresh or 'none needed'}; restoring checkpoint step {ckpt}")
+            rec["restore_step"] = ckpt
+        self.restarts += 1
+        self.gen += 1
+        self.current = rec
+        self._start_group()
+        self.state.save()
+        return None
+
+    def _initial_restore(self) -> int | None:
+        """Resume from the newest complete checkpoint if the daemons hold nothing of this job."""
+        if not (self.cfg.resume and self.cfg.checkpoint_dir):
+            return None
+        ckpt = snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc)
+        if ckpt is None:
+            return None
+        for d in self.daemons.devices:
+            for ns in self.daemons.namespaces_of(d, self.cfg.nproc, list(range(self.cfg.nproc))):
+                v = health.read_namespace(d, self.daemons.paths[d], ns)
+                if v and v["step"] is not None:
+                    self.log(f"anchored state of {self.namespace!r} found at step {v['step']}: reattaching "
+                             f"(checkpoint step {ckpt} not needed)")
+                    return None
+        self.log(f"no anchored state for {self.namespace!r}: resuming from checkpoint step {ckpt}")
+        return ckpt
+
+    # ------------------------------------------------------------------ events
+    def _drain_events(self) -> None:
+        for ev in self.events.drain():
+            if ev.get("generation") != self.gen:
+                continue
+            if ev["event"] == "restored":
+                self.restored_ranks.add(ev["rank"])
+                if self.restored_ranks >= set(range(self.cfg.nproc)):
+                    self.pending_restore = None
+            if ev["event"] == "first_step":
+                self.chaos.arm()
+            if self.current is None:
+                continue
+            marks = self.current["marks"].setdefault(str(ev["rank"]), {})
+            marks.setdefault(ev["event"], ev["t"])
+            if ev["event"] == "first_step" and all(
+                    "first_step" in self.current["marks"].get(str(r), {}) for r in range(self.cfg.nproc)):
+                t0 = self.current["t_kill"] or self.current["t_exit"] or self.current["t_detect"]
+                last = max(self.current["marks"][str(r)]["first_step"] for r in range(self.cfg.nproc))
+                self.current["recovery_s"] = round(last - t0, 4)
+                self.log(f"recovered: first step of generation {self.gen} done "
+                         f"{self.current['recovery_s']:.3f} s after the failure ({self.current.get('how')})")
+                self.current = None
+            self.state.save()
+
+    def _wait_io(self, timeout: float | None = None) -> None:
+        sel = selectors.DefaultSelector()
+        try:
+            sel.register(self.events, selectors.EVENT_READ)
+            if self.zygote is not None:
+                sel.register(self.zygote, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            t = 0.25 if timeout is None else timeout
+            ct = self.chaos.timeout()
+            if ct is not None:
+                t = min(t, ct)
+            if any(w.popen is not None and w.status is None for w in self.workers.values()) and not self._sigchld:
+                t = min(t, 0.01)
+            for key, _ in sel.select(t):
+                if key.fileobj == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+        finally:
+            sel.close()
+
+    def _install_signals(self) -> None:
+        self._wake_r, w = os.pipe()
+        os.set_blocking(self._wake_r, False), os.set_blocking(w, False)
+        self._sigchld = False
+        try:
+            signal.set_wakeup_fd(w)
+            signal.signal(signal.SIGCHLD, lambda *_: None)
+            self._sigchld = True
+
+            def stop(sig, _frame):
+                self._stop_signal = sig
+            signal.signal(signal.SIGINT, stop)
+            signal.signal(signal.SIGTERM, stop)
+        except ValueError:  # not the main thread: poll instead
+            pass
+
+    # ------------------------------------------------------------------ misc
+    def _daemon_pids(self) -> dict[str, int]:
+        out = {}
+        if self.chaos.target != "daemon" or self.chaos.due is None:
+            return out
+        for d in self.daemons.devices:
+            v = health.probe_daemon(d, self.daemons.paths[d])
+            if v.alive and v.pid:
+                out[d] = v.pid
+        return out
+
+    def _code_mtime(self) -> float | None:
+        if not self.py or self.py[1][0] in ("-m", "-c"):
+            return None
+        try:
+            return os.stat(self.py[1][0]).st_mtime
+        except OSError:
+            return None
+
+    def _shutdown(self) -> None:
+        if any(w.status is None for w in self.workers.values()):
+            self._kill_group(signal.SIGKILL, 5.0)
+        if self.zygote is not None:
+            self.zygote.close()
+        self.events.close()
+        if self.state.data["state"] == "done" and not self.daemons.keep:
+            self.daemons.drop_namespace()
+        self.daemons.stop()
+        self.state.save()
+
+
+def zygote_mod():
+    from . import zygote
+    return zygote

@@ -1,0 +1,80 @@
+"""What runs in a worker process before and around the user's code.
+
+Shared by the warm path (a child forked from the zygote) and the cold path
+(``python -m gpu_anchor.launch.worker TARGET...``):
+
+1. if the supervisor asked for a restore (``GPU_ANCHOR_RESTORE=DIR:STEP``), fill this
+   rank's daemons from that checkpoint step — the user's code then binds
+   exactly as after a shallow failure;
+2. run the target like ``python script.py args`` / ``python -m module args``.
+
+TARGET is ``script.py args...``, ``-m module args...`` or ``-c code args...``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+
+from . import events
+
+from .snapshot_paths import RESTORE_ENV
+
+
+def restore_if_asked() -> None:
+    spec = os.environ.get(RESTORE_ENV)
+    if not spec:
+        return
+    directory, _, step = spec.rpartition(":")
+    from . import snapshot
+    import torch
+    t0 = time.time()
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    # every recorded GPU of this rank goes to the GPU this rank now runs on
+    here = f"cuda:{local}"
+    man_devices = _recorded_devices(snapshot, directory, int(step), rank)
+    device_map = {d: here for d in man_devices if d.startswith("cuda")}
+    if device_map and not torch.cuda.is_available():
+        raise RuntimeError(f"checkpoint step {step} of rank {rank} holds GPU state but no GPU is visible")
+    stats = snapshot.restore(directory, int(step), rank, device_map)
+    events.mark("restored", step=int(step), seconds=time.time() - t0, files=stats)
+
+
+def _recorded_devices(snapshot, directory: str, step: int, rank: int) -> list[str]:
+    import json
+    with open(os.path.join(snapshot.step_dir(directory, step), f"rank{rank}", "manifest.json")) as f:
+        return [e["device"] for e in json.load(f)["files"]]
+
+
+def run_target(target: list[str]) -> None:
+    """Run ``target`` as ``python`` would, in this process; raises SystemExit like it."""
+    if not target:
+        raise SystemExit("gpu-anchor worker: nothing to run")
+    if target[0] == "-m":
+        sys.argv = [target[1]] + target[2:]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    elif target[0] == "-c":
+        sys.argv = ["-c"] + target[2:]
+        sys.path.insert(0, "")
+        exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        script = target[0]
+        sys.argv = list(target)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--restore-only"]:
+        restore_if_asked()
+        return
+    events.mark("user_code", how="cold")
+    restore_if_asked()
+    run_target(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Warm workers: a fork server that has imported torch (and the user's declared
+heavy modules) but touched no CUDA, and forks one worker per (re)start.
+
+    python -m gpu_anchor.launch.zygote --fd N [--preload torch,transformers]
+
+Protocol on the inherited socket (JSON lines), supervisor → zygote:
+``{"op": "spawn", "id", "target", "env", "cwd"}``; zygote → supervisor:
+``{"op": "ready", "preload_s", "threads", "failed"}`` once, then
+``{"op": "spawned", "id", "pid"}`` and ``{"op": "exit", "pid", "status"}``
+(status as ``Popen.returncode``: negative = killed by that signal).
+
+Fork safety: the zygote runs one thread.  It imports modules, never runs their
+work (no CUDA, no thread pools: ``torch.get_num_threads()`` would create
+OpenMP's), and reports the OS thread count it has at ``ready`` so that the
+supervisor can refuse the warm path if a preload started threads.  Each child
+gets a fresh process group, ``PR_SET_PDEATHSIG`` (it dies with the zygote), the
+job's environment and working directory, then runs the target via
+``gpu_anchor.launch.worker``.  The zygote dies with the supervisor.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import warnings
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _child(sock: socket.socket, req: dict) -> None:
+    """In the forked worker: never returns."""
+    code = 1
+    try:
+        sock.close()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setpgid(0, 0)
+        set_pdeathsig()
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        from . import events, worker
+        events.mark("user_code", how="warm")
+        worker.restore_if_asked()
+        worker.run_target(req["target"])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    # a normal interpreter exit: non-daemon threads, then atexit, then flush
+    try:
+        import threading
+        threading._shutdown()
+    except Exception:
+        pass
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def serve(fd: int, preload: list[str]) -> None:
+    set_pdeathsig(signal.SIGTERM)
+    sock = socket.socket(fileno=fd)
+    t0 = time.perf_counter()
+    failed = {}
+    for mod in preload:
+        try:
+            importlib.import_module(mod)
+        except BaseException as e:  # report, keep serving what did import
+            failed[mod] = f"{type(e).__name__}: {e}"
+    def send(msg: dict) -> None:
+        sock.sendall((json.dumps(msg) + "\n").encode())
+
+    send({"op": "ready", "preload_s": time.perf_counter() - t0, "threads": os_threads(), "failed": failed,
+          "pid": os.getpid()})
+    rfd, wfd = os.pipe()
+    os.set_blocking(rfd, False), os.set_blocking(wfd, False)
+    signal.set_wakeup_fd(wfd)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, "ctl")
+    sel.register(rfd, selectors.EVENT_READ, "chld")
+    buf = b""
+    while True:
+        for key, _ in sel.select(timeout=1.0):
+            if key.data == "chld":
+                try:
+                    os.read(rfd, 4096)
+                except BlockingIOError:
+                    pass
+                continue
+            data = sock.recv(65536)
+            if not data:
+                return  # supervisor gone
+            buf += data
+        _reap(send)
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            if req.get("op") == "quit":
+                return
+            if req.get("op") == "spawn":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # threads: see module docstring
+                    pid = os.fork()
+                if pid == 0:
+                    _child(sock, req)
+                send({"op": "spawned", "id": req["id"], "pid": pid})
+
+
+def _reap(send) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        send({"op": "exit", "pid": pid, "status": rc, "t": time.time()})
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--preload", default="torch")
+    a = p.parse_args(argv)
+    serve(a.fd, [m for m in a.preload.split(",") if m])
+
+
+if __name__ == "__main__":
+    main()
+
+
+class Zygote:
+    """The supervisor's handle on one fork server (see the module docstring)."""
+
+    def __init__(self, python: str, preload: list[str], env: dict, timeout: float = 300.0) -> None:
+        import subprocess
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([python, "-m", "gpu_anchor.launch.zygote", "--fd", str(theirs.fileno()),
+                                      "--preload", ",".join(preload)],
+                                     pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+        self._buf = b""
+        self._queue: list[dict] = []
+        self._next_id = 0
+        self.ready = self._wait("ready", timeout)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def _read(self, timeout: float | None) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except (socket.timeout, BlockingIOError):
+            return True
+        finally:
+            self.sock.settimeout(None)
+        if not data:
+            return False
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self._queue.append(json.loads(line))
+        return True
+
+    def _wait(self, op: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, msg in enumerate(self._queue):
+                if msg.get("op") == op:
+                    return self._queue.pop(i)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(min(left, 1.0)) or self.proc.poll() is not None:
+                if self.proc.poll() is not None or left <= 0:
+                    raise RuntimeError(f"warm-worker server did not answer {op!r} (exit {self.proc.poll()})")
+                raise RuntimeError("warm-worker server closed its socket")
+
+    def spawn(self, target: list[str], env: dict, cwd: str) -> int:
+        self._next_id += 1
+        self.sock.sendall((json.dumps({"op": "spawn", "id": self._next_id, "target": target, "env": env,
+                                       "cwd": cwd}) + "\n").encode())
+        return self._wait("spawned", 30.0)["pid"]
+
+    def messages(self) -> list[dict]:
+        """Exit reports received so far (non-blocking); raises if the zygote is gone."""
+        alive = self._read(0.0)
+        out, self._queue = [m for m in self._queue if m.get("op") == "exit"], \
+            [m for m in self._queue if m.get("op") != "exit"]
+        if not alive and not out:
+            raise RuntimeError("warm-worker server exited")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(b'{"op": "quit"}\n')
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except Exception:
+            self.proc.kill()
