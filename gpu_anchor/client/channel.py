@@ -47,7 +47,10 @@ class Channel:
     def request(self, header: dict, blob: bytes = b"") -> tuple[dict, bytes, list[int]]:
         with self._lock:
             try:
-                protocol.send_frame(self._sock, header, blob)
+                try:
+                    protocol.send_frame(self._sock, header, blob)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the daemon may have said why before closing (a refusal): read it
                 reply, out_blob, fds = protocol.recv_frame(self._sock)
             except (ConnectionError, BrokenPipeError, socket.timeout, OSError) as e:
                 raise errors.DaemonUnavailable(

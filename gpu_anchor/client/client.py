@@ -39,13 +39,13 @@ _EXPORT_BATCH = 200
 # one lease per object, or the death of one's tensor would free the other's memory.
 _segments: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # (instance, id)
 _leases: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # (instance, ns, name)
-_pending_frees: deque[tuple[str, str, str, int]] = deque()  # (instance, ns, name, generation)
+_pending_frees: deque[tuple[int, str, str, str, int]] = deque()  # (pid, instance, ns, name, generation)
 _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 
 
 def _queue_free(key: tuple, name: str, generation: int) -> None:
     # Runs from a finalizer, possibly in the middle of another request: only queue.
-    _pending_frees.append((key[0], key[1], name, generation))
+    _pending_frees.append((os.getpid(), key[0], key[1], name, generation))
 
 
 @atexit.register
@@ -112,10 +112,13 @@ class Client:
         if not _pending_frees or os.getpid() != self._channel.pid:
             return
         mine: dict[str, list] = {}
+        pid = os.getpid()
         for _ in range(len(_pending_frees)):
             entry = _pending_frees.popleft()
-            if entry[0] == self._instance:
-                mine.setdefault(entry[1], []).append([entry[2], entry[3]])
+            if entry[0] != pid:
+                continue  # inherited through fork: the parent's to send, not ours
+            if entry[1] == self._instance:
+                mine.setdefault(entry[2], []).append([entry[3], entry[4]])
             else:
                 _pending_frees.append(entry)  # another daemon's: its own client will send it
         for ns, names in mine.items():
@@ -131,6 +134,9 @@ class Client:
         ``policy``: ``match_or_create`` (conflict raises ``ConflictError``, nothing
         changes), ``replace`` (a conflicting object is freed and recreated) or
         ``lookup`` (absent names come back as ``missing``, nothing is created).
+
+        Tensors from ``lookup`` do not own their objects: an observer (a checkpointer,
+        a status tool, a test) that looks and lets go never frees a job's state.
         """
         objects = [{"name": n, "shape": [int(d) for d in shape], "dtype": mapping.dtype_name(dtype)}
                    for n, shape, dtype in specs]
@@ -145,7 +151,8 @@ class Client:
                     out.append(Bound(res["name"], "missing", None, None))
                     continue
                 info = _info(res)
-                out.append(Bound(info.name, res["status"], self._wrap(info, segs[res["segment"]], res["offset"]), info))
+                tensor = self._wrap(info, segs[res["segment"]], res["offset"], owning=policy != "lookup")
+                out.append(Bound(info.name, res["status"], tensor, info))
             return out
 
     def _map_segments(self, ids: list[int], into: dict) -> None:
@@ -160,16 +167,17 @@ class Client:
             finally:
                 protocol.close_fds([fd for fd in fds if fd >= 0])
 
-    def _wrap(self, info: ObjectInfo, seg, offset: int) -> torch.Tensor:
+    def _wrap(self, info: ObjectInfo, seg, offset: int, owning: bool) -> torch.Tensor:
         dtype = mapping.torch_dtype(info.dtype)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype, device=self._mapper.device)
         key = (self._instance, self.namespace, info.name)
         lease = _leases.get(key)
         if lease is None or lease.generation != info.generation:
-            release = functools.partial(_queue_free, key)
-            lease = self._mapper.lease(seg, offset, info.nbytes, info.name, info.generation, release)
+            lease = self._mapper.lease(seg, offset, info.nbytes, info.name, info.generation, None)
             _leases[key] = lease
+        if owning and lease._on_release is None:
+            lease._on_release = functools.partial(_queue_free, key)
         return mapping.as_typed(self._mapper.raw(lease), dtype, info.shape)
 
     def tensor(self, name: str, shape, dtype: torch.dtype = torch.float32, policy: str = "match_or_create") -> torch.Tensor:

@@ -40,16 +40,18 @@ log = logging.getLogger("gpu_anchor.daemon")
 
 MAX_CONNECTIONS = 1024
 MAX_EXPORT = 200  # descriptors per reply, under SCM_MAX_FD
+MAX_PENDING_REPLY = 64 << 20  # a peer that does not read its replies stops being read
 _PEERCRED = struct.Struct("3i")
 
 
 class _Conn:
-    __slots__ = ("sock", "uid", "pid", "inbuf", "outq", "closing")
+    __slots__ = ("sock", "uid", "pid", "inbuf", "outq", "outbytes", "closing")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
         self.sock, self.pid, self.uid = sock, pid, uid
         self.inbuf = bytearray()
         self.outq: deque[tuple[memoryview, list[int]]] = deque()
+        self.outbytes = 0
         self.closing = False
 
 
@@ -114,6 +116,8 @@ class Daemon:
                                 self._on_readable(conn)
                             if events & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
                                 self._flush(conn)
+                                if conn.sock.fileno() >= 0 and conn.outbytes < MAX_PENDING_REPLY:
+                                    self._on_buffered(conn)  # frames held back while replies were backlogged
                         except Exception:  # never let one connection take the daemon down
                             log.exception("connection from pid %s failed; dropping it", conn.pid)
                             self._close(conn)
@@ -188,7 +192,11 @@ class Daemon:
             self._close(conn)
             return
         conn.inbuf += data
-        while not conn.closing:
+        self._on_buffered(conn)
+
+    def _on_buffered(self, conn: _Conn) -> None:
+        """Handle every complete frame in the input buffer, unless replies are backlogged."""
+        while not conn.closing and conn.outbytes < MAX_PENDING_REPLY:
             if len(conn.inbuf) < protocol.PREFIX.size:
                 break
             try:
@@ -208,7 +216,9 @@ class Daemon:
 
     def _queue(self, conn: _Conn, header: dict, blob: bytes = b"", fds: list[int] = ()) -> None:
         header["nfds"] = len(fds)
-        conn.outq.append((memoryview(protocol.encode(header, blob)), list(fds)))
+        frame = protocol.encode(header, blob)
+        conn.outq.append((memoryview(frame), list(fds)))
+        conn.outbytes += len(frame)
 
     def _reply_error(self, conn: _Conn, code: str, message: str, **extra) -> None:
         self._queue(conn, {"ok": False, "error": {"code": code, "message": message, **extra}})
@@ -227,6 +237,7 @@ class Daemon:
                 self._close(conn)
                 return
             protocol.close_fds(fds)  # the peer has its own copies now (or never will)
+            conn.outbytes -= sent
             if sent < len(data):
                 conn.outq[0] = (data[sent:], [])
                 break
@@ -234,7 +245,8 @@ class Daemon:
         if conn.closing and not conn.outq:
             self._close(conn)
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outq else 0)
+        backlogged = conn.outbytes >= MAX_PENDING_REPLY
+        want = (0 if backlogged else selectors.EVENT_READ) | (selectors.EVENT_WRITE if conn.outq else 0)
         self._sel.modify(conn.sock, want, conn)
 
     # ---------------------------------------------------------------- requests
