@@ -44,10 +44,18 @@ def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+_META: dict[str, object] = {}
+
+
 def meta_model(cfg):
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
+    """The HF module on the meta device (names, shapes, classes; no memory).  Cached: the
+    supervisor builds it once before forking engines, so they inherit the imports."""
+    key = cfg.to_json_string()
+    if key not in _META:
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            _META[key] = AutoModelForCausalLM.from_config(cfg)
+    return _META[key]
 
 
 def param_specs(cfg, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:

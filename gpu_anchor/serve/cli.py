@@ -1,0 +1,196 @@
+"""``gpu-anchor serve MODEL_DIR [--random-weights]``: frontend process + engine supervisor.
+
+Process tree::
+
+    gpu-anchor serve            supervisor + zygote: imports torch/transformers, runs no torch op
+      ├── frontend              python -m gpu_anchor.serve.frontend (torch-free, owns HTTP clients)
+      └── engine (forked)       maps anchored weights/KV, restores, serves; re-forked when it dies
+
+The supervisor forks each engine from an interpreter that has imported torch and
+transformers but never started a thread pool or touched CUDA, so a new engine is ready in
+well under a second plus its bind/restore.  It ensures the device's anchor daemon runs
+(``--no-anchor`` skips it: the benchmark baseline; a restarted engine then starts empty and
+the frontend re-sends every open request).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+log = logging.getLogger("gpu_anchor.serve")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server whose requests survive engine crashes",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (config.json + *.safetensors [+ tokenizer.json]); with "
+                                 "--random-weights, a config.json or a directory holding one")
+    p.add_argument("--random-weights", action="store_true", help="seeded random weights instead of safetensors")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model dir)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port-file", default=None, help="write the bound HTTP port here (for --port 0)")
+    p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | float64 (default: bf16 on CUDA)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-gib)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")
+    p.add_argument("--socket", default=None, help="daemon socket (default: the device's standard one)")
+    p.add_argument("--no-anchor", action="store_true", help="plain allocations, no journal (baseline)")
+    p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
+                   help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
+                        "for the first LIMIT engines (default: all)")
+
+
+def _fault_for(plan: str | None, incarnation: int):
+    if not plan:
+        return None
+    from .engine import PHASES
+    parts = [int(x) for x in plan.split(":")]
+    seed, maxstep = parts[0], parts[1]
+    if len(parts) > 2 and incarnation >= parts[2]:
+        return None
+    rng = random.Random(seed * 1_000_003 + incarnation)
+    return (rng.randint(0, maxstep), rng.choice(PHASES))
+
+
+def engine_config(args, mc):
+    import torch
+    from .engine import EngineConfig
+    from .model_runner import head_dim
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    num_blocks = args.num_blocks
+    if num_blocks is None:
+        per_block = 2 * mc.num_hidden_layers * args.block_size * mc.num_key_value_heads * head_dim(mc)
+        per_block *= {"float64": 8, "float32": 4}.get(dtype, 2)
+        num_blocks = max(4, int(args.kv_cache_gib * (1 << 30) // per_block))
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
+                        dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
+                        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                        max_model_len=args.max_model_len, anchor=not args.no_anchor,
+                        namespace=args.namespace or f"serve-{name}", socket=args.socket)
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    # The zygote role: import the heavy modules once, run nothing that starts threads.
+    import torch  # noqa: F401
+    from .model_runner import load_config
+    try:
+        mc = load_config(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        return 2
+    from . import worker
+    from .model_runner import meta_model
+    meta_model(mc)        # imports the modeling code once, here, for every forked engine
+    cfg = engine_config(args, mc)
+    if cfg.anchor:
+        from gpu_anchor.daemon import control
+        from gpu_anchor.paths import default_socket, normalize_device
+        dev = "cpu" if cfg.device == "cpu" else normalize_device(cfg.device)
+        path = args.socket or default_socket(dev)
+        if control.ping(dev, path) is None:
+            control.start(dev, path)
+            log.info("started the anchor daemon for %s at %s", dev, path)
+        cfg.socket = path
+    rundir = tempfile.mkdtemp(prefix="gpu-anchor-serve-")
+    esock = os.path.join(rundir, "engine.sock")
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    tok = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
+    fe_cmd = [sys.executable, "-m", "gpu_anchor.serve.frontend", "--engine-socket", esock,
+              "--vocab-size", str(mc.vocab_size), "--model-name", name, "--max-model-len", str(cfg.max_model_len),
+              "--host", args.host, "--port", str(args.port)]
+    if tok:
+        fe_cmd += ["--tokenizer", tok]
+    if args.port_file:
+        fe_cmd += ["--port-file", args.port_file]
+    frontend = subprocess.Popen(fe_cmd)
+    if threading.active_count() != 1:
+        log.warning("%d threads before forking engines: fork may be unsafe", threading.active_count())
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    incarnation, engine, quick_failures = 0, None, 0
+    started = 0.0
+    try:
+        while not stopping:
+            if frontend.poll() is not None:
+                log.error("frontend exited (%s); stopping", frontend.returncode)
+                break
+            if engine is None:
+                cfg.fault = _fault_for(args.fault_plan, incarnation)
+                started = time.time()
+                engine = os.fork()
+                if engine == 0:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                    code = 0
+                    try:
+                        worker.run(cfg, esock, started_at=started)
+                    except BaseException:
+                        logging.getLogger("gpu_anchor.serve").exception("engine failed")
+                        code = 1
+                    finally:
+                        os._exit(code)
+                incarnation += 1
+            pid, status = os.waitpid(engine, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.02)
+                continue
+            engine = None
+            how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+            log.warning("engine %d died (%s) after %.2f s; restarting", pid, how, time.time() - started)
+            if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0 and time.time() - started < 30:
+                quick_failures += 1
+                if quick_failures >= 3:
+                    log.error("the engine failed 3 times in a row at start-up; giving up")
+                    return 1
+            else:
+                quick_failures = 0
+    finally:
+        if engine:
+            os.kill(engine, signal.SIGKILL)
+            os.waitpid(engine, 0)
+        if frontend.poll() is None:
+            frontend.terminate()
+            try:
+                frontend.wait(10)
+            except subprocess.TimeoutExpired:
+                frontend.kill()
+    return 0
+
+
+def cli(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu-anchor")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_parser(sub)
+    args = ap.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)

@@ -1,0 +1,49 @@
+"""Engine <-> frontend messages: 4-byte little-endian length + UTF-8 JSON, over a Unix socket.
+
+frontend -> engine: ``{"t": "add", "rid", "prompt": [ids], "params": {...}, "out": [ids already delivered]}``,
+                    ``{"t": "abort", "rid"}``
+engine -> frontend: ``{"t": "hello", "pid", "rids": [...], "timings": {...}, "notes": [...]}`` (first),
+                    ``{"t": "toks", "ev": [[rid, first_index, [ids], finish_reason|null], ...]}``,
+                    ``{"t": "err", "rid", "msg"}``, ``{"t": "stats", ...}``
+Token events carry their index, so the receiver can drop duplicates after a restart.
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+MAX_FRAME = 64 << 20
+
+
+def encode(obj) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return struct.pack("<I", len(data)) + data
+
+
+class Decoder:
+    """Incremental decoder for a byte stream (the engine side uses plain sockets)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self.buf += data
+        out = []
+        while len(self.buf) >= 4:
+            (n,) = struct.unpack_from("<I", self.buf)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+            if len(self.buf) < 4 + n:
+                break
+            out.append(json.loads(bytes(self.buf[4:4 + n])))
+            del self.buf[:4 + n]
+        return out
+
+
+async def read(reader):
+    """Next message from an ``asyncio.StreamReader``; raises ``IncompleteReadError`` at EOF."""
+    head = await reader.readexactly(4)
+    (n,) = struct.unpack("<I", head)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    return json.loads(await reader.readexactly(n))
