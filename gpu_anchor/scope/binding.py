@@ -1,0 +1,122 @@
+"""Binding: ask each device's daemon to match / create / refuse every named store, then
+swap the placeholders for real tensors over the bound memory.
+
+- One client per (process, device, namespace, socket) is cached for the process.
+- ``on_conflict="error"``: a name anchored with another dtype or shape refuses the
+  whole bind (``ConflictError`` naming each object and both shapes/dtypes) and the
+  daemon's data is untouched.  With several devices, a ``lookup`` pass checks all of
+  them first, so a refusal on one device creates nothing on another.
+- ``on_conflict="replace"``: conflicting objects are freed and recreated.
+- Swap: every live placeholder (found by reference count; views first, so autograd
+  views release their base) becomes, in place (``torch.utils.swap_tensors``), the
+  corresponding view of the real allocation; ``nn.Parameter``-ness, ``requires_grad``
+  and user attributes are kept.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from gpu_anchor.errors import ConflictError, DaemonUnavailable
+from gpu_anchor.paths import default_socket
+
+from .placeholders import OWN_ATTRS, Placeholder, Store, real_view
+
+_clients: dict[tuple, object] = {}
+
+
+def client_for(device: str, namespace: str | None):
+    """The process's client for ``device`` (None when no daemon answers there)."""
+    from gpu_anchor.client.client import connect, default_namespace, namespace_for
+    ns = namespace_for(namespace, device) if namespace is not None else default_namespace(device)
+    sock = os.environ.get("GPU_ANCHOR_SOCKET") or default_socket(device)
+    key = (os.getpid(), device, ns, sock)
+    client = _clients.get(key)
+    if client is not None:
+        return client
+    if device != "cpu" and not torch.cuda.is_available():
+        return None
+    try:
+        client = connect(device, namespace=namespace)
+    except (DaemonUnavailable, ConnectionError, FileNotFoundError, OSError):
+        return None
+    _clients[key] = client
+    return client
+
+
+def forget_clients() -> None:
+    """Drop cached clients (tests that stop daemons between scopes)."""
+    _clients.clear()
+
+
+def bind(stores_by_client: dict, on_conflict: str) -> list[dict]:
+    """Bind every store; sets ``store.real`` and ``store.status``; returns the conflicts seen."""
+    specs = {c: [(s.name, s.alloc_spec()[0], s.dtype) for s in stores] for c, stores in stores_by_client.items()}
+    conflicts: list[dict] = []
+    if len(specs) > 1:
+        for c, sp in specs.items():
+            try:
+                c.bind(sp, "lookup")
+            except ConflictError as e:
+                conflicts.extend(e.conflicts or [{"name": "?", "message": str(e)}])
+        if conflicts and on_conflict == "error":
+            raise _conflict_error(conflicts)
+    for c, sp in specs.items():
+        try:
+            results = c.bind(sp, "match_or_create")
+        except ConflictError as e:
+            if on_conflict == "error":
+                raise _conflict_error(e.conflicts or [{"name": "?", "message": str(e)}]) from None
+            if not conflicts or len(specs) == 1:
+                conflicts.extend(e.conflicts)
+            results = c.bind(sp, "replace")
+        for s, b in zip(stores_by_client[c], results):
+            s.real, s.status = b.tensor, b.status
+    return conflicts
+
+
+def _conflict_error(conflicts: list[dict]) -> ConflictError:
+    lines = [f"  {c.get('name')}: anchored as {c.get('have')}, this program wants {c.get('want')}" for c in conflicts]
+    return ConflictError(
+        "managed_scope refused to bind (on_conflict='error'); the anchored data was left untouched:\n"
+        + "\n".join(lines) + "\nUse managed_scope(on_conflict='replace') to recreate these objects, "
+        "or `gpu-anchor drop NAMESPACE` to start the job afresh.", conflicts=conflicts)
+
+
+def alive(store: Store) -> list[Placeholder]:
+    """Placeholders over ``store`` that something besides the store still references."""
+    out = []
+    lst = store.tensors
+    for i in range(len(lst)):
+        t = lst[i]
+        # references: the list slot, the local ``t``, getrefcount's argument
+        if sys.getrefcount(t) > 3:
+            out.append(t)
+        del t
+    return out
+
+
+def swap_in(store: Store, base: torch.Tensor) -> int:
+    """Turn every live placeholder over ``store`` into the real view of ``base``; returns how many."""
+    live = alive(store)
+    live.sort(key=lambda t: not t._is_view())  # autograd views first: they hold their base
+    n = 0
+    for t in live:
+        view = real_view(base, t._ga_meta)
+        if t.__dict__.get("_is_param", False):
+            new = torch.nn.Parameter(view, requires_grad=t.requires_grad)
+        else:
+            new = view.detach()
+            if t.requires_grad:
+                new.requires_grad_(True)
+        for k, v in t.__dict__.items():
+            if k not in OWN_ATTRS:
+                new.__dict__[k] = v
+        torch.utils.swap_tensors(t, new)
+        del new
+        n += 1
+    live.clear()
+    store.tensors.clear()
+    return n

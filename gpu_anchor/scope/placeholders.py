@@ -1,0 +1,124 @@
+"""Placeholders: tensors with the right metadata and no memory, handed out inside a scope.
+
+A :class:`Store` is one logical allocation made inside a ``managed_scope`` (an
+anchored object-to-be).  A :class:`Placeholder` is a tensor over a store: a
+``torch.Tensor`` wrapper subclass that reports the store's device, dtype, shape,
+strides and storage offset, but owns no storage.  Its geometry lives in a
+*meta mirror*: a tensor on the ``meta`` device that is a view of the store's meta
+base, so any view op run on mirrors yields the right size, stride and offset.
+
+Contract:
+- Metadata queries (``shape``, ``stride()``, ``dtype``, ``device``, ``numel()``,
+  ``is_contiguous()``, ``requires_grad``) answer without any dispatch.
+- Ops on placeholders are only legal while their scope's interception mode is
+  active; used anywhere else a placeholder raises a clear error.
+- At bind, every live placeholder is swapped (``torch.utils.swap_tensors``) with a
+  real tensor over the bound memory, so every Python reference to it — module
+  attributes, optimizer param groups, dict keys, closures — sees real memory.
+"""
+from __future__ import annotations
+
+import torch
+
+from gpu_anchor.paths import normalize_device
+
+# Attributes this module sets on placeholder objects; never copied onto real tensors.
+OWN_ATTRS = ("_ga_store", "_ga_meta", "_is_param")
+
+
+class Store:
+    """One allocation made inside a scope; ``index`` is its creation order."""
+
+    __slots__ = ("index", "device", "meta", "tensors", "init", "name", "status", "real", "__weakref__")
+
+    def __init__(self, index: int, device: str, meta: torch.Tensor) -> None:
+        self.index = index
+        self.device = device            # 'cpu' or 'cuda:N'
+        self.meta = meta                # meta-device base: shape, stride, dtype of the allocation
+        self.tensors: list[Placeholder] = []   # strong refs; liveness is judged by refcount at exit
+        self.init = None                # the Event that creates it, or None (empty)
+        self.name: str | None = None
+        self.status: str | None = None  # matched / created / native after binding
+        self.real: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.meta.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    def alloc_spec(self) -> tuple[tuple[int, ...], bool]:
+        """Shape to allocate, and whether the placeholder strides are the contiguous ones for it."""
+        m = self.meta
+        if m.is_contiguous():
+            return tuple(m.shape), True
+        extent = 1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride()) if s > 0) if m.numel() else 0
+        return (extent,), False
+
+    def __repr__(self) -> str:
+        return f"Store(#{self.index} {self.name or '?'} {list(self.shape)} {self.dtype} {self.device})"
+
+
+class Placeholder(torch.Tensor):
+    """A tensor over a :class:`Store`; see the module docstring."""
+
+    _ga_store: Store
+    _ga_meta: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, store: Store, meta: torch.Tensor, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta.size(), strides=meta.stride(), storage_offset=meta.storage_offset(),
+            dtype=meta.dtype, device=torch.device(store.device), requires_grad=requires_grad)
+        t._ga_store = store
+        t._ga_meta = meta
+        store.tensors.append(t)
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Only reached when no scope mode is active (modes are consulted before subclasses).
+        raise RuntimeError(
+            f"gpu-anchor placeholder used by {func} outside its managed_scope (or inside "
+            "gpu_anchor.scope.suspended()): it has no memory until the scope exits and binds it. "
+            "Keep a reference to it from the scope's frame so that it gets a name and memory.")
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        s = self._ga_store
+        return (f"Placeholder(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"object=#{s.index}{' ' + s.name if s.name else ''})")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a gpu-anchor placeholder cannot be pickled or deep-copied before its scope binds it")
+
+
+def new_store(index: int, device, meta: torch.Tensor) -> Store:
+    """A store whose geometry is ``meta``'s (a meta tensor with storage offset 0)."""
+    base = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="meta")
+    return Store(index, normalize_device(device), base)
+
+
+def mirror_of(store: Store, meta: torch.Tensor) -> torch.Tensor:
+    """A meta view of ``store.meta`` with ``meta``'s geometry (so later view ops compose)."""
+    if meta.dtype != store.meta.dtype:
+        return meta  # dtype-reinterpreting views keep their own meta; see real_view
+    return store.meta.as_strided(meta.size(), meta.stride(), meta.storage_offset())
+
+
+def real_view(base: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The view of the real allocation ``base`` (of the store's alloc shape) that ``meta`` describes."""
+    flat = base.reshape(-1) if base.is_contiguous() else base
+    if meta.dtype != base.dtype:
+        flat = flat.view(meta.dtype)
+    return flat.as_strided(meta.size(), meta.stride(), flat.storage_offset() + meta.storage_offset())
+
+
+def is_placeholder(x) -> bool:
+    return isinstance(x, Placeholder)

@@ -1,0 +1,246 @@
+"""``managed_scope``: anchor the long-lived state a ``with`` block builds.
+
+    with gpu_anchor.managed_scope() as scope:
+        model = LlamaForCausalLM(config).to("cuda")
+        engine.kv_cache = {f"layer_{i}": torch.zeros(shape, device="cuda") for i in range(n)}
+    print(scope.report)        # .matched / .created / .conflicts (lists of names)
+
+State machine of one scope (see docs/scope.md):
+
+    OPEN ──(block raises)──────────────────────────────▶ ABANDONED (nothing bound)
+      │ exit
+      ▼
+    NAMED ──(a name conflicts, on_conflict="error")────▶ REFUSED (ConflictError; daemon untouched)
+      │ bound (matched / created / replaced)
+      ▼
+    FILLED (recipes replayed into created objects only; RNG settled)
+      │ placeholders swapped for real tensors
+      ▼
+    BOUND
+"""
+from __future__ import annotations
+
+import base64
+import gc
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_anchor.paths import normalize_device
+
+from . import binding
+from .interception import ScopeMode
+from .naming import access_paths
+from .placeholders import Placeholder, Store
+
+NAMINGS = ("access_path", "allocation_order")
+RNG_KEY = "scope/rng/"
+
+
+@dataclass
+class Report:
+    """What binding did; lists hold names.  ``native``: live state the walk could not name
+    (it got ordinary, non-anchored memory and a warning)."""
+    matched: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    native: list[str] = field(default_factory=list)
+    rng: str = "untouched"          # untouched / journal / replayed / advanced
+    eager_evaluations: int = 0       # placeholder reads that forced a replay inside the block
+    timings_ms: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        t = ", ".join(f"{k} {v:.1f}" for k, v in self.timings_ms.items())
+        return (f"managed_scope: {len(self.matched)} matched, {len(self.created)} created, "
+                f"{len(self.conflicts)} conflicts, {len(self.native)} not anchored; rng {self.rng}; ms: {t}")
+
+
+class ManagedScope:
+    """See :func:`managed_scope`.  ``objects`` maps each anchored name to its tensor (it holds
+    references: clear it, or drop the scope, to let the program free objects)."""
+
+    def __init__(self, namespace: str | None = None, on_conflict: str = "error", naming: str = "access_path") -> None:
+        if on_conflict not in ("error", "replace"):
+            raise ValueError(f"on_conflict must be 'error' or 'replace', got {on_conflict!r}")
+        if naming not in NAMINGS:
+            raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+        if namespace is not None and (not isinstance(namespace, str) or not namespace):
+            raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
+        self.namespace = namespace if namespace is not None else os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
+        self.on_conflict = on_conflict
+        self.naming = naming
+        self.report = Report()
+        self.objects: dict[str, torch.Tensor] = {}
+        self._mode: ScopeMode | None = None
+        self._anchored: dict[str, object] = {}
+        self._state = "new"
+
+    # ------------------------------------------------------------------ devices
+    def _client(self, device: str):
+        if device not in self._anchored:
+            self._anchored[device] = binding.client_for(device, self.namespace)
+        return self._anchored[device]
+
+    def _is_anchored(self, device: str) -> bool:
+        try:
+            return self._client(normalize_device(device)) is not None
+        except ValueError:
+            return False
+
+    # ------------------------------------------------------------------ with
+    def __enter__(self) -> "ManagedScope":
+        if self._state != "new":
+            raise RuntimeError("a managed_scope object can be entered once")
+        self._mode = ScopeMode(self._is_anchored)
+        self._mode.__enter__()
+        self._state = "open"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        mode = self._mode
+        mode.__exit__(None, None, None)
+        if exc_type is not None:
+            self._state = "abandoned"
+            for s in mode.stores:
+                s.tensors.clear()
+            return False
+        frame = sys._getframe(1)
+        roots = dict(frame.f_locals)
+        del frame
+        try:
+            self._finish(roots)
+        finally:
+            roots.clear()
+            self._mode = None
+        return False
+
+    # ------------------------------------------------------------------ exit
+    def _finish(self, roots: dict) -> None:
+        t0 = time.perf_counter()
+        mode, rep = self._mode, self.report
+        rep.eager_evaluations = mode.eager_evaluations
+        stores = mode.stores
+        live = [s for s in stores if binding.alive(s)]
+        named = self._name(live, roots)
+        roots.clear()
+        t1 = time.perf_counter()
+        orphans = [s for s in live if s.name is None]
+        if orphans:
+            gc.collect()
+            orphans = [s for s in orphans if binding.alive(s)]
+            if orphans:
+                warnings.warn(
+                    f"managed_scope: {len(orphans)} tensor(s) made in the scope are alive but not reachable from "
+                    "the scope's local variables, so they get ordinary (non-anchored) memory; keep them in a "
+                    "variable, attribute or container of the block's frame to anchor them", stacklevel=3)
+                for s in orphans:
+                    s.status = "native"
+        by_client: dict = {}
+        for s in named:
+            by_client.setdefault(self._client(s.device), []).append(s)
+        try:
+            conflicts = binding.bind(by_client, self.on_conflict)
+        except Exception:
+            self._state = "refused"
+            for s in stores:
+                s.tensors.clear()
+            raise
+        rep.conflicts = [c.get("name") for c in conflicts]
+        t2 = time.perf_counter()
+        created = [s for s in named if s.status == "created"] + orphans
+        self._settle(created, [c for c in by_client])
+        t3 = time.perf_counter()
+        for s in named + orphans:
+            binding.swap_in(s, s.real)
+            if s.status != "native":
+                (rep.matched if s.status == "matched" else rep.created).append(s.name)
+                self.objects[s.name] = s.real  # the whole allocation
+            else:
+                rep.native.append(f"#{s.index} {list(s.shape)}")
+            s.real = None
+        for s in stores:
+            s.tensors.clear()
+        t4 = time.perf_counter()
+        rep.timings_ms = {"naming": 1e3 * (t1 - t0), "bind": 1e3 * (t2 - t1), "replay": 1e3 * (t3 - t2),
+                          "swap": 1e3 * (t4 - t3), "total": 1e3 * (t4 - t0)}
+        self._state = "bound"
+
+    def _name(self, live: list[Store], roots: dict) -> list[Store]:
+        if self.naming == "allocation_order":
+            for s in live:
+                s.name = f"alloc[{s.index}]"
+            return list(live)
+        live_ids = {id(s) for s in live}
+        missing = [len(live)]
+        fallback: dict[int, str] = {}
+
+        def found(path, t) -> bool:
+            s = t._ga_store
+            if s.name is not None or id(s) not in live_ids:
+                return False
+            m, b = t._ga_meta, s.meta
+            if m.dtype == b.dtype and m.shape == b.shape and m.stride() == b.stride() and m.storage_offset() == 0:
+                s.name = path
+                missing[0] -= 1
+            else:
+                fallback.setdefault(id(s), path + "@base")
+            return missing[0] == 0
+
+        clean = {k: v for k, v in roots.items() if not isinstance(v, ManagedScope)}
+        if live:
+            access_paths(clean, want=lambda t: isinstance(t, Placeholder), found=found)
+        for s in live:
+            if s.name is None and id(s) in fallback:
+                s.name = fallback[id(s)]
+        return [s for s in live if s.name is not None]
+
+    def _settle(self, created: list[Store], clients: list) -> None:
+        """Fill created objects by replaying their recipes; leave every generator where a run
+        without gpu-anchor would."""
+        rec, rep = self._mode.recorder, self.report
+        fp = rec.fingerprint()
+        journal = sorted(clients, key=lambda c: c.device)[0].journal if clients else None
+        key = RNG_KEY + fp[0] if fp else None
+        if not created:
+            if not rec.has_pending():
+                return
+            if fp and journal is not None:
+                blob = journal.get(key)
+                if blob is not None:
+                    rec.settle_pending({k: base64.b64decode(v) for k, v in json.loads(blob).items()})
+                    rep.rng = "journal"
+                    return
+            rec.flush()
+            rep.rng = "advanced"
+        else:
+            targets = {s: (s.real if s.status != "native" else None) for s in created}
+            out = rec.evaluate(targets, advance_pending=True)
+            for s in created:
+                if s.status == "native":
+                    s.real = out[s]
+            rep.rng = "replayed"
+        if fp and journal is not None:
+            states = {k: base64.b64encode(g.get_state().numpy().tobytes()).decode() for k, g in fp[1].items()}
+            journal.put(key, json.dumps(states).encode())
+
+
+def managed_scope(namespace: str | None = None, on_conflict: str = "error") -> ManagedScope:
+    """Anchor the tensors a ``with`` block creates on devices that have a gpu-anchor daemon.
+
+    Inside the block, tensor creation on an anchored device returns placeholders (right
+    metadata, no memory) and records how each was initialised.  At exit every placeholder
+    still reachable from the block's local variables is named by its access path
+    (``model.layers[3].mlp.up.weight``) and bound: *matched* (the object survived a previous
+    worker: its data is kept, nothing is replayed), *created* (the recorded initialisation
+    is replayed into fresh anchored memory, bit-identical to running without gpu-anchor),
+    or a *conflict* (same name, other dtype/shape: ``on_conflict="error"`` raises
+    ``ConflictError`` and leaves the daemon untouched; ``"replace"`` recreates it).
+
+    ``namespace``: default ``$GPU_ANCHOR_NAMESPACE``, then ``"default"``.
+    """
+    return ManagedScope(namespace, on_conflict)
