@@ -1,0 +1,30 @@
+"""``python -m bench NAME [args]`` runs bench/NAME.py's ``main(argv)``; ``python -m bench list``."""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NOT_SCENARIOS = {"common", "report", "__main__"}
+
+
+def scenarios() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules([HERE]) if m.name not in NOT_SCENARIOS)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print("usage: python -m bench NAME [args]   (NAME: " + ", ".join(scenarios() + ["report"]) + ")")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name != "report" and name not in scenarios():
+        print(f"unknown benchmark {name!r}; known: {', '.join(scenarios())}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"bench.{name}").main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

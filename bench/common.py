@@ -1,0 +1,55 @@
+"""What every benchmark shares: the machine description, timing, and writing results."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "host_cpus": os.cpu_count(), "platform": platform.platform()}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            info["driver"] = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def median_ms(fn, repeat: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def write_result(name: str, result: dict, out_dir: str | None = None) -> str:
+    """Write ``<out_dir>/<name>.json`` (default bench/results) with the machine and the command line."""
+    out_dir = out_dir or os.environ.get("GPU_ANCHOR_BENCH_OUT") or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    payload = {"benchmark": name, "command": " ".join(sys.argv), "machine": machine(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **result}
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    return path
