@@ -64,7 +64,8 @@ def cmd_run(args) -> int:
 
 
 def add_torchrun_parser(sub) -> argparse.ArgumentParser:
-    t = sub.add_parser("torchrun", add_help=False,
+    # prefix_chars: every argument (torchrun's own options included) goes to torchrun.main untouched
+    t = sub.add_parser("torchrun", add_help=False, prefix_chars="\x00",
                        help="torch.distributed.run with this node's daemons started and workers reattaching",
                        description="gpu-anchor torchrun [gpu-anchor options] [torchrun options] script.py ARGS")
     t.add_argument("args", nargs=argparse.REMAINDER)

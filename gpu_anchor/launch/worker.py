@@ -26,9 +26,14 @@ def restore_if_asked() -> None:
     spec = os.environ.get(RESTORE_ENV)
     if not spec:
         return
-    directory, _, step = spec.rpartition(":")
     from . import snapshot
     import torch
+    if spec.startswith("auto:"):
+        directory, step = spec[5:], _auto_step(spec[5:])
+        if step is None:
+            return
+    else:
+        directory, _, step = spec.rpartition(":")
     t0 = time.time()
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     # every recorded GPU of this rank goes to the GPU this rank now runs on
@@ -39,6 +44,23 @@ def restore_if_asked() -> None:
         raise RuntimeError(f"checkpoint step {step} of rank {rank} holds GPU state but no GPU is visible")
     stats = snapshot.restore(directory, int(step), rank, device_map)
     events.mark("restored", step=int(step), seconds=time.time() - t0, files=stats)
+
+
+def _auto_step(directory: str) -> int | None:
+    """Under torchrun: the checkpoint to restore if this rank's daemons hold no committed step."""
+    from gpu_anchor.paths import default_socket
+    from . import health, snapshot_paths
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    ns = os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
+    import torch
+    checks = [("cpu", f"{ns}/rank{os.environ.get('RANK', '0')}" if world > 1 else ns)]
+    if torch.cuda.is_available():
+        checks.append((f"cuda:{local}", ns))
+    for device, namespace in checks:
+        view = health.read_namespace(device, default_socket(device), namespace)
+        if view is not None and view["step"] is not None:
+            return None
+    return snapshot_paths.latest_complete(directory, world)
 
 
 def _recorded_devices(snapshot, directory: str, step: int, rank: int) -> list[str]:

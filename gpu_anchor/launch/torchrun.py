@@ -1,0 +1,92 @@
+"""``gpu-anchor torchrun``: this node's daemons + torch's own elastic launcher.
+
+    gpu-anchor torchrun [--namespace NS] [--keep-daemons] [--checkpoint-dir D --checkpoint-every N]
+                        [--device-type auto|cuda|cpu]  <torchrun options>  train.py ARGS
+
+Torch elastic does the rendezvous (c10d, etcd, ...) and the restarts
+(``--max-restarts``); gpu-anchor adds what torchrun lacks: the daemons (started
+or reused here, one per local GPU plus the host daemon, kept up across elastic
+restarts, re-started by a watcher if one dies) and the worker bootstrap
+(``python -m gpu_anchor.launch.worker train.py ...``) so a restarted worker
+reattaches — and, if its namespaces hold no committed step while a complete
+checkpoint exists, restores that checkpoint first (``GPU_ANCHOR_RESTORE=auto:DIR``).
+Run one per node, as with torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from gpu_anchor.paths import socket_dir
+
+from . import daemons as daemons_mod
+from .snapshot_paths import DIR_ENV, EVERY_ENV, KEEP_ENV, RESTORE_ENV
+
+
+def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="gpu-anchor torchrun", add_help=False)
+    p.add_argument("--namespace")
+    p.add_argument("--keep-daemons", action="store_true")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-keep", type=int, default=2)
+    p.add_argument("--device-type", default="auto", choices=["auto", "cuda", "cpu"])
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    ours, rest = _split(argv)
+    from torch.distributed import run as trun
+    args = trun.get_args_parser().parse_args(rest)
+    if args.no_python:
+        raise SystemExit("gpu-anchor torchrun: --no-python is not supported (the worker bootstrap is Python)")
+    target = (["-m", args.training_script] if args.module else [args.training_script]) + list(args.training_script_args)
+    stem = os.path.splitext(os.path.basename(args.training_script))[0]
+    namespace = ours.namespace or os.environ.get("GPU_ANCHOR_NAMESPACE") or f"job-{stem}"
+    nproc = trun.determine_local_world_size(args.nproc_per_node)
+    devices = daemons_mod.local_devices(ours.device_type, nproc)
+
+    env = {"GPU_ANCHOR_NAMESPACE": namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir()}
+    if ours.checkpoint_dir:
+        d = os.path.abspath(ours.checkpoint_dir)
+        env[RESTORE_ENV] = f"auto:{d}"
+        if ours.checkpoint_every:
+            env.update({DIR_ENV: d, EVERY_ENV: str(ours.checkpoint_every), KEEP_ENV: str(ours.checkpoint_keep)})
+    os.environ.update(env)  # torch elastic passes its environment on to the workers
+
+    log = lambda m: print(f"[gpu-anchor] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    dm = daemons_mod.JobDaemons(devices, namespace, ours.keep_daemons, log)
+    dm.ensure()
+    stop = threading.Event()
+
+    def watch():  # a dead daemon is replaced so that elastic's next restart can restore into it
+        while not stop.wait(1.0):
+            alive, _, problems = dm.check()
+            if not alive:
+                log(f"daemon problem ({'; '.join(problems)}): starting a fresh one; workers will restore "
+                    "from the checkpoint on their next start")
+                dm.replace_dead()
+    threading.Thread(target=watch, name="gpu-anchor-daemon-watch", daemon=True).start()
+
+    args.module = True
+    args.training_script = "gpu_anchor.launch.worker"
+    args.training_script_args = target
+    ok = False
+    try:
+        trun.run(args)
+        ok = True
+        return 0
+    except Exception as e:  # ChildFailedError: torch elastic already printed the details
+        log(f"torchrun failed: {type(e).__name__}; anchored state kept in namespace {namespace!r}")
+        dm.keep = True
+        return 1
+    finally:
+        stop.set()
+        if ok and not ours.keep_daemons:
+            dm.drop_namespace()
+        dm.stop()

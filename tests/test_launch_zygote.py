@@ -1,0 +1,99 @@
+"""The warm-worker server: forks repeatedly, each worker correct and isolated,
+exits reported with their code or signal."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from gpu_anchor.launch.zygote import Zygote
+
+WORKER = r'''
+import json, os, sys, torch
+torch.manual_seed(int(os.environ["SEED"]))
+a = torch.randn(64, 64, dtype=torch.float64)
+out = {"pid": os.getpid(), "argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("MARK"),
+       "sum": float((a @ a).sum()), "threads_ok": torch.get_num_threads() >= 1}
+with open(os.environ["OUT"], "w") as f:
+    json.dump(out, f)
+code = int(os.environ.get("CODE", "0"))
+if code == -1:
+    import time; time.sleep(60)
+sys.exit(code)
+'''
+
+
+def _wait_exit(z: Zygote, pid: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for m in z.messages():
+            if m["pid"] == pid:
+                return m["status"]
+        time.sleep(0.01)
+    raise TimeoutError(pid)
+
+
+@pytest.fixture
+def zygote():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    z = Zygote(sys.executable, ["torch"], env)
+    yield z
+    z.close()
+
+
+def test_fork_server_is_single_threaded_python_and_preloaded(zygote):
+    r = zygote.ready
+    assert r["failed"] == {} and r["threads"] <= 2 and r["preload_s"] > 0
+
+
+def test_forks_repeatedly_and_workers_are_correct(zygote, tmp_path):
+    import torch
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    pids = set()
+    for i in range(6):
+        out = tmp_path / f"out{i}.json"
+        env = {**os.environ, "SEED": str(i), "OUT": str(out), "MARK": f"m{i}", "CODE": str(i % 3)}
+        pid = zygote.spawn([str(script), "--i", str(i)], env, str(tmp_path))
+        assert _wait_exit(zygote, pid) == i % 3
+        res = json.loads(out.read_text())
+        torch.manual_seed(i)
+        a = torch.randn(64, 64, dtype=torch.float64)
+        assert res["sum"] == float((a @ a).sum())      # same maths as a fresh interpreter here
+        assert res["argv"] == ["--i", str(i)] and res["env"] == f"m{i}" and res["cwd"] == str(tmp_path)
+        assert res["pid"] == pid and pid != zygote.proc.pid
+        pids.add(pid)
+    assert len(pids) == 6
+
+
+def test_kill_is_reported_as_a_signal_and_process_group_is_the_worker(zygote, tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "SEED": "0", "OUT": str(tmp_path / "o.json"), "CODE": "-1"}
+    pid = zygote.spawn([str(script)], env, str(tmp_path))
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "o.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.getpgid(pid) == pid
+    os.killpg(pid, signal.SIGKILL)
+    assert _wait_exit(zygote, pid) == -signal.SIGKILL
+
+
+def test_exception_in_user_code_exits_1_with_traceback(zygote, tmp_path, capfd):
+    script = tmp_path / "bad.py"
+    script.write_text("raise ValueError('boom')\n")
+    pid = zygote.spawn([str(script)], dict(os.environ), str(tmp_path))
+    assert _wait_exit(zygote, pid) == 1
+
+
+def test_module_target(zygote, tmp_path):
+    out = tmp_path / "m.txt"
+    pid = zygote.spawn(["-c", f"import sys; open({str(out)!r}, 'w').write(' '.join(sys.argv))", "a", "b"],
+                       dict(os.environ), str(tmp_path))
+    assert _wait_exit(zygote, pid) == 0
+    assert out.read_text() == "-c a b"
