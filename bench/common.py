@@ -47,7 +47,10 @@ def write_result(name: str, result: dict, out_dir: str | None = None) -> str:
     """Write ``<out_dir>/<name>.json`` (default bench/results) with the machine and the command line."""
     out_dir = out_dir or os.environ.get("GPU_ANCHOR_BENCH_OUT") or RESULTS
     os.makedirs(out_dir, exist_ok=True)
-    payload = {"benchmark": name, "command": " ".join(sys.argv), "machine": machine(),
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(os.path.join("bench", "__main__.py")):
+        argv[0] = "python -m bench"
+    payload = {"benchmark": name, "command": " ".join(argv), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **result}
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
