@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 # CPU build on machines without a GPU; on a GPU host set TORCH_SPEC to the build you want.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test test-all test-gpu clean
+.PHONY: venv demo demo-remap test test-all clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
+	$(BIN)/python examples/kill_and_remap.py
+
+demo-remap: venv
 	$(BIN)/python examples/kill_and_remap.py
 
 test: venv
