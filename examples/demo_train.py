@@ -118,6 +118,8 @@ def main(argv=None) -> int:
                 raise RuntimeError(f"rank {rank} at step {step} cannot roll back to {agreed} (other buffer {other})")
             step, live = agreed, 1 - live
     launch.mark("recovered", step=step)
+    if step and rank == 0:
+        print(f"[rank 0] resuming at step {step}", flush=True)
 
     for s in range(step + 1, a.steps + 1):
         if s == a.fail_at_step:

@@ -102,7 +102,7 @@ class JobDaemons:
 
     def stop(self) -> None:
         if self.keep:
-            self.log("daemons kept (--keep-daemons): anchored state stays for the next run")
+            self.log("daemons left running: anchored state stays for the next run")
             return
         for d, proc in list(self.started.items()):
             control.stop(d, self.paths[d])

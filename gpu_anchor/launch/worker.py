@@ -69,23 +69,29 @@ def _recorded_devices(snapshot, directory: str, step: int, rank: int) -> list[st
         return [e["device"] for e in json.load(f)["files"]]
 
 
-def run_target(target: list[str]) -> None:
-    """Run ``target`` as ``python`` would, in this process; raises SystemExit like it."""
+def run_target(target: list[str]) -> dict:
+    """Run ``target`` as ``python`` would, in this process; raises SystemExit like it.
+
+    Returns the script's globals: the caller keeps them until the process ends,
+    because tensors dropped before interpreter shutdown free their anchored objects
+    (a plain ``python script.py`` keeps its globals until shutdown too)."""
     if not target:
         raise SystemExit("gpu-anchor worker: nothing to run")
     if target[0] == "-m":
         sys.argv = [target[1]] + target[2:]
         sys.path.insert(0, os.getcwd())
-        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        return runpy.run_module(target[1], run_name="__main__", alter_sys=True)
     elif target[0] == "-c":
         sys.argv = ["-c"] + target[2:]
         sys.path.insert(0, "")
-        exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__"})
+        g = {"__name__": "__main__"}
+        exec(compile(target[1], "<string>", "exec"), g)
+        return g
     else:
         script = target[0]
         sys.argv = list(target)
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+        return runpy.run_path(script, run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> None:

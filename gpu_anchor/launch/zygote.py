@@ -50,6 +50,9 @@ def os_threads() -> int:
 def _child(sock: socket.socket, req: dict) -> None:
     """In the forked worker: never returns."""
     code = 1
+    # Held until os._exit: the script's globals and the frames of an exception.
+    # Letting them die here would free their anchored objects (see worker.run_target).
+    keep = None
     try:
         sock.close()
         signal.set_wakeup_fd(-1)
@@ -64,13 +67,15 @@ def _child(sock: socket.socket, req: dict) -> None:
         from . import events, worker
         events.mark("user_code", how="warm")
         worker.restore_if_asked()
-        worker.run_target(req["target"])
+        keep = worker.run_target(req["target"])
         code = 0
     except SystemExit as e:
+        keep = e
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
-    except BaseException:
+    except BaseException as e:
+        keep = e
         import traceback
         traceback.print_exc()
         code = 1
