@@ -56,3 +56,66 @@ def write_result(name: str, result: dict, out_dir: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     return path
+
+
+# ---------------------------------------------------------------- shared by the scenarios
+
+class private_daemon:
+    """``with private_daemon("cuda:0") as sockdir:`` — a gpu-anchor daemon of our own.
+
+    Sets ``GPU_ANCHOR_SOCKET_DIR`` to a fresh directory (inherited by worker processes)
+    so a benchmark never touches a user's daemon; stops it on exit.
+    """
+
+    def __init__(self, *devices: str) -> None:
+        self.devices = devices
+
+    def __enter__(self) -> str:
+        import tempfile
+
+        from gpu_anchor.daemon import control
+        self._old = os.environ.get("GPU_ANCHOR_SOCKET_DIR")
+        self.dir = tempfile.mkdtemp(prefix="ga-bench-")
+        os.environ["GPU_ANCHOR_SOCKET_DIR"] = self.dir
+        for d in self.devices:
+            control.start(d)
+        return self.dir
+
+    def __exit__(self, *exc) -> None:
+        from gpu_anchor.daemon import control
+        for d in self.devices:
+            try:
+                control.stop(d)
+            except Exception:
+                pass
+        if self._old is None:
+            os.environ.pop("GPU_ANCHOR_SOCKET_DIR", None)
+        else:
+            os.environ["GPU_ANCHOR_SOCKET_DIR"] = self._old
+
+
+def default_device(device: str | None) -> str:
+    if device:
+        return device
+    import torch
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def speedup(value: float | None, best: float | None) -> str:
+    """``best / value`` as "4.2×" (how many times better than the strongest baseline)."""
+    if value is None or best is None or value <= 0:
+        return "—"
+    r = best / value
+    return f"{r:.3g}×" if r < 1e4 else f"{r:.3e}×"
+
+
+def verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("met" if ok else "**MISSED**")
+
+
+def fmt_s(v: float | None, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    if v < 0.01:
+        return f"{v * 1e3:.2f} ms"
+    return f"{v:.{digits}g} s"
