@@ -1,0 +1,385 @@
+"""Concurrent checkpoint of a job's anchored objects + journal while the job runs.
+
+    tracker = WriteSetTracker()
+    ckpt = ConcurrentCheckpointer([client], directory, tracker)
+    with tracker:
+        for step in ...:
+            train_step(); client.journal.commit({"gpu_anchor/step": b"%d" % step})
+            ckpt.boundary(step)            # starts a due checkpoint, completes one in flight
+    ckpt.finish()
+
+Contract: call ``start``/``boundary`` only at a consistent point (a committed step:
+nothing in flight that writes anchored state), and keep ``tracker`` active around
+everything that may write anchored objects while a checkpoint is in flight.
+
+Two policies (PhoenixOS §4), chosen per checkpoint and reported:
+
+* **soft copy-on-write** (``cow``) — the checkpoint is the state at ``start``.  A
+  background copier (a thread; on CUDA a low-priority side stream) moves every
+  object to pinned host staging.  Before an op writes an object not yet copied,
+  that object is copied first, on the op's thread at top priority: on CUDA into a
+  GPU-side buffer when the budget allows (drained to host later), else straight to
+  host.  Invariant: every staged object equals its value at ``start``.
+* **soft recopy** (``recopy``) — copies without ever blocking an op; objects written
+  after (or while) their copy started are *dirty*.  The checkpoint is the state at
+  the boundary where the background copy is found finished: only the dirty objects
+  are recopied there, with the job paused.  Invariant: staged = value at that
+  boundary.  Cheap when little is written per step (inference: weights, append-only
+  KV), no better than stop-the-world when everything is (training).
+
+``policy="auto"`` picks ``recopy`` when the bytes written per step (measured by the
+tracker during the previous checkpoint, or ``expected_dirty_fraction``) are below
+``recopy_threshold`` of the total, else ``cow``.  With a ``Validator`` attached, an
+undeclared write during the flight marks the checkpoint invalid; it is not written,
+the op is then treated as writing all its inputs, and the checkpoint is retaken at
+the next boundary.  Files: ``gpu_anchor.launch.snapshot`` layout (safetensors +
+manifest + COMMITTED), so ``snapshot.restore`` and the supervisor read them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_anchor.client import mapping
+from gpu_anchor.launch import snapshot
+
+from .transfer import TransferQueue
+from .writeset import Recorder, WriteSetTracker
+
+TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
+POLICIES = ("auto", "cow", "recopy", "stw")
+
+
+@dataclass
+class CheckpointResult:
+    step: int
+    policy: str
+    reason: str
+    valid: bool = True
+    started_at: int = 0
+    stall_s: float = 0.0
+    seconds: float = 0.0
+    bytes: int = 0
+    objects: int = 0
+    cow_foreground: list = field(default_factory=list)
+    gpu_buffered: int = 0
+    recopied: list = field(default_factory=list)
+    misses: list = field(default_factory=list)
+    path: str | None = None
+
+
+class _Flight:
+    def __init__(self, step, policy, reason, entries, staging, journals):
+        self.result = CheckpointResult(step=step, policy=policy, reason=reason, started_at=step)
+        self.entries = entries          # key -> (client index, object name, live tensor)
+        self.staging = staging          # key -> host tensor
+        self.journals = journals        # per client: dict
+        self.gpu_buffers: dict[str, torch.Tensor] = {}
+        self.dirty: set[str] = set()
+        self.queue: TransferQueue | None = None
+        self.t0 = time.perf_counter()
+
+
+class ConcurrentCheckpointer:
+    wants_touched = False
+
+    def __init__(self, clients, directory: str, tracker: WriteSetTracker, policy: str = "auto", *,
+                 recopy_threshold: float = 0.25, expected_dirty_fraction: float | None = None,
+                 gpu_buffer_fraction: float = 0.5, validator=None, rank: int | None = None,
+                 world: int | None = None, throttle_s: float | None = None, write: bool = True) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+        if not 0.0 <= recopy_threshold <= 1.0:
+            raise ValueError("recopy_threshold is a fraction of the checkpointed bytes (0..1)")
+        self.clients = list(clients)
+        if not self.clients:
+            raise ValueError("give at least one client whose namespace to checkpoint")
+        self.directory, self.tracker, self.policy = directory, tracker, policy
+        self.recopy_threshold, self.expected_dirty_fraction = recopy_threshold, expected_dirty_fraction
+        self.gpu_buffer_fraction = gpu_buffer_fraction
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+        env = os.environ.get("GPU_ANCHOR_CKPT_THROTTLE_S", "0") or 0
+        self.throttle_s = float(env) if throttle_s is None else throttle_s
+        self.write_files = write
+        self.recorder = Recorder(tracker)
+        self.results: list[CheckpointResult] = []
+        self.retake_pending = False
+        self._flight: _Flight | None = None
+        self._writer: threading.Thread | None = None
+        self._writer_error: list[BaseException] = []
+        self._staging_cache: dict[tuple, torch.Tensor] = {}
+        self._stream = None
+        self._gpu_budget = 0
+        self.validator = validator
+        if validator is not None:
+            validator.on_miss.append(self._on_miss)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def start(self, step: int, policy: str | None = None) -> str:
+        """Begin a checkpoint of the state at this consistent point; returns the policy used."""
+        if self._flight is not None:
+            raise RuntimeError(f"a checkpoint (step {self._flight.result.step}) is still in flight; "
+                               "call boundary()/finish() first")
+        self._wait_writer()
+        t0 = time.perf_counter()
+        entries = self._enumerate()
+        total = sum(t.numel() * t.element_size() for _, _, t in entries.values())
+        policy, reason = self._choose(policy or self.policy, total)
+        staging = {k: self._staging(k, t) for k, (_, _, t) in entries.items()}
+        journals = [c.journal.get_many() for c in self.clients]
+        fl = self._flight = _Flight(step, policy, reason, entries, staging, journals)
+        fl.result.objects, fl.result.bytes = len(entries), total
+        cuda = any(t.is_cuda for _, _, t in entries.values())
+        if cuda:
+            self._stream = self._stream or torch.cuda.Stream(priority=0)  # 0 = the lowest priority
+            self._stream.wait_stream(torch.cuda.current_stream())       # copies start after the consistent point
+            free = torch.cuda.mem_get_info()[0]
+            self._gpu_budget = int(free * self.gpu_buffer_fraction)
+        self.recorder.first_touch.clear()
+        self.recorder._touched.clear()
+        self.recorder.group_written.clear()
+        if policy == "stw":
+            for k in entries:
+                self._copy(k, False)
+            self._sync()
+            fl.result.stall_s = time.perf_counter() - t0
+            self._complete(step)
+            return policy
+        fl.queue = TransferQueue(list(entries), self._move, throttle_s=self.throttle_s)
+        self.tracker.add_listener(self)
+        self.tracker.add_listener(self.recorder)
+        fl.queue.start()
+        fl.result.stall_s += time.perf_counter() - t0
+        return policy
+
+    def boundary(self, step: int, due: bool = False) -> CheckpointResult | None:
+        """Call at every committed step boundary: completes a finished flight (recopy: at
+        this step), retakes an invalid one, starts one if ``due``.  Returns a completed result."""
+        done = None
+        fl = self._flight
+        if fl is not None and fl.queue.done():
+            done = self._complete(step)
+        elif fl is not None:
+            self.recorder.close_group()
+        if self._flight is None and (due or self.retake_pending):
+            self.retake_pending = False
+            self.start(step)
+        return done
+
+    def finish(self, step: int | None = None) -> CheckpointResult | None:
+        """Block until the in-flight checkpoint is complete and written.  For ``recopy``
+        the job must be at a consistent point: ``step`` is that boundary's step."""
+        fl = self._flight
+        if fl is None:
+            self._wait_writer()
+            return self.results[-1] if self.results else None
+        if fl.result.policy == "recopy" and step is None:
+            raise ValueError("finishing a soft-recopy checkpoint needs the current committed step")
+        t0 = time.perf_counter()
+        fl.queue.join()
+        if fl.result.policy == "recopy":
+            fl.result.stall_s += time.perf_counter() - t0  # the job waits here
+        res = self._complete(step if step is not None else fl.result.step)
+        self._wait_writer()
+        return res
+
+    def stop_the_world(self, step: int) -> CheckpointResult:
+        """Synchronous copy of everything (the baseline), written like the others."""
+        self.start(step, policy="stw")
+        self._wait_writer()
+        return self.results[-1]
+
+    def close(self) -> None:
+        if self._flight is not None and self._flight.queue is not None:
+            self._flight.queue.stop()
+            self._detach()
+            self._flight = None
+        self._wait_writer()
+
+    # ------------------------------------------------------------------ listener
+    def before_op(self, func, written, touched) -> None:
+        fl = self._flight
+        if fl is None or not written:
+            return
+        if fl.result.policy == "cow":
+            t0 = time.perf_counter()
+            moved = False
+            for n in written:
+                if fl.queue.state.get(n, "done") != "done":
+                    moved = True
+                    fl.queue.ensure(n)
+            if moved:
+                fl.result.stall_s += time.perf_counter() - t0
+        else:
+            self._mark_dirty(fl, written)
+
+    def after_op(self, func, written) -> None:
+        fl = self._flight
+        if fl is not None and fl.result.policy == "recopy" and written:
+            self._mark_dirty(fl, written)  # a copy claimed while the op ran may be torn
+
+    def _mark_dirty(self, fl, written) -> None:
+        for n in written:
+            if n in fl.entries and not fl.queue.is_pending(n):
+                fl.dirty.add(n)
+
+    def _on_miss(self, func, names) -> None:
+        fl = self._flight
+        self.tracker.treat_as_writing(func)
+        if fl is not None:
+            fl.result.valid = False
+            fl.result.misses.append({"op": str(func), "objects": sorted(names)})
+
+    # ------------------------------------------------------------------ copying
+    def _enumerate(self) -> dict:
+        entries = {}
+        for ci, client in enumerate(self.clients):
+            infos = client.objects()
+            bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
+                                "lookup")
+            for b in bound:
+                if b.tensor is None or b.tensor.numel() == 0:
+                    continue
+                key = self.tracker.name_of(b.tensor)
+                if key is None:
+                    key = b.name if len(self.clients) == 1 else f"{client.device}/{b.name}"
+                    self.tracker.register(key, b.tensor)
+                entries[key] = (ci, b.name, b.tensor)
+        return entries
+
+    def _staging(self, key, t) -> torch.Tensor:
+        ck = (key, tuple(t.shape), t.dtype)
+        buf = self._staging_cache.get(ck)
+        if buf is None:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._staging_cache[ck] = buf
+        return buf
+
+    def _move(self, key: str, foreground: bool) -> None:
+        self._copy(key, foreground)
+
+    def _copy(self, key: str, foreground: bool) -> None:
+        fl = self._flight
+        _, _, src = fl.entries[key]
+        dst = fl.staging[key]
+        if not src.is_cuda:
+            with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
+                dst.copy_(src)
+            return
+        nbytes = src.numel() * src.element_size()
+        if foreground:
+            if nbytes <= self._gpu_budget:  # GPU-side copy on the op's stream: ordered before its write
+                self._gpu_budget -= nbytes
+                with torch.utils._python_dispatch._disable_current_modes():
+                    fl.gpu_buffers[key] = src.clone()
+                fl.result.gpu_buffered += 1
+                return
+            dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
+            torch.cuda.current_stream().synchronize()
+            return
+        with torch.cuda.stream(self._stream), torch.utils._python_dispatch._disable_current_modes():
+            dst.copy_(src, non_blocking=True)
+        self._stream.synchronize()
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            torch.cuda.synchronize()
+
+    def _detach(self) -> None:
+        self.tracker.remove_listener(self)
+        self.tracker.remove_listener(self.recorder)
+
+    def _complete(self, step: int) -> CheckpointResult:
+        fl = self._flight
+        res = fl.result
+        if fl.queue is not None:
+            self._detach()
+            fl.queue.join()
+            if res.policy == "cow":
+                res.cow_foreground = list(fl.queue.foreground)
+        if res.policy == "recopy":
+            t0 = time.perf_counter()
+            res.recopied = sorted(fl.dirty)
+            for k in res.recopied:
+                _, _, src = fl.entries[k]
+                with torch.utils._python_dispatch._disable_current_modes():
+                    fl.staging[k].copy_(src)
+            self._sync()
+            fl.journals = [c.journal.get_many() for c in self.clients]  # state at this boundary
+            res.step = step
+            res.stall_s += time.perf_counter() - t0
+        if fl.queue is not None:
+            if self.recorder.group_written:
+                self.recorder.close_group()
+            if self.recorder.bytes_written_last is not None:
+                self._observed = self.recorder.bytes_written_last
+        touch = list(self.recorder.first_touch)
+        self._flight = None
+        res.seconds = time.perf_counter() - fl.t0
+        self.results.append(res)
+        if not res.valid:
+            self.retake_pending = True
+            return res
+        if self.write_files:
+            self._start_writer(fl, touch)
+        return res
+
+    def _observed_or_none(self):
+        return getattr(self, "_observed", None)
+
+    def _choose(self, policy: str, total: int) -> tuple[str, str]:
+        if policy != "auto":
+            return policy, "requested"
+        frac = self.expected_dirty_fraction
+        source = "expected_dirty_fraction"
+        observed = self._observed_or_none()
+        if frac is None and observed is not None and total:
+            frac, source = observed / total, "measured write volume per step"
+        if frac is None:
+            return "cow", "no write-volume estimate yet: copy-on-write is safe for any dirty set"
+        pick = "recopy" if frac < self.recopy_threshold else "cow"
+        return pick, f"dirty fraction {frac:.3f} ({source}) vs threshold {self.recopy_threshold}"
+
+    # ------------------------------------------------------------------ writing
+    def _start_writer(self, fl: _Flight, touch: list[str]) -> None:
+        res = fl.result
+        captured = []
+        for ci, client in enumerate(self.clients):
+            names = {k: n for k, (c, n, _) in fl.entries.items() if c == ci}
+            journal = dict(fl.journals[ci])
+            journal[TOUCH_KEY] = json.dumps([names[k] for k in touch if k in names]).encode()
+            captured.append({"device": client.device, "namespace": client.namespace, "journal": journal,
+                             "tensors": {n: fl.staging[k] for k, n in sorted(names.items(), key=lambda x: x[1])}})
+        buffers = dict(fl.gpu_buffers)
+
+        def run():
+            try:
+                if buffers:  # drain GPU-side copy-on-write buffers on the low-priority stream
+                    with torch.cuda.stream(self._stream):
+                        for k, buf in buffers.items():
+                            fl.staging[k].copy_(buf, non_blocking=True)
+                    self._stream.synchronize()
+                    buffers.clear()
+                    self._gpu_budget = 0
+                res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured)
+            except BaseException as e:
+                self._writer_error.append(e)
+        self._writer = threading.Thread(target=run, name="gpu-anchor-ckpt-writer", daemon=True)
+        self._writer.start()
+
+    def _wait_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error:
+            raise RuntimeError("writing the last checkpoint failed") from self._writer_error.pop()

@@ -1,0 +1,176 @@
+"""On-demand restore: the job runs before its state is back.
+
+    tracker = WriteSetTracker()
+    r = OnDemandRestore(directory, tracker).start()   # objects bound, journal back, nothing loaded yet
+    with tracker:
+        job = build_job(client)                       # binds the same names: all "matched"
+        ... train ...                                 # an op touching an unloaded object loads it first
+    r.wait()                                          # the rest streamed in the background
+
+State machine per object: PENDING → MOVING → DONE (``transfer.TransferQueue``).  The
+background loader walks objects in the order the previous run first touched them
+(recorded by the checkpointer under ``TOUCH_KEY``), then the rest; an op touching a
+PENDING object (read or write) claims it and loads it on its own thread first.
+
+Invariant: no op reads or writes an object before it holds the checkpoint's bytes,
+provided every access goes through aten ops while ``tracker`` is active (code that
+reaches the memory otherwise — NCCL, raw pointers, ``.numpy()`` — must call ``wait``
+or ``ensure`` first).
+
+Crash safety: ``start`` drops the namespaces, binds fresh objects and commits the
+checkpoint's journal together with ``RESTORING_KEY``; ``wait`` deletes that key only
+after every object is loaded.  A worker (or the supervisor) that finds the key knows
+the daemon holds a partial restore (``incomplete``) and restores again.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+import time
+
+import torch
+
+from gpu_anchor.client.client import Client
+from gpu_anchor.launch import snapshot
+from gpu_anchor.launch.snapshot_paths import _manifest, latest_complete, step_dir
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .concurrent import TOUCH_KEY
+from .transfer import TransferQueue
+
+RESTORING_KEY = "gpu_anchor/checkpoint/restoring"
+
+
+def incomplete(client) -> int | None:
+    """The step of an on-demand restore that never finished in this namespace, else None."""
+    v = client.journal.get(RESTORING_KEY)
+    return int(v) if v is not None else None
+
+
+class OnDemandRestore:
+    wants_touched = True
+
+    def __init__(self, directory: str, tracker, step: int | None = None, rank: int | None = None,
+                 device_map: dict | None = None, socket_paths: dict | None = None,
+                 throttle_s: float = 0.0, background: bool = True) -> None:
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.step = latest_complete(directory, world) if step is None else step
+        if self.step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {directory}")
+        self.rdir = os.path.join(step_dir(directory, self.step), f"rank{self.rank}")
+        self.manifest = _manifest(self.rdir)
+        if self.manifest is None:
+            raise FileNotFoundError(f"{self.rdir} is not a complete checkpoint")
+        self.tracker, self.device_map, self.socket_paths = tracker, device_map or {}, socket_paths or {}
+        self.throttle_s, self.background = throttle_s, background
+        self.clients: list[Client] = []
+        self.targets: dict[str, tuple[str, str, torch.Tensor]] = {}  # key -> (file, object name, tensor)
+        self.queue: TransferQueue | None = None
+        self.stats: dict = {}
+        self._local = threading.local()
+        self._stream = None
+        self._done = False
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> "OnDemandRestore":
+        """Bind every object (fresh memory), restore the journal, start loading; returns at once."""
+        t0 = time.perf_counter()
+        many = len(self.manifest["files"]) > 1
+        order: list[str] = []
+        for entry in self.manifest["files"]:
+            device = self.device_map.get(entry["device"], entry["device"])
+            client = Client(device, entry["namespace"], self.socket_paths.get(device))
+            self.clients.append(client)
+            client.drop_namespace()
+            path = os.path.join(self.rdir, entry["file"])
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                specs = []
+                for n in f.keys():
+                    sl = f.get_slice(n)
+                    specs.append((n, tuple(sl.get_shape()), snapshot._torch_dtype(sl.get_dtype())))
+            bound = client.bind(specs, "replace")
+            journal = {k: base64.b64decode(v) for k, v in entry["journal"].items()}
+            touch = json.loads(journal.pop(TOUCH_KEY, b"[]"))
+            keys = {}
+            for b in bound:
+                key = f"{device}/{b.name}" if many else b.name
+                keys[b.name] = key
+                self.targets[key] = (path, b.name, b.tensor)
+                snapshot._held[(device, entry["namespace"], b.name)] = b.tensor  # keep until the job holds them
+                if b.tensor.numel():
+                    self.tracker.register(key, b.tensor)
+            order += [keys[n] for n in touch if n in keys]
+            order += [keys[n] for n in sorted(keys) if keys[n] not in order]
+            if device.startswith("cuda") and self._stream is None:
+                self._stream = torch.cuda.Stream(device=torch.device(device), priority=0)
+            journal[snapshot.RESTORED_KEY] = b"%d" % self.step
+            journal[RESTORING_KEY] = b"%d" % self.step
+            client.journal.commit(journal)
+        self.queue = TransferQueue(order, self._load, name="gpu-anchor-restore", throttle_s=self.throttle_s)
+        self.tracker.add_listener(self)
+        if self.background:
+            self.queue.start()
+        self.stats["start_s"] = time.perf_counter() - t0
+        self._t0 = t0
+        return self
+
+    def ensure(self, *keys: str) -> None:
+        """Load these objects now (for accesses the tracker cannot see)."""
+        for k in keys:
+            self.queue.ensure(k)
+
+    def wait(self) -> dict:
+        """Block until every object is loaded; then mark the restore complete in the journal."""
+        if self._done:
+            return self.stats
+        self.queue.join()
+        self.tracker.remove_listener(self)
+        if self._stream is not None:
+            self._stream.synchronize()
+        for c in self.clients:
+            c.journal.commit(deletes=[RESTORING_KEY])
+        self._done = True
+        self.stats.update(seconds=time.perf_counter() - self._t0, objects=len(self.targets),
+                          on_demand=list(self.queue.foreground), background=list(self.queue.background))
+        return self.stats
+
+    # ------------------------------------------------------------------ listener
+    def before_op(self, func, written, touched) -> None:
+        q = self.queue
+        if not touched or len(q.foreground) + len(q.background) == len(q.state):
+            return
+        for n in touched:
+            if q.state.get(n) not in (None, "done"):
+                q.ensure(n)
+
+    def after_op(self, func, written) -> None:
+        pass
+
+    # ------------------------------------------------------------------ loading
+    def _file(self, path):
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = {}
+        if path not in files:
+            from safetensors import safe_open
+            files[path] = safe_open(path, framework="pt").__enter__()
+        return files[path]
+
+    def _load(self, key: str, foreground: bool) -> None:
+        path, name, dst = self.targets[key]
+        if dst.numel() == 0:
+            return
+        src = self._file(path).get_tensor(name)
+        with _disable_current_modes(), torch.no_grad():
+            if not dst.is_cuda:
+                dst.copy_(src)
+            elif foreground:
+                dst.copy_(src)  # on the op's stream: ordered before the op
+            else:
+                with torch.cuda.stream(self._stream):
+                    dst.copy_(src.pin_memory(), non_blocking=True)
+                self._stream.synchronize()

@@ -1,0 +1,119 @@
+"""Prioritized per-object transfer: a background mover plus foreground "this one, now".
+
+Used by the concurrent checkpointer (device → host staging) and by on-demand
+restore (file → device).  Every object is in one state::
+
+    PENDING ──claim (background, in priority order)──▶ MOVING ──▶ DONE
+    PENDING ──claim (foreground: an op needs it now)──▶ MOVING ──▶ DONE
+
+Invariant: an object is moved exactly once (per queue); ``ensure(name)``
+returns only when ``name`` is DONE, so the op that asked runs after its move.
+A foreground claim moves the object on the calling thread (top priority); if
+the background mover holds it, the caller waits for that one move only.
+``prioritize`` puts names at the front of the background order (the chunk the
+training protocol will write next, tensors about to be written).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+PENDING, MOVING, DONE = "pending", "moving", "done"
+
+
+class TransferQueue:
+    def __init__(self, names, move, name: str = "gpu-anchor-transfer", throttle_s: float = 0.0) -> None:
+        """``move(name, foreground: bool)`` does one object's transfer, synchronously."""
+        self._order: OrderedDict[str, None] = OrderedDict((n, None) for n in names)
+        self.state: dict[str, str] = {n: PENDING for n in self._order}
+        self._move = move
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._thread_name = name
+        self._stop = False
+        self.throttle_s = throttle_s  # tests and benches: widen the in-flight window
+        self.foreground: list[str] = []
+        self.background: list[str] = []
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ background
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    name = next((n for n in self._order if self.state[n] == PENDING), None)
+                    if name is None or self._stop:
+                        return
+                    self.state[name] = MOVING
+                    del self._order[name]
+                try:
+                    self._move(name, False)
+                finally:
+                    with self._cv:
+                        self.state[name] = DONE
+                        self.background.append(name)
+                        self._cv.notify_all()
+                if self.throttle_s:
+                    time.sleep(self.throttle_s)
+        except BaseException as e:  # surfaced by join()
+            self.error = e
+            with self._cv:
+                self._cv.notify_all()
+
+    def prioritize(self, names) -> None:
+        with self._cv:
+            for n in reversed(list(names)):
+                if n in self._order:
+                    self._order.move_to_end(n, last=False)
+
+    # ------------------------------------------------------------------ foreground
+    def ensure(self, name: str) -> bool:
+        """Make ``name`` DONE before returning; True if this call moved it."""
+        with self._cv:
+            st = self.state.get(name)
+            if st is None or st == DONE:
+                return False
+            if st == MOVING:
+                while self.state[name] != DONE and self.error is None:
+                    self._cv.wait()
+                if self.error is not None:
+                    raise RuntimeError("background transfer failed") from self.error
+                return False
+            self.state[name] = MOVING
+            self._order.pop(name, None)
+        try:
+            self._move(name, True)
+        finally:
+            with self._cv:
+                self.state[name] = DONE
+                self.foreground.append(name)
+                self._cv.notify_all()
+        return True
+
+    def done(self) -> bool:
+        with self._cv:
+            return all(s == DONE for s in self.state.values())
+
+    def is_pending(self, name: str) -> bool:
+        return self.state.get(name) == PENDING
+
+    def join(self) -> None:
+        """Wait for every object (moving the rest here if no background thread runs)."""
+        if self._thread is not None:
+            self._thread.join()
+        for n in list(self.state):
+            self.ensure(n)
+        if self.error is not None:
+            raise RuntimeError("background transfer failed") from self.error
+
+    def stop(self) -> None:
+        """Stop the background mover after its current object (abandoning the rest)."""
+        with self._cv:
+            self._stop = True
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,257 @@
+"""Write sets by speculation: which anchored objects is each aten op about to write?
+
+PhoenixOS infers a kernel's buffers from its launch arguments and validates the
+guess with binary instrumentation.  At the PyTorch level the guess is exact for
+every aten op: ``op._schema.arguments[i].alias_info.is_write`` marks each
+argument the op mutates — in-place ``self``, ``out=`` and the tensor lists of
+``_foreach_*_`` ops alike.  What the schema cannot see (a custom op or Triton
+kernel that mutates an input without declaring it, NCCL writing a buffer) is
+caught by ``validation`` and then treated conservatively (every tensor argument
+of such an op counts as written).
+
+One ``WriteSetTracker`` serves every user: the concurrent checkpointer (soft
+copy-on-write / soft recopy), the group copy-on-write guard, on-demand restore
+and validation.  Each registers a *listener*; for every op the tracker calls
+``listener.before_op(func, written, touched)`` before the op runs and
+``listener.after_op(func, written)`` after it, where ``written`` / ``touched``
+are lists of registered object names (``touched`` = every object any tensor
+argument lives in, computed only when some listener sets ``wants_touched``).
+
+Contract: register the objects (``register``/``register_many``) and keep the
+tracker active (``with tracker:``) around all code that may touch them while a
+listener is attached.  Resolution is per object: a write into a view of an
+object counts as a write of the whole object.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _span(t: torch.Tensor) -> tuple[tuple, int, int] | None:
+    """(device key, start, end) of the storage ``t`` lives in; None for meta / storage-less tensors."""
+    if t.device.type == "meta":
+        return None
+    try:
+        st = t.untyped_storage()
+        start, n = st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if start == 0 or n == 0:
+        return None
+    return (t.device.type, t.device.index), start, start + n
+
+
+class ObjectMap:
+    """Registered objects by address range, per device; non-overlapping."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._ranges: dict[tuple, tuple[list[int], list[tuple[int, str]]]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r}: expected a tensor, got {type(tensor).__name__}")
+        if name in self.tensors:
+            self.remove(name)
+        span = _span(tensor)
+        if span is None:
+            raise ValueError(f"{name!r} has no storage (meta or empty tensor) and cannot be tracked")
+        dev, start, end = span
+        starts, items = self._ranges.setdefault(dev, ([], []))
+        i = bisect.bisect_left(starts, start)
+        if (i > 0 and items[i - 1][0] > start) or (i < len(starts) and starts[i] < end):
+            other = items[i - 1][1] if i > 0 and items[i - 1][0] > start else items[i][1]
+            raise ValueError(f"{name!r} overlaps the registered object {other!r}")
+        starts.insert(i, start)
+        items.insert(i, (end, name))
+        self.tensors[name] = tensor
+
+    def remove(self, name: str) -> None:
+        t = self.tensors.pop(name, None)
+        if t is None:
+            return
+        dev, start, _ = _span(t)
+        starts, items = self._ranges[dev]
+        i = bisect.bisect_left(starts, start)
+        del starts[i], items[i]
+
+    def find(self, t: torch.Tensor) -> str | None:
+        span = _span(t)
+        if span is None:
+            return None
+        dev, start, end = span
+        ranges = self._ranges.get(dev)
+        if not ranges:
+            return None
+        starts, items = ranges
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and items[i][0] > start:
+            return items[i][1]
+        if i + 1 < len(starts) and starts[i + 1] < end:  # a storage that starts before an object
+            return items[i + 1][1]
+        return None
+
+
+def _write_slots(func) -> list[tuple[int, str, bool]]:
+    """(position, name, kwarg_only) of every argument the schema says is written."""
+    slots = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            slots.append((i, arg.name, arg.kwarg_only))
+    return slots
+
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func(*args, **kwargs)`` declares it writes (from its schema)."""
+    out = []
+    for i, name, kwarg_only in _slots_cached(func):
+        if not kwarg_only and i < len(args):
+            value = args[i]
+        else:
+            value = kwargs.get(name)
+        out.extend(_tensors_in(value))
+    return out
+
+
+_SLOTS: dict = {}
+
+
+def _slots_cached(func):
+    slots = _SLOTS.get(func)
+    if slots is None:
+        slots = _SLOTS[func] = _write_slots(func) if hasattr(func, "_schema") else []
+    return slots
+
+
+class WriteSetTracker(TorchDispatchMode):
+    """A dispatch mode that tells listeners which registered objects each op writes / touches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.objects = ObjectMap()
+        self.listeners: list = []
+        self.conservative: set[str] = set()  # ops (str(func)) learnt to write undeclared
+        self.ops_seen = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ registry
+    def register(self, name: str, tensor: torch.Tensor) -> None:
+        self.objects.add(name, tensor)
+
+    def register_many(self, tensors: dict[str, torch.Tensor]) -> None:
+        for n, t in tensors.items():
+            self.register(n, t)
+
+    def unregister(self, *names: str) -> None:
+        for n in names:
+            self.objects.remove(n)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.objects.tensors
+
+    def name_of(self, t: torch.Tensor) -> str | None:
+        return self.objects.find(t)
+
+    # ------------------------------------------------------------------ listeners
+    def add_listener(self, listener) -> None:
+        with self._lock:
+            if listener not in self.listeners:
+                self.listeners = self.listeners + [listener]  # copy: the dispatch path reads without a lock
+
+    def remove_listener(self, listener) -> None:
+        with self._lock:
+            self.listeners = [x for x in self.listeners if x is not listener]
+
+    def treat_as_writing(self, func) -> None:
+        """From now on every tensor argument of ``func`` counts as written (after a validation miss)."""
+        self.conservative.add(str(func))
+
+    # ------------------------------------------------------------------ speculation
+    def written(self, func, args, kwargs) -> list[str]:
+        if str(func) in self.conservative:
+            return self.touched(args, kwargs)
+        names = []
+        for t in written_tensors(func, args, kwargs):
+            n = self.objects.find(t)
+            if n is not None and n not in names:
+                names.append(n)
+        return names
+
+    def touched(self, args, kwargs) -> list[str]:
+        names = []
+        for value in list(args) + list(kwargs.values()):
+            for t in _tensors_in(value):
+                n = self.objects.find(t)
+                if n is not None and n not in names:
+                    names.append(n)
+        return names
+
+    def declare_write(self, *names: str, func: str = "declared") -> None:
+        """Announce a write the dispatcher cannot see (NCCL, a raw kernel) before doing it."""
+        for listener in self.listeners:
+            listener.before_op(func, list(names), list(names))
+        for listener in self.listeners:
+            listener.after_op(func, list(names))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        listeners = self.listeners
+        if not listeners or not self.objects.tensors:
+            return func(*args, **kwargs)
+        self.ops_seen += 1
+        written = self.written(func, args, kwargs)
+        touched = self.touched(args, kwargs) if any(getattr(x, "wants_touched", False) for x in listeners) else None
+        for listener in listeners:
+            listener.before_op(func, written, touched)
+        out = func(*args, **kwargs)
+        for listener in listeners:
+            listener.after_op(func, written)
+        return out
+
+
+class Recorder:
+    """A listener that records write sets per group (step) and first-touch order.
+
+    ``bytes_written_last`` (bytes of distinct objects written in the last closed
+    group) feeds the checkpointer's choice between soft copy-on-write and soft recopy.
+    """
+
+    wants_touched = True
+
+    def __init__(self, tracker: WriteSetTracker) -> None:
+        self.tracker = tracker
+        self.group_written: set[str] = set()
+        self.bytes_written_last: int | None = None
+        self.first_touch: list[str] = []
+        self._touched: set[str] = set()
+
+    def before_op(self, func, written, touched) -> None:
+        self.group_written.update(written)
+        for n in touched or ():
+            if n not in self._touched:
+                self._touched.add(n)
+                self.first_touch.append(n)
+
+    def after_op(self, func, written) -> None:
+        pass
+
+    def close_group(self) -> set[str]:
+        """End a group (a step): remember its write volume; returns the names written."""
+        done, self.group_written = self.group_written, set()
+        ts = self.tracker.tensors
+        self.bytes_written_last = sum(ts[n].numel() * ts[n].element_size() for n in done if n in ts)
+        return done
