@@ -129,6 +129,7 @@ class ScopeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if is_suspended():
+            self._flush_for(func, args, kwargs)  # a native random op still needs the true generator position
             return func(*args, **kwargs)
         flat = tree_flatten((args, kwargs))[0]
         has_ph = any(isinstance(x, Placeholder) for x in flat)

@@ -113,6 +113,7 @@ class Recorder:
         self.events: list[Event] = []
         self.ledgers: dict[int, Ledger] = {}
         self.flushes = 0
+        self.executed = 0      # ops actually run (replay, scratch advance, eager reads)
 
     # ------------------------------------------------------------- recording
     def record(self, func, args, kwargs, writes=(), creates=(), gen=None) -> Event:
@@ -225,6 +226,7 @@ class Recorder:
         with torch.no_grad():
             for ev in self.events:
                 if ev.seq in needed:
+                    self.executed += 1
                     out = _run(ev, tree_map(to_real, ev.args), tree_map(to_real, ev.kwargs))
                     if ev.creates:
                         flat = tree_flatten(out)[0]
@@ -235,6 +237,7 @@ class Recorder:
                         if last_use.get(s) == ev.seq and s not in targets:
                             reals.pop(s, None)  # a temporary nobody needs any more
                 elif id(ev) in pending:
+                    self.executed += 1
                     _run(ev, tree_map(to_scratch, ev.args), tree_map(to_scratch, ev.kwargs))
         for gen, cur in rewind:
             gen.set_state(torch.frombuffer(bytearray(cur), dtype=torch.uint8))

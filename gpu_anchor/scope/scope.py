@@ -52,6 +52,7 @@ class Report:
     native: list[str] = field(default_factory=list)
     rng: str = "untouched"          # untouched / journal / replayed / advanced
     eager_evaluations: int = 0       # placeholder reads that forced a replay inside the block
+    replayed_ops: int = 0            # recorded ops actually run (0 on a fully-matching restart)
     timings_ms: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -166,6 +167,7 @@ class ManagedScope:
         for s in stores:
             s.tensors.clear()
         t4 = time.perf_counter()
+        rep.replayed_ops = mode.recorder.executed
         rep.timings_ms = {"naming": 1e3 * (t1 - t0), "bind": 1e3 * (t2 - t1), "replay": 1e3 * (t3 - t2),
                           "swap": 1e3 * (t4 - t3), "total": 1e3 * (t4 - t0)}
         self._state = "bound"
