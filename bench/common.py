@@ -119,3 +119,17 @@ def fmt_s(v: float | None, digits: int = 3) -> str:
     if v < 0.01:
         return f"{v * 1e3:.2f} ms"
     return f"{v:.{digits}g} s"
+
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def plot_path(filename: str) -> tuple[str, str] | None:
+    """(absolute path, path relative to docs/benchmarks.md) for a plot, or None without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    d = os.path.join(DOCS, "img")
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, filename), f"img/{filename}"

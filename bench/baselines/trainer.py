@@ -66,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--wait-persist", action="store_true",
+                   help="wait for each checkpoint's background persistence and report it (recovery benchmark)")
     return p
 
 
@@ -98,13 +100,16 @@ def main(argv=None) -> int:
     while step < args.total and (not args.run_steps or ran < args.run_steps):
         t0 = time.perf_counter()
         loss = train_step(model, opt, step, args.batch, args.seq)
-        lv = float(loss)  # synchronises: the step is complete
+        lv = float(loss.detach())  # synchronises: the step is complete
         step, ran = step + 1, ran + 1
         ev("step", step=step, loss=lv, dt=time.perf_counter() - t0)
         if not anchored and args.ckpt_every and step % args.ckpt_every == 0:
             t0 = time.perf_counter()
             ck.save(model, opt, step)
             ev("saved", step=step, blocking_s=time.perf_counter() - t0, notes=ck.notes)
+            if args.wait_persist:
+                ck.wait()
+                ev("persisted", step=step)
     ck.close()
     ev("done", step=step)
     return 0
