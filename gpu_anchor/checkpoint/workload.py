@@ -96,13 +96,13 @@ class Job:
     def step(self, step: int) -> float:
         """Run step ``step`` (1-based: the first step after a fresh start is 1)."""
         self._step_no = step
+        if self.undeclared is not None:  # first thing in the step, on the object copied last
+            self.undeclared(self.state[sorted(self.state)[-1]], 0.999)
         x, y = self.data(step)
         loss = torch.nn.functional.mse_loss(self.model(x), y)
         loss.backward()
         if not self.in_backward:
             self._update_all()
-        if self.undeclared is not None:
-            self.undeclared(next(iter(self.params.values())), 0.999)
         return float(loss.detach())
 
     def _adam(self, step: int):

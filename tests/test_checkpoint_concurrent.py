@@ -1,0 +1,168 @@
+"""Concurrent checkpoints on a real host daemon: equal, bit for bit, to stop-the-world ones."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+import gpu_anchor
+from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
+from gpu_anchor.checkpoint.validation import Validator
+from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.checkpoint.writeset import WriteSetTracker
+from gpu_anchor.launch.health import STEP_KEY
+from gpu_anchor.launch.snapshot_paths import latest_complete, step_dir
+
+STEPS = 8
+
+
+def read_ckpt(directory, step):
+    rdir = os.path.join(step_dir(directory, step), "rank0")
+    with open(os.path.join(rdir, "manifest.json")) as f:
+        man = json.load(f)
+    (entry,) = man["files"]
+    journal = {k: base64.b64decode(v) for k, v in entry["journal"].items()}
+    return load_file(os.path.join(rdir, entry["file"])), journal
+
+
+def assert_same(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"differ: {bad}"
+
+
+def reference(ns, steps=STEPS, **kw):
+    """Fault-free run; host copies of the state after every step."""
+    job = Job(gpu_anchor.connect("cpu", namespace=ns), **kw)
+    states = {}
+    for s in range(1, steps + 1):
+        job.step(s)
+        job.commit(s)
+        states[s] = job.snapshot()
+    return states
+
+
+def run_with_checkpoint(ns, directory, start_at, policy, throttle_s, validate=False, steps=STEPS, **kw):
+    client = gpu_anchor.connect("cpu", namespace=ns)
+    job = Job(client, **kw)
+    tracker = WriteSetTracker()
+    val = Validator(tracker).attach() if validate else None
+    ckpt = ConcurrentCheckpointer([client], directory, tracker, policy=policy, throttle_s=throttle_s,
+                                  validator=val)
+    done = []
+    with tracker:
+        for s in range(1, steps + 1):
+            job.step(s)
+            job.commit(s)
+            r = ckpt.boundary(s, due=(s == start_at))
+            if r is not None:
+                done.append(r)
+    r = ckpt.finish(steps)
+    if r is not None and (not done or done[-1] is not r):
+        done.append(r)
+    ckpt.close()
+    return done, val
+
+
+def test_cow_checkpoint_equals_stop_the_world(host_daemon, tmp_path):
+    ref = reference("ref")
+    # the baseline: a stop-the-world checkpoint of step 3 in its own run
+    client = gpu_anchor.connect("cpu", namespace="stw")
+    job, tracker = Job(client), WriteSetTracker()
+    stw = ConcurrentCheckpointer([client], str(tmp_path / "stw"), tracker)
+    for s in range(1, 4):
+        job.step(s)
+        job.commit(s)
+    res_stw = stw.stop_the_world(3)
+    assert res_stw.policy == "stw" and res_stw.valid
+
+    results, _ = run_with_checkpoint("job", str(tmp_path / "cc"), 3, "cow", throttle_s=0.02)
+    (res,) = results
+    assert res.policy == "cow" and res.valid and res.step == 3
+    # really concurrent: ops copied some objects first (soft CoW), the copier the others
+    assert res.cow_foreground and len(res.cow_foreground) < res.objects
+    assert res.seconds > 0 and res.stall_s < res.seconds
+    got, journal = read_ckpt(str(tmp_path / "cc"), 3)
+    base, base_journal = read_ckpt(str(tmp_path / "stw"), 3)
+    assert_same(got, base)
+    assert_same(got, ref[3])
+    assert journal[STEP_KEY] == base_journal[STEP_KEY] == b"3"
+    assert json.loads(journal["gpu_anchor/checkpoint/touch_order"]), "first-touch order recorded for restore"
+    assert latest_complete(str(tmp_path / "cc"), 1) == 3
+
+
+def test_recopy_checkpoint_is_the_state_at_its_closing_boundary(host_daemon, tmp_path):
+    ref = reference("ref")
+    results, _ = run_with_checkpoint("job", str(tmp_path / "rc"), 2, "recopy", throttle_s=0.01)
+    (res,) = results
+    assert res.policy == "recopy" and res.valid and res.step > 2
+    assert res.recopied, "training writes every object each step: the dirty set is not empty"
+    assert not res.cow_foreground
+    got, journal = read_ckpt(str(tmp_path / "rc"), res.step)
+    assert_same(got, ref[res.step])
+    assert journal[STEP_KEY] == b"%d" % res.step
+
+
+def test_auto_policy_follows_the_measured_write_volume(host_daemon, tmp_path):
+    """Training writes everything per step → cow; a serving-like job writes a little → recopy."""
+    client = gpu_anchor.connect("cpu", namespace="train")
+    job, tracker = Job(client), WriteSetTracker()
+    ckpt = ConcurrentCheckpointer([client], str(tmp_path / "t"), tracker, throttle_s=0.005)
+    with tracker:
+        for s in range(1, 12):
+            job.step(s)
+            job.commit(s)
+            ckpt.boundary(s, due=s in (2, 8))
+    ckpt.finish(11)
+    assert [r.policy for r in ckpt.results] == ["cow", "cow"]
+    assert "measured" in ckpt.results[1].reason
+
+    # serving-like: big read-only weights, a small cache row written per step
+    sc = gpu_anchor.connect("cpu", namespace="serve")
+    w = sc.tensor("weights", (256, 256))
+    kv = sc.tensor("kv", (16, 256))
+    torch.manual_seed(0)
+    w.copy_(torch.randn(256, 256))
+    tracker = WriteSetTracker()
+    ckpt = ConcurrentCheckpointer([sc], str(tmp_path / "s"), tracker, throttle_s=0.005)
+    states = {}
+    with tracker:
+        for s in range(1, 16):
+            x = torch.randn(1, 256, generator=torch.Generator().manual_seed(s))
+            kv[s].copy_((x @ w).tanh()[0])
+            sc.journal.commit({STEP_KEY: b"%d" % s})
+            states[s] = {"weights": w.clone(), "kv": kv.clone()}
+            ckpt.boundary(s, due=s in (2, 9))
+    ckpt.finish(15)
+    first, second = ckpt.results
+    assert first.policy == "cow" and second.policy == "recopy", [r.reason for r in ckpt.results]
+    assert second.recopied == ["kv"] or second.recopied == []
+    for r in ckpt.results:
+        got, _ = read_ckpt(str(tmp_path / "s"), r.step)
+        assert_same(got, states[r.step])
+
+
+def test_undeclared_write_invalidates_and_retakes(host_daemon, tmp_path):
+    ref = reference("ref", undeclared=True)
+    # negative control: without validation the undeclared write slips past soft CoW
+    results, _ = run_with_checkpoint("blind", str(tmp_path / "blind"), 3, "cow", throttle_s=0.02,
+                                     undeclared=True)
+    (res,) = results
+    assert res.valid  # it does not know
+    got, _ = read_ckpt(str(tmp_path / "blind"), 3)
+    differs = [k for k in got if not torch.equal(got[k], ref[3][k])]
+    assert differs == ["optim.4.weight.exp_avg_sq"], differs
+
+    results, val = run_with_checkpoint("checked", str(tmp_path / "ok"), 3, "cow", throttle_s=0.02,
+                                       validate=True, undeclared=True)
+    bad, retaken = results[0], results[-1]
+    assert not bad.valid and bad.misses[0]["op"] == "gpu_anchor_test.shrink.default"
+    assert "optim.4.weight.exp_avg_sq" in bad.misses[0]["objects"]
+    assert not os.path.exists(step_dir(str(tmp_path / "ok"), 3)), "an invalid checkpoint is never written"
+    assert retaken.valid and retaken.step > 3
+    got, _ = read_ckpt(str(tmp_path / "ok"), retaken.step)
+    assert_same(got, ref[retaken.step])
+    assert val.misses and val.misses[0]["ops"] == ["gpu_anchor_test.shrink.default"]
