@@ -137,6 +137,8 @@ class ScopeMode(TorchDispatchMode):
             if func.is_view:
                 return self._view(func, args, kwargs)
             written = _written(func, args, kwargs)
+            if torch.Tag.inplace_view in func.tags and isinstance(args[0], Placeholder):
+                return self._inplace_view(func, args, kwargs)
             if written:
                 if all(isinstance(w, Placeholder) for w in written):
                     return self._inplace(func, args, kwargs, written)
@@ -219,6 +221,23 @@ class ScopeMode(TorchDispatchMode):
         store = src._ga_store
         flat, spec = tree_flatten(out)
         return tree_unflatten([Placeholder(store, m) if isinstance(m, torch.Tensor) else m for m in flat], spec)
+
+    def _inplace_view(self, func, args, kwargs):
+        """``t_``, ``transpose_``, ``unsqueeze_``, ...: change the placeholder's geometry, not data."""
+        ph = args[0]
+        m = ph._ga_meta
+        mirror = m.as_strided(m.size(), m.stride(), m.storage_offset())
+        func(mirror, *tree_map(_to_meta, args[1:]), **tree_map(_to_meta, kwargs))
+        ph._ga_meta = mirror
+        with torch.utils._mode_utils.no_dispatch():
+            # update the wrapper's own sizes/strides, as torch's return_and_correct_aliasing does
+            was = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                func(*args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(was)
+        return ph
 
     def _inplace(self, func, args, kwargs, written):
         try:
@@ -316,5 +335,5 @@ def _factory_init(name: str, named: dict):
     if name in _RANDN:
         return aten.normal_.default, (0.0, 1.0), {"generator": gen}
     if name in _RANDINT:
-        return aten.random_.from_, (named.get("low", 0), named["high"]), {"generator": gen}
+        return aten.random_.from_ if False else getattr(aten.random_, "from"), (named.get("low", 0), named["high"]), {"generator": gen}
     raise AssertionError(name)
