@@ -260,6 +260,7 @@ class AnchoredOptimizer:
         self.stats["steps"] += 1
 
     def _finish(self, mask, counts, carry) -> None:
+        self.optimizer._opt_called = True   # the step did happen (schedulers warn otherwise)
         for sch in self.schedulers:
             sch.step()
         new_counts = [c + (1 if m else 0) for c, m in zip(counts, mask)]

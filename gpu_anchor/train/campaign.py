@@ -1,0 +1,229 @@
+"""SIGKILL campaigns against the step protocol on a tiny CPU model (tests and bench).
+
+A *run* trains ``steps`` iterations of a small MLP (dropout, two param groups, LR
+warm-up scheduler, a ``loop_state`` counter) in its own namespace of a host daemon.
+Workers are forked from the calling interpreter (torch already imported, so a
+restart costs milliseconds) and killed either at named protocol points
+(``faults.arm``) or by the parent at random instants; each new worker resumes at
+``opt.completed_steps``.  Every worker logs ``step loss`` (exact float bits) before
+its ``opt.step()``; a replayed iteration logs again and must log the same bits.
+
+``compare(ns_a, ns_b)`` checks every anchored object of two namespaces bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import gpu_anchor
+
+from . import faults
+from .anchor import anchor_module
+from .optimizer import AnchoredOptimizer
+
+D_IN, HIDDEN, D_OUT, BATCH = 24, 48, 8, 16
+
+
+@dataclass
+class RunConfig:
+    steps: int = 12
+    optimizer: str = "adamw"        # adamw | adam | sgd
+    flavour: str = "default"        # default | foreach | single | fused
+    chunk_bytes: int = 16 << 10
+    seed: int = 1234
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.LayerNorm(HIDDEN), torch.nn.GELU(),
+                               torch.nn.Dropout(0.1), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
+                               torch.nn.Linear(HIDDEN, D_OUT))
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
+    other = [p for n, p in model.named_parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    kw = {"default": {}, "foreach": {"foreach": True}, "single": {"foreach": False}, "fused": {"fused": True}}[cfg.flavour]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=3e-3, **kw)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=3e-3, amsgrad=True, **kw)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=3e-2, momentum=0.9, dampening=0.1, nesterov=False, **kw)
+    raise ValueError(cfg.optimizer)
+
+
+def batch(step: int, seed: int):
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    x = torch.randn(BATCH, D_IN, generator=g)
+    return x, torch.sin(x[:, :D_OUT] * 2.0) + 0.1 * torch.randn(BATCH, D_OUT, generator=g)
+
+
+def _log(fd: int, step: int, loss: torch.Tensor) -> None:
+    os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}\n".encode())
+
+
+def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = None) -> int:
+    """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
+    faults.arm(fault)
+    client = gpu_anchor.connect("cpu", namespace=namespace)
+    model = build_model(cfg.seed)
+    anchor_module(model, client)
+    inner = build_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
+    opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched])
+    start = opt.completed_steps
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for step in range(start, cfg.steps):
+            x, y = batch(step, cfg.seed)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.loop_state["samples"] = opt.loop_state.get("samples", 0) + BATCH
+            _log(fd, step, loss)
+            opt.step()
+            opt.zero_grad()
+        os.write(fd, f"done {opt.loop_state.get('samples', 0)} {opt.completed_steps}\n".encode())
+    finally:
+        os.close(fd)
+    return start
+
+
+_warm = False
+
+
+def prewarm(cfg: RunConfig) -> None:
+    """Run one plain step here so torch's lazy imports happen before any fork."""
+    global _warm
+    if _warm:
+        return
+    # An OpenMP thread team that existed at fork time deadlocks the child's first parallel
+    # op (libgomp is not fork-safe): keep the forking interpreter single-threaded.
+    torch.set_num_threads(1)
+    model = build_model(cfg.seed)
+    opt = build_optimizer(model, cfg)
+    torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    x, y = batch(0, cfg.seed)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    _warm = True
+
+
+def _child(fn, *args) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            fn(*args)
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+@dataclass
+class RunResult:
+    kills: int = 0
+    workers: int = 0
+    in_flight_at_kill: int = 0     # kills that left a step in flight (recovered by redo)
+    rollbacks: int = 0             # ... of which needed the undo slot (a chunk half done or unknown)
+    wall_s: float = 0.0
+    log: str = ""
+    starts: list = field(default_factory=list)
+
+
+def _journal_state(client, prefix="train"):
+    from .protocol import StepState, key
+    return StepState.decode(client.journal.get(key(prefix, "state")))
+
+
+def run(namespace: str, cfg: RunConfig, log_path: str, faults_seq=(), random_kills: int = 0,
+        max_delay_s: float = 0.05, rng: random.Random | None = None, client=None) -> RunResult:
+    """Train to the end in ``namespace``, killing workers: first at each spec of
+    ``faults_seq`` (one per worker), then up to ``random_kills`` times at random
+    instants (fewer if training ends first).  ``client`` (same namespace) lets the
+    result count kills that left a step in flight."""
+    rng = rng or random.Random(0)
+    prewarm(cfg)
+    res = RunResult()
+    t0 = time.perf_counter()
+    fixed = list(faults_seq)
+    left = random_kills
+    while True:
+        spec = fixed.pop(0) if fixed else None
+        pid = _child(train, namespace, cfg, log_path, spec)
+        res.workers += 1
+        if spec is None and left > 0:
+            time.sleep(rng.uniform(0, max_delay_s))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        code = _wait(pid)
+        if code == -signal.SIGKILL:
+            res.kills += 1
+            left -= spec is None
+            if client is not None:
+                st = _journal_state(client)
+                res.in_flight_at_kill += st.in_flight
+                res.rollbacks += st.in_flight and st.undo == st.cursor
+            continue
+        if code != 0:
+            raise RuntimeError(f"worker exited with {code} (fault {spec})")
+        if spec is not None:
+            raise RuntimeError(f"fault point {spec} was never reached")
+        break   # training finished (the remaining random kills, if any, came too late)
+    res.wall_s = time.perf_counter() - t0
+    with open(log_path) as f:
+        res.log = f.read()
+    return res
+
+
+def trajectory(log: str) -> tuple[dict[int, str], str | None]:
+    """``{step: loss bits}`` from a worker log; raises if a replayed step logged other bits."""
+    out: dict[int, str] = {}
+    done = None
+    for line in log.splitlines():
+        a, b = line.split(" ", 1)
+        if a == "done":
+            done = b
+            continue
+        s = int(a)
+        if s in out and out[s] != b:
+            raise AssertionError(f"step {s} replayed with a different loss: {out[s]} vs {b}")
+        out[s] = b
+    return out, done
+
+
+def compare(client_a, client_b, skip_prefixes=("train.undo.",)) -> list[str]:
+    """Names whose contents differ (or exist on one side only) between two namespaces."""
+    from gpu_anchor.client.mapping import torch_dtype
+    a, b = client_a.objects(), client_b.objects()
+    keep = lambda names: {n for n in names if not n.startswith(skip_prefixes)}  # noqa: E731
+    bad = sorted(keep(a) ^ keep(b))
+    names = sorted(keep(a) & keep(b))
+    ta = client_a.bind([(n, a[n].shape, torch_dtype(a[n].dtype)) for n in names], "lookup")
+    tb = client_b.bind([(n, b[n].shape, torch_dtype(b[n].dtype)) for n in names], "lookup")
+    for n, x, y in zip(names, ta, tb):
+        if x.tensor is None or y.tensor is None or not torch.equal(x.tensor, y.tensor):
+            bad.append(n)
+    return bad

@@ -1,0 +1,161 @@
+"""AnchoredOptimizer against plain PyTorch, in one process with a real host daemon."""
+import pytest
+import torch
+
+import gpu_anchor
+from gpu_anchor.train import AnchoredOptimizer, LoopState, anchor_module, position, training_state
+from gpu_anchor.train import campaign as C
+from gpu_anchor.train.loop_state import LoopPosition as LoopPosition_
+
+FLAVOURS = [("adamw", "default"), ("adamw", "foreach"), ("adamw", "single"), ("adamw", "fused"),
+            ("adam", "foreach"), ("adam", "single"), ("adam", "fused"),
+            ("sgd", "default"), ("sgd", "single"), ("sgd", "foreach"), ("sgd", "fused")]
+
+
+def _pair(ns, cfg, chunk_bytes=4096):
+    client = gpu_anchor.connect("cpu", namespace=ns)
+    ref = C.build_model(cfg.seed)
+    ropt = C.build_optimizer(ref, cfg)
+    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, C.warmup)
+    model = C.build_model(cfg.seed)
+    assert set(anchor_module(model, client).values()) == {"created"}
+    inner = C.build_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
+    opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=chunk_bytes, schedulers=[sched])
+    return client, (ref, ropt, rsched), (model, opt)
+
+
+@pytest.mark.parametrize("name,flavour", FLAVOURS)
+def test_bit_identical_to_plain_pytorch(host_daemon, name, flavour):
+    cfg = C.RunConfig(optimizer=name, flavour=flavour)
+    client, (ref, ropt, rsched), (model, opt) = _pair(f"bit-{name}-{flavour}", cfg)
+    assert opt.num_chunks >= 3
+    for step in range(6):
+        x, y = C.batch(step, cfg.seed)
+        torch.manual_seed(step)
+        l_ref = torch.nn.functional.mse_loss(ref(x), y)
+        l_ref.backward()
+        ropt.step()
+        rsched.step()
+        ropt.zero_grad()
+        torch.manual_seed(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(loss, l_ref), step
+    assert opt.completed_steps == 6
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n
+        for k, v in ropt.state[a].items():
+            if k != "step":
+                assert torch.equal(v, opt.optimizer.state[b][k]), (n, k)
+    assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+    sd = opt.state_dict()
+    if name.startswith("adam"):
+        assert all(float(s["step"]) == 6 for s in sd["state"].values())
+
+
+def test_unused_parameter_is_skipped_like_set_to_none(host_daemon):
+    cfg = C.RunConfig()
+    client, (ref, ropt, rsched), (model, opt) = _pair("unused", cfg)
+    for step in range(4):
+        x, y = C.batch(step, cfg.seed)
+        for m, o in ((ref, ropt), (model, opt)):
+            torch.manual_seed(step)
+            out = m(x) if step % 2 == 0 else m[2](m[1](m[0](x)))[:, :C.D_OUT]   # later layers unused on odd steps
+            torch.nn.functional.mse_loss(out, y).backward()
+            o.step()
+            if o is ropt:
+                rsched.step()
+            o.zero_grad()
+    assert opt.state_dict()["state"][6]["step"] == 2      # last Linear: updated on even steps only
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_gradient_accumulation_and_replaced_grads(host_daemon):
+    cfg = C.RunConfig(optimizer="adam", flavour="single")
+    client, (ref, ropt, rsched), (model, opt) = _pair("accum", cfg)
+    for step in range(3):
+        for m, o in ((ref, ropt), (model, opt)):
+            for micro in range(2):
+                x, y = C.batch(10 * step + micro, cfg.seed)
+                torch.manual_seed(micro)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+            if o is opt and step == 1:
+                for p in model.parameters():      # e.g. a framework that swaps p.grad
+                    p.grad = p.grad.clone()
+            o.step()
+            if o is ropt:
+                rsched.step()
+            o.zero_grad()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_state_is_anchored_and_named(host_daemon):
+    cfg = C.RunConfig()
+    client, _, (model, opt) = _pair("names", cfg)
+    names = set(client.names())
+    assert "model.0.weight" in names and "train.grad.0.weight" in names
+    assert "train.state.0.weight.exp_avg" in names and {"train.undo.0", "train.undo.1"} <= names
+    p = next(model.parameters())
+    assert p.grad.data_ptr() == client.lookup("train.grad.0.weight", p.shape, p.dtype).data_ptr()
+    total = sum(t.numel() * t.element_size() * 4 for t in model.parameters())
+    assert opt.undo_bytes <= max(2 * 4096, 0.5 * total)
+
+
+def test_bad_inputs(host_daemon):
+    client = gpu_anchor.connect("cpu", namespace="bad")
+    model = C.build_model(0)
+    with pytest.raises(TypeError, match="supports"):
+        AnchoredOptimizer(torch.optim.RMSprop(model.parameters()), client=client)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, C.D_IN)).sum().backward()
+    inner.step()
+    with pytest.raises(ValueError, match="before its first step"):
+        AnchoredOptimizer(inner, client=client)
+    with pytest.raises(TypeError):
+        AnchoredOptimizer(model, client=client)
+    with pytest.raises(ValueError, match="closure"):
+        AnchoredOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), client=client).step(lambda: 0)
+
+
+def test_lost_state_is_refused_not_silently_reinitialised(host_daemon, tmp_path):
+    cfg = C.RunConfig(steps=3)
+    C.run("lost", cfg, str(tmp_path / "log"))
+    client = gpu_anchor.connect("cpu", namespace="lost")
+    client.free(*[n for n in client.names() if n.startswith("train.state.")])
+    model = C.build_model(cfg.seed)
+    anchor_module(model, client)
+    with pytest.raises(RuntimeError, match="restore from a checkpoint"):
+        AnchoredOptimizer(C.build_optimizer(model, cfg), model=model, client=client, chunk_bytes=cfg.chunk_bytes)
+
+
+def test_fallback_hook_reads_the_journal(host_daemon, tmp_path):
+    cfg = C.RunConfig(steps=5)
+    assert training_state("cpu", namespace="hook")["present"] is False
+    C.run("hook", cfg, str(tmp_path / "log"), faults_seq=["mid_chunk@3:1"] , random_kills=0)
+    d = training_state("cpu", namespace="hook")
+    assert d["consistent"] and d["completed_steps"] == 5 and d["phase"] == "idle"
+    # a worker killed mid-step leaves an in-flight step that the hook calls consistent
+    pid = C._child(C.train, "hook2", C.RunConfig(steps=5), str(tmp_path / "log2"), "after_update@2:1")
+    assert C._wait(pid) == -9
+    d = training_state("cpu", namespace="hook2")
+    assert d["consistent"] and d["in_flight_step"] == 2 and d["cursor"] == 1 and d["completed_steps"] == 3
+
+
+def test_loop_position():
+    assert position(0, 10) == LoopPosition_(0, 0, 0)
+    p = position(23, 10)
+    assert (p.epoch, p.batch_in_epoch) == (2, 3)
+    with pytest.raises(ValueError):
+        position(1, 0)
+
+    class _Opt:
+        completed_steps = 7
+        loop_state = {"tokens": 5}
+    ls = LoopState(_Opt(), 4)
+    assert ls.position.epoch == 1 and ls.data == {"tokens": 5}
+    assert list(ls.batches(9)) == [(7, 1, 3), (8, 2, 0)]

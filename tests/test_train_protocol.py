@@ -1,0 +1,136 @@
+"""The step protocol's bookkeeping, chunk planning and rank agreement, without torch."""
+import json
+import random
+import sys
+
+import pytest
+
+from gpu_anchor.train import chunking, distributed, faults
+from gpu_anchor.train.protocol import APPLYING, IDLE, PHASES, StepState, describe, key
+
+
+def test_normal_path_walks_every_chunk_then_commits_the_step():
+    st = StepState(step=7)
+    st = st.begin(4)
+    seen = []
+    while st.in_flight:
+        assert st.undo == st.cursor and st.rollback_chunk() == st.cursor
+        seen.append(st.cursor)
+        st = st.chunk_done(st.cursor)
+    assert seen == [0, 1, 2, 3]
+    assert (st.step, st.phase, st.undo) == (8, IDLE, -1)
+    assert st.rollback_chunk() is None
+
+
+def test_out_of_order_and_double_begin_are_refused():
+    st = StepState(step=0).begin(3)
+    with pytest.raises(RuntimeError):
+        st.chunk_done(1)
+    with pytest.raises(RuntimeError):
+        st.begin(3)
+    with pytest.raises(ValueError):
+        StepState().begin(0)
+
+
+def test_encode_decode_roundtrip_and_corruption():
+    st = StepState(3, APPLYING, 2, 2, 5)
+    assert StepState.decode(st.encode()) == st
+    assert StepState.decode(None) == StepState()
+    bad = json.dumps({"step": 3, "phase": APPLYING, "cursor": 5, "undo": 5, "chunks": 5}).encode()
+    with pytest.raises(ValueError):
+        StepState.decode(bad)
+    with pytest.raises(ValueError):
+        StepState.decode(json.dumps({"step": 1, "phase": "weird", "cursor": 0, "undo": -1, "chunks": 1}).encode())
+
+
+def test_discard_returns_to_the_committed_step():
+    st = StepState(4).begin(2).discard()
+    assert (st.step, st.phase) == (4, IDLE)
+
+
+def test_describe_is_the_supervisor_view():
+    assert describe({})["completed_steps"] == 0 and describe({})["present"] is False
+    idle = {key("train", "state"): StepState(5, IDLE, 0, -1, 3).encode()}
+    d = describe(idle)
+    assert d["consistent"] and d["completed_steps"] == 5 and d["in_flight_step"] is None
+    fl = {key("train", "state"): StepState(5, IDLE, 0, -1, 3).begin(3).chunk_done(0).encode(),
+          key("train", "boundary"): b"{}"}
+    d = describe(fl)
+    assert d["consistent"] and d["completed_steps"] == 6 and d["in_flight_step"] == 5 and d["cursor"] == 1
+    del fl[key("train", "boundary")]
+    assert describe(fl)["consistent"] is False
+    assert describe({key("train", "state"): b"garbage"})["consistent"] is False
+
+
+def test_status_module_does_not_import_torch():
+    import subprocess
+    code = "import sys, gpu_anchor.train.status, gpu_anchor.train.protocol; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_covers_every_element_once_within_budget(seed):
+    rnd = random.Random(seed)
+    numels = [rnd.choice([1, 3, 64, 100, 1000, 5000, 70000]) for _ in range(rnd.randint(1, 12))]
+    sizes = [[rnd.choice([2, 4])] * rnd.randint(1, 4) for _ in numels]
+    budget = rnd.choice([4096, 20000, 1 << 20])
+    plan = chunking.plan(numels, sizes, budget)
+    covered = {p: [] for p in range(len(numels))}
+    for chunk in plan:
+        assert chunk, "no empty chunks"
+        assert chunking.chunk_bytes_used(chunk, sizes) <= budget
+        for s in chunk:
+            covered[s.param].append((s.start, s.stop))
+            assert s.start % chunking.GRAIN == 0
+        for row in chunking.layout(chunk, sizes):
+            assert all(off % chunking.ALIGN == 0 for off in row)
+    for p, spans in covered.items():
+        pos = 0
+        for a, b in spans:       # in order, contiguous, complete
+            assert a == pos and b > a
+            pos = b
+        assert pos == numels[p]
+    assert plan == chunking.plan(numels, sizes, budget)   # deterministic
+
+
+def test_plan_refuses_a_budget_too_small_for_one_grain():
+    with pytest.raises(ValueError):
+        chunking.plan([1000], [[4, 4, 4]], 256)
+
+
+def test_default_budget_is_two_percent_for_both_slots():
+    assert chunking.default_chunk_bytes(10 << 30) * 2 <= 0.02 * (10 << 30)
+    assert chunking.default_chunk_bytes(1000) == chunking.MIN_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("states,expect", [
+    ([(3, None), (3, None)], ["none", "none"]),
+    ([(3, 3), (4, None)], ["finish", "none"]),          # killed after the barrier
+    ([(3, 3), (3, 3)], ["finish", "finish"]),
+    ([(3, 3), (3, None)], ["discard", "none"]),         # the other rank never finalized
+    ([(3, None), (3, 3), (3, 3)], ["none", "discard", "discard"]),
+])
+def test_rank_agreement(states, expect):
+    assert [distributed.decide(states, r) for r in range(len(states))] == expect
+
+
+@pytest.mark.parametrize("states", [[(3, None), (5, None)], [(4, None), (3, None)], [(3, 2), (3, None)]])
+def test_rank_agreement_refuses_impossible_states(states):
+    with pytest.raises(distributed.DisagreementError):
+        for r in range(len(states)):
+            distributed.decide(states, r)
+
+
+def test_fault_specs():
+    assert faults.parse("mid_chunk@3:1") == ("mid_chunk", 3, 1)
+    assert faults.parse("between_steps@4") == ("between_steps", 4, None)
+    for bad in ("mid_chunk", "nowhere@3", "mid_chunk@x"):
+        with pytest.raises(ValueError):
+            faults.parse(bad)
+    faults.arm("after_update@2:0")
+    try:
+        assert faults.armed("after_update", 2, 0) and not faults.armed("after_update", 2, 1)
+    finally:
+        faults.arm(None)
+    assert len(PHASES) == 6
