@@ -40,10 +40,11 @@ def _generic(result: dict) -> str:
     return "| figure | value |\n| --- | --- |\n" + "\n".join(rows)
 
 
-def render_all(results_dir: str = RESULTS) -> str:
+def render_all(results_dir: str = RESULTS, include_tiny: bool = False) -> str:
+    """Markdown for every result in ``results_dir`` (``*_tiny`` only with ``include_tiny``)."""
     parts = [HEADER]
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
-        if path.endswith("_tiny.json"):
+        if path.endswith("_tiny.json") and not include_tiny:
             continue
         with open(path) as f:
             result = json.load(f)

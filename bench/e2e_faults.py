@@ -1,0 +1,229 @@
+"""End-to-end training under injected faults: goodput and wasted GPU time per method.
+
+    python -m bench e2e_faults                                   # H200: 1B shape, 2000 steps, 0.1 %/s and 1 %/s
+    python -m bench e2e_faults --steps 600 --rates 0.01,0.05     # shorter and harsher
+    python -m bench e2e_faults --tiny                            # CPU smoke size
+
+Each method trains ``--steps`` steps (baselines checkpoint every ``--ckpt-every``); a
+driver SIGKILLs the running worker at the times of a seeded Poisson process with
+``rate`` faults per second (the same fault times for every method; the clock starts when
+the first worker has restored) and restarts it at once, ``--mode`` warm (gpu-anchor's fork
+server, for every method) or cold.  The worker resumes from its checkpoint (baselines:
+redoing the steps since) or, for gpu-anchor, from the daemon (no lost steps).
+Goodput = steps × reference step time / wall time, where the reference step time is the
+median fault-free step of the plain optimizer (all baselines' steps); wasted GPU time =
+wall time − steps × reference, split into checkpoint blocking, recovery (kill → first step
+again), recomputed steps, and slower steps (gpu-anchor's per-step protocol).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+
+from bench.common import default_device, fmt_s, private_daemon, speedup, write_result
+
+
+def fault_times(rate: float, seed: int, horizon: float) -> list[float]:
+    """Fault instants (seconds from the start) of a Poisson process with ``rate`` per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t > horizon:
+            return out
+        out.append(t)
+    return out
+
+
+def run_one(method, rate, args, device, work, launcher) -> dict:
+    from bench.baselines.launcher import EventLog
+    from bench.recovery_train import _trial_args
+    d = tempfile.mkdtemp(prefix=f"e2e-{method}-", dir="/dev/shm" if method == "inmemory" else work)
+    evfile = os.path.join(work, f"e2e-{method}-{rate}.events")
+    log = EventLog(evfile)
+    ns = f"e2e-{method}-{time.time_ns()}"
+    a = _trial_args(method, args.model, device, args.tiny, d, ns, evfile, args.ckpt_every, args.batch, args.seq)
+    a[a.index("--total") + 1] = str(args.steps)
+    a.remove("--wait-persist")
+    faults = fault_times(rate, args.seed, 1e7)
+    pid = launcher.spawn(a)
+    try:
+        t0 = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, lambda: launcher.alive(pid))["t"]
+        kills, fi = [], 0
+        while True:
+            new = log.poll()
+            if any(e["ev"] == "done" for e in new):
+                break
+            now = time.time()
+            if fi < len(faults) and now - t0 >= faults[fi]:
+                fi += 1
+                last = max((e["step"] for e in log.events if e["ev"] == "step"), default=0)
+                launcher.kill(pid)
+                kills.append({"t": time.time(), "after_step": last})
+                pid = launcher.spawn(a)
+                continue
+            if not launcher.alive(pid):
+                log.poll()
+                if any(e["ev"] == "done" for e in log.events):
+                    break
+                raise RuntimeError(f"{method} worker exited without finishing (events {evfile})")
+            time.sleep(0.002)
+        t_end = next(e["t"] for e in log.events if e["ev"] == "done")
+    finally:
+        if launcher.alive(pid):
+            launcher.kill(pid)
+        shutil.rmtree(d, ignore_errors=True)
+    evs = log.events
+    # recovery: kill -> first step completed by the next worker
+    rec, lost = [], 0
+    for k in kills:
+        nxt = [e for e in evs if e["ev"] == "step" and e["t"] > k["t"]]
+        restored = [e for e in evs if e["ev"] == "restored" and e["t"] > k["t"]]
+        if nxt:
+            rec.append(nxt[0]["t"] - k["t"])
+        if restored:
+            lost += max(0, k["after_step"] - restored[0]["step"])
+    steps = [e for e in evs if e["ev"] == "step"]
+    losses = {}
+    for e in steps:
+        losses[e["step"]] = e["loss"]  # the last run of each step counts
+    return {"method": method, "rate": rate, "wall_s": t_end - t0, "faults": len(kills),
+            "recovery_s": sum(rec), "recovery_each_s": rec, "lost_steps": lost,
+            "ckpt_blocking_s": sum(e["blocking_s"] for e in evs if e["ev"] == "saved"),
+            "checkpoints": sum(1 for e in evs if e["ev"] == "saved"),
+            "step_dts": [e["dt"] for e in steps], "steps_run": len(steps),
+            "progress": [(round(e["t"] - t0, 4), e["step"]) for e in steps],
+            "loss": [losses[s] for s in sorted(losses)]}
+
+
+def summarise(rows: list[dict], steps: int) -> None:
+    ref = statistics.median(dt for r in rows if r["method"] != "gpu_anchor" for dt in r["step_dts"]) \
+        if any(r["method"] != "gpu_anchor" for r in rows) else statistics.median(rows[0]["step_dts"])
+    for r in rows:
+        ideal = steps * ref
+        r["ref_step_s"] = ref
+        r["goodput"] = ideal / r["wall_s"]
+        r["wasted_s"] = r["wall_s"] - ideal
+        r["recompute_s"] = r["lost_steps"] * ref
+        r["slower_steps_s"] = max(0.0, (statistics.median(r["step_dts"]) - ref) * steps)
+        r["other_s"] = r["wasted_s"] - r["ckpt_blocking_s"] - r["recovery_s"] - r["recompute_s"] - r["slower_steps_s"]
+        r.pop("step_dts")
+
+
+def main(argv=None) -> int:
+    from bench import baselines
+    from bench.baselines.anchor import available
+    from bench.baselines.launcher import Launcher
+    p = argparse.ArgumentParser(prog="python -m bench e2e_faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3.2-1b")
+    p.add_argument("--methods", default=",".join(list(baselines.TRAIN) + ["gpu_anchor"]))
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--rates", default="0.001,0.01", help="faults per second (0.001 = the paper's 0.1 %%/s)")
+    p.add_argument("--mode", default="warm", choices=("warm", "cold"))
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = default_device(args.device)
+    if args.tiny:
+        args.steps, args.ckpt_every, args.rates, args.batch, args.seq = 40, 10, "0.5", 2, 32
+        args.methods = "inmemory,gpu_anchor"
+    methods = args.methods.split(",")
+    why = available()
+    if why is not None and "gpu_anchor" in methods:
+        methods.remove("gpu_anchor")
+    work = tempfile.mkdtemp(prefix="e2e-", dir=args.dir)
+    result = {"title": f"Training end to end under injected faults ({args.model})", "device": device,
+              "model": args.model, "steps": args.steps, "ckpt_every": args.ckpt_every, "mode": args.mode,
+              "seed": args.seed, "batch": args.batch, "seq": args.seq, "runs": {}}
+    launcher = None
+    try:
+        with private_daemon(device):
+            launcher = Launcher(args.mode == "warm", work)
+            for rate in map(float, args.rates.split(",")):
+                rows = [run_one(m, rate, args, device, work, launcher) for m in methods]
+                summarise(rows, args.steps)
+                for r in rows:
+                    print(f"rate {rate:g}/s {r['method']:10s} wall {r['wall_s']:.2f}s faults {r['faults']} "
+                          f"goodput {r['goodput']:.3f} wasted {r['wasted_s']:.2f}s (ckpt {r['ckpt_blocking_s']:.2f}, "
+                          f"recovery {r['recovery_s']:.2f}, recompute {r['recompute_s']:.2f})", flush=True)
+                result["runs"][str(rate)] = rows
+    finally:
+        if launcher is not None:
+            launcher.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if why is not None:
+        result["gpu_anchor_unavailable"] = why
+    write_result("e2e_faults_tiny" if args.tiny else "e2e_faults", result, args.out)
+    return 0
+
+
+LABELS = {"torch_save": "torch.save", "checkfreq": "CheckFreq", "inmemory": "in-memory (/dev/shm)",
+          "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor"}
+
+
+def render(result: dict) -> str:
+    from bench.common import plot_path
+    out = []
+    for rate, rows in result["runs"].items():
+        base = [r for r in rows if r["method"] != "gpu_anchor"]
+        best = max(r["goodput"] for r in base) if base else None
+        lines = [f"**{float(rate) * 100:g} %/s fault rate** ({result['steps']} steps, checkpoint every "
+                 f"{result['ckpt_every']} for baselines, {result['mode']} restarts for every method; reference "
+                 f"step {fmt_s(rows[0]['ref_step_s'])})\n",
+                 "| method | faults | wall | **goodput** | vs best baseline | wasted | checkpoint blocking | "
+                 "recovery | recomputed | slower steps |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            ratio = f"{r['goodput'] / best:.3g}×" if best else "—"
+            lines.append(f"| {LABELS.get(r['method'], r['method'])} | {r['faults']} | {fmt_s(r['wall_s'])} | "
+                         f"**{r['goodput'] * 100:.1f} %** | {ratio} | {fmt_s(r['wasted_s'])} | "
+                         f"{fmt_s(r['ckpt_blocking_s'])} | {fmt_s(r['recovery_s'])} | {fmt_s(r['recompute_s'])} "
+                         f"({r['lost_steps']} steps) | {fmt_s(r['slower_steps_s'])} |")
+        png = plot_path(f"e2e_faults_{result['model']}_{rate}.png")
+        if png and _plot(rows, float(rate), result, png[0]):
+            lines.append(f"\n![progress under faults at {rate}/s]({png[1]})")
+        out.append("\n".join(lines))
+    note = ("\n\nGoodput = steps × reference step time / wall time (1.0 = no fault cost at all); ratio = this "
+            "goodput / the best baseline's. Paper (for the reader): gpu-anchor's throughput +5.1 % over the "
+            "strongest baseline and 1.81× DeepSpeed native at 0.1 %/s. All methods saw the same fault instants "
+            "(seeded); a slower method runs longer and so can meet more of them, as in a real job.")
+    if result.get("gpu_anchor_unavailable"):
+        note += f"\n\ngpu-anchor was not measured: {result['gpu_anchor_unavailable']}."
+    return "\n\n".join(out) + note
+
+
+def _plot(rows, rate, result, path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        t = [x[0] for x in r["progress"]]
+        s = [x[1] for x in r["progress"]]
+        a1.plot(t, s, label=LABELS.get(r["method"], r["method"]), lw=1)
+        a2.plot(range(1, len(r["loss"]) + 1), r["loss"], label=LABELS.get(r["method"], r["method"]), lw=0.8)
+    a1.set_xlabel("wall time (s)")
+    a1.set_ylabel("completed step")
+    a1.set_title(f"Progress, faults at {rate * 100:g} %/s")
+    a2.set_xlabel("step")
+    a2.set_ylabel("loss (last run of each step)")
+    a2.set_title("Loss")
+    a1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
