@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import gc
+import inspect
 import json
 import os
 import sys
@@ -111,8 +112,15 @@ class ManagedScope:
                 s.tensors.clear()
             return False
         frame = sys._getframe(1)
-        roots = dict(frame.f_locals)
-        del frame
+        locs = frame.f_locals
+        roots = dict(locs)
+        if (sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED and locs is not frame.f_globals
+                and sys.gettrace() is None and frame.f_trace is None):
+            # Python < 3.13 caches a snapshot of a function's locals on the frame when f_locals is
+            # read; left there it would keep every object the block made alive after the program
+            # deletes it.  Safe to drop when no tracer will write the snapshot back.
+            locs.clear()
+        del frame, locs
         try:
             self._finish(roots)
         finally:
