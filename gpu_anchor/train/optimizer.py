@@ -195,7 +195,7 @@ class AnchoredOptimizer:
         """
         if self._state.in_flight:
             raise RuntimeError("zero_grad during an optimizer step")
-        faults.hit("between_steps", self._state.step)
+        faults.hit("between_steps", self._state.step - 1)   # "after step s committed"
         with torch.no_grad():
             self._zero_grads(cleared=set_to_none)
 
