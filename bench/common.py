@@ -122,14 +122,15 @@ def fmt_s(v: float | None, digits: int = 3) -> str:
 
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+IMG_DIR = os.path.join(DOCS, "img")  # set by bench.report to sit next to the document it writes
 
 
 def plot_path(filename: str) -> tuple[str, str] | None:
-    """(absolute path, path relative to docs/benchmarks.md) for a plot, or None without matplotlib."""
+    """(absolute path, path relative to the rendered markdown) for a plot, or None without matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return None
-    d = os.path.join(DOCS, "img")
+    d = IMG_DIR
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, filename), f"img/{filename}"

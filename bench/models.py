@@ -126,6 +126,6 @@ def main(argv=None) -> int:
 def render(result: dict) -> str:
     lines = ["| model | parameters | bf16 weights (GiB) | weights+grads+AdamW, bf16 (GiB) |", "| --- | --- | --- | --- |"]
     for r in result["rows"]:
-        lines.append(f"| {r['model']} | {r['params'] / 1e9:.3f} B | {r['bf16_weights_gib']:.2f} | "
-                     f"{r['bf16_adamw_state_gib']:.2f} |")
+        n = f"{r['params'] / 1e9:.3f} B" if r["params"] >= 1e7 else f"{r['params']:,}"
+        lines.append(f"| {r['model']} | {n} | {r['bf16_weights_gib']:.3g} | {r['bf16_adamw_state_gib']:.3g} |")
     return "\n".join(lines)

@@ -166,7 +166,7 @@ def render(result: dict) -> str:
               "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor"}
     verdicts = []
     for model, rows in result["models"].items():
-        modes = list(rows[0]["modes"])
+        modes = list(dict.fromkeys(m for r in rows for m in r["modes"]))
         lines = [f"**{model}** (medians of {result['repeat']} kills; ratio = strongest baseline's total in the "
                  "same mode / this total)\n",
                  "| method | mode | start-up | restore | first step | **total** | vs best baseline | lost steps |",

@@ -40,8 +40,14 @@ def _generic(result: dict) -> str:
     return "| figure | value |\n| --- | --- |\n" + "\n".join(rows)
 
 
-def render_all(results_dir: str = RESULTS, include_tiny: bool = False) -> str:
-    """Markdown for every result in ``results_dir`` (``*_tiny`` only with ``include_tiny``)."""
+def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: str | None = None) -> str:
+    """Markdown for every result in ``results_dir`` (``*_tiny`` only with ``include_tiny``).
+
+    Plots (PNG, when matplotlib is installed) go to ``img_dir`` (default docs/img), which
+    the markdown references as ``img/NAME.png``.
+    """
+    from bench import common
+    common.IMG_DIR = img_dir or os.path.join(os.path.dirname(DOC), "img")
     parts = [HEADER]
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         if path.endswith("_tiny.json") and not include_tiny:
@@ -49,7 +55,7 @@ def render_all(results_dir: str = RESULTS, include_tiny: bool = False) -> str:
         with open(path) as f:
             result = json.load(f)
         name = result.get("benchmark", os.path.basename(path)[:-5])
-        module = name.split(":")[0]
+        module = name.split(":")[0].removesuffix("_tiny")
         try:
             render = getattr(importlib.import_module(f"bench.{module}"), "render", None)
         except ImportError:
@@ -66,7 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=RESULTS)
     p.add_argument("--out", default=DOC)
     args = p.parse_args(argv)
-    text = render_all(args.results)
+    text = render_all(args.results, img_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "img"))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)

@@ -45,12 +45,13 @@ def test_scenario_runs_tiny(name, tmp_path):
         assert result.get("machine") and result.get("command"), path
         assert path.endswith("_tiny.json"), f"{path}: smoke-size results must be named *_tiny.json"
     # the renderer must accept the tiny results (published names are rendered the same way)
-    text = report.render_all(str(out), include_tiny=True)
+    text = report.render_all(str(out), include_tiny=True, img_dir=str(tmp_path / "img"))
     assert "## " in text
 
 
 def test_report_skips_tiny_results(tmp_path):
     from bench import report
     (tmp_path / "x_tiny.json").write_text(json.dumps({"benchmark": "x", "a": 1.0}))
-    assert "## x" not in report.render_all(str(tmp_path))
-    assert "## x" in report.render_all(str(tmp_path), include_tiny=True)
+    img = str(tmp_path / "img")
+    assert "## x" not in report.render_all(str(tmp_path), img_dir=img)
+    assert "## x" in report.render_all(str(tmp_path), include_tiny=True, img_dir=img)

@@ -29,3 +29,8 @@ def method(name: str):
 def main(argv=None) -> int:
     from .roundtrip import main as rt
     return rt(argv)
+
+
+def render(result: dict) -> str:
+    from .roundtrip import render as r
+    return r(result)
