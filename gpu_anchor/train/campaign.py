@@ -39,11 +39,13 @@ class RunConfig:
     seed: int = 1234
 
 
-def build_model(seed: int) -> torch.nn.Module:
+def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
+    """The campaign's MLP (``hidden`` widens it, e.g. for GPU runs)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.LayerNorm(HIDDEN), torch.nn.GELU(),
-                               torch.nn.Dropout(0.1), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
-                               torch.nn.Linear(HIDDEN, D_OUT))
+    h = hidden or HIDDEN
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, h), torch.nn.LayerNorm(h), torch.nn.GELU(),
+                               torch.nn.Dropout(0.1), torch.nn.Linear(h, h), torch.nn.GELU(),
+                               torch.nn.Linear(h, D_OUT))
 
 
 def warmup(step: int) -> float:

@@ -1,0 +1,174 @@
+"""Multi-rank kill campaigns: DDP training where one rank is SIGKILLed and the group restarts.
+
+Torchrun-style: when any rank dies the others are killed too and the whole group is
+started again (fresh rendezvous port); every rank resumes at the agreed
+``completed_steps``.  CPU ranks (gloo, host daemon, namespace ``<ns>/rank<r>``) are
+forked from the calling interpreter; GPU ranks (NCCL, one daemon per GPU) are fresh
+interpreters (``python -m gpu_anchor.train.ddp_campaign``), since CUDA does not
+survive ``fork``.
+
+Order that matters: ``anchor_module`` -> ``AnchoredOptimizer`` (recovery) ->
+``DistributedDataParallel``.  DDP broadcasts rank 0's parameters at construction; it
+must not overwrite a rank's parameters before that rank finished its in-flight step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+from . import campaign as C
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_train(rank: int, world: int, port: int, namespace: str, cfg: C.RunConfig, log_path: str,
+               fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gpu_anchor
+
+    from . import faults
+    from .anchor import anchor_module
+    from .optimizer import AnchoredOptimizer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faults.arm(fault)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    model = C.build_model(cfg.seed, width).to(dev)
+    inner = C.build_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
+    if plain:
+        opt, start = inner, 0
+    else:
+        client = gpu_anchor.connect(device, namespace=namespace)
+        anchor_module(model, client)
+        opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched])
+        start = opt.completed_steps
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for step in range(start, cfg.steps):
+        x, y = C.batch(step * world + rank, cfg.seed)
+        loss = torch.nn.functional.mse_loss(ddp(x.to(dev)), y.to(dev))
+        loss.backward()
+        C._log(fd, step, loss)
+        opt.step()
+        if plain:
+            sched.step()
+        opt.zero_grad()
+    os.write(fd, f"done {cfg.steps}\n".encode())
+    os.close(fd)
+    dist.destroy_process_group()
+
+
+def _quiet(fn):
+    def run(*args):
+        # a survivor's "peer died" traceback is expected noise in these campaigns
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        fn(*args)
+    return run
+
+
+def _start(rank, world, port, namespace, cfg, log_path, fault, device, plain, width):
+    if device == "cpu":
+        return C._child(_quiet(rank_train), rank, world, port, namespace, cfg, log_path, fault, device, plain, width)
+    args = json.dumps([rank, world, port, namespace, cfg.__dict__, log_path, fault, device, plain, width])
+    return subprocess.Popen([sys.executable, "-m", "gpu_anchor.train.ddp_campaign", args])
+
+
+def _poll(h):
+    if isinstance(h, int):
+        pid, status = os.waitpid(h, os.WNOHANG)
+        if pid == 0:
+            return None
+        return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return h.poll()
+
+
+def _kill(h):
+    try:
+        os.kill(h if isinstance(h, int) else h.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, faults_seq=(),
+              random_kills: int = 0, max_delay_s: float = 1.0, rng=None, devices=None, plain=False,
+              width: int = 0, timeout_s: float = 300) -> dict:
+    """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``.  Returns counts and logs."""
+    rng = rng or random.Random(0)
+    devices = devices or ["cpu"] * world
+    if devices[0] == "cpu":
+        C.prewarm(cfg)
+    fixed = list(faults_seq)
+    left = random_kills
+    kills = generations = 0
+    t0 = time.perf_counter()
+    while True:
+        port = free_port()
+        spec = fixed.pop(0) if fixed else None
+        procs = [_start(r, world, port, namespace, cfg, os.path.join(log_dir, f"rank{r}.log"),
+                        spec[1] if spec and spec[0] == r else None, devices[r], plain, width) for r in range(world)]
+        generations += 1
+        deadline = time.monotonic() + timeout_s
+        kill_at = time.monotonic() + rng.uniform(0, max_delay_s) if spec is None and left > 0 else None
+        victim = rng.randrange(world)
+        codes = [None] * world
+        while any(c is None for c in codes):
+            if time.monotonic() > deadline:
+                for h in procs:
+                    _kill(h)
+                raise TimeoutError(f"group generation {generations} hung")
+            if kill_at is not None and time.monotonic() >= kill_at:
+                _kill(procs[victim])
+                kill_at = None
+            for r, h in enumerate(procs):
+                if codes[r] is None:
+                    codes[r] = _poll(h)
+            if any(c not in (None, 0) for c in codes):
+                for r, h in enumerate(procs):     # torchrun-style: one rank died, tear down the group
+                    if codes[r] is None:
+                        _kill(h)
+            time.sleep(0.002)
+        if all(c == 0 for c in codes):
+            if spec is not None:
+                raise RuntimeError(f"fault {spec} was never reached")
+            break
+        # The victim shows SIGKILL; a survivor may have been killed by us or have failed on
+        # its own first when gloo/NCCL noticed the dead peer — torchrun restarts either way.
+        if -signal.SIGKILL not in codes or (spec is not None and codes[spec[0]] != -signal.SIGKILL):
+            raise RuntimeError(f"ranks ended with {codes} (fault {spec})")
+        kills += 1
+        left -= spec is None
+    logs = []
+    for r in range(world):
+        with open(os.path.join(log_dir, f"rank{r}.log")) as f:
+            logs.append(f.read())
+    return {"kills": kills, "generations": generations, "wall_s": time.perf_counter() - t0, "logs": logs}
+
+
+def main() -> None:  # pragma: no cover - entry point of a GPU rank
+    a = json.loads(sys.argv[1])
+    rank_train(a[0], a[1], a[2], a[3], C.RunConfig(**a[4]), a[5], a[6], a[7], a[8], a[9])
+
+
+if __name__ == "__main__":
+    main()
