@@ -57,6 +57,10 @@ def main(argv: list[str]) -> int:
         env[RESTORE_ENV] = f"auto:{d}"
         if ours.checkpoint_every:
             env.update({DIR_ENV: d, EVERY_ENV: str(ours.checkpoint_every), KEEP_ENV: str(ours.checkpoint_keep)})
+    # With the rendezvous TCP store shared with the workers (torch's default), a restarted
+    # group finds the previous round's process-group keys in that same store and hangs or
+    # fails in init_process_group (seen with gloo on torch 2.13): give each round its own.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"))
     os.environ.update(env)  # torch elastic passes its environment on to the workers
 
     log = lambda m: print(f"[gpu-anchor] {m}", file=sys.stderr, flush=True)  # noqa: E731

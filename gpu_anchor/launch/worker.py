@@ -94,8 +94,16 @@ def run_target(target: list[str]) -> dict:
         return runpy.run_path(script, run_name="__main__")
 
 
+def debug_hooks() -> None:
+    """``kill -USR1 <worker>`` dumps every thread's Python stack to stderr (hung collectives)."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug_hooks()
     if argv[:1] == ["--restore-only"]:
         restore_if_asked()
         return

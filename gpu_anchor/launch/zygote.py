@@ -65,6 +65,7 @@ def _child(sock: socket.socket, req: dict) -> None:
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
         from . import events, worker
+        worker.debug_hooks()
         events.mark("user_code", how="warm")
         worker.restore_if_asked()
         keep = worker.run_target(req["target"])
