@@ -20,7 +20,8 @@ PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama",
            "transformers.models.qwen3.modeling_qwen3", "bench.models", "bench.baselines.trainer",
            "bench.baselines.checkfreq", "bench.baselines.inmemory", "bench.baselines.torch_save",
            "bench.baselines.dcp_async", "bench.baselines.anchor", "gpu_anchor.train.optimizer",
-           "torch.distributed.checkpoint"]
+           "torch.distributed.checkpoint", "gpu_anchor.serve.engine", "bench.baselines.server",
+           "bench.baselines.kv_memory"]
 
 
 def worker_env() -> dict:
@@ -94,8 +95,8 @@ class Launcher:
             self.zygote = Zygote(sys.executable, PRELOAD, worker_env())
             self.ready = self.zygote.ready
 
-    def spawn(self, args: list[str]) -> int:
-        target = ["-m", "bench.baselines.trainer"] + args
+    def spawn(self, args: list[str], module: str = "bench.baselines.trainer") -> int:
+        target = ["-m", module] + args
         if self.zygote is not None:
             return self.zygote.spawn(target, worker_env(), ROOT)
         log = open(os.path.join(self.log_dir, f"worker-{time.time_ns()}.log"), "wb")

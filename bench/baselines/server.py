@@ -1,0 +1,118 @@
+"""The serving worker every inference benchmark runs, for every method alike.
+
+    python -m bench.baselines.server --method {replay,kv_memory,gpu_anchor} --model-dir DIR
+        --device D --state-dir DIR --events FILE [--concurrency C] [--requests N] [--next-request K]
+
+Runs gpu-anchor's serving engine (``gpu_anchor.serve.engine``) over a seeded
+ShareGPT-like workload at a fixed concurrency.  ``gpu_anchor``: the engine as shipped
+(weights and KV cache anchored in the daemon, metadata in its journal).  Baselines: the
+same engine with the memory provider swapped (``replay.ReplayAnchor`` /
+``kv_memory.KVMemoryAnchor``): plain allocations, metadata in a tmpfs journal.
+Events (JSON lines, wall-clock ``t``): ``process``, ``imported``, ``engine`` (timings,
+restored requests), ``step`` (tokens, finished and admitted request indices; emitted
+after the step's commit), ``resumed`` (every restored request produced a token), ``done``.
+"""
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.time()
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+
+from bench.baselines.trainer import Events  # noqa: E402
+
+
+def workload(seed: int, n: int, vocab: int, tiny: bool = False) -> list[tuple[list[int], int]]:
+    """``n`` requests (prompt ids, output length) with ShareGPT-like long-tailed lengths:
+    lognormal, medians ~180 prompt / ~150 output tokens, clipped to [8, 2048] / [8, 1024]
+    (tiny: /16)."""
+    rng = random.Random(seed)
+    div = 16 if tiny else 1
+    out = []
+    for _ in range(n):
+        p = int(min(2048, max(8, rng.lognormvariate(math.log(180), 0.9))) // div) or 1
+        o = int(min(1024, max(8, rng.lognormvariate(math.log(150), 0.9))) // div) or 1
+        out.append(([rng.randrange(3, vocab) for _ in range(p)], o))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.baselines.server")
+    p.add_argument("--method", required=True, choices=("replay", "kv_memory", "gpu_anchor"))
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--state-dir", required=True, help="baselines: tmpfs directory for metadata / KV mirror")
+    p.add_argument("--namespace", default="bench-serve")
+    p.add_argument("--events", required=True)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=10000)
+    p.add_argument("--next-request", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--tiny", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    ev = Events(args.events)
+    ev("process", t_process=T_PROCESS)
+    import torch
+
+    import gpu_anchor.serve.engine as E
+    from gpu_anchor.serve.sequence import SamplingParams
+    ev("imported")
+    anchor_cls = None
+    if args.method != "gpu_anchor":
+        from bench.baselines.kv_memory import KVMemoryAnchor
+        from bench.baselines.replay import ReplayAnchor
+        anchor_cls = KVMemoryAnchor if args.method == "kv_memory" else ReplayAnchor
+        anchor_cls.model_dir, anchor_cls.state_dir = args.model_dir, args.state_dir
+        E.Anchor = anchor_cls  # the engine's memory provider, swapped for the baseline's
+    cfg = E.EngineConfig(model=args.model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                         num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
+                         max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                         anchor=args.method == "gpu_anchor", namespace=args.namespace)
+    eng = E.Engine(cfg)
+    if hasattr(eng.anchor, "attach"):
+        eng.anchor.attach(eng)
+    timings = dict(eng.timings, **(anchor_cls.timings if anchor_cls else {}))
+    pending = {s.rid for s in eng.restored}
+    ev("engine", timings=timings, restored=len(pending), notes=eng.recovery_notes[:3],
+       weights_loaded=eng.weights_loaded)
+    trace = workload(args.seed, args.requests, eng.mc.vocab_size, args.tiny)
+    nxt = args.next_request
+    while True:
+        adm = []
+        while len(eng.scheduler.seqs) < args.concurrency and nxt < len(trace):
+            rid = f"r{nxt}"
+            if rid not in eng.scheduler.seqs:
+                prompt, n_out = trace[nxt]
+                eng.add_request(rid, prompt, SamplingParams(max_tokens=n_out, ignore_eos=True))
+                adm.append(nxt)
+            nxt += 1
+        if not eng.has_work():
+            break
+        events = eng.step()
+        got = {e[0] for e in events}
+        fin = [int(e[0][1:]) for e in events if e[3]]
+        ev("step", n=sum(len(e[2]) for e in events), fin=fin, adm=adm, live=len(eng.scheduler.seqs))
+        if pending:
+            pending -= got
+            if not pending:
+                ev("resumed")
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    ev("done", next_request=nxt)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

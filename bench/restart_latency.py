@@ -1,0 +1,196 @@
+"""Restart latency under ``gpu-anchor run``: warm (forked from the warm-worker
+server) vs cold (fresh interpreter), each restart broken down into
+
+    detection    SIGKILL -> the supervisor sees the exit
+    spawn        -> the new worker runs (fork of the warm server, or exec + interpreter start)
+    imports      -> torch + transformers imported (≈0 when warm: already in the server)
+    cuda_init    -> CUDA context ready (first kernel)
+    bind         -> every parameter and optimizer-state tensor bound to its anchored memory
+    recovery     -> the journal read and the step to resume chosen (protocol recovery)
+    first_step   -> one training step (forward, backward, AdamW) done
+    total        SIGKILL -> first step done
+
+Cold and warm runs use the same model, the same daemon and the same kills; a
+fault-free step time is measured in the same run for reference.
+
+    python bench/restart_latency.py --size 1b --device cuda --kills 3 --out $OUT/restart_latency.json
+    python bench/restart_latency.py --size tiny --device cpu --kills 1       # smoke, seconds on CPU
+
+The model is a Llama-shaped decoder built from a config on the meta device (no
+download; ``1b`` = Llama-3.2-1B shape, fp32 weights + AdamW state = 14.8 GiB),
+then every tensor is bound to anchored memory.  Crash consistency of the
+optimizer step is not this benchmark's subject (that is AnchoredOptimizer's):
+the worker commits its step counter after each step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, seq=32, batch=2),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, seq=512, batch=2),
+}
+PHASES = ["detection", "spawn", "imports", "cuda_init", "bind", "recovery", "first_step"]
+
+
+# ---------------------------------------------------------------------------- worker
+def worker(argv) -> int:
+    """Runs under the supervisor (see ``main``); trains until killed or --steps reached."""
+    t_start = time.time()
+    from gpu_anchor import launch
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import gpu_anchor
+    launch.mark("imports_done")
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--steps", type=int, default=10 ** 9)
+    a = p.parse_args(argv)
+    cfg = dict(SIZES[a.size])
+    seq, batch = cfg.pop("seq"), cfg.pop("batch")
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(0)
+        torch.zeros(1, device=device).add_(1)
+        torch.cuda.synchronize()
+    launch.mark("cuda_init")
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False))
+    named = list(model.named_parameters())
+    client = gpu_anchor.connect(device)
+    specs = []
+    for n, prm in named:
+        specs += [(f"p.{n}", prm.shape, torch.float32), (f"m.{n}", prm.shape, torch.float32),
+                  (f"v.{n}", prm.shape, torch.float32)]
+    bound = {b.name: b for b in client.bind(specs)}
+    for n, prm in named:
+        mod, _, leaf = n.rpartition(".")
+        owner = model.get_submodule(mod) if mod else model
+        owner._parameters[leaf] = torch.nn.Parameter(bound[f"p.{n}"].tensor, requires_grad=True)
+    model.to(device)  # buffers (rotary inv_freq) are small and recomputed
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            raise RuntimeError(f"buffer {name} left on meta")
+    created = any(b.status == "created" for b in bound.values())
+    if device != "cpu":
+        torch.cuda.synchronize()
+    launch.mark("bind", created=created)
+
+    step = int(client.journal.get(launch.STEP_KEY, b"0"))
+    params = [prm for _, prm in model.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    for (n, _), prm in zip(named, params):
+        opt.state[prm] = {"step": torch.tensor(float(step)), "exp_avg": bound[f"m.{n}"].tensor,
+                          "exp_avg_sq": bound[f"v.{n}"].tensor}
+    if created:
+        with torch.no_grad():
+            g = torch.Generator(device=device).manual_seed(0)
+            for prm in params:
+                prm.normal_(0.0, 0.02, generator=g)
+            for st in opt.state.values():
+                st["exp_avg"].zero_(), st["exp_avg_sq"].zero_()
+    launch.mark("recovered", step=step)
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    while step < a.steps:
+        ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=g).to(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        step += 1
+        client.journal.commit({launch.STEP_KEY: b"%d" % step})
+        launch.mark("step_time", seconds=time.perf_counter() - t0, step=step)
+        launch.step_boundary(step, client)
+    del t_start
+    return 0
+
+
+# ---------------------------------------------------------------------------- driver
+def _breakdown(rec: dict) -> dict | None:
+    marks = rec.get("marks", {}).get("0")
+    if not marks or "first_step" not in marks or not rec.get("t_kill"):
+        return None
+    t = {"kill": rec["t_kill"], "exit": rec["t_exit"], **marks}
+    seq = [("detection", "kill", "exit"), ("spawn", "exit", "user_code"), ("imports", "user_code", "imports_done"),
+           ("cuda_init", "imports_done", "cuda_init"), ("bind", "cuda_init", "bind"),
+           ("recovery", "bind", "recovered"), ("first_step", "recovered", "first_step")]
+    out = {name: round(t[b] - t[a], 4) for name, a, b in seq if a in t and b in t}
+    out["total"] = round(t["first_step"] - t["kill"], 4)
+    out["user_code_running"] = round(t["user_code"] - t["kill"], 4)
+    return out
+
+
+def run_mode(mode: str, a, sock_dir: str) -> dict:
+    ns = f"bench-{mode}-{os.getpid()}"
+    cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--namespace", ns, "--device-type", a.device,
+           "--chaos-kills", str(a.kills), "--chaos-kill-every", str(a.kill_every), "--chaos-seed", "0",
+           "--max-restarts", str(a.kills), "--preload", "torch,transformers.models.llama.modeling_llama",
+           *(["--cold"] if mode == "cold" else []),
+           "--", sys.executable, os.path.abspath(__file__), "--worker", "--size", a.size,
+           "--steps", str(a.steps)]
+    env = {**os.environ, "GPU_ANCHOR_SOCKET_DIR": sock_dir, "PYTHONPATH": ROOT + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    with open(os.path.join(sock_dir, "jobs", ns + ".json")) as f:
+        job = json.load(f)
+    rows = [b for b in (_breakdown(r) for r in job["restarts"]) if b]
+    med = {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]} if rows else {}
+    return {"mode": mode, "wall_s": round(time.time() - t0, 2), "restarts": rows, "median": med,
+            "decisions": [r["reason"] for r in job["restarts"]]}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--kill-every", type=float, default=2.0, help="mean seconds after a recovery's first step")
+    p.add_argument("--modes", default="warm,cold")
+    p.add_argument("--steps", type=int, default=0, help="steps per job (default: enough for the kills)")
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--out", help="JSON file (default: stdout only)")
+    a = p.parse_args(argv)
+    if not a.steps:
+        a.steps = 10 ** 9 if False else 40 + 20 * a.kills
+    result = {"bench": "restart_latency", "size": a.size, "device": a.device, "model": SIZES[a.size],
+              "kills": a.kills, "modes": {}}
+    with tempfile.TemporaryDirectory(prefix="ga-bench-") as d:
+        for mode in a.modes.split(","):
+            result["modes"][mode] = run_mode(mode, a, os.path.join(d, "sock"))
+    text = json.dumps(result, indent=1)
+    print(text)
+    for mode, r in result["modes"].items():
+        m = r["median"]
+        if m:
+            print(f"{mode:>5}: SIGKILL -> user code {m['user_code_running']:.3f} s, -> first step {m['total']:.3f} s  "
+                  + "  ".join(f"{k} {m.get(k, 0):.3f}" for k in PHASES), file=sys.stderr)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
