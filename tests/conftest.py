@@ -7,6 +7,18 @@ import pytest
 
 from gpu_anchor.daemon import control
 
+try:
+    import torch
+
+    # A child forked after the parent ran parallel CPU ops inherits OpenMP's thread-pool
+    # bookkeeping but not its threads: its next parallel op waits forever (seen here with
+    # torch 2.13's GNU OpenMP).  Kill campaigns fork from this interpreter, so every forked
+    # child runs intra-op work on one thread.  Production workers fork from a zygote that
+    # never ran an op, and are not affected.
+    os.register_at_fork(after_in_child=lambda: torch.set_num_threads(1))
+except ImportError:
+    pass
+
 
 def _cuda_ready() -> bool:
     try:
