@@ -54,8 +54,10 @@ def worker(argv) -> int:
     launch.mark("imports_done")
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="tiny")
-    p.add_argument("--steps", type=int, default=10 ** 9)
+    p.add_argument("--kills", type=int, default=0, help="the job ends in the generation after the last kill")
+    p.add_argument("--tail-steps", type=int, default=5)
     a = p.parse_args(argv)
+    last_gen = int(os.environ.get("GPU_ANCHOR_RESTART_COUNT", "0")) >= a.kills
     cfg = dict(SIZES[a.size])
     seq, batch = cfg.pop("seq"), cfg.pop("batch")
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -78,10 +80,12 @@ def worker(argv) -> int:
         mod, _, leaf = n.rpartition(".")
         owner = model.get_submodule(mod) if mod else model
         owner._parameters[leaf] = torch.nn.Parameter(bound[f"p.{n}"].tensor, requires_grad=True)
-    model.to(device)  # buffers (rotary inv_freq) are small and recomputed
-    for name, buf in list(model.named_buffers()):
-        if buf.is_meta:
-            raise RuntimeError(f"buffer {name} left on meta")
+    # buffers (rotary inv_freq) are small and derived from the config: rebuild their module
+    for mname, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)):
+            parent, _, leaf = mname.rpartition(".")
+            with torch.device(device):
+                setattr(model.get_submodule(parent) if parent else model, leaf, type(mod)(model.config))
     created = any(b.status == "created" for b in bound.values())
     if device != "cpu":
         torch.cuda.synchronize()
@@ -103,7 +107,8 @@ def worker(argv) -> int:
     launch.mark("recovered", step=step)
 
     g = torch.Generator(device="cpu").manual_seed(1)
-    while step < a.steps:
+    times, done_here = [], 0
+    while not (last_gen and done_here >= a.tail_steps):
         ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=g).to(device)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -114,9 +119,11 @@ def worker(argv) -> int:
             torch.cuda.synchronize()
         step += 1
         client.journal.commit({launch.STEP_KEY: b"%d" % step})
-        launch.mark("step_time", seconds=time.perf_counter() - t0, step=step)
+        times.append(time.perf_counter() - t0)
+        done_here += 1
         launch.step_boundary(step, client)
-    del t_start
+    steady = sorted(times[1:] or times)
+    print(f"BENCH_STEP_TIME {steady[len(steady) // 2]:.6f} {time.time() - t_start:.3f}", flush=True)
     return 0
 
 
@@ -142,7 +149,7 @@ def run_mode(mode: str, a, sock_dir: str) -> dict:
            "--max-restarts", str(a.kills), "--preload", "torch,transformers.models.llama.modeling_llama",
            *(["--cold"] if mode == "cold" else []),
            "--", sys.executable, os.path.abspath(__file__), "--worker", "--size", a.size,
-           "--steps", str(a.steps)]
+           "--kills", str(a.kills)]
     env = {**os.environ, "GPU_ANCHOR_SOCKET_DIR": sock_dir, "PYTHONPATH": ROOT + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
@@ -152,8 +159,10 @@ def run_mode(mode: str, a, sock_dir: str) -> dict:
     with open(os.path.join(sock_dir, "jobs", ns + ".json")) as f:
         job = json.load(f)
     rows = [b for b in (_breakdown(r) for r in job["restarts"]) if b]
+    step_s = [float(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("BENCH_STEP_TIME")]
     med = {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]} if rows else {}
     return {"mode": mode, "wall_s": round(time.time() - t0, 2), "restarts": rows, "median": med,
+            "steady_step_s": step_s[-1] if step_s else None,
             "decisions": [r["reason"] for r in job["restarts"]]}
 
 
@@ -167,17 +176,19 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--kill-every", type=float, default=2.0, help="mean seconds after a recovery's first step")
     p.add_argument("--modes", default="warm,cold")
-    p.add_argument("--steps", type=int, default=0, help="steps per job (default: enough for the kills)")
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--out", help="JSON file (default: stdout only)")
     a = p.parse_args(argv)
-    if not a.steps:
-        a.steps = 10 ** 9 if False else 40 + 20 * a.kills
     result = {"bench": "restart_latency", "size": a.size, "device": a.device, "model": SIZES[a.size],
               "kills": a.kills, "modes": {}}
-    with tempfile.TemporaryDirectory(prefix="ga-bench-") as d:
-        for mode in a.modes.split(","):
-            result["modes"][mode] = run_mode(mode, a, os.path.join(d, "sock"))
+    from gpu_anchor.daemon import control
+    with tempfile.TemporaryDirectory(prefix="ga-restart-") as d:
+        try:
+            for mode in a.modes.split(","):
+                result["modes"][mode] = run_mode(mode, a, os.path.join(d, "sock"))
+        finally:
+            for device, path in control.discover(os.path.join(d, "sock")).items():
+                control.stop(device, path)
     text = json.dumps(result, indent=1)
     print(text)
     for mode, r in result["modes"].items():
