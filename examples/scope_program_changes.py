@@ -40,7 +40,7 @@ CASES = {
     "g": ("shrink the KV cache", {"kv_tokens": 12}),
     "h": ("KV layout NHD -> HND, same shape", {"layout": "HND"}),
 }
-BASE = dict(vocab=64, d=16, heads=2, layers=3, kv_tokens=16, layout="NHD", lora=False, vision=True,
+BASE = dict(device="cpu", vocab=64, d=16, heads=2, layers=3, kv_tokens=16, layout="NHD", lora=False, vision=True,
             int8=False, kv_attr="kv_cache", mlp_first=False)
 
 
@@ -191,20 +191,22 @@ def load_weights(engine: Engine, created_ptrs=None) -> None:
 
 def run(c, namespace=None, naming="access_path", kill_after=None, out=None):
     """One worker.  ``namespace=None``: no gpu-anchor at all (the ground truth)."""
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     journal = None
+    if c["device"] == "cpu":
+        torch.set_num_threads(1)   # forked from a parent whose thread pool does not survive fork
     if namespace is None:
-        engine = Engine(c)
-        if c["lora"]:
-            apply_lora(engine.model)
+        with torch.device(c["device"]):
+            engine = Engine(c)
+            if c["lora"]:
+                apply_lora(engine.model)
         load_weights(engine)
         kv_matched = False
     else:
         import gpu_anchor
         from gpu_anchor.scope.scope import ManagedScope
         try:
-            with ManagedScope(namespace, naming=naming) as scope:
+            with ManagedScope(namespace, naming=naming) as scope, torch.device(c["device"]):
                 engine = Engine(c)
                 if c["lora"]:
                     apply_lora(engine.model)
@@ -216,7 +218,7 @@ def run(c, namespace=None, naming="access_path", kill_after=None, out=None):
         kv_matched = not (kv_ptrs & created)
         del scope
         load_weights(engine, created)
-        journal = gpu_anchor.connect("cpu", namespace=namespace).journal
+        journal = gpu_anchor.connect(c["device"], namespace=namespace).journal
     sig = model_signature(c)
     progress = json.loads(journal.get("progress") or b"{}") if journal is not None else {}
     resumed = bool(kv_matched and progress.get("sig") == sig)
@@ -245,11 +247,14 @@ def _child(ctx, *args, **kw):
     return p, q
 
 
-def run_case(case: str, naming: str, namespace: str, timeout: float = 120) -> dict:
-    """Kill the original program, restart it modified, compare with a fresh modified run."""
+def run_case(case: str, naming: str, namespace: str, timeout: float = 120, device: str = "cpu") -> dict:
+    """Kill the original program, restart it modified, compare with a fresh modified run.
+
+    Workers are forked: the calling process must not have initialised CUDA."""
     ctx = mp.get_context("fork")
-    modified = {**BASE, **CASES[case][1]}
-    p, q = _child(ctx, dict(BASE), namespace, naming, KILL_AFTER)
+    base = {**BASE, "device": device}
+    modified = {**base, **CASES[case][1]}
+    p, q = _child(ctx, base, namespace, naming, KILL_AFTER)
     first = q.get(timeout=timeout)
     if first["outcome"] != "ready":
         p.join(timeout)
@@ -284,20 +289,30 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    import argparse
     import tempfile
     from gpu_anchor.daemon import control
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON line at the end")
+    a = ap.parse_args(argv)
     d = tempfile.mkdtemp(prefix="ga-pc-")
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = d
-    path = os.path.join(d, "cpu.sock")
-    control.start("cpu", path)
+    path = os.path.join(d, a.device.replace(":", "") + ".sock")
+    proc = control.start(a.device, path)
     try:
-        results = [run_case(c, n, f"pc-{c}-{n}") for c in CASES for n in ("allocation_order", "access_path")]
+        results = [run_case(c, n, f"pc-{c}-{n}", device=a.device)
+                   for c in CASES for n in ("allocation_order", "access_path")]
     finally:
-        control.stop("cpu", path)
+        control.stop(a.device, path)
+        proc.wait(30)
+    print(f"device {a.device}")
     print(table(results))
     for r in results:
         if "detail" in r:
             print(f"({r['case']}, {r['naming']}): {r['detail']}")
+    if a.json:
+        print(json.dumps(results))
     return 0
 
 
