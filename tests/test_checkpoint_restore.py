@@ -95,6 +95,7 @@ def test_background_order_follows_first_touch(host_daemon, tmp_path):
 
 def _crash_mid_restore(ckdir, sock):
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
+    torch.set_num_threads(1)  # the parent's thread pool does not survive fork
     r = od.OnDemandRestore(ckdir, WriteSetTracker(), step=AT, throttle_s=0.05).start()
     while len(r.queue.background) < 3:
         pass
