@@ -177,3 +177,31 @@ def test_module_level_scope_skips_modules(host_daemon, tmp_path):
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['net.bias', 'net.weight']"
+
+
+@pytest.mark.parametrize("swap_on_conversion", [False, True])
+def test_dtype_conversion_inside_scope(host_daemon, swap_on_conversion, monkeypatch):
+    """``model.to(bfloat16)`` inside the scope: ``param.data = new`` (or swap_tensors) moves the
+    parameter to the converted object; the fp32 originals are temporaries and get no memory."""
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: swap_on_conversion)
+
+    def build():
+        torch.manual_seed(11)
+        m = nn.Sequential(nn.Embedding(7, 6), nn.Linear(6, 7))
+        m[1].weight = m[0].weight
+        return m.to(torch.bfloat16)
+    ref = build()
+    ref_after = torch.rand(3)
+
+    def worker():
+        with managed_scope("t9") as scope:
+            model = build()
+        return scope, model
+    s, model = worker()
+    assert torch.equal(torch.rand(3), ref_after)
+    assert sorted(s.report.created) == ["model[0].weight", "model[1].bias"]
+    assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.bfloat16
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    objs = _client("t9").objects()
+    assert objs["model[0].weight"].dtype == "bfloat16" and objs["model[0].weight"].shape == (7, 6)

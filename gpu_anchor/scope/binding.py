@@ -85,22 +85,23 @@ def _conflict_error(conflicts: list[dict]) -> ConflictError:
         "or `gpu-anchor drop NAMESPACE` to start the job afresh.", conflicts=conflicts)
 
 
-def alive(store: Store) -> list[Placeholder]:
-    """Placeholders over ``store`` that something besides the store still references."""
-    out = []
-    lst = store.tensors
-    for i in range(len(lst)):
-        t = lst[i]
-        # references: the list slot, the local ``t``, getrefcount's argument
-        if sys.getrefcount(t) > 3:
-            out.append(t)
-        del t
+def live_placeholders(stores: list[Store]) -> dict[Store, list[Placeholder]]:
+    """Placeholders that something besides our lists still references, grouped by the store
+    they are over *now* (``.data =`` and ``swap_tensors`` can move one to another store)."""
+    out: dict[Store, list[Placeholder]] = {}
+    for store in stores:
+        lst = store.tensors
+        for i in range(len(lst)):
+            t = lst[i]
+            # references: the list slot, the local ``t``, getrefcount's argument
+            if sys.getrefcount(t) > 3:
+                out.setdefault(t._ga_store, []).append(t)
+            del t
     return out
 
 
-def swap_in(store: Store, base: torch.Tensor) -> int:
-    """Turn every live placeholder over ``store`` into the real view of ``base``; returns how many."""
-    live = alive(store)
+def swap_in(live: list[Placeholder], base: torch.Tensor) -> int:
+    """Turn the live placeholders ``live`` (over one store) into real views of ``base``."""
     live.sort(key=lambda t: not t._is_view())  # autograd views first: they hold their base
     n = 0
     for t in live:
@@ -118,5 +119,4 @@ def swap_in(store: Store, base: torch.Tensor) -> int:
         del new
         n += 1
     live.clear()
-    store.tensors.clear()
     return n

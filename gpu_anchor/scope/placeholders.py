@@ -35,7 +35,8 @@ class Store:
         self.index = index
         self.device = device            # 'cpu' or 'cuda:N'
         self.meta = meta                # meta-device base: shape, stride, dtype of the allocation
-        self.tensors: list[Placeholder] = []   # strong refs; liveness is judged by refcount at exit
+        self.tensors: list[Placeholder] = []   # placeholders made over it (each listed once, here only);
+        # a placeholder may later move to another store (``.data =``, swap_tensors): group by ``_ga_store``
         self.init = None                # the Event that creates it, or None (empty)
         self.name: str | None = None
         self.status: str | None = None  # matched / created / native after binding
@@ -94,6 +95,21 @@ class Placeholder(torch.Tensor):
         s = self._ga_store
         return (f"Placeholder(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
                 f"object=#{s.index}{' ' + s.name if s.name else ''})")
+
+    # ``param.data = other`` (what ``module.to(dtype)``/``.half()`` do) is not an aten op: the
+    # C++ setter copies ``other``'s metadata into this tensor, and this tensor must follow
+    # ``other`` to its store too.
+    def _get_data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    def _set_data(self, new):
+        if not isinstance(new, Placeholder):
+            raise TypeError("inside managed_scope, a placeholder's .data can only be set to another placeholder "
+                            f"(got {type(new).__name__}); build the tensor inside the scope instead")
+        torch._C.TensorBase.data.__set__(self, new)
+        self._ga_store, self._ga_meta = new._ga_store, new._ga_meta
+
+    data = property(_get_data, _set_data)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a gpu-anchor placeholder cannot be pickled or deep-copied before its scope binds it")

@@ -134,14 +134,17 @@ class ManagedScope:
         mode, rep = self._mode, self.report
         rep.eager_evaluations = mode.eager_evaluations
         stores = mode.stores
-        live = [s for s in stores if binding.alive(s)]
+        by_store = binding.live_placeholders(stores)
+        live = [s for s in stores if s in by_store]
         named = self._name(live, roots)
         roots.clear()
         t1 = time.perf_counter()
         orphans = [s for s in live if s.name is None]
         if orphans:
+            by_store = {}
             gc.collect()
-            orphans = [s for s in orphans if binding.alive(s)]
+            by_store = binding.live_placeholders(stores)
+            orphans = [s for s in orphans if s in by_store]
             if orphans:
                 warnings.warn(
                     f"managed_scope: {len(orphans)} tensor(s) made in the scope are alive but not reachable from "
@@ -165,13 +168,14 @@ class ManagedScope:
         self._settle(created, [c for c in by_client])
         t3 = time.perf_counter()
         for s in named + orphans:
-            binding.swap_in(s, s.real)
+            binding.swap_in(by_store[s], s.real)
             if s.status != "native":
                 (rep.matched if s.status == "matched" else rep.created).append(s.name)
                 self.objects[s.name] = s.real  # the whole allocation
             else:
                 rep.native.append(f"#{s.index} {list(s.shape)}")
             s.real = None
+        by_store.clear()
         for s in stores:
             s.tensors.clear()
         t4 = time.perf_counter()
