@@ -134,3 +134,19 @@ def test_fault_specs():
     finally:
         faults.arm(None)
     assert len(PHASES) == 6
+
+
+def test_device_progress_word():
+    from gpu_anchor.train.protocol import decode_progress, device_resume_point, encode_progress
+    assert decode_progress(encode_progress(12345, 17)) == (12345, 17)
+    assert decode_progress(-1) == (-1, 0)
+    st = StepState(9).begin(4, device_progress=True)
+    assert st.undo == -1 and st.rollback_chunk() is None
+    assert device_resume_point(st, -1) == (0, False)                       # never started
+    assert device_resume_point(st, encode_progress(8, 3)) == (0, False)    # last step's word
+    assert device_resume_point(st, encode_progress(9, 2)) == (2, True)     # chunk 2 maybe half written
+    with pytest.raises(ValueError):
+        device_resume_point(st, encode_progress(9, 7))
+    with pytest.raises(RuntimeError):
+        device_resume_point(StepState(9), 0)
+    assert st.finish() == StepState(10, IDLE, 0, -1, 4)

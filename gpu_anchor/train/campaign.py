@@ -37,6 +37,7 @@ class RunConfig:
     flavour: str = "default"        # default | foreach | single | fused
     chunk_bytes: int = 16 << 10
     seed: int = 1234
+    progress: str = "journal"       # journal | device (where the per-chunk cursor lives)
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -84,7 +85,8 @@ def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = Non
     anchor_module(model, client)
     inner = build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
-    opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched])
+    opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
+                            progress=cfg.progress)
     start = opt.completed_steps
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -216,7 +218,7 @@ def trajectory(log: str) -> tuple[dict[int, str], str | None]:
     return out, done
 
 
-def compare(client_a, client_b, skip_prefixes=("train.undo.",)) -> list[str]:
+def compare(client_a, client_b, skip_prefixes=("train.undo.", "train.progress")) -> list[str]:
     """Names whose contents differ (or exist on one side only) between two namespaces."""
     from gpu_anchor.client.mapping import torch_dtype
     a, b = client_a.objects(), client_b.objects()

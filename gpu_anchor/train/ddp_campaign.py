@@ -60,7 +60,8 @@ def rank_train(rank: int, world: int, port: int, namespace: str, cfg: C.RunConfi
     else:
         client = gpu_anchor.connect(device, namespace=namespace)
         anchor_module(model, client)
-        opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched])
+        opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
+                                progress=cfg.progress)
         start = opt.completed_steps
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from . import chunking, distributed, faults
+from . import chunking, distributed, faults, protocol
 from .kinds import kind_of
 from .protocol import APPLYING, StepState, key, slot_of
 
@@ -60,11 +60,15 @@ class AnchoredOptimizer:
     ``schedulers``: LR schedulers built on ``optimizer``; they step inside ``step()``
     and their state commits with it — do not call their ``step()`` yourself.
     ``track_rng``: journal torch's CPU (and this device's CUDA) RNG state at each step.
+    ``progress``: where the per-chunk cursor lives — ``"journal"`` (one journal commit
+    and one device wait per chunk) or ``"device"`` (an anchored int64 written by the
+    device stream between chunks: two commits and two waits per step, whatever the
+    chunk count).  Default: ``"device"`` on CUDA, ``"journal"`` on the host.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,
                  client=None, prefix: str = "train", chunk_bytes: int | None = None,
-                 schedulers=(), track_rng: bool = True) -> None:
+                 schedulers=(), track_rng: bool = True, progress: str | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("AnchoredOptimizer wraps a torch.optim.Optimizer")
         if any(len(s) for s in optimizer.state.values()):
@@ -75,7 +79,7 @@ class AnchoredOptimizer:
         self.track_rng = track_rng
         self.prefix = prefix
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
-        self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0, "copy_s": 0.0}
+        self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0}
         faults.arm_from_env()
 
         names = {}
@@ -118,9 +122,13 @@ class AnchoredOptimizer:
                 raise RuntimeError("a step is in flight but the parameters changed (names, shapes or dtypes); "
                                    "finish it with the previous program or restore from a checkpoint")
             chunk_bytes = meta["chunk_bytes"]
+            progress = meta.get("progress", "journal")
         elif chunk_bytes is None:
             chunk_bytes = chunking.default_chunk_bytes(total)
         self.chunk_bytes = int(chunk_bytes)
+        self.progress = progress or ("device" if self.device.type == "cuda" else "journal")
+        if self.progress not in ("journal", "device"):
+            raise ValueError(f"progress must be 'journal' or 'device', not {progress!r}")
         self._elem_sizes = sizes
         self._chunks = chunking.plan([q.p.numel() for q in self._params], sizes, self.chunk_bytes)
         if self._state.in_flight and len(self._chunks) != self._state.chunks:
@@ -139,11 +147,15 @@ class AnchoredOptimizer:
         if resuming and lost:
             raise RuntimeError(f"the journal says {self._state.step} steps were committed but the anchored "
                                f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
-        undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)],
+        undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]
+                           + [(f"{prefix}.progress", (1,), torch.int64)],
                            policy="match_or_create" if self._state.in_flight else "replace")
         if self._state.in_flight and any(b.status == "created" for b in undo):
             raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
-        self._undo = [b.tensor for b in undo]
+        self._undo = [b.tensor for b in undo[:2]]
+        self._word = undo[2].tensor
+        if not self._state.in_flight:
+            self._word.fill_(-1)
         it = iter(bound)
         for q, ks in zip(self._params, keys_of):
             q.grad = next(it).tensor
@@ -214,18 +226,20 @@ class AnchoredOptimizer:
             counts = list(self._counts)
             hps = [_hparams(g) for g in self.optimizer.param_groups]
             carry = self._capture_carry()
-            t0 = time.perf_counter()
-            self._copy_to_undo(0)
-            self._wait()
-            self.stats["copy_s"] += time.perf_counter() - t0
+            device = self.progress == "device"
+            if not device:
+                self._copy_to_undo(0)
+            self._wait()     # the gradients (and chunk 0's undo image) are in memory
             boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask),
                                    "counts": counts, "hparams": hps}).encode()
-            new = st.begin(len(self._chunks))
+            new = st.begin(len(self._chunks), device_progress=device)
             self._commit({key(self.prefix, "state"): new.encode(), key(self.prefix, "boundary"): boundary,
                           key(self.prefix, "carry_inflight"): carry})
             self._state = new
             if self._barrier is not None:
                 self._barrier()
+            if device:
+                self._publish(0)
             self._run_from(0, mask, counts, hps, carry)
 
     def state_dict(self) -> dict:
@@ -240,24 +254,31 @@ class AnchoredOptimizer:
         steps = self._step_tensors(mask, counts, hps)
         n = len(self._chunks)
         s = self._state.step
+        device = self.progress == "device"
         for i in range(c0, n):
-            faults.hit("before_update", s, i)
+            faults.hit("before_update", s, i, before_kill=self._wait)
             self._apply(i, mask, counts, steps, hps)
             if faults.armed("mid_chunk", s, i):
                 faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i))
-            if i + 1 < n:
-                t0 = time.perf_counter()
+            if i + 1 < n and not device:
                 self._copy_to_undo(i + 1)
-                self.stats["copy_s"] += time.perf_counter() - t0
                 self._wait()
-                faults.hit("after_update", s, i)
+            faults.hit("after_update", s, i, before_kill=self._wait)
+            if i + 1 == n:
+                self._finish(mask, counts, carry)
+            elif device:
+                self._publish(i + 1)
+            else:
                 new = self._state.chunk_done(i)
                 self._commit({key(self.prefix, "state"): new.encode()})
                 self._state = new
-            else:
-                self._finish(mask, counts, carry)
-            faults.hit("after_commit", s, i)
+            faults.hit("after_commit", s, i, before_kill=self._wait)
         self.stats["steps"] += 1
+
+    def _publish(self, i: int) -> None:
+        """Device progress: save chunk ``i``, then let the stream record ``cursor = undo = i``."""
+        self._copy_to_undo(i)
+        self._word.fill_(protocol.encode_progress(self._state.step, i))
 
     def _finish(self, mask, counts, carry) -> None:
         self.optimizer._opt_called = True   # the step did happen (schedulers warn otherwise)
@@ -268,8 +289,7 @@ class AnchoredOptimizer:
                                 "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
         sched = pickle.dumps([sch.state_dict() for sch in self.schedulers])
         self._wait()
-        faults.hit("after_update", self._state.step, len(self._chunks) - 1)
-        new = self._state.chunk_done(len(self._chunks) - 1)
+        new = self._state.finish()
         p = self.prefix
         self._commit({key(p, "state"): new.encode(), key(p, "committed"): committed, key(p, "sched"): sched,
                       key(p, "carry"): carry}, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
@@ -301,10 +321,20 @@ class AnchoredOptimizer:
             for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
                 _set_hparams(g, hp)
             carry = vals[key(p, "carry_inflight")]
-            rb = self._state.rollback_chunk()
-            if rb is not None:
-                self._copy_from_undo(rb)
-            self._run_from(self._state.cursor, mask, b["counts"], b["hparams"], carry)
+            if self.progress == "device":
+                cursor, rollback = protocol.device_resume_point(self._state, int(self._word.item()))
+                if rollback:
+                    self._copy_from_undo(cursor)
+                elif cursor == 0:
+                    self._publish(0)
+            else:
+                cursor = self._state.cursor
+                if self._state.rollback_chunk() is not None:
+                    self._copy_from_undo(cursor)
+            if cursor == len(self._chunks):
+                self._finish(mask, b["counts"], carry)
+            else:
+                self._run_from(cursor, mask, b["counts"], b["hparams"], carry)
             vals = dict(vals, **{key(p, "carry"): carry})
         if key(p, "carry") in vals:
             self._restore_carry(vals[key(p, "carry")])
@@ -434,7 +464,7 @@ class AnchoredOptimizer:
         return [[q.name, list(q.p.shape), str(q.p.dtype)] for q in self._params]
 
     def _meta(self) -> bytes:
-        return json.dumps({"params": self._signature(), "chunk_bytes": self.chunk_bytes,
+        return json.dumps({"params": self._signature(), "chunk_bytes": self.chunk_bytes, "progress": self.progress,
                            "optimizer": type(self.optimizer).__name__}).encode()
 
     def __repr__(self) -> str:

@@ -82,17 +82,26 @@ class StepState:
             raise ValueError(f"unknown training phase {self.phase!r}")
         if self.step < 0 or self.chunks < 0:
             raise ValueError(f"corrupt training state {self}")
-        if self.phase == APPLYING and not (0 <= self.cursor < self.chunks and self.undo in (-1, self.cursor)):
+        if self.phase == APPLYING and not (0 <= self.cursor < max(1, self.chunks) and self.undo in (-1, self.cursor)):
             raise ValueError(f"corrupt training state {self}: cursor/undo out of range")
 
     # ------------------------------------------------------------------ transitions
-    def begin(self, chunks: int) -> "StepState":
-        """Gradient-finalization boundary: step ``self.step`` goes in flight, chunk 0 saved."""
+    def begin(self, chunks: int, device_progress: bool = False) -> "StepState":
+        """Gradient-finalization boundary: step ``self.step`` goes in flight, chunk 0 saved.
+
+        With ``device_progress`` the cursor lives in the device word (``undo`` stays -1 here).
+        """
         if self.phase != IDLE:
             raise RuntimeError("a step is already in flight; recover it first")
         if chunks < 1:
             raise ValueError("a step needs at least one chunk")
-        return StepState(self.step, APPLYING, 0, 0, chunks)
+        return StepState(self.step, APPLYING, 0, -1 if device_progress else 0, chunks)
+
+    def finish(self) -> "StepState":
+        """The whole step is written (device-progress mode): commit it."""
+        if self.phase != APPLYING:
+            raise RuntimeError("no step in flight")
+        return StepState(self.step + 1, IDLE, 0, -1, self.chunks)
 
     def chunk_done(self, i: int) -> "StepState":
         """Chunk ``i`` written (and chunk ``i+1`` saved if it exists); the last one commits the step."""
@@ -143,3 +152,46 @@ def describe(values: dict[str, bytes], prefix: str = "train") -> dict:
             "committed_steps": st.step,
             "in_flight_step": st.step if st.in_flight else None,
             "cursor": st.cursor if st.in_flight else None, "chunks": st.chunks}
+
+
+# ---------------------------------------------------------------------- device progress word
+# ``progress="device"``: the per-chunk cursor is not a journal commit but one int64 in
+# anchored device memory, written by the device stream itself between the kernels:
+#
+#     copy chunk i -> slot i%2 ; word <- (s, i) ; apply chunk i ; copy chunk i+1 ; word <- (s, i+1) ...
+#
+# Stream order makes ``word == (s, i)`` imply "chunks < i written, slot i%2 holds chunk
+# i's complete pre-image, chunk i maybe half written" — the journal invariant with
+# ``cursor = undo = i`` — without a host round trip per chunk.  A single aligned 8-byte
+# store is atomic, so a kill never leaves a torn word.  The journal still carries the
+# step, the phase and the boundary record (two commits per step).
+_CURSOR_BITS = 20
+
+
+def encode_progress(step: int, cursor: int) -> int:
+    if not 0 <= cursor < (1 << _CURSOR_BITS):
+        raise ValueError("too many chunks")
+    return (step << _CURSOR_BITS) | cursor
+
+
+def decode_progress(word: int) -> tuple[int, int]:
+    if word < 0:
+        return -1, 0
+    return word >> _CURSOR_BITS, word & ((1 << _CURSOR_BITS) - 1)
+
+
+def device_resume_point(state: StepState, word: int) -> tuple[int, bool]:
+    """Where to continue an in-flight step from the device word: ``(cursor, rollback)``.
+
+    A word of another step means chunk 0 was never touched: start over at 0 without a
+    rollback (its undo copy may be missing).  ``cursor == chunks`` means every chunk is
+    written and only the commit is missing.
+    """
+    if not state.in_flight:
+        raise RuntimeError("no step in flight")
+    step, cursor = decode_progress(word)
+    if step != state.step:
+        return 0, False
+    if cursor > state.chunks:
+        raise ValueError(f"device progress word {word:#x} past the last chunk of {state}")
+    return cursor, cursor < state.chunks
