@@ -141,7 +141,8 @@ class ConcurrentCheckpointer:
         fl.result.objects, fl.result.bytes = len(entries), total
         cuda = any(t.is_cuda for _, _, t in entries.values())
         if cuda:
-            self._stream = self._stream or torch.cuda.Stream(priority=0)  # 0 = the lowest priority
+            dev = next(t.device for _, _, t in entries.values() if t.is_cuda)
+            self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
             self._stream.wait_stream(torch.cuda.current_stream())       # copies start after the consistent point
             free = torch.cuda.mem_get_info()[0]
             self._gpu_budget = int(free * self.gpu_buffer_fraction)
@@ -281,13 +282,17 @@ class ConcurrentCheckpointer:
             if nbytes <= self._gpu_budget:  # GPU-side copy on the op's stream: ordered before its write
                 self._gpu_budget -= nbytes
                 with torch.utils._python_dispatch._disable_current_modes():
-                    fl.gpu_buffers[key] = src.clone()
+                    buf = src.clone()
+                    ev = torch.cuda.Event()
+                    ev.record()  # the drain on the side stream waits for this clone
+                fl.gpu_buffers[key] = (buf, ev)
                 fl.result.gpu_buffered += 1
                 return
             dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
             torch.cuda.current_stream().synchronize()
             return
-        with torch.cuda.stream(self._stream), torch.utils._python_dispatch._disable_current_modes():
+        with torch.cuda.device(src.device), torch.cuda.stream(self._stream), \
+                torch.utils._python_dispatch._disable_current_modes():
             dst.copy_(src, non_blocking=True)
         self._stream.synchronize()
 
@@ -365,8 +370,9 @@ class ConcurrentCheckpointer:
         def run():
             try:
                 if buffers:  # drain GPU-side copy-on-write buffers on the low-priority stream
-                    with torch.cuda.stream(self._stream):
-                        for k, buf in buffers.items():
+                    with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
+                        for k, (buf, ev) in buffers.items():
+                            self._stream.wait_event(ev)
                             fl.staging[k].copy_(buf, non_blocking=True)
                     self._stream.synchronize()
                     buffers.clear()

@@ -143,7 +143,7 @@ class WriteSetTracker(TorchDispatchMode):
         super().__init__()
         self.objects = ObjectMap()
         self.listeners: list = []
-        self.conservative: set[str] = set()  # ops (str(func)) learnt to write undeclared
+        self.conservative: set = set()  # ops learnt to write without declaring it
         self.ops_seen = 0
         self._lock = threading.Lock()
 
@@ -178,11 +178,11 @@ class WriteSetTracker(TorchDispatchMode):
 
     def treat_as_writing(self, func) -> None:
         """From now on every tensor argument of ``func`` counts as written (after a validation miss)."""
-        self.conservative.add(str(func))
+        self.conservative.add(func)
 
     # ------------------------------------------------------------------ speculation
     def written(self, func, args, kwargs) -> list[str]:
-        if str(func) in self.conservative:
+        if func in self.conservative:
             return self.touched(args, kwargs)
         names = []
         for t in written_tensors(func, args, kwargs):

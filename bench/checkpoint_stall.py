@@ -1,0 +1,195 @@
+"""Job stall per checkpoint: concurrent (soft CoW / soft recopy) vs stop-the-world vs
+``torch.distributed.checkpoint.async_save``; step slowdown while a checkpoint is in
+flight; restore time to first step, on-demand vs full.
+
+    python -m bench checkpoint_stall                                # tiny, CPU (smoke)
+    python -m bench checkpoint_stall --device cuda:0 --hidden 4096 --layers 20 --batch 512   # ≈1B values on an H200
+
+The job is ``gpu_anchor.checkpoint.workload.Job`` (an MLP + Adam, everything
+anchored): ``--hidden``² × ``--layers`` parameters, ×3 with the Adam moments.  Every
+variant runs in the same warm interpreter against the same daemon.  "stall" is the
+time the job's own thread was blocked by the checkpoint (copy at the start, copies
+forced by ops, the final recopy); ``extra_s`` is the wall time the in-flight steps
+took beyond the median baseline step — the job-level cost, including interference.
+Disk writes happen in background threads in every variant and are not stall.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from bench.common import write_result
+
+
+def _sync(device):
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _steps(job, first, n, device, boundary=None):
+    times = []
+    for s in range(first, first + n):
+        t0 = time.perf_counter()
+        job.step(s)
+        job.commit(s)
+        _sync(device)
+        if boundary is not None:
+            boundary(s)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _checkpoint_run(job, client, tracker, directory, policy, device, step, base, inflight_steps, throttle):
+    from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
+    ck = ConcurrentCheckpointer([client], directory, tracker, policy=policy, throttle_s=throttle)
+    if policy == "stw":
+        t0 = time.perf_counter()
+        res = ck.stop_the_world(step - 1)
+        wall = time.perf_counter() - t0
+        return {"policy": "stw", "stall_s": res.stall_s, "with_disk_write_s": wall, "bytes": res.bytes}, step
+    finished = []
+    t0 = time.perf_counter()
+    ck.start(step - 1, policy=policy)
+    start_s = time.perf_counter() - t0
+    times = []
+    with tracker:
+        while ck.in_flight and len(times) < inflight_steps:
+            times += _steps(job, step, 1, device, lambda s: finished.append(ck.boundary(s)))
+            step += 1
+    t1 = time.perf_counter()
+    res = ck.finish(step - 1)
+    tail = time.perf_counter() - t1
+    ck.close()
+    extra = sum(times) - base * len(times)
+    return {"policy": res.policy, "reason": res.reason, "stall_s": res.stall_s, "start_s": start_s,
+            "inflight_steps": len(times), "inflight_step_ms": [round(t * 1e3, 3) for t in times],
+            "extra_s": extra, "slowdown": (statistics.median(times) / base) if times else None,
+            "finish_wait_s": tail, "cow_foreground": len(res.cow_foreground), "gpu_buffered": res.gpu_buffered,
+            "recopied": len(res.recopied), "objects": res.objects, "bytes": res.bytes, "checkpoint_step": res.step,
+            "valid": res.valid, "seconds": res.seconds}, step
+
+
+def _dcp(job, directory, device, step, base, inflight_steps):
+    import torch.distributed.checkpoint as dcp
+    state = {n: t for n, t in job.tensors().items()}
+    try:
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=directory)
+        stall = time.perf_counter() - t0
+        times = _steps(job, step, inflight_steps, device)
+        fut.result()
+        return {"stall_s": stall, "inflight_steps": len(times), "extra_s": sum(times) - base * len(times),
+                "slowdown": statistics.median(times) / base}, step + inflight_steps
+    except Exception as e:  # reported, not fatal: the other rows still count
+        return {"error": f"{type(e).__name__}: {e}"}, step
+
+
+def _restore(directory, device, args, mode):
+    import gpu_anchor
+    from gpu_anchor.checkpoint import restore as od
+    from gpu_anchor.checkpoint.workload import Job
+    from gpu_anchor.checkpoint.writeset import WriteSetTracker
+    from gpu_anchor.launch import snapshot
+    from gpu_anchor.launch.snapshot_paths import latest_complete
+    step = latest_complete(directory, 1)
+    gpu_anchor.connect(device, namespace="job").drop_namespace()
+    tracker = WriteSetTracker()
+    t0 = time.perf_counter()
+    if mode == "full":
+        snapshot.restore(directory, step, 0)
+        r = None
+    else:
+        r = od.OnDemandRestore(directory, tracker, step=step).start()
+    job = Job(gpu_anchor.connect(device, namespace="job"), hidden=args.hidden, layers=args.layers, batch=args.batch)
+    t_ready = time.perf_counter() - t0
+    with tracker:
+        job.step(step + 1)
+        _sync(device)
+    first = time.perf_counter() - t0
+    out = {"restore_to_ready_s": t_ready, "time_to_first_step_s": first, "step": step}
+    if r is not None:
+        stats = r.wait()
+        out.update(all_loaded_s=time.perf_counter() - t0, on_demand=len(stats["on_demand"]),
+                   background=len(stats["background"]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench checkpoint_stall")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--inflight-steps", type=int, default=50, help="cap on steps run while a checkpoint is in flight")
+    ap.add_argument("--throttle", type=float, default=0.0, help="sleep per object in the copier (smoke runs)")
+    ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results or $GPU_ANCHOR_BENCH_OUT)")
+    args = ap.parse_args(argv)
+
+    sock = tempfile.mkdtemp(prefix="ga-ckbench-")
+    os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
+    base_dir = args.dir or tempfile.mkdtemp(prefix="ga-ckpt-")
+    from gpu_anchor.daemon import control
+    devices = ["cpu"] + ([args.device] if args.device != "cpu" else [])
+    for d in devices:
+        control.start(d)
+    try:
+        import torch
+        import gpu_anchor
+        from gpu_anchor.checkpoint.workload import Job
+        from gpu_anchor.checkpoint.writeset import WriteSetTracker
+        client = gpu_anchor.connect(args.device, namespace="job")
+        t0 = time.perf_counter()
+        job = Job(client, hidden=args.hidden, layers=args.layers, batch=args.batch)
+        build_s = time.perf_counter() - t0
+        n_values = sum(t.numel() for t in job.tensors().values())
+        tracker = WriteSetTracker()
+        step = 1
+        _steps(job, step, args.warmup, args.device)
+        step += args.warmup
+        with tracker:  # baseline under the tracker with no listener: its idle cost is in the baseline
+            base_times = _steps(job, step, max(args.warmup, 5), args.device)
+        step += len(base_times)
+        base = statistics.median(base_times)
+        rows = {}
+        for policy in ("stw", "cow", "recopy"):
+            d = os.path.join(base_dir, policy)
+            rows[policy], step = _checkpoint_run(job, client, tracker, d, policy, args.device, step, base,
+                                                 args.inflight_steps, args.throttle)
+        rows["dcp_async_save"], step = _dcp(job, os.path.join(base_dir, "dcp"), args.device, step, base,
+                                            min(args.inflight_steps, 10))
+        stw = rows["stw"]["stall_s"]
+        for k in ("cow", "recopy", "dcp_async_save"):
+            if "stall_s" in rows[k] and stw > 0:
+                rows[k]["stall_vs_stw"] = rows[k]["stall_s"] / stw
+        del job
+        restore = {m: _restore(os.path.join(base_dir, "cow"), args.device, args, m) for m in ("full", "on_demand")}
+        result = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
+                  "anchored_values": n_values, "anchored_bytes": n_values * 4, "build_s": build_s,
+                  "baseline_step_s": base, "checkpoint": rows, "restore": restore,
+                  "notes": "same warm interpreter and daemon for every row; stall = job thread blocked; "
+                           "disk writes are background in every row"}
+        path = write_result("checkpoint_stall", result, args.out)
+        print(f"wrote {path}")
+        for k, r in rows.items():
+            print(f"{k:15s} stall {r.get('stall_s', float('nan')) * 1e3:9.2f} ms  extra {r.get('extra_s', 0) * 1e3:9.2f} ms"
+                  f"  {r.get('error', '')}")
+        for k, r in restore.items():
+            print(f"restore {k:9s} first step after {r['time_to_first_step_s'] * 1e3:9.2f} ms")
+        del torch
+    finally:
+        for d in devices:
+            try:
+                control.stop(d)
+            except Exception:
+                pass
+        if args.dir is None:
+            shutil.rmtree(base_dir, ignore_errors=True)
+        shutil.rmtree(sock, ignore_errors=True)
+    return 0
