@@ -151,13 +151,25 @@ def main(argv=None) -> int:
         with private_daemon(device):
             launcher = Launcher(args.mode == "warm", work)
             for rate in map(float, args.rates.split(",")):
-                rows = [run_one(m, rate, args, device, work, launcher) for m in methods]
+                rows = []
+                for m in methods:
+                    try:
+                        rows.append(run_one(m, rate, args, device, work, launcher))
+                    except Exception as e:  # one broken method must not cost the others' figures
+                        if args.tiny:
+                            raise
+                        print(f"rate {rate} {m} FAILED: {type(e).__name__}: {e}", flush=True)
+                        result.setdefault("failed", {})[f"{rate}/{m}"] = f"{type(e).__name__}: {e}"
+                if not rows:
+                    continue
                 summarise(rows, args.steps)
                 for r in rows:
                     print(f"rate {rate:g}/s {r['method']:10s} wall {r['wall_s']:.2f}s faults {r['faults']} "
                           f"goodput {r['goodput']:.3f} wasted {r['wasted_s']:.2f}s (ckpt {r['ckpt_blocking_s']:.2f}, "
                           f"recovery {r['recovery_s']:.2f}, recompute {r['recompute_s']:.2f})", flush=True)
                 result["runs"][str(rate)] = rows
+                # partial results survive a time limit
+                write_result("e2e_faults_tiny" if args.tiny else "e2e_faults", result, args.out)
     finally:
         if launcher is not None:
             launcher.close()
@@ -200,6 +212,8 @@ def render(result: dict) -> str:
             "(seeded); a slower method runs longer and so can meet more of them, as in a real job.")
     if result.get("gpu_anchor_unavailable"):
         note += f"\n\ngpu-anchor was not measured: {result['gpu_anchor_unavailable']}."
+    for k, err in result.get("failed", {}).items():
+        note += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(out) + note
 
 

@@ -98,11 +98,14 @@ def _anchor_cost(model_name, device, tiny, steps, bsz, seq) -> dict:
         aopt = AnchoredOptimizer(make_optimizer(model, device), model=model, client=client)
         anch = timed_steps(model, aopt, steps + 1)[1:]
         st = dict(aopt.stats)
+        n = max(1, st.get("steps", 0))
+        # stats keys as AnchoredOptimizer reports them today; absent ones read as not measured
         res = {"plain_step_s": statistics.median(plain), "anchored_step_s": statistics.median(anch),
-               "chunks": aopt.num_chunks, "undo_bytes": aopt.undo_bytes,
-               "copy_per_step_s": st["copy_s"] / max(1, st["steps"]),
-               "commit_per_step_s": st["commit_s"] / max(1, st["steps"]),
-               "commits_per_step": st["commits"] / max(1, st["steps"])}
+               "chunks": getattr(aopt, "num_chunks", None), "undo_bytes": getattr(aopt, "undo_bytes", None),
+               "copy_per_step_s": st["copy_s"] / n if "copy_s" in st else None,
+               "wait_per_step_s": st["wait_s"] / n if "wait_s" in st else None,
+               "commit_per_step_s": st["commit_s"] / n if "commit_s" in st else None,
+               "commits_per_step": st["commits"] / n if "commits" in st else None}
         res["protocol_s"] = max(0.0, res["anchored_step_s"] - res["plain_step_s"])
         del aopt, model
         gc.collect()
@@ -131,11 +134,23 @@ def main(argv=None) -> int:
     out = {"title": "Training: persistence blocking time per checkpoint", "device": device,
            "batch": args.batch, "seq": args.seq, "repeat": args.repeat, "models": {}, "target_s": TARGET_S}
     for m in args.models.split(","):
-        rows = [_baseline(name, m, device, args.tiny, args.repeat, args.batch, args.seq, args.dir)
-                for name in args.methods.split(",")]
-        entry = {"baselines": rows, "params": models.param_count(m, args.tiny)}
+        rows, failed = [], {}
+        for name in args.methods.split(","):
+            try:
+                rows.append(_baseline(name, m, device, args.tiny, args.repeat, args.batch, args.seq, args.dir))
+            except Exception as e:  # one broken method must not cost the others' figures
+                if args.tiny:
+                    raise
+                failed[name] = f"{type(e).__name__}: {e}"
+                print(f"{m} {name} FAILED: {failed[name]}", flush=True)
+        entry = {"baselines": rows, "failed": failed, "params": models.param_count(m, args.tiny)}
         if why is None:
-            entry["gpu_anchor"] = _anchor_cost(m, device, args.tiny, 2 if args.tiny else 10, args.batch, args.seq)
+            try:
+                entry["gpu_anchor"] = _anchor_cost(m, device, args.tiny, 2 if args.tiny else 10, args.batch, args.seq)
+            except Exception as e:
+                if args.tiny:
+                    raise
+                entry["gpu_anchor_unavailable"] = f"failed: {type(e).__name__}: {e}"
         else:
             entry["gpu_anchor_unavailable"] = why
         out["models"][m] = entry
@@ -155,12 +170,15 @@ def render(result: dict) -> str:
     head = "| method | " + " | ".join(ms) + " |\n| --- |" + " --- |" * len(ms)
     names = [r["method"] for r in result["models"][ms[0]]["baselines"]]
     labels = {r["method"]: r["label"] for r in result["models"][ms[0]]["baselines"]}
-    best = {m: min(r["blocking_s"] for r in result["models"][m]["baselines"]) for m in ms}
+    best = {m: min((r["blocking_s"] for r in result["models"][m]["baselines"]), default=None) for m in ms}
     lines = [head]
     for n in names:
         cells = []
         for m in ms:
-            r = next(x for x in result["models"][m]["baselines"] if x["method"] == n)
+            r = next((x for x in result["models"][m]["baselines"] if x["method"] == n), None)
+            if r is None:
+                cells.append("failed")
+                continue
             cells.append(f"{fmt_s(r['blocking_s'])} ({speedup(r['blocking_s'], best[m])} vs best)")
         lines.append(f"| {labels[n]} | " + " | ".join(cells) + " |")
     cells, oks = [], []
@@ -168,6 +186,8 @@ def render(result: dict) -> str:
         a = result["models"][m].get("gpu_anchor")
         if a is None:
             cells.append("not measured")
+            continue
+        if a.get("protocol_s") is None:
             continue
         oks.append(a["protocol_s"] <= result["target_s"])
         cells.append(f"{fmt_s(a['protocol_s'])} per step ({speedup(a['protocol_s'], best[m])} vs best)")
@@ -182,10 +202,15 @@ def render(result: dict) -> str:
     for m in ms:
         a = result["models"][m].get("gpu_anchor")
         if a:
-            tail += (f"\n| {m} | {a['plain_step_s'] * 1e3:.2f} | {a['anchored_step_s'] * 1e3:.2f} | "
-                     f"{a['copy_per_step_s'] * 1e3:.2f} | {a['commits_per_step']:.0f} "
-                     f"({a['commit_per_step_s'] * 1e3:.2f} ms) | {a['chunks']} |")
+            def ms(k):
+                return "—" if a.get(k) is None else f"{a[k] * 1e3:.2f}"
+            commits = "—" if a.get("commits_per_step") is None else f"{a['commits_per_step']:.0f}"
+            tail += (f"\n| {m} | {ms('plain_step_s')} | {ms('anchored_step_s')} | {ms('copy_per_step_s')} | "
+                     f"{commits} ({ms('commit_per_step_s')} ms) | {a.get('chunks', '—')} |")
         elif "gpu_anchor_unavailable" in result["models"][m]:
             tail += f"\n| {m} | gpu-anchor unavailable: {result['models'][m]['gpu_anchor_unavailable']} | | | | |"
     first = "; ".join(f"{r['method']} {fmt_s(r['first_s'])}" for r in result["models"][ms[0]]["baselines"])
+    for m in ms:
+        for n, err in result["models"][m].get("failed", {}).items():
+            tail += f"\n\n{m}: {n} FAILED — {err}"
     return "\n".join(lines) + tail + f"\n\nFirst save ({ms[0]}, includes buffer allocation / pinning): {first}."

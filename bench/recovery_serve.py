@@ -164,8 +164,16 @@ def main(argv=None) -> int:
                     launchers["cold"] = Launcher(False, work)
                 rows = []
                 for meth in args.methods.split(","):
-                    rows.append(run_method(meth, args, model_dir, device, modes, work, launchers))
-                result["models"][m] = rows
+                    try:
+                        rows.append(run_method(meth, args, model_dir, device, modes, work, launchers))
+                    except Exception as e:  # one broken method must not cost the others' figures
+                        if args.tiny:
+                            raise
+                        print(f"{m} {meth} FAILED: {type(e).__name__}: {e}", flush=True)
+                        result.setdefault("failed", {})[f"{m}/{meth}"] = f"{type(e).__name__}: {e}"
+                    result["models"][m] = rows
+                    # partial results survive a time limit
+                    write_result("recovery_serve_tiny" if args.tiny else "recovery_serve", result, args.out)
                 if args.model_root is None:
                     shutil.rmtree(model_dir, ignore_errors=True)
     finally:
@@ -206,4 +214,6 @@ def render(result: dict) -> str:
             "Total = kill → every interrupted request has produced its next token. For gpu-anchor the "
             "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
             "page cache.")
+    for k, err in result.get("failed", {}).items():
+        tail += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(parts) + tail

@@ -147,8 +147,19 @@ def main(argv=None) -> int:
             result["warm_server"] = {k: launchers["warm"].ready.get(k) for k in ("preload_s", "threads", "failed")}
             launchers["cold"] = Launcher(False, work)
             for m in args.models.split(","):
-                result["models"][m] = [run_method(meth, m, device, args.tiny, modes, args.repeat, args.ckpt_every,
-                                                  args.batch, args.seq, work, launchers) for meth in methods]
+                rows = []
+                for meth in methods:
+                    try:
+                        rows.append(run_method(meth, m, device, args.tiny, modes, args.repeat, args.ckpt_every,
+                                               args.batch, args.seq, work, launchers))
+                    except Exception as e:  # one broken method must not cost the others' figures
+                        if args.tiny:
+                            raise
+                        print(f"{m} {meth} FAILED: {type(e).__name__}: {e}", flush=True)
+                        result.setdefault("failed", {})[f"{m}/{meth}"] = f"{type(e).__name__}: {e}"
+                    result["models"][m] = rows
+                    # partial results survive a time limit
+                    write_result("recovery_train_tiny" if args.tiny else "recovery_train", result, args.out)
     finally:
         for lau in launchers.values():
             lau.close()
@@ -203,6 +214,8 @@ def render(result: dict) -> str:
                 f"{result['warm_server'].get('threads')} OS thread(s) at fork."
     if result.get("gpu_anchor_unavailable"):
         tail += f"\n\ngpu-anchor was not measured: {result['gpu_anchor_unavailable']}."
+    for k, err in result.get("failed", {}).items():
+        tail += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(parts) + tail
 
 
