@@ -202,11 +202,11 @@ def render(result: dict) -> str:
     for m in ms:
         a = result["models"][m].get("gpu_anchor")
         if a:
-            def ms(k):
+            def _ms(k, a=a):
                 return "—" if a.get(k) is None else f"{a[k] * 1e3:.2f}"
             commits = "—" if a.get("commits_per_step") is None else f"{a['commits_per_step']:.0f}"
-            tail += (f"\n| {m} | {ms('plain_step_s')} | {ms('anchored_step_s')} | {ms('copy_per_step_s')} | "
-                     f"{commits} ({ms('commit_per_step_s')} ms) | {a.get('chunks', '—')} |")
+            tail += (f"\n| {m} | {_ms('plain_step_s')} | {_ms('anchored_step_s')} | {_ms('copy_per_step_s')} | "
+                     f"{commits} ({_ms('commit_per_step_s')} ms) | {a.get('chunks', '—')} |")
         elif "gpu_anchor_unavailable" in result["models"][m]:
             tail += f"\n| {m} | gpu-anchor unavailable: {result['models'][m]['gpu_anchor_unavailable']} | | | | |"
     first = "; ".join(f"{r['method']} {fmt_s(r['first_s'])}" for r in result["models"][ms[0]]["baselines"])
