@@ -163,6 +163,18 @@ class ConcurrentCheckpointer:
         fl.result.stall_s += time.perf_counter() - t0
         return policy
 
+    def prepare(self) -> int:
+        """Allocate the pinned host staging now (else the first ``start`` pays for it); returns bytes."""
+        entries = self._enumerate()
+        for k, (_, _, t) in entries.items():
+            self._staging(k, t)
+        return sum(t.numel() * t.element_size() for _, _, t in entries.values())
+
+    def prioritize(self, names) -> None:
+        """Copy these objects next (e.g. the chunk the training protocol writes next)."""
+        if self._flight is not None and self._flight.queue is not None:
+            self._flight.queue.prioritize(names)
+
     def boundary(self, step: int, due: bool = False) -> CheckpointResult | None:
         """Call at every committed step boundary: completes a finished flight (recopy: at
         this step), retakes an invalid one, starts one if ``due``.  Returns a completed result."""
@@ -376,7 +388,6 @@ class ConcurrentCheckpointer:
                             fl.staging[k].copy_(buf, non_blocking=True)
                     self._stream.synchronize()
                     buffers.clear()
-                    self._gpu_budget = 0
                 res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured)
             except BaseException as e:
                 self._writer_error.append(e)
