@@ -160,12 +160,7 @@ class Supervisor:
                 self.state.set(state="stopped", result=f"interrupted by {signal.Signals(self._stop_signal).name}")
                 self.daemons.keep = True
                 return 128 + self._stop_signal
-            fired = self.chaos.fire({r: w.pid for r, w in self.workers.items() if w.status is None},
-                                    self._daemon_pids())
-            if fired:
-                self.t_chaos = time.time()
-                self.chaos_victim = fired[1]
-                self.log(f"chaos: SIGKILL {fired[0]} (pid {fired[1]}), {self.chaos.left} kill(s) left")
+            self._chaos_tick()
             failed = [w for w in self.workers.values() if w.status not in (None, 0)]
             if failed:
                 action = self._on_failure(min(failed, key=lambda w: w.t_exit))
@@ -175,6 +170,17 @@ class Supervisor:
                 self.log("all ranks exited 0: job done")
                 self.state.set(state="done", result="success")
                 return 0
+
+    def _chaos_tick(self) -> None:
+        if self.chaos.target == "daemon" and self.cfg.checkpoint_dir and self.chaos.timeout() == 0 and \
+                snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) is None:
+            return  # a daemon kill before the first complete checkpoint could only end the job: wait
+        fired = self.chaos.fire({r: w.pid for r, w in self.workers.items() if w.status is None},
+                                self._daemon_pids())
+        if fired:
+            self.t_chaos = time.time()
+            self.chaos_victim = fired[1]
+            self.log(f"chaos: SIGKILL {fired[0]} (pid {fired[1]}), {self.chaos.left} kill(s) left")
 
     # ------------------------------------------------------------------ workers
     def _env(self, rank: int, port: int) -> dict:
@@ -245,9 +251,9 @@ class Supervisor:
         r = z.ready
         if r["failed"]:
             self.log(f"warm-worker server could not preload {r['failed']}; they load in each worker")
-        if r["threads"] > 2:
-            self.log(f"warm-worker server has {r['threads']} OS threads after preloading: forking it is unsafe; "
-                     "cold starts")
+        if r.get("python_threads", 1) > 1:
+            self.log(f"warm-worker server has {r['python_threads']} Python threads after preloading "
+                     f"{','.join(self.cfg.preload)}: forking it is unsafe; cold starts")
             z.close()
             return
         self.log(f"warm-worker server pid {r['pid']} ready (preloaded {','.join(self.cfg.preload)} "

@@ -9,10 +9,12 @@ Protocol on the inherited socket (JSON lines), supervisor → zygote:
 ``{"op": "spawned", "id", "pid"}`` and ``{"op": "exit", "pid", "status"}``
 (status as ``Popen.returncode``: negative = killed by that signal).
 
-Fork safety: the zygote runs one thread.  It imports modules, never runs their
-work (no CUDA, no thread pools: ``torch.get_num_threads()`` would create
-OpenMP's), and reports the OS thread count it has at ``ready`` so that the
-supervisor can refuse the warm path if a preload started threads.  Each child
+Fork safety: the zygote runs one Python thread.  It imports modules, never runs
+their work (no CUDA, no parallel ops that would start OpenMP's pool), and reports
+its Python and OS thread counts at ``ready``: the supervisor refuses the warm
+path if a preload started a Python thread (a lock held across fork would be
+copied held).  Idle native pools that exist right after ``import torch``
+(e.g. OpenBLAS) register their own fork handlers.  Each child
 gets a fresh process group, ``PR_SET_PDEATHSIG`` (it dies with the zygote), the
 job's environment and working directory, then runs the target via
 ``gpu_anchor.launch.worker``.  The zygote dies with the supervisor.
@@ -112,8 +114,9 @@ def serve(fd: int, preload: list[str]) -> None:
     def send(msg: dict) -> None:
         sock.sendall((json.dumps(msg) + "\n").encode())
 
-    send({"op": "ready", "preload_s": time.perf_counter() - t0, "threads": os_threads(), "failed": failed,
-          "pid": os.getpid()})
+    import threading
+    send({"op": "ready", "preload_s": time.perf_counter() - t0, "threads": os_threads(),
+          "python_threads": threading.active_count(), "failed": failed, "pid": os.getpid()})
     rfd, wfd = os.pipe()
     os.set_blocking(rfd, False), os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
