@@ -205,3 +205,10 @@ def test_dtype_conversion_inside_scope(host_daemon, swap_on_conversion, monkeypa
         assert torch.equal(a, b)
     objs = _client("t9").objects()
     assert objs["model[0].weight"].dtype == "bfloat16" and objs["model[0].weight"].shape == (7, 6)
+
+
+def test_nested_scope_is_refused(host_daemon):
+    with managed_scope("t10"):
+        with pytest.raises(RuntimeError, match="nested"):
+            with managed_scope("t10"):
+                pass

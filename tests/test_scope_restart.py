@@ -97,3 +97,31 @@ def test_program_change_table(host_daemon, naming, capsys):
         # the table means something only if restarts really reused anchored state
         resumed = {r["case"] for r in results if r.get("resumed")}
         assert {"b", "e", "h"} <= resumed, results
+
+
+def _die_before_fill(q):
+    torch.set_num_threads(1)
+    from gpu_anchor.scope import scope as scope_mod
+    scope_mod.ManagedScope._settle = lambda self, *a: os.kill(os.getpid(), signal.SIGKILL)
+    torch.manual_seed(0)
+    with scope_mod.ManagedScope("unfilled"):
+        model = torch.nn.Linear(16, 16)   # noqa: F841 — bound (created), then the worker dies unfilled
+
+
+def test_worker_killed_between_bind_and_fill_is_refilled(host_daemon):
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_die_before_fill, args=(None,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    import gpu_anchor
+    assert sorted(gpu_anchor.connect("cpu", namespace="unfilled").names()) == ["model.bias", "model.weight"]
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(16, 16)
+    from gpu_anchor.scope import managed_scope
+    torch.manual_seed(0)
+    with managed_scope("unfilled") as scope:
+        model = torch.nn.Linear(16, 16)
+    assert sorted(scope.report.created) == ["model.bias", "model.weight"]   # matched, but known unfilled
+    assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+    assert gpu_anchor.connect("cpu", namespace="unfilled").journal.get("scope/unfilled") is None

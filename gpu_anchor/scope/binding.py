@@ -14,6 +14,7 @@ swap the placeholders for real tensors over the bound memory.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -51,30 +52,53 @@ def forget_clients() -> None:
     _clients.clear()
 
 
+UNFILLED = "scope/unfilled"
+
+
 def bind(stores_by_client: dict, on_conflict: str) -> list[dict]:
-    """Bind every store; sets ``store.real`` and ``store.status``; returns the conflicts seen."""
-    specs = {c: [(s.name, s.alloc_spec()[0], s.dtype) for s in stores] for c, stores in stores_by_client.items()}
+    """Bind every store; sets ``store.real`` and ``store.status``; returns the conflicts seen.
+
+    Per device: read the *unfilled* marker (objects a previous worker created but may not
+    have finished filling), ``lookup`` every name (one round trip; on a full match this is
+    the only one), write the marker for the names about to be created, then create them.
+    A matched name listed in the marker is reported ``created`` so that its recipe is
+    replayed again.  :func:`mark_filled` clears the marker once the replay is done.
+    """
+    plans = []
     conflicts: list[dict] = []
-    if len(specs) > 1:
-        for c, sp in specs.items():
-            try:
-                c.bind(sp, "lookup")
-            except ConflictError as e:
-                conflicts.extend(e.conflicts or [{"name": "?", "message": str(e)}])
-        if conflicts and on_conflict == "error":
-            raise _conflict_error(conflicts)
-    for c, sp in specs.items():
+    for c, stores in stores_by_client.items():
+        specs = [(s.name, s.alloc_spec()[0], s.dtype) for s in stores]
+        unfilled = set(json.loads(c.journal.get(UNFILLED) or b"[]"))
         try:
-            results = c.bind(sp, "match_or_create")
+            found = c.bind(specs, "lookup")
+            clash = []
         except ConflictError as e:
-            if on_conflict == "error":
-                raise _conflict_error(e.conflicts or [{"name": "?", "message": str(e)}]) from None
-            if not conflicts or len(specs) == 1:
-                conflicts.extend(e.conflicts)
-            results = c.bind(sp, "replace")
-        for s, b in zip(stores_by_client[c], results):
+            found, clash = None, e.conflicts or [{"name": "?", "message": str(e)}]
+            conflicts.extend(clash)
+        plans.append((c, stores, specs, unfilled, found, clash))
+    if conflicts and on_conflict == "error":
+        raise _conflict_error(conflicts)
+    for c, stores, specs, unfilled, found, clash in plans:
+        if found is not None and all(b.status == "matched" for b in found):
+            results = found                                   # the common restart: nothing to create
+        else:
+            if found is not None:
+                fresh = {b.name for b in found if b.status != "matched"}
+            else:
+                present = set(c.objects())
+                fresh = {s.name for s in stores if s.name not in present} | {x.get("name") for x in clash}
+            c.journal.put(UNFILLED, json.dumps(sorted(unfilled | fresh)).encode())
+            results = c.bind(specs, "replace" if clash else "match_or_create")
+        for s, b in zip(stores, results):
             s.real, s.status = b.tensor, b.status
+            if b.status == "matched" and s.name in unfilled:
+                s.status = "created"                          # a previous worker died before filling it
     return conflicts
+
+
+def mark_filled(client, puts: dict | None = None) -> None:
+    """After the replay: clear the unfilled marker (and write ``puts``) in one commit."""
+    client.journal.commit(puts or {}, deletes=[UNFILLED])
 
 
 def _conflict_error(conflicts: list[dict]) -> ConflictError:

@@ -98,6 +98,8 @@ class ManagedScope:
     def __enter__(self) -> "ManagedScope":
         if self._state != "new":
             raise RuntimeError("a managed_scope object can be entered once")
+        if any(isinstance(m, ScopeMode) for m in torch.utils._python_dispatch._get_current_dispatch_mode_stack()):
+            raise RuntimeError("managed_scope cannot be nested: put all the state in one scope")
         self._mode = ScopeMode(self._is_anchored)
         self._mode.__enter__()
         self._state = "open"
@@ -165,7 +167,7 @@ class ManagedScope:
         rep.conflicts = [c.get("name") for c in conflicts]
         t2 = time.perf_counter()
         created = [s for s in named if s.status == "created"] + orphans
-        self._settle(created, [c for c in by_client])
+        self._settle(created, by_client)
         t3 = time.perf_counter()
         for s in named + orphans:
             binding.swap_in(by_store[s], s.real)
@@ -213,13 +215,15 @@ class ManagedScope:
                 s.name = fallback[id(s)]
         return [s for s in live if s.name is not None]
 
-    def _settle(self, created: list[Store], clients: list) -> None:
+    def _settle(self, created: list[Store], by_client: dict) -> None:
         """Fill created objects by replaying their recipes; leave every generator where a run
-        without gpu-anchor would."""
+        without gpu-anchor would; then clear the unfilled markers (FILLED)."""
         rec, rep = self._mode.recorder, self.report
         fp = rec.fingerprint()
-        journal = sorted(clients, key=lambda c: c.device)[0].journal if clients else None
+        clients = sorted(by_client, key=lambda c: c.device)
+        journal = clients[0].journal if clients else None
         key = RNG_KEY + fp[0] if fp else None
+        puts: dict = {}
         if not created:
             if not rec.has_pending():
                 return
@@ -237,10 +241,18 @@ class ManagedScope:
             for s in created:
                 if s.status == "native":
                     s.real = out[s]
+            for s in created:
+                if s.status != "native" and s.device.startswith("cuda"):
+                    torch.cuda.synchronize(s.device)  # filled before the marker says so
+                    break
             rep.rng = "replayed"
         if fp and journal is not None:
-            states = {k: base64.b64encode(g.get_state().numpy().tobytes()).decode() for k, g in fp[1].items()}
-            journal.put(key, json.dumps(states).encode())
+            puts[key] = json.dumps({k: base64.b64encode(g.get_state().numpy().tobytes()).decode()
+                                    for k, g in fp[1].items()}).encode()
+        touched = {id(c) for c, stores in by_client.items() if any(s in created for s in stores)}
+        for c in clients:
+            if id(c) in touched or (c is clients[0] and puts):
+                binding.mark_filled(c, puts if c is clients[0] else None)
 
 
 def managed_scope(namespace: str | None = None, on_conflict: str = "error") -> ManagedScope:
