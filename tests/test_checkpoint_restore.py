@@ -119,3 +119,28 @@ def test_crash_during_on_demand_restore_is_detected_and_redone(host_daemon, tmp_
     got, _ = _continue(gpu_anchor.connect("cpu", namespace="job"), tracker)
     r.wait()
     _same(got, want)
+
+
+def test_supervisor_env_checkpoints_and_on_demand_context(host_daemon, tmp_path, monkeypatch):
+    from gpu_anchor.launch.snapshot_paths import DIR_ENV, EVERY_ENV, KEEP_ENV, latest_complete, list_steps
+    want = _train("ref")
+    ckdir = str(tmp_path / "ck")
+    monkeypatch.setenv(DIR_ENV, ckdir)
+    monkeypatch.setenv(EVERY_ENV, "3")
+    monkeypatch.setenv(KEEP_ENV, "5")
+    client = gpu_anchor.connect("cpu", namespace="job")
+    job, tracker = Job(client), WriteSetTracker()
+    ckpt = ConcurrentCheckpointer.from_env([client], tracker, throttle_s=0.002)
+    with tracker:
+        for s in range(1, STEPS + 1):
+            job.step(s)
+            job.commit(s)
+            ckpt.boundary(s)
+    ckpt.finish(STEPS)
+    assert list_steps(ckdir) == [3, 6] and latest_complete(ckdir, 1) == 6
+    del job
+    client.drop_namespace()
+    with od.on_demand(ckdir, step=AT) as r:
+        got, _ = _continue(gpu_anchor.connect("cpu", namespace="job"))
+    assert r.done
+    _same(got, want)

@@ -47,12 +47,27 @@ import torch
 
 from gpu_anchor.client import mapping
 from gpu_anchor.launch import snapshot
+from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
 
 from .transfer import TransferQueue
 from .writeset import Recorder, WriteSetTracker
 
 TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
 POLICIES = ("auto", "cow", "recopy", "stw")
+CHUNK_BYTES = 64 << 20
+
+
+def chunked_copy(dst: torch.Tensor, src: torch.Tensor, stream, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Copy on ``stream`` one chunk at a time, waiting for each: the copy engines never hold
+    more than one chunk of ours, so the job's own host<->device transfers wait at most that long."""
+    flat_d, flat_s = dst.reshape(-1), src.reshape(-1)
+    n = flat_s.numel()
+    step = max(1, chunk_bytes // max(1, src.element_size()))
+    dev = src.device if src.is_cuda else dst.device
+    with torch.cuda.device(dev), torch.cuda.stream(stream), torch.utils._python_dispatch._disable_current_modes():
+        for i in range(0, n, step):
+            flat_d[i:i + step].copy_(flat_s[i:i + step], non_blocking=True)
+            stream.synchronize()
 
 
 @dataclass
@@ -91,7 +106,8 @@ class ConcurrentCheckpointer:
     def __init__(self, clients, directory: str, tracker: WriteSetTracker, policy: str = "auto", *,
                  recopy_threshold: float = 0.25, expected_dirty_fraction: float | None = None,
                  gpu_buffer_fraction: float = 0.5, validator=None, rank: int | None = None,
-                 world: int | None = None, throttle_s: float | None = None, write: bool = True) -> None:
+                 world: int | None = None, throttle_s: float | None = None, write: bool = True,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not 0.0 <= recopy_threshold <= 1.0:
@@ -107,6 +123,7 @@ class ConcurrentCheckpointer:
         env = os.environ.get("GPU_ANCHOR_CKPT_THROTTLE_S", "0") or 0
         self.throttle_s = float(env) if throttle_s is None else throttle_s
         self.write_files = write
+        self.chunk_bytes = chunk_bytes
         self.recorder = Recorder(tracker)
         self.results: list[CheckpointResult] = []
         self.retake_pending = False
@@ -119,6 +136,15 @@ class ConcurrentCheckpointer:
         self.validator = validator
         if validator is not None:
             validator.on_miss.append(self._on_miss)
+
+    @classmethod
+    def from_env(cls, clients, tracker: WriteSetTracker, **kw) -> "ConcurrentCheckpointer":
+        """The supervisor's configuration (``GPU_ANCHOR_CHECKPOINT_DIR``/``_EVERY``): call
+        ``boundary(step)`` after every step commit instead of ``snapshot.at_step``."""
+        directory = os.environ.get(DIR_ENV)
+        if not directory:
+            raise RuntimeError(f"{DIR_ENV} is not set: the supervisor did not ask for checkpoints")
+        return cls(clients, directory, tracker, **kw)
 
     # ------------------------------------------------------------------ public
     @property
@@ -175,9 +201,13 @@ class ConcurrentCheckpointer:
         if self._flight is not None and self._flight.queue is not None:
             self._flight.queue.prioritize(names)
 
-    def boundary(self, step: int, due: bool = False) -> CheckpointResult | None:
+    def boundary(self, step: int, due: bool | None = None) -> CheckpointResult | None:
         """Call at every committed step boundary: completes a finished flight (recopy: at
-        this step), retakes an invalid one, starts one if ``due``.  Returns a completed result."""
+        this step), retakes an invalid one, starts one if ``due`` (``None``: when the
+        supervisor's ``GPU_ANCHOR_CHECKPOINT_EVERY`` says so and the step is not on disk
+        yet).  Returns the result of a checkpoint completed here, if any."""
+        if due is None:
+            due = snapshot.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
         done = None
         fl = self._flight
         if fl is not None and fl.queue.done():
@@ -303,10 +333,7 @@ class ConcurrentCheckpointer:
             dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
             torch.cuda.current_stream().synchronize()
             return
-        with torch.cuda.device(src.device), torch.cuda.stream(self._stream), \
-                torch.utils._python_dispatch._disable_current_modes():
-            dst.copy_(src, non_blocking=True)
-        self._stream.synchronize()
+        chunked_copy(dst, src, self._stream, self.chunk_bytes)
 
     def _sync(self) -> None:
         if self._stream is not None:

@@ -25,6 +25,7 @@ the daemon holds a partial restore (``incomplete``) and restores again.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import threading
@@ -37,10 +38,26 @@ from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import _manifest, latest_complete, step_dir
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .concurrent import TOUCH_KEY
+from .concurrent import TOUCH_KEY, chunked_copy
 from .transfer import TransferQueue
 
 RESTORING_KEY = "gpu_anchor/checkpoint/restoring"
+
+
+@contextlib.contextmanager
+def on_demand(directory: str, step: int | None = None, rank: int | None = None, device_map: dict | None = None,
+              tracker=None):
+    """Run the body while the checkpoint streams in (the worker's restore hook).
+
+    Starts an ``OnDemandRestore`` and keeps its tracker active around the body; the
+    loader detaches itself once everything is in.  Yields the restore object.
+    """
+    from .writeset import WriteSetTracker
+    tracker = tracker if tracker is not None else WriteSetTracker()
+    r = OnDemandRestore(directory, tracker, step=step, rank=rank, device_map=device_map).start()
+    with tracker:
+        yield r
+    r.wait()
 
 
 def incomplete(client) -> int | None:
@@ -73,6 +90,8 @@ class OnDemandRestore:
         self._local = threading.local()
         self._stream = None
         self._done = False
+        self._finisher: threading.Thread | None = None
+        self._error: list[BaseException] = []
 
     # ------------------------------------------------------------------ public
     def start(self) -> "OnDemandRestore":
@@ -112,10 +131,12 @@ class OnDemandRestore:
             client.journal.commit(journal)
         self.queue = TransferQueue(order, self._load, name="gpu-anchor-restore", throttle_s=self.throttle_s)
         self.tracker.add_listener(self)
-        if self.background:
-            self.queue.start()
         self.stats["start_s"] = time.perf_counter() - t0
         self._t0 = t0
+        if self.background:
+            self.queue.start()
+            self._finisher = threading.Thread(target=self._finish, name="gpu-anchor-restore-done", daemon=True)
+            self._finisher.start()
         return self
 
     def ensure(self, *keys: str) -> None:
@@ -124,19 +145,38 @@ class OnDemandRestore:
             self.queue.ensure(k)
 
     def wait(self) -> dict:
-        """Block until every object is loaded; then mark the restore complete in the journal."""
-        if self._done:
-            return self.stats
-        self.queue.join()
-        self.tracker.remove_listener(self)
-        if self._stream is not None:
-            self._stream.synchronize()
-        for c in self.clients:
-            c.journal.commit(deletes=[RESTORING_KEY])
-        self._done = True
-        self.stats.update(seconds=time.perf_counter() - self._t0, objects=len(self.targets),
-                          on_demand=list(self.queue.foreground), background=list(self.queue.background))
+        """Block until every object is loaded and the restore is marked complete in the journal."""
+        if self._finisher is not None:
+            self._finisher.join()
+            if self._error:
+                raise RuntimeError("on-demand restore failed") from self._error[0]
+        else:
+            self._finish()
         return self.stats
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def _finish(self) -> None:
+        # Runs on its own thread once the loader is through (or in wait()): the listener
+        # goes away and the journal stops saying "restoring" only when every byte is in.
+        try:
+            if self._done:
+                return
+            self.queue.join()
+            self.tracker.remove_listener(self)
+            if self._stream is not None:
+                torch.cuda.synchronize(self._stream.device)  # on-demand loads ran on the job's streams
+            for c in self.clients:
+                c.journal.commit(deletes=[RESTORING_KEY])
+            self.stats.update(seconds=time.perf_counter() - self._t0, objects=len(self.targets),
+                              on_demand=list(self.queue.foreground), background=list(self.queue.background))
+            self._done = True
+        except BaseException as e:
+            self._error.append(e)
+            if threading.current_thread() is threading.main_thread():
+                raise
 
     # ------------------------------------------------------------------ listener
     def before_op(self, func, written, touched) -> None:
@@ -171,6 +211,4 @@ class OnDemandRestore:
             elif foreground:
                 dst.copy_(src)  # on the op's stream: ordered before the op
             else:
-                with torch.cuda.stream(self._stream):
-                    dst.copy_(src.pin_memory(), non_blocking=True)
-                self._stream.synchronize()
+                chunked_copy(dst, src, self._stream)
