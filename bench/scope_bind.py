@@ -4,7 +4,8 @@ the parameters (same tensor count), and far less than building the model nativel
     python -m bench scope_bind --device cuda:0                       # H200: 1B and ~10B Llama, bf16
     python -m bench scope_bind --device cpu --presets tiny tiny10    # smoke size
 
-For each preset, in fresh worker processes (fork on CPU, spawn on CUDA): a native build
+For each preset, in worker processes forked from this one (which imports torch and
+transformers but never touches CUDA — the warm-restart setting): a native build
 (no gpu-anchor), one *create* run (build inside the scope: recipes replayed into fresh
 anchored memory; the worker then exits, leaving the objects anchored), and ``--repeats``
 *restart* runs (everything matches: nothing is replayed).  Reported per run: the time of
@@ -15,6 +16,7 @@ of the same tensors built natively.
 from __future__ import annotations
 
 import argparse
+import os
 import multiprocessing as mp
 import statistics
 import time
@@ -54,11 +56,12 @@ def _worker(phase: str, device: str, preset: str, namespace: str, dtype: str, q)
         torch.manual_seed(0)
         cfg = _config(preset)
         out: dict = {"phase": phase}
-        if phase == "drop":
+        if phase in ("create", "drop"):
             import gpu_anchor
             out["freed"] = gpu_anchor.connect(device, namespace=namespace).drop_namespace()
-            q.put(out)
-            return
+            if phase == "drop":
+                q.put(out)
+                return
         if phase == "native":
             t0 = time.perf_counter()
             with torch.device(device):
@@ -107,11 +110,9 @@ def _run(ctx, *args, timeout=900) -> dict:
 
 
 def measure(device: str, preset: str, repeats: int, dtype: str) -> dict:
-    if device == "cpu":
-        from transformers import LlamaForCausalLM  # noqa: F401 — imported once, inherited by forks
-    ctx = mp.get_context("fork" if device == "cpu" else "spawn")
+    from transformers import LlamaForCausalLM  # noqa: F401 — imported once, inherited by the forks
+    ctx = mp.get_context("fork")
     ns = f"bench-scope-{preset}"
-    _run(ctx, "drop", device, preset, ns, dtype)
     native = _run(ctx, "native", device, preset, ns, dtype)
     create = _run(ctx, "create", device, preset, ns, dtype)
     restarts = [_run(ctx, "restart", device, preset, ns, dtype) for _ in range(repeats)]
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     a = ap.parse_args(argv)
+    # Workers are forked: this process must not initialise CUDA (an NVML-based check does not).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     from bench.common import default_device
     device = default_device(a.device)
     presets = a.presets or (["llama-1b", "llama-1b-x10"] if device.startswith("cuda") else ["tiny", "tiny10"])

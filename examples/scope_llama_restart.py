@@ -19,7 +19,8 @@ import signal
 import sys
 import tempfile
 
-import torch
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # workers are forked: never init CUDA here
+import torch  # noqa: E402
 
 
 def _config(a):

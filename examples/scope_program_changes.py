@@ -24,7 +24,8 @@ import signal
 import sys
 import zlib
 
-import torch
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # workers are forked: never init CUDA here
+import torch  # noqa: E402
 from torch import nn
 
 PROMPT = [3, 14, 15, 9, 2, 6]
