@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--record-tokens", action="store_true", help="put every token into the events (tests)")
     return p
 
 
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
     timings = dict(eng.timings, **(anchor_cls.timings if anchor_cls else {}))
     pending = {s.rid for s in eng.restored}
     ev("engine", timings=timings, restored=len(pending), notes=eng.recovery_notes[:3],
-       weights_loaded=eng.weights_loaded)
+       weights_loaded=eng.weights_loaded,
+       **({"toks": [[s.rid, 0, list(s.output_ids)] for s in eng.restored]} if args.record_tokens else {}))
     trace = workload(args.seed, args.requests, eng.mc.vocab_size, args.tiny)
     nxt = args.next_request
     while True:
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
         events = eng.step()
         got = {e[0] for e in events}
         fin = [int(e[0][1:]) for e in events if e[3]]
-        ev("step", n=sum(len(e[2]) for e in events), fin=fin, adm=adm, live=len(eng.scheduler.seqs))
+        ev("step", n=sum(len(e[2]) for e in events), fin=fin, adm=adm, live=len(eng.scheduler.seqs),
+           **({"toks": [[e[0], e[1], list(e[2])] for e in events]} if args.record_tokens else {}))
         if pending:
             pending -= got
             if not pending:

@@ -66,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--dump", default=None, help="at the end, torch.save the full training state here (tests)")
     p.add_argument("--wait-persist", action="store_true",
                    help="wait for each checkpoint's background persistence and report it (recovery benchmark)")
     return p
@@ -111,6 +112,10 @@ def main(argv=None) -> int:
                 ck.wait()
                 ev("persisted", step=step)
     ck.close()
+    if args.dump:
+        from bench.baselines.state import named_state
+        inner = getattr(opt, "optimizer", opt)  # AnchoredOptimizer wraps the torch optimizer
+        torch.save({n: t.detach().cpu().clone() for n, t in named_state(model, inner)}, args.dump)
     ev("done", step=step)
     return 0
 
