@@ -99,19 +99,26 @@ def _restore(directory, device, args, mode):
     t0 = time.perf_counter()
     if mode == "full":
         snapshot.restore(directory, step, 0)
+        _sync(device)
         r = None
     else:
         r = od.OnDemandRestore(directory, tracker, step=step).start()
+    t_restore = time.perf_counter() - t0
+    # building the module (device-side init + binds that all match) is the same for both modes;
+    # it overlaps the background loading of on-demand restore, as it would in a real restart
+    t1 = time.perf_counter()
     job = Job(gpu_anchor.connect(device, namespace="job"), hidden=args.hidden, layers=args.layers, batch=args.batch)
-    t_ready = time.perf_counter() - t0
+    build = time.perf_counter() - t1
+    t2 = time.perf_counter()
     with tracker:
         job.step(step + 1)
         _sync(device)
-    first = time.perf_counter() - t0
-    out = {"restore_to_ready_s": t_ready, "time_to_first_step_s": first, "step": step}
+    first = time.perf_counter() - t2
+    out = {"restore_call_s": t_restore, "build_s": build, "first_step_s": first,
+           "time_to_first_step_s": time.perf_counter() - t0, "step": step}
     if r is not None:
         stats = r.wait()
-        out.update(all_loaded_s=time.perf_counter() - t0, on_demand=len(stats["on_demand"]),
+        out.update(all_loaded_s=time.perf_counter() - t0 - build, on_demand=len(stats["on_demand"]),
                    background=len(stats["background"]))
     return out
 

@@ -175,9 +175,10 @@ class ConcurrentCheckpointer:
         self.recorder.first_touch.clear()
         self.recorder._touched.clear()
         self.recorder.group_written.clear()
-        if policy == "stw":
-            for k in entries:
-                self._copy(k, False)
+        if policy == "stw":  # the baseline: every copy queued on the job's stream, one wait
+            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+                for k, (_, _, t) in entries.items():
+                    staging[k].copy_(t, non_blocking=t.is_cuda)
             self._sync()
             fl.result.stall_s = time.perf_counter() - t0
             self._complete(step)
