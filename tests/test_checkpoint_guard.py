@@ -137,3 +137,37 @@ def test_random_kill_campaign_with_guard_matches_fault_free(reference, tmp_path)
     step, state = _state("c")
     assert step == STEPS
     _assert_same(state, reference)
+
+
+def test_guard_protocol_in_process(host_daemon):
+    """Bookkeeping: backups once per object per group, atomic commit, idempotent recovery, clear errors."""
+    client = gpu_anchor.connect("cpu", namespace="p")
+    a, b = client.tensor("a", (4,)), client.tensor("b", (4,))
+    a.fill_(1.0)
+    b.fill_(2.0)
+    tracker = WriteSetTracker()
+    guard = GroupGuard(client, tracker, {"a": a, "b": b})
+    with pytest.raises(RuntimeError, match="no group is open"):
+        guard.commit()
+    with tracker:
+        guard.begin(1)
+        with pytest.raises(RuntimeError, match="still open"):
+            guard.begin(2)
+        a.add_(1.0)
+        a.mul_(3.0)          # second write: no second backup
+        guard.commit({STEP_KEY: b"1"})
+        assert guard.stats["backups"] == 1
+        guard.begin(2)
+        b.copy_(a)
+        a.zero_()
+    assert client.journal.get(STEP_KEY) == b"1"
+    assert sorted(client.journal.get_many(prefix="gpu_anchor/guard/")) == ["gpu_anchor/guard/b/a", "gpu_anchor/guard/b/b"]
+    guard.close()
+    fresh = GroupGuard(client, WriteSetTracker(), {"a": a, "b": b})
+    assert sorted(fresh.recover()) == ["a", "b"]
+    assert fresh.recover() == []
+    assert a.tolist() == [6.0] * 4 and b.tolist() == [2.0] * 4
+    # a journal entry for an object this worker does not protect is refused, not ignored
+    client.journal.commit({"gpu_anchor/guard/b/c": b"3 device"})
+    with pytest.raises(RuntimeError, match="does not protect"):
+        GroupGuard(client, WriteSetTracker(), {"a": a}).recover()
