@@ -212,3 +212,40 @@ def test_nested_scope_is_refused(host_daemon):
         with pytest.raises(RuntimeError, match="nested"):
             with managed_scope("t10"):
                 pass
+
+
+def test_hooks_registered_inside_scope_survive_binding(host_daemon):
+    seen = []
+    with managed_scope("t11"):
+        lin = nn.Linear(3, 2)
+        lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(("post", tuple(p.grad.shape))))
+        lin.bias.register_hook(lambda g: seen.append(("pre", tuple(g.shape))) or g * 2)
+        flat = lin.weight.detach().view(-1)          # a live view of a parameter (held by a wrapper)
+    lin(torch.ones(1, 3)).sum().backward()
+    assert ("post", (2, 3)) in seen and ("pre", (2,)) in seen
+    assert torch.equal(lin.bias.grad, torch.full((2,), 2.0))
+    assert flat.data_ptr() == lin.weight.data_ptr() and not isinstance(flat, Placeholder)
+
+
+def test_anchored_optimizer_built_inside_scope(host_daemon):
+    train_mod = pytest.importorskip("gpu_anchor.train.optimizer")
+    x = torch.randn(8, 4)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+
+    def train(m, o):
+        for _ in range(3):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    ref = build()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    with managed_scope("t12") as s:
+        model = build()
+        opt = train_mod.AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    assert len(s.report.created) == 4
+    train(model, opt)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import weakref
 
 import torch
 
@@ -124,6 +125,27 @@ def live_placeholders(stores: list[Store]) -> dict[Store, list[Placeholder]]:
     return out
 
 
+def _swap(t: torch.Tensor, new: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors`` without its use-count check, carrying tensor hooks over.
+
+    The extra references a placeholder's impl may have are autograd views of it (other
+    placeholders, swapped too) — nothing that will run on the old impl again.  Hooks
+    (``register_hook``, ``register_post_accumulate_grad_hook``, e.g. by an optimizer
+    wrapper built inside the scope) live with the impl, so they are re-registered."""
+    if weakref.getweakrefs(t):
+        raise RuntimeError("cannot bind a placeholder that has weak references to it; "
+                           "create weak references after the managed_scope block")
+    post = t._post_accumulate_grad_hooks
+    pre = t._backward_hooks
+    t.__class__, new.__class__ = new.__class__, t.__class__
+    t.__dict__, new.__dict__ = new.__dict__, t.__dict__
+    torch._C._swap_tensor_impl(t, new)
+    if post:
+        t._post_accumulate_grad_hooks = post
+    if pre:
+        t._backward_hooks = pre
+
+
 def swap_in(live: list[Placeholder], base: torch.Tensor) -> int:
     """Turn the live placeholders ``live`` (over one store) into real views of ``base``."""
     live.sort(key=lambda t: not t._is_view())  # autograd views first: they hold their base
@@ -139,7 +161,7 @@ def swap_in(live: list[Placeholder], base: torch.Tensor) -> int:
         for k, v in t.__dict__.items():
             if k not in OWN_ATTRS:
                 new.__dict__[k] = v
-        torch.utils.swap_tensors(t, new)
+        _swap(t, new)
         del new
         n += 1
     live.clear()
