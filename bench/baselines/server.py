@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     trace = workload(args.seed, args.requests, eng.mc.vocab_size, args.tiny)
     nxt = args.next_request
     while True:
-        adm = []
+        adm, adm_t = [], time.time()
         while len(eng.scheduler.seqs) < args.concurrency and nxt < len(trace):
             rid = f"r{nxt}"
             if rid not in eng.scheduler.seqs:
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         events = eng.step()
         got = {e[0] for e in events}
         fin = [int(e[0][1:]) for e in events if e[3]]
-        ev("step", n=sum(len(e[2]) for e in events), fin=fin, adm=adm, live=len(eng.scheduler.seqs),
+        ev("step", n=sum(len(e[2]) for e in events), fin=fin, adm=adm, adm_t=adm_t, live=len(eng.scheduler.seqs),
            **({"toks": [[e[0], e[1], list(e[2])] for e in events]} if args.record_tokens else {}))
         if pending:
             pending -= got
