@@ -158,3 +158,15 @@ def test_jobstate_roundtrip_and_format(tmp_path, monkeypatch):
     assert len(jobs) == 1 and jobs[0]["restarts"][0]["step"] == 7 and jobs[0]["supervisor_alive"]
     text = jobstate.format_jobs(jobs)
     assert "restart 1: restart (shallow), step 7, 0.210 s" in text and "rank 1: pid 12" in text
+
+
+def test_one_supervisor_per_namespace(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(tmp_path))
+    held = jobstate.lock("jobA")
+    with pytest.raises(jobstate.JobBusy, match="already supervised"):
+        jobstate.lock("jobA")
+    other = jobstate.lock("jobB")
+    held.close()
+    jobstate.lock("jobA").close()
+    other.close()
+    assert len(jobstate.events_path("x" * 200).encode()) <= 100

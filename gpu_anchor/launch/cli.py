@@ -41,6 +41,7 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_run(args) -> int:
+    from .jobstate import JobBusy
     from .supervisor import RunConfig, Supervisor
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -57,10 +58,10 @@ def cmd_run(args) -> int:
                     chaos_seed=args.chaos_seed, chaos_target=args.chaos_target, quiet=args.quiet)
     try:
         sup = Supervisor(cfg)
-    except ValueError as e:
+        return sup.run()
+    except (ValueError, JobBusy) as e:
         print(f"gpu-anchor run: {e}", file=sys.stderr)
         return 2
-    return sup.run()
 
 
 def add_torchrun_parser(sub) -> argparse.ArgumentParser:

@@ -21,6 +21,36 @@ def path_for(namespace: str) -> str:
     return os.path.join(jobs_dir(), namespace.replace("/", "_") + ".json")
 
 
+def events_path(namespace: str) -> str:
+    """The supervisor's datagram socket; Unix socket paths are limited to 107 bytes."""
+    path = os.path.join(jobs_dir(), namespace.replace("/", "_") + ".ev")
+    if len(path.encode()) > 100:
+        import hashlib
+        path = f"/tmp/gpu-anchor-{os.getuid()}-{hashlib.sha1(path.encode()).hexdigest()[:16]}.ev"
+    return path
+
+
+class JobBusy(RuntimeError):
+    pass
+
+
+def lock(namespace: str):
+    """Hold this job's lock for the life of the returned file; a second supervisor fails clearly."""
+    import fcntl
+    ensure_private_dir(jobs_dir())
+    f = open(path_for(namespace)[: -len(".json")] + ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "?"
+        f.close()
+        raise JobBusy(f"job {namespace!r} is already supervised (pid {owner}); "
+                           "choose another --namespace or stop that one first") from None
+    f.seek(0), f.truncate(), f.write(str(os.getpid())), f.flush()
+    return f
+
+
 class JobState:
     def __init__(self, namespace: str, command: list[str], nproc: int, devices: list[str], warm: bool) -> None:
         self.path = path_for(namespace)

@@ -136,10 +136,11 @@ class Supervisor:
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
+        self._lock = jobstate.lock(self.namespace)  # one supervisor per job namespace
         self.daemons.ensure()
         self.state = jobstate.JobState(self.namespace, self.cfg.command, self.cfg.nproc, self.devices,
                                        bool(self.py and self.cfg.warm))
-        self.events = events.Receiver(os.path.join(jobstate.jobs_dir(), self.namespace.replace("/", "_") + ".ev"))
+        self.events = events.Receiver(jobstate.events_path(self.namespace))
         self._install_signals()
         try:
             self._start_zygote()
@@ -249,6 +250,10 @@ class Supervisor:
             self.log(f"warm-worker server did not start ({e}); cold starts")
             return
         r = z.ready
+        if "cuda" in r["failed"]:
+            self.log(f"warm-worker server unusable: {r['failed']['cuda']}; cold starts")
+            z.close()
+            return
         if r["failed"]:
             self.log(f"warm-worker server could not preload {r['failed']}; they load in each worker")
         if r.get("python_threads", 1) > 1:

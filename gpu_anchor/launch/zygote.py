@@ -115,6 +115,9 @@ def serve(fd: int, preload: list[str]) -> None:
         sock.sendall((json.dumps(msg) + "\n").encode())
 
     import threading
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        failed["cuda"] = "a preloaded module initialised CUDA: children could not use it"
     send({"op": "ready", "preload_s": time.perf_counter() - t0, "threads": os_threads(),
           "python_threads": threading.active_count(), "failed": failed, "pid": os.getpid()})
     rfd, wfd = os.pipe()
@@ -182,6 +185,9 @@ class Zygote:
     def __init__(self, python: str, preload: list[str], env: dict, timeout: float = 300.0) -> None:
         import subprocess
         ours, theirs = socket.socketpair()
+        # A preload that asks torch.cuda.is_available() must not initialise the CUDA
+        # runtime in the server (forked children could not use it): ask NVML instead.
+        env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         self.proc = subprocess.Popen([python, "-m", "gpu_anchor.launch.zygote", "--fd", str(theirs.fileno()),
                                       "--preload", ",".join(preload)],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
