@@ -44,32 +44,17 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from gpu_anchor.client import mapping
 from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
 
-from .transfer import TransferQueue
+from .transfer import CHUNK_BYTES, TransferQueue, chunked_copy
 from .writeset import Recorder, WriteSetTracker
 
 TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
 POLICIES = ("auto", "cow", "recopy", "stw")
-CHUNK_BYTES = 64 << 20
-
-
-def chunked_copy(dst: torch.Tensor, src: torch.Tensor, stream, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Copy on ``stream`` one chunk at a time, waiting for each: the copy engines never hold
-    more than one chunk of ours, so the job's own host<->device transfers wait at most that long."""
-    flat_d, flat_s = dst.reshape(-1), src.reshape(-1)
-    n = flat_s.numel()
-    step = max(1, chunk_bytes // max(1, src.element_size()))
-    dev = src.device if src.is_cuda else dst.device
-    with torch.cuda.device(dev), torch.cuda.stream(stream), torch.utils._python_dispatch._disable_current_modes():
-        for i in range(0, n, step):
-            flat_d[i:i + step].copy_(flat_s[i:i + step], non_blocking=True)
-            stream.synchronize()
-
-
 @dataclass
 class CheckpointResult:
     step: int
@@ -176,7 +161,7 @@ class ConcurrentCheckpointer:
         self.recorder._touched.clear()
         self.recorder.group_written.clear()
         if policy == "stw":  # the baseline: every copy queued on the job's stream, one wait
-            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+            with _disable_current_modes(), torch.no_grad():
                 for k, (_, _, t) in entries.items():
                     staging[k].copy_(t, non_blocking=t.is_cuda)
             self._sync()
@@ -317,14 +302,14 @@ class ConcurrentCheckpointer:
         _, _, src = fl.entries[key]
         dst = fl.staging[key]
         if not src.is_cuda:
-            with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
+            with torch.no_grad(), _disable_current_modes():
                 dst.copy_(src)
             return
         nbytes = src.numel() * src.element_size()
         if foreground:
             if nbytes <= self._gpu_budget:  # GPU-side copy on the op's stream: ordered before its write
                 self._gpu_budget -= nbytes
-                with torch.utils._python_dispatch._disable_current_modes():
+                with _disable_current_modes():
                     buf = src.clone()
                     ev = torch.cuda.Event()
                     ev.record()  # the drain on the side stream waits for this clone
@@ -357,7 +342,7 @@ class ConcurrentCheckpointer:
             res.recopied = sorted(fl.dirty)
             for k in res.recopied:
                 _, _, src = fl.entries[k]
-                with torch.utils._python_dispatch._disable_current_modes():
+                with _disable_current_modes():
                     fl.staging[k].copy_(src)
             self._sync()
             fl.journals = [c.journal.get_many() for c in self.clients]  # state at this boundary

@@ -38,8 +38,8 @@ from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import _manifest, latest_complete, step_dir
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .concurrent import TOUCH_KEY, chunked_copy
-from .transfer import TransferQueue
+from .concurrent import TOUCH_KEY
+from .transfer import TransferQueue, chunked_copy
 
 RESTORING_KEY = "gpu_anchor/checkpoint/restoring"
 
@@ -122,8 +122,9 @@ class OnDemandRestore:
                 snapshot._held[(device, entry["namespace"], b.name)] = b.tensor  # keep until the job holds them
                 if b.tensor.numel():
                     self.tracker.register(key, b.tensor)
-            order += [keys[n] for n in touch if n in keys]
-            order += [keys[n] for n in sorted(keys) if keys[n] not in order]
+            first = [keys[n] for n in dict.fromkeys(touch) if n in keys]
+            seen = set(first)
+            order += first + [keys[n] for n in sorted(keys) if keys[n] not in seen]
             if device.startswith("cuda") and self._stream is None:
                 self._stream = torch.cuda.Stream(device=torch.device(device), priority=0)
             journal[snapshot.RESTORED_KEY] = b"%d" % self.step

@@ -19,7 +19,24 @@ import threading
 import time
 from collections import OrderedDict
 
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
 PENDING, MOVING, DONE = "pending", "moving", "done"
+CHUNK_BYTES = 64 << 20
+
+
+def chunked_copy(dst: torch.Tensor, src: torch.Tensor, stream, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Copy on ``stream`` one chunk at a time, waiting for each: the copy engines never hold
+    more than one chunk of ours, so the job's own host<->device transfers wait at most that long."""
+    flat_d, flat_s = dst.reshape(-1), src.reshape(-1)
+    n = flat_s.numel()
+    step = max(1, chunk_bytes // max(1, src.element_size()))
+    dev = src.device if src.is_cuda else dst.device
+    with torch.cuda.device(dev), torch.cuda.stream(stream), _disable_current_modes():
+        for i in range(0, n, step):
+            flat_d[i:i + step].copy_(flat_s[i:i + step], non_blocking=True)
+            stream.synchronize()
 
 
 class TransferQueue:
