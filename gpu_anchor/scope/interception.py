@@ -29,13 +29,12 @@ import contextlib
 import threading
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_anchor.paths import normalize_device
 
 from .placeholders import Placeholder, new_store
-from .recipes import Recorder, Ref, default_generator
+from .recipes import Recorder, Ref, default_generator, leaves, outputs_of, rebuild, tmap
 
 aten = torch.ops.aten
 _state = threading.local()
@@ -87,7 +86,7 @@ def _written(func, args, kwargs) -> list:
             if named is None:
                 named = _named(func, args, kwargs)
             v = named.get(a.name)
-            out.extend(x for x in tree_flatten(v)[0] if isinstance(x, torch.Tensor))
+            out.extend(x for x in leaves(v) if isinstance(x, torch.Tensor))
     return out
 
 
@@ -131,8 +130,7 @@ class ScopeMode(TorchDispatchMode):
         if is_suspended():
             self._flush_for(func, args, kwargs)  # a native random op still needs the true generator position
             return func(*args, **kwargs)
-        flat = tree_flatten((args, kwargs))[0]
-        has_ph = any(isinstance(x, Placeholder) for x in flat)
+        has_ph = any(isinstance(x, Placeholder) for x in leaves((args, kwargs)))
         if has_ph:
             if func.is_view:
                 return self._view(func, args, kwargs)
@@ -173,7 +171,7 @@ class ScopeMode(TorchDispatchMode):
                 return normalize_device(dev)
             except ValueError:
                 return None
-        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        tensors = [x for x in leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         for t in tensors:
             if isinstance(t, Placeholder):
                 return t._ga_store.device
@@ -216,18 +214,17 @@ class ScopeMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------ op kinds
     def _view(self, func, args, kwargs):
-        out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        src = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Placeholder))
+        out = func(*tmap(_to_meta, args), **tmap(_to_meta, kwargs))
+        src = next(x for x in leaves((args, kwargs)) if isinstance(x, Placeholder))
         store = src._ga_store
-        flat, spec = tree_flatten(out)
-        return tree_unflatten([Placeholder(store, m) if isinstance(m, torch.Tensor) else m for m in flat], spec)
+        return rebuild(out, [Placeholder(store, m) if isinstance(m, torch.Tensor) else m for m in outputs_of(out)])
 
     def _inplace_view(self, func, args, kwargs):
         """``t_``, ``transpose_``, ``unsqueeze_``, ...: change the placeholder's geometry, not data."""
         ph = args[0]
         m = ph._ga_meta
         mirror = m.as_strided(m.size(), m.stride(), m.storage_offset())
-        func(mirror, *tree_map(_to_meta, args[1:]), **tree_map(_to_meta, kwargs))
+        func(mirror, *tmap(_to_meta, args[1:]), **tmap(_to_meta, kwargs))
         ph._ga_meta = mirror
         with torch.utils._mode_utils.no_dispatch():
             # update the wrapper's own sizes/strides, as torch's return_and_correct_aliasing does
@@ -240,25 +237,26 @@ class ScopeMode(TorchDispatchMode):
         return ph
 
     def _inplace(self, func, args, kwargs, written):
-        try:
-            func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))  # raises what the real op would
-        except NotImplementedError:
-            pass
+        if sum(isinstance(x, torch.Tensor) for x in leaves((args, kwargs))) > 1:
+            try:  # an op with other tensor inputs can fail on shapes: raise what the real op would
+                func(*tmap(_to_meta, args), **tmap(_to_meta, kwargs))
+            except NotImplementedError:
+                pass
         named = _named(func, args, kwargs)
         stores = list(dict.fromkeys(w._ga_store for w in written))
         gen = self._generator(func, named, stores[0].device)
-        self.recorder.record(func, tree_map(lambda x: self._convert(x, True), args),
-                             tree_map(lambda x: self._convert(x, True), kwargs), writes=stores, gen=gen)
+        self.recorder.record(func, tmap(lambda x: self._convert(x, True), args),
+                             tmap(lambda x: self._convert(x, True), kwargs), writes=stores, gen=gen)
         return _aliased_return(func, args, kwargs)
 
     def _compute(self, func, args, kwargs):
         dev = self._out_device(func, args, kwargs)
         name = func.overloadpacket.__name__
         try:
-            meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+            meta_out = func(*tmap(_to_meta, args), **tmap(_to_meta, kwargs))
         except Exception:
             return self._eager(func, args, kwargs)
-        flat, spec = tree_flatten(meta_out)
+        flat = outputs_of(meta_out)
         if dev is None or not self.anchored(dev) or not flat or not all(isinstance(m, torch.Tensor) for m in flat):
             return self._eager(func, args, kwargs)
         named = _named(func, args, kwargs)
@@ -271,15 +269,15 @@ class ScopeMode(TorchDispatchMode):
                 self.recorder.record(op, (Ref(ph._ga_store, ph._ga_meta), *op_args), op_kwargs,
                                      writes=[ph._ga_store], gen=gen)
             return ph
-        return self._record_create(func, args, kwargs, flat, dev, spec=spec)
+        return self._record_create(func, args, kwargs, flat, dev, like=meta_out)
 
-    def _record_create(self, func, args, kwargs, metas, dev, snapshot=True, spec=None):
+    def _record_create(self, func, args, kwargs, metas, dev, snapshot=True, like=None):
         phs = [self._new_placeholder(dev, m if m.device.type == "meta" else _to_meta(m)) for m in metas]
         gen = self._generator(func, _named(func, args, kwargs), dev)
-        self.recorder.record(func, tree_map(lambda x: self._convert(x, snapshot), args),
-                             tree_map(lambda x: self._convert(x, snapshot), kwargs),
+        self.recorder.record(func, tmap(lambda x: self._convert(x, snapshot), args),
+                             tmap(lambda x: self._convert(x, snapshot), kwargs),
                              creates=[(i, p._ga_store) for i, p in enumerate(phs)], gen=gen)
-        return phs[0] if spec is None else tree_unflatten(phs, spec)
+        return phs[0] if like is None else rebuild(like, phs)
 
     def _eager(self, func, args, kwargs):
         """Evaluate the placeholders this op reads, then run it for real."""
@@ -298,8 +296,8 @@ class ScopeMode(TorchDispatchMode):
                 self._memo = {key: base}
             return real_view(base, x._ga_meta)
 
-        out = func(*tree_map(real, args), **tree_map(real, kwargs))
-        flat, spec = tree_flatten(out)
+        out = func(*tmap(real, args), **tmap(real, kwargs))
+        flat = outputs_of(out) if isinstance(out, (torch.Tensor, tuple, list)) else [out]
         written = {id(w) for w in _written(func, args, kwargs)}
         if not any(isinstance(t, torch.Tensor) and id(t) not in written and self.anchored(_norm(t.device)) for t in flat):
             return out
@@ -310,7 +308,7 @@ class ScopeMode(TorchDispatchMode):
                 res.append(self._record_create(aten.clone.default, (t.detach(),), {}, [t], _norm(t.device), snapshot=False))
             else:
                 res.append(t)
-        return tree_unflatten(res, spec)
+        return rebuild(out, res)
 
 
 def _norm(device: torch.device) -> str:

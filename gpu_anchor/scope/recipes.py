@@ -30,9 +30,50 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
-
 from .placeholders import Store, real_view
+
+
+# Op arguments are nested tuples/lists/dicts: plain recursion is several times cheaper than
+# torch's pytree, and this runs for every op inside a scope.
+def leaves(x) -> list:
+    out: list = []
+    _leaves(x, out)
+    return out
+
+
+def _leaves(x, out: list) -> None:
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            _leaves(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _leaves(y, out)
+    else:
+        out.append(x)
+
+
+def tmap(fn, x):
+    if isinstance(x, tuple):
+        return tuple(tmap(fn, y) for y in x)
+    if isinstance(x, list):
+        return [tmap(fn, y) for y in x]
+    if isinstance(x, dict):
+        return {k: tmap(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def outputs_of(out) -> list:
+    """An op's tensor outputs as a flat list (aten ops return a tensor, or a tuple/list of them)."""
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def rebuild(out, flat: list):
+    """``out``'s structure with ``flat`` in place of its outputs."""
+    if isinstance(out, tuple):
+        return tuple(flat)
+    if isinstance(out, list):
+        return list(flat)
+    return flat[0]
 
 
 class Ref:
@@ -59,7 +100,7 @@ class Event:
         self.state_before = None                         # generator state this op must see, once known
 
     def refs(self) -> list[Ref]:
-        return [x for x in tree_flatten((self.args, self.kwargs))[0] if isinstance(x, Ref)]
+        return [x for x in leaves((self.args, self.kwargs)) if isinstance(x, Ref)]
 
     def outputs(self) -> list[Store]:
         return self.writes + [s for _, s in self.creates]
@@ -73,8 +114,8 @@ class Event:
             if isinstance(x, torch.Generator):
                 return "gen"
             return repr(x)
-        leaves = [d(x) for x in tree_flatten((self.args, self.kwargs))[0]]
-        return f"{self.func}({','.join(leaves)})"
+        parts = [d(x) for x in leaves((self.args, self.kwargs))]
+        return f"{self.func}({','.join(parts)})"
 
 
 def generator_key(gen: torch.Generator) -> str | None:
@@ -227,9 +268,9 @@ class Recorder:
             for ev in self.events:
                 if ev.seq in needed:
                     self.executed += 1
-                    out = _run(ev, tree_map(to_real, ev.args), tree_map(to_real, ev.kwargs))
+                    out = _run(ev, tmap(to_real, ev.args), tmap(to_real, ev.kwargs))
                     if ev.creates:
-                        flat = tree_flatten(out)[0]
+                        flat = outputs_of(out)
                         for i, s in ev.creates:
                             if s in need:
                                 real_view(base_of(s), s.meta).copy_(flat[i])
@@ -238,7 +279,7 @@ class Recorder:
                             reals.pop(s, None)  # a temporary nobody needs any more
                 elif id(ev) in pending:
                     self.executed += 1
-                    _run(ev, tree_map(to_scratch, ev.args), tree_map(to_scratch, ev.kwargs))
+                    _run(ev, tmap(to_scratch, ev.args), tmap(to_scratch, ev.kwargs))
         for gen, cur in rewind:
             gen.set_state(torch.frombuffer(bytearray(cur), dtype=torch.uint8))
         for led in ledgers:
