@@ -79,10 +79,11 @@ def test_program_change_table_on_cuda():
 
 
 def test_bind_time_benchmark_1b(tmp_path):
+    out_dir = os.environ.get("GPU_ANCHOR_BENCH_OUT") or str(tmp_path)
     out = _script("-m", "bench", "scope_bind", "--device", "cuda:0", "--presets", "llama-1b", "llama-1b-x10",
-                  "--repeats", "3", timeout=1800)
+                  "--repeats", "3", "--out", out_dir, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]
-    data = json.load(open(os.path.join(ROOT, "bench", "results", "scope_bind_cuda0.json")))
+    data = json.load(open(os.path.join(out_dir, "scope_bind_cuda0.json")))
     for r in data["rows"]:
         assert r["restart_all_matched"] and r["restart_replayed_ops"] == 0
         print(f"{r['preset']}: {r['params'] / 1e9:.2f} B params, restart bind {r['restart_bind_ms_median']:.1f} ms, "
