@@ -79,18 +79,20 @@ def rank_train(rank: int, world: int, port: int, namespace: str, cfg: C.RunConfi
     dist.destroy_process_group()
 
 
-def _quiet(fn):
+def _to_file(fn, path):
     def run(*args):
-        # a survivor's "peer died" traceback is expected noise in these campaigns
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
+        # a survivor's "peer died" traceback is expected noise: keep it in the log dir
+        err = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(err, 2)
+        import faulthandler
+        faulthandler.dump_traceback_later(60, exit=False)   # a hung rank explains itself
         fn(*args)
     return run
 
 
 def _start(rank, world, port, namespace, cfg, log_path, fault, device, plain, width):
     if device == "cpu":
-        return C._child(_quiet(rank_train), rank, world, port, namespace, cfg, log_path, fault, device, plain, width)
+        return C._child(_to_file(rank_train, log_path + ".err"), rank, world, port, namespace, cfg, log_path, fault, device, plain, width)
     args = json.dumps([rank, world, port, namespace, cfg.__dict__, log_path, fault, device, plain, width])
     return subprocess.Popen([sys.executable, "-m", "gpu_anchor.train.ddp_campaign", args])
 
@@ -113,7 +115,7 @@ def _kill(h):
 
 def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, faults_seq=(),
               random_kills: int = 0, max_delay_s: float = 1.0, rng=None, devices=None, plain=False,
-              width: int = 0, timeout_s: float = 300) -> dict:
+              width: int = 0, timeout_s: float = 150) -> dict:
     """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``.  Returns counts and logs."""
     rng = rng or random.Random(0)
     devices = devices or ["cpu"] * world

@@ -25,9 +25,11 @@ import time
 
 import torch
 
+from . import carry as carry_mod
 from . import chunking, distributed, faults, protocol
+from .chunk_exec import ChunkExecutor
 from .kinds import kind_of
-from .protocol import APPLYING, StepState, key, slot_of
+from .protocol import StepState, key
 
 _HP_SKIP = ("params",)
 
@@ -167,7 +169,7 @@ class AnchoredOptimizer:
         self._cleared = [True] * len(self._params)
         self._hooks = [q.p.register_post_accumulate_grad_hook(self._make_hook(q.index))
                        for q in self._params if q.p.requires_grad]
-        self._build_chunk_views()
+        self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind)
         self._counts = [0] * len(self._params)
         self._rank, self._world = distributed.world()
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
@@ -341,66 +343,20 @@ class AnchoredOptimizer:
 
     # ------------------------------------------------------------------ pieces
     def _apply(self, i, mask, counts, steps, hps) -> None:
-        by_group: dict[int, list] = {}
-        for k, s in enumerate(self._chunks[i]):
-            if mask[s.param]:
-                by_group.setdefault(self._params[s.param].group, []).append((k, s))
-        for gi, items in by_group.items():
-            views = self._views[i]
-            params = [views[k][0] for k, _ in items]
-            grads = [views[k][1] for k, _ in items]
-            states = [views[k][2] for k, _ in items]
-            cnts = [counts[s.param] for _, s in items]
-            stp = [steps[i][k] for k, _ in items] if steps is not None else []
-            for k, name, t in self.kind.apply(params, grads, states, cnts, stp, hps[gi]):
-                states[k][name].copy_(t)
+        self._exec.apply(i, mask, counts, steps, hps)
 
     def _step_tensors(self, mask, counts, hps):
-        """Per-slice step counters (Adam increments them; the counts live in the journal)."""
-        if not self.kind.has_step:
-            return None
-        flat = [float(counts[s.param]) for c in self._chunks for s in c]
-        on_dev = any(hp.get("fused") or hp.get("capturable") for hp in hps)
-        from torch.optim.optimizer import _get_scalar_dtype
-        t = torch.tensor(flat, dtype=_get_scalar_dtype())
-        if on_dev:
-            t = t.to(self.device)
-        out, k = [], 0
-        for c in self._chunks:
-            out.append([t[k + j] for j in range(len(c))])
-            k += len(c)
-        return out
-
-    def _build_chunk_views(self) -> None:
-        self._views, self._undo_src, self._undo_dst = [], [], []
-        for i, chunk in enumerate(self._chunks):
-            offs = chunking.layout(chunk, self._elem_sizes)
-            views, src, dst = [], [], []
-            slot = self._undo[slot_of(i)]
-            for s, row in zip(chunk, offs):
-                q = self._params[s.param]
-                pv = q.flat[s.start:s.stop]
-                sv = {k: t[s.start:s.stop] for k, t in q.sflat.items()}
-                views.append((pv, q.gflat[s.start:s.stop], sv))
-                n = s.stop - s.start
-                for t, off in zip([pv] + list(sv.values()), row):
-                    src.append(t)
-                    dst.append(slot[off:off + n * t.element_size()].view(t.dtype))
-            self._views.append(views)
-            self._undo_src.append(src)
-            self._undo_dst.append(dst)
+        return self._exec.step_tensors(counts, hps)
 
     def _copy_to_undo(self, i) -> None:
-        torch._foreach_copy_(self._undo_dst[i], self._undo_src[i])
+        self._exec.copy_to_undo(i)
 
     def _copy_from_undo(self, i) -> None:
-        torch._foreach_copy_(self._undo_src[i], self._undo_dst[i])
+        self._exec.copy_from_undo(i)
         self._wait()
 
     def _scribble(self, i) -> None:
-        """Fault injection only: leave chunk ``i`` visibly half written before the kill."""
-        for t in self._undo_src[i]:
-            t[: max(1, t.numel() // 2)].fill_(float("nan"))
+        self._exec.scribble(i)
         self._wait()
 
     def _finalize_grads(self) -> list[bool]:
@@ -432,21 +388,10 @@ class AnchoredOptimizer:
         return hook
 
     def _capture_carry(self) -> bytes:
-        rng = {}
-        if self.track_rng:
-            rng["cpu"] = torch.get_rng_state().numpy().tobytes()
-            if self.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(self.device).numpy().tobytes()
-        return pickle.dumps({"rng": rng, "loop": self.loop_state})
+        return carry_mod.capture(self.loop_state, self.device if self.track_rng else None)
 
     def _restore_carry(self, raw: bytes) -> None:
-        carry = pickle.loads(raw)
-        self.loop_state = carry["loop"]
-        rng = carry["rng"]
-        if "cpu" in rng:
-            torch.set_rng_state(torch.frombuffer(bytearray(rng["cpu"]), dtype=torch.uint8))
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray(rng["cuda"]), dtype=torch.uint8), self.device)
+        self.loop_state = carry_mod.restore(raw, self.device)
 
     def _wait(self) -> None:
         if self.device.type == "cuda":
