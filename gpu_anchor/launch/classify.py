@@ -20,7 +20,7 @@ The table (first matching row wins) is in docs/supervisor.md; keep both in step.
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Signals after which the process may have scribbled over memory it could write.
 # Anchored state is still protected by the job's commit protocol (only committed

@@ -62,14 +62,16 @@ def read_namespace(device: str, socket_path: str, namespace: str, timeout: float
 
 
 def journal_problem(views: list[dict | None]) -> str:
-    """Empty string if every namespace view is consistent, else why not."""
+    """Empty string if the job's namespace views (all devices) are consistent, else why not."""
     for v in views:
         if v is None:
             return "daemon did not answer the journal read"
         if v["inconsistent"] is not None:
             return f"the job marked its state inconsistent: {v['inconsistent']}"
-        if v["step"] is not None and v["objects"] == 0:
-            return f"journal says step {v['step']} is committed but no objects are anchored"
+    steps = [v["step"] for v in views if v["step"] is not None]
+    if steps and sum(v["objects"] for v in views) == 0:
+        # the journal may live on another daemon than the tensors, so only "nothing anywhere" counts
+        return f"journal says step {max(steps)} is committed but no objects are anchored"
     return ""
 
 

@@ -20,75 +20,16 @@ until all its ranks have restored.  Every decision is logged as one line.
 from __future__ import annotations
 
 import os
-import re
 import selectors
-import shutil
 import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass, field
 
 from gpu_anchor.paths import socket_dir
 
 from . import classify, daemons as daemons_mod, events, health, jobstate, snapshot_paths
 from .chaos import Chaos
-
-_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
-_PY_FLAGS_NOARG = {"-u", "-O", "-OO", "-B", "-E", "-s", "-I", "-S", "-q", "-b", "-bb", "-P"}
-_PY_FLAGS_ARG = {"-X", "-W"}
-
-
-@dataclass
-class RunConfig:
-    command: list[str]
-    nproc: int = 1
-    namespace: str | None = None
-    max_restarts: int = 3
-    backoff: float = 1.0
-    crash_loop: int = 3
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 2
-    device_type: str = "auto"
-    warm: bool = True
-    preload: list[str] = field(default_factory=lambda: ["torch"])
-    keep_daemons: bool = False
-    resume: bool = True
-    chaos_kills: int = 0
-    chaos_every: float = 2.0
-    chaos_seed: int | None = None
-    chaos_target: str = "worker"
-    master_addr: str = "127.0.0.1"
-    quiet: bool = False
-
-
-def split_python(command: list[str]) -> tuple[str, list[str]] | None:
-    """``(interpreter, target)`` for a ``python [flags] script|-m mod|-c code ...`` command, else None."""
-    if not command or not _PYTHON_RE.match(os.path.basename(command[0])):
-        return None
-    python = shutil.which(command[0]) or command[0]
-    i = 1
-    while i < len(command):
-        a = command[i]
-        if a in _PY_FLAGS_NOARG:
-            i += 1
-        elif a in _PY_FLAGS_ARG:
-            i += 2
-        elif a in ("-m", "-c"):
-            return (python, command[i:]) if i + 1 < len(command) else None
-        elif a.startswith("-"):
-            return None  # unknown interpreter flag: run it cold, exactly as given
-        else:
-            return python, command[i:]
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from .config import RunConfig, free_port, split_python  # noqa: F401  (RunConfig re-exported)
 
 class _Worker:
     __slots__ = ("rank", "pid", "popen", "status", "t_exit")
@@ -203,7 +144,7 @@ class Supervisor:
         return env
 
     def _start_group(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.workers = {}
         self.restored_ranks = set()
         t0 = time.time()
@@ -239,31 +180,9 @@ class Supervisor:
         return _Worker(rank, p.pid, p)
 
     def _start_zygote(self) -> None:
-        if not (self.py and self.cfg.warm):
-            return
-        env = dict(os.environ)
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        try:
-            z = zygote_mod().Zygote(self.py[0], self.cfg.preload, env)
-        except (RuntimeError, OSError) as e:
-            self.log(f"warm-worker server did not start ({e}); cold starts")
-            return
-        r = z.ready
-        if "cuda" in r["failed"]:
-            self.log(f"warm-worker server unusable: {r['failed']['cuda']}; cold starts")
-            z.close()
-            return
-        if r["failed"]:
-            self.log(f"warm-worker server could not preload {r['failed']}; they load in each worker")
-        if r.get("python_threads", 1) > 1:
-            self.log(f"warm-worker server has {r['python_threads']} Python threads after preloading "
-                     f"{','.join(self.cfg.preload)}: forking it is unsafe; cold starts")
-            z.close()
-            return
-        self.log(f"warm-worker server pid {r['pid']} ready (preloaded {','.join(self.cfg.preload)} "
-                 f"in {r['preload_s']:.2f} s)")
-        self.zygote = z
+        if self.py and self.cfg.warm:
+            from .zygote import start_server
+            self.zygote = start_server(self.py[0], self.cfg.preload, self.log)
 
     def _collect_exits(self) -> None:
         now = time.time()
@@ -479,8 +398,3 @@ class Supervisor:
             self.daemons.drop_namespace()
         self.daemons.stop()
         self.state.save()
-
-
-def zygote_mod():
-    from . import zygote
-    return zygote

@@ -254,3 +254,30 @@ class Zygote:
             self.proc.wait(timeout=5)
         except Exception:
             self.proc.kill()
+
+
+def start_server(python: str, preload: list[str], log) -> "Zygote | None":
+    """A ready warm-worker server, or None (logged why) when the warm path is unusable."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        z = Zygote(python, preload, env)
+    except (RuntimeError, OSError) as e:
+        log(f"warm-worker server did not start ({e}); cold starts")
+        return None
+    r = z.ready
+    problem = None
+    if "cuda" in r["failed"]:
+        problem = r["failed"]["cuda"]
+    elif r.get("python_threads", 1) > 1:
+        problem = f"{r['python_threads']} Python threads after preloading {','.join(preload)}: forking is unsafe"
+    if problem:
+        log(f"warm-worker server unusable: {problem}; cold starts")
+        z.close()
+        return None
+    if r["failed"]:
+        log(f"warm-worker server could not preload {r['failed']}; they load in each worker")
+    log(f"warm-worker server pid {r['pid']} ready (preloaded {','.join(preload)} in {r['preload_s']:.2f} s, "
+        f"{r['threads']} OS thread(s))")
+    return z
