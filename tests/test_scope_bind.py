@@ -249,3 +249,21 @@ def test_anchored_optimizer_built_inside_scope(host_daemon):
     train(model, opt)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+def test_on_bound_runs_with_real_tensors(host_daemon):
+    from gpu_anchor.scope import current
+    seen = []
+
+    class Component:
+        def __init__(self):
+            self.state = torch.zeros(3)
+            sc = current()
+            # start-up work that needs data must wait for the bind
+            sc.on_bound(lambda: seen.append((type(self.state), float(self.state.sum()))))
+    assert current() is None
+    with managed_scope("t13") as s:
+        comp = Component()
+        assert current() is s
+    assert current() is None
+    assert seen == [(torch.Tensor, 0.0)] and comp.state.data_ptr() == s.objects["comp.state"].data_ptr()

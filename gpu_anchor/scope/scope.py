@@ -26,6 +26,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -40,6 +41,12 @@ from .naming import access_paths
 from .placeholders import Placeholder, Store
 
 NAMINGS = ("access_path", "allocation_order")
+_current = threading.local()
+
+
+def current() -> "ManagedScope | None":
+    """The scope open in this thread, if any (for components built inside one)."""
+    return getattr(_current, "scope", None)
 RNG_KEY = "scope/rng/"
 
 
@@ -80,7 +87,19 @@ class ManagedScope:
         self.objects: dict[str, torch.Tensor] = {}
         self._mode: ScopeMode | None = None
         self._anchored: dict[str, object] = {}
+        self._after: list = []
         self._state = "new"
+
+    def on_bound(self, fn) -> None:
+        """Call ``fn()`` once the scope has bound, with real tensors in place.
+
+        For components built inside the block that must *read or modify data* at start-up
+        (e.g. an optimizer that rolls back an interrupted step): inside the block tensors
+        are placeholders, and an in-place op on one that ends up *matched* is recorded,
+        never applied.  Not called if the block raises or the bind is refused."""
+        if self._state not in ("new", "open"):
+            raise RuntimeError("on_bound after the scope has closed: call fn() directly")
+        self._after.append(fn)
 
     # ------------------------------------------------------------------ devices
     def _client(self, device: str):
@@ -103,11 +122,13 @@ class ManagedScope:
         self._mode = ScopeMode(self._is_anchored)
         self._mode.__enter__()
         self._state = "open"
+        _current.scope = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         mode = self._mode
         mode.__exit__(None, None, None)
+        _current.scope = None
         if exc_type is not None:
             self._state = "abandoned"
             for s in mode.stores:
@@ -128,6 +149,9 @@ class ManagedScope:
         finally:
             roots.clear()
             self._mode = None
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
         return False
 
     # ------------------------------------------------------------------ exit
