@@ -108,6 +108,7 @@ class ConcurrentCheckpointer:
         env = os.environ.get("GPU_ANCHOR_CKPT_THROTTLE_S", "0") or 0
         self.throttle_s = float(env) if throttle_s is None else throttle_s
         self.write_files = write
+        self.captured: list[dict] | None = None  # the last checkpoint, when write=False
         self.chunk_bytes = chunk_bytes
         self.recorder = Recorder(tracker)
         self.results: list[CheckpointResult] = []
@@ -360,8 +361,7 @@ class ConcurrentCheckpointer:
         if not res.valid:
             self.retake_pending = True
             return res
-        if self.write_files:
-            self._start_writer(fl, touch)
+        self._start_writer(fl, touch)
         return res
 
     def _observed_or_none(self):
@@ -381,8 +381,8 @@ class ConcurrentCheckpointer:
         return pick, f"dirty fraction {frac:.3f} ({source}) vs threshold {self.recopy_threshold}"
 
     # ------------------------------------------------------------------ writing
-    def _start_writer(self, fl: _Flight, touch: list[str]) -> None:
-        res = fl.result
+    def _capture(self, fl: _Flight, touch: list[str]) -> list[dict]:
+        """The flight as ``snapshot.write`` takes it: per client, staged tensors + journal."""
         captured = []
         for ci, client in enumerate(self.clients):
             names = {k: n for k, (c, n, _) in fl.entries.items() if c == ci}
@@ -390,17 +390,30 @@ class ConcurrentCheckpointer:
             journal[TOUCH_KEY] = json.dumps([names[k] for k in touch if k in names]).encode()
             captured.append({"device": client.device, "namespace": client.namespace, "journal": journal,
                              "tensors": {n: fl.staging[k] for k, n in sorted(names.items(), key=lambda x: x[1])}})
-        buffers = dict(fl.gpu_buffers)
+        return captured
+
+    def _drain(self, fl: _Flight) -> None:
+        """GPU-side copy-on-write buffers → host staging, on the low-priority stream."""
+        if not fl.gpu_buffers:
+            return
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
+            for k, (buf, ev) in fl.gpu_buffers.items():
+                self._stream.wait_event(ev)
+                fl.staging[k].copy_(buf, non_blocking=True)
+        self._stream.synchronize()
+        fl.gpu_buffers.clear()
+
+    def _start_writer(self, fl: _Flight, touch: list[str]) -> None:
+        res = fl.result
+        captured = self._capture(fl, touch)
+        if not self.write_files:  # kept in host memory for the caller (migration)
+            self._drain(fl)
+            self.captured = captured
+            return
 
         def run():
             try:
-                if buffers:  # drain GPU-side copy-on-write buffers on the low-priority stream
-                    with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
-                        for k, (buf, ev) in buffers.items():
-                            self._stream.wait_event(ev)
-                            fl.staging[k].copy_(buf, non_blocking=True)
-                    self._stream.synchronize()
-                    buffers.clear()
+                self._drain(fl)
                 res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured)
             except BaseException as e:
                 self._writer_error.append(e)

@@ -35,6 +35,7 @@ import torch
 
 from gpu_anchor.client.client import Client
 from gpu_anchor.launch import snapshot
+from gpu_anchor.launch.health import STEP_KEY
 from gpu_anchor.launch.snapshot_paths import _manifest, latest_complete, step_dir
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -66,25 +67,43 @@ def incomplete(client) -> int | None:
     return int(v) if v is not None else None
 
 
+def _specs(source) -> list[tuple]:
+    if isinstance(source, dict):
+        return [(n, tuple(t.shape), t.dtype) for n, t in source.items()]
+    from safetensors import safe_open
+    with safe_open(source, framework="pt") as f:
+        return [(n, tuple(f.get_slice(n).get_shape()), snapshot._torch_dtype(f.get_slice(n).get_dtype()))
+                for n in f.keys()]
+
+
 class OnDemandRestore:
     wants_touched = True
 
-    def __init__(self, directory: str, tracker, step: int | None = None, rank: int | None = None,
+    def __init__(self, directory: str | None, tracker, step: int | None = None, rank: int | None = None,
                  device_map: dict | None = None, socket_paths: dict | None = None,
-                 throttle_s: float = 0.0, background: bool = True) -> None:
+                 throttle_s: float = 0.0, background: bool = True, captured: list[dict] | None = None) -> None:
+        """Restore ``directory``'s checkpoint ``step`` (default: the newest complete one), or,
+        with ``captured`` (``ConcurrentCheckpointer(write=False).captured``), from host memory."""
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.step = latest_complete(directory, world) if step is None else step
-        if self.step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {directory}")
-        self.rdir = os.path.join(step_dir(directory, self.step), f"rank{self.rank}")
-        self.manifest = _manifest(self.rdir)
-        if self.manifest is None:
-            raise FileNotFoundError(f"{self.rdir} is not a complete checkpoint")
+        if captured is not None:
+            self.step = int(captured[0]["journal"].get(STEP_KEY, b"0"))
+            self._entries = [(c["device"], c["namespace"], c["journal"], c["tensors"]) for c in captured]
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.step = latest_complete(directory, world) if step is None else step
+            if self.step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {directory}")
+            rdir = os.path.join(step_dir(directory, self.step), f"rank{self.rank}")
+            man = _manifest(rdir)
+            if man is None:
+                raise FileNotFoundError(f"{rdir} is not a complete checkpoint")
+            self._entries = [(e["device"], e["namespace"],
+                              {k: base64.b64decode(v) for k, v in e["journal"].items()},
+                              os.path.join(rdir, e["file"])) for e in man["files"]]
         self.tracker, self.device_map, self.socket_paths = tracker, device_map or {}, socket_paths or {}
         self.throttle_s, self.background = throttle_s, background
         self.clients: list[Client] = []
-        self.targets: dict[str, tuple[str, str, torch.Tensor]] = {}  # key -> (file, object name, tensor)
+        self.targets: dict[str, tuple] = {}  # key -> (source: file path or dict of tensors, object name, tensor)
         self.queue: TransferQueue | None = None
         self.stats: dict = {}
         self._local = threading.local()
@@ -97,29 +116,22 @@ class OnDemandRestore:
     def start(self) -> "OnDemandRestore":
         """Bind every object (fresh memory), restore the journal, start loading; returns at once."""
         t0 = time.perf_counter()
-        many = len(self.manifest["files"]) > 1
+        many = len(self._entries) > 1
         order: list[str] = []
-        for entry in self.manifest["files"]:
-            device = self.device_map.get(entry["device"], entry["device"])
-            client = Client(device, entry["namespace"], self.socket_paths.get(device))
+        for recorded, namespace, journal, source in self._entries:
+            device = self.device_map.get(recorded, recorded)
+            client = Client(device, namespace, self.socket_paths.get(device))
             self.clients.append(client)
             client.drop_namespace()
-            path = os.path.join(self.rdir, entry["file"])
-            from safetensors import safe_open
-            with safe_open(path, framework="pt") as f:
-                specs = []
-                for n in f.keys():
-                    sl = f.get_slice(n)
-                    specs.append((n, tuple(sl.get_shape()), snapshot._torch_dtype(sl.get_dtype())))
-            bound = client.bind(specs, "replace")
-            journal = {k: base64.b64decode(v) for k, v in entry["journal"].items()}
+            bound = client.bind(_specs(source), "replace")
+            journal = dict(journal)
             touch = json.loads(journal.pop(TOUCH_KEY, b"[]"))
             keys = {}
             for b in bound:
                 key = f"{device}/{b.name}" if many else b.name
                 keys[b.name] = key
-                self.targets[key] = (path, b.name, b.tensor)
-                snapshot._held[(device, entry["namespace"], b.name)] = b.tensor  # keep until the job holds them
+                self.targets[key] = (source, b.name, b.tensor)
+                snapshot._held[(device, namespace, b.name)] = b.tensor  # keep until the job holds them
                 if b.tensor.numel():
                     self.tracker.register(key, b.tensor)
             first = [keys[n] for n in dict.fromkeys(touch) if n in keys]
@@ -202,10 +214,10 @@ class OnDemandRestore:
         return files[path]
 
     def _load(self, key: str, foreground: bool) -> None:
-        path, name, dst = self.targets[key]
+        source, name, dst = self.targets[key]
         if dst.numel() == 0:
             return
-        src = self._file(path).get_tensor(name)
+        src = source[name] if isinstance(source, dict) else self._file(source).get_tensor(name)
         with _disable_current_modes(), torch.no_grad():
             if not dst.is_cuda:
                 dst.copy_(src)

@@ -1,0 +1,66 @@
+"""Live migration to another daemon: pre-copy while running, short cut-over, on-demand at the destination."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import gpu_anchor
+from gpu_anchor.checkpoint.migrate import Migration
+from gpu_anchor.checkpoint.restore import incomplete
+from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.checkpoint.writeset import WriteSetTracker
+from gpu_anchor.daemon import control
+
+STEPS = 10
+
+
+@pytest.fixture
+def second_daemon(host_daemon, tmp_path):
+    path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "other.sock")
+    proc = control.start("cpu", path)
+    yield path
+    control.stop("cpu", path)
+    proc.wait(timeout=10)
+
+
+def test_live_migration_continues_bit_exact_on_the_destination(second_daemon):
+    ref = Job(gpu_anchor.connect("cpu", namespace="ref"))
+    for s in range(1, STEPS + 1):
+        ref.step(s)
+        ref.commit(s)
+    want = ref.snapshot()
+
+    src = gpu_anchor.connect("cpu", namespace="job")
+    job, tracker = Job(src), WriteSetTracker()
+    with pytest.raises(ValueError, match="same daemon"):
+        Migration([src], tracker, {"cpu": "cpu"})
+    m = Migration([src], tracker, {"cpu": "cpu"}, socket_paths={"cpu": second_daemon}, throttle_s=0.005)
+    cut = None
+    with tracker:
+        for s in range(1, STEPS + 1):
+            job.step(s)
+            job.commit(s)
+            if s == 3:
+                m.start(s)
+            elif s > 3 and m.ready():
+                cut = s
+                break
+    assert cut is not None and cut < STEPS, "the pre-copy finished while the job ran"
+    restore = m.cutover(cut)
+    assert m.result.policy == "recopy" and m.result.step == cut and m.downtime_s is not None
+    dst = gpu_anchor.connect("cpu", namespace="job", socket=second_daemon)
+    assert incomplete(dst) == cut
+    moved = Job(dst)
+    assert moved.committed_step() == cut
+    with tracker:
+        for s in range(cut + 1, STEPS + 1):
+            moved.step(s)
+            moved.commit(s)
+    stats = restore.wait()
+    assert stats["on_demand"], "the destination ran before everything was loaded"
+    got = moved.snapshot()
+    assert not [k for k in want if not torch.equal(want[k], got[k])]
+    assert incomplete(dst) is None
+    assert int(src.journal.get("gpu_anchor/step")) == cut, "the source is left intact until dropped"
