@@ -123,6 +123,54 @@ def _restore(directory, device, args, mode):
     return out
 
 
+def _migrate(args, dest: str, sock: str) -> dict:
+    """Downtime of moving the job ``args.device`` → ``dest``: live (pre-copy + cut-over + on-demand)
+    vs stop-and-copy (stop, bind at the destination, copy every object device to device)."""
+    import torch
+    import gpu_anchor
+    from gpu_anchor.checkpoint.migrate import Migration
+    from gpu_anchor.checkpoint.workload import Job
+    from gpu_anchor.checkpoint.writeset import WriteSetTracker
+    from gpu_anchor.daemon import control
+    path = os.path.join(sock, dest.replace(":", "") + ".sock")
+    proc = control.start(dest, path)
+    try:
+        kw = dict(hidden=args.hidden, layers=args.layers, batch=args.batch)
+        job = Job(gpu_anchor.connect(args.device, namespace="mig"), **kw)
+        tracker = WriteSetTracker()
+        _steps(job, 1, 2, args.device)
+        m = Migration([job.client], tracker, {args.device: dest}, socket_paths={dest: path})
+        m.start(2)
+        step, inflight = 3, []
+        with tracker:
+            while not m.ready() and len(inflight) < args.inflight_steps:
+                inflight += _steps(job, step, 1, args.device)
+                step += 1
+        restore = m.cutover(step - 1)
+        t0 = time.perf_counter()
+        with torch.cuda.device(torch.device(dest)), tracker:
+            moved = Job(gpu_anchor.connect(dest, namespace="mig", socket=path), **kw)
+            _steps(moved, step, 1, dest)
+        first = time.perf_counter() - t0
+        restore.wait()
+        live = {"downtime_s": m.downtime_s, "first_step_after_cutover_s": first, "precopy_steps": len(inflight),
+                "recopied": len(m.result.recopied), "objects": m.result.objects}
+        # baseline: stop, then copy everything straight to the destination before resuming
+        dst = gpu_anchor.connect(dest, namespace="mig-stw", socket=path)
+        src = job.tensors()
+        t0 = time.perf_counter()
+        bound = dst.bind([(n, tuple(t.shape), t.dtype) for n, t in src.items()], "replace")
+        for b in bound:
+            b.tensor.copy_(src[b.name], non_blocking=True)
+        torch.cuda.synchronize(torch.device(dest))
+        dst.journal.commit(job.client.journal.get_many())
+        stop_copy = time.perf_counter() - t0
+        return {"to": dest, "live": live, "stop_and_copy_downtime_s": stop_copy}
+    finally:
+        control.stop(dest, path)
+        proc.wait(timeout=30)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench checkpoint_stall")
     ap.add_argument("--device", default="cpu")
@@ -133,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight-steps", type=int, default=50, help="cap on steps run while a checkpoint is in flight")
     ap.add_argument("--throttle", type=float, default=0.0, help="sleep per object in the copier (smoke runs)")
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
+    ap.add_argument("--migrate-to", default=None, help="also measure live migration to this device (e.g. cuda:1)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results or $GPU_ANCHOR_BENCH_OUT)")
     args = ap.parse_args(argv)
 
@@ -159,7 +208,9 @@ def main(argv=None) -> int:
         step = 1
         _steps(job, step, args.warmup, args.device)
         step += args.warmup
-        with tracker:  # baseline under the tracker with no listener: its idle cost is in the baseline
+        plain_times = _steps(job, step, max(args.warmup, 5), args.device)
+        step += len(plain_times)
+        with tracker:  # the baseline: tracker active, no listener (as between checkpoints)
             base_times = _steps(job, step, max(args.warmup, 5), args.device)
         step += len(base_times)
         base = statistics.median(base_times)
@@ -185,9 +236,18 @@ def main(argv=None) -> int:
         restore = {m: _restore(ck_dir, args.device, args, m) for m in ("full", "on_demand")}
         result = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
                   "anchored_values": n_values, "anchored_bytes": n_values * 4, "build_s": build_s,
-                  "baseline_step_s": base, "staging_alloc_s": staging_s, "checkpoint": rows, "restore": restore,
+                  "plain_step_s": statistics.median(plain_times), "baseline_step_s": base,
+                  "staging_alloc_s": staging_s, "checkpoint": rows, "restore": restore,
                   "notes": "same warm interpreter and daemon for every row; stall = job thread blocked; "
                            "disk writes are background in every row"}
+        if args.migrate_to:
+            if args.device.startswith("cuda") and torch.cuda.device_count() > 1:
+                try:
+                    result["migration"] = _migrate(args, args.migrate_to, sock)
+                except Exception as e:  # keep the other rows
+                    result["migration"] = {"error": f"{type(e).__name__}: {e}"}
+            else:
+                result["migration"] = {"skipped": "needs a CUDA source and a second GPU"}
         path = write_result("checkpoint_stall", result, args.out)
         print(f"wrote {path}")
         for k, r in rows.items():

@@ -117,3 +117,49 @@ def test_gpu_guard_rolls_back_an_abandoned_group(cuda_daemon):
     assert len(rolled) == len(want)
     _same(job.snapshot(), want)
     assert job.committed_step() == 2
+
+
+def test_gpu_migration_cuda0_to_cuda1(cuda_daemon, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from gpu_anchor.checkpoint.migrate import Migration
+    from gpu_anchor.daemon import control
+    path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
+    proc = control.start("cuda:1", path)
+    try:
+        total = 60
+        plain = Job(gpu_anchor.connect("cuda:0", namespace="ref"), hidden=H, layers=4, batch=64)
+        for s in range(1, total + 1):
+            plain.step(s)
+            plain.commit(s)
+        want = plain.snapshot()
+        src = gpu_anchor.connect("cuda:0", namespace="job")
+        job, tracker = Job(src, hidden=H, layers=4, batch=64), WriteSetTracker()
+        m = Migration([src], tracker, {"cuda:0": "cuda:1"}, socket_paths={"cuda:1": path}, throttle_s=0.005)
+        cut = None
+        with tracker:
+            for s in range(1, total + 1):
+                job.step(s)
+                job.commit(s)
+                torch.cuda.synchronize()
+                if s == 2:
+                    m.start(s)
+                elif s > 2 and m.ready():
+                    cut = s
+                    break
+        assert cut is not None and cut < total
+        restore = m.cutover(cut)
+        with torch.cuda.device(1):
+            moved = Job(gpu_anchor.connect("cuda:1", namespace="job", socket=path), hidden=H, layers=4, batch=64)
+            assert moved.committed_step() == cut
+            with tracker:
+                for s in range(cut + 1, total + 1):
+                    moved.step(s)
+                    moved.commit(s)
+            torch.cuda.synchronize()
+        restore.wait()
+        _same(moved.snapshot(), want)
+        assert m.downtime_s is not None and m.result.policy == "recopy"
+    finally:
+        control.stop("cuda:1", path)
+        proc.wait(timeout=30)
