@@ -27,6 +27,8 @@ PRESETS = {
     # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
     "tiny": (64, 256, 4, 4, 2, 1024),
     "tiny10": (208, 800, 4, 4, 2, 3200),            # ~10x tiny's parameters, same tensor count
+    "small": (512, 2048, 4, 4, 2, 8000),            # ~20 M parameters
+    "small10": (1600, 6400, 4, 4, 2, 25000),        # ~10x small, same tensor count
     "llama-1b": (2048, 8192, 16, 32, 8, 128256),     # Llama 3.2 1B shape
     "llama-1b-x10": (6656, 26624, 16, 32, 8, 128256),  # ~9-10x the parameters, same tensor count
 }
