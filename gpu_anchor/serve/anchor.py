@@ -27,16 +27,12 @@ class Anchor:
     def journal(self):
         return self.client.journal if self.client is not None else None
 
-    def bind(self, specs: list[tuple[str, tuple, torch.dtype]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """All-or-nothing bind; statuses are "matched" (data survived) or "created"."""
+    def bind(self, specs: list[tuple[str, tuple, torch.dtype]], policy: str = "match_or_create"
+             ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """All-or-nothing bind; statuses are "matched" (data survived) or "created".
+        ``policy="replace"`` recreates objects whose dtype/shape changed."""
         if not self.enabled:
             tensors = {n: torch.empty(shape, dtype=dt, device=self.device) for n, shape, dt in specs}
             return tensors, {n: "created" for n in tensors}
-        bound = self.client.bind(specs, policy="match_or_create")
+        bound = self.client.bind(specs, policy=policy)
         return {b.name: b.tensor for b in bound}, {b.name: b.status for b in bound}
-
-    def replace(self, specs) -> dict[str, torch.Tensor]:
-        """Fresh objects for ``specs`` (a layout change: the old contents are useless)."""
-        if not self.enabled:
-            return self.bind(specs)[0]
-        return {b.name: b.tensor for b in self.client.bind(specs, policy="replace")}

@@ -31,6 +31,10 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def blocks_needed(self, table_len: int, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - table_len)
 

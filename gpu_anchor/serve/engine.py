@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_anchor.errors import ConflictError
+
 from . import commit as C
 from .anchor import Anchor
 from .attention import AttnMeta
@@ -74,7 +76,11 @@ class Engine:
         L, hkv, d = self.mc.num_hidden_layers, self.mc.num_key_value_heads, head_dim(self.mc)
         kshape = (2, cfg.num_blocks, cfg.block_size, hkv, d)
         kspecs = [(f"kv_cache[{i}]", kshape, self.dtype) for i in range(L)]
-        tensors, status = self.anchor.bind(wspecs + kspecs)
+        try:
+            tensors, status = self.anchor.bind(wspecs + kspecs)
+        except ConflictError as e:   # another layout or model under these names: start them afresh
+            log.warning("anchored objects do not fit this engine (%s); replacing them", str(e).splitlines()[0])
+            tensors, status = self.anchor.bind(wspecs + kspecs, policy="replace")
         self.timings["bind_s"] = time.perf_counter() - t1
         self.bind_status = status
         weights = {n: tensors[n] for n, _, _ in wspecs}

@@ -71,14 +71,16 @@ class Scheduler:
         budget = self.max_batched_tokens
         work: list[Work] = []
         running = self._ordered(Status.RUNNING)
-        # 1. decodes, oldest first; preempt the youngest when blocks run out.
+        # 1. decodes, oldest first.  Out of blocks: preempt the youngest running sequence;
+        #    its blocks are reusable only after this step's commit, so the step goes on
+        #    without the sequences that need them.
+        self._cache_full: list[Sequence] = []
         for seq in running:
             if seq.status is not Status.RUNNING or seq.in_prefill or budget < 1:
                 continue
-            while not self.blocks.can_grow(seq.block_table, seq.num_computed + 1):
-                if not self._preempt_one(keep=seq):
-                    break
-            if seq.status is not Status.RUNNING or not self.blocks.can_grow(seq.block_table, seq.num_computed + 1):
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed + 1):
+                if not self.blocks.has_pending and not self._preempt_one(keep=seq):
+                    self._cache_full.append(seq)      # alone and still too long for the cache
                 continue
             self.blocks.grow(seq.rid, seq.block_table, seq.num_computed + 1)
             work.append(Work(seq, seq.num_computed, 1, True))
@@ -93,6 +95,8 @@ class Scheduler:
                 break
             if seq.status is Status.WAITING and n_running >= self.max_num_seqs:
                 break
+            if seq.status is Status.WAITING and not self.blocks.can_grow([], seq.num_tokens + 1):
+                break            # admit only what fits whole: partial admissions thrash with preemption
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 free_slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
@@ -110,6 +114,12 @@ class Scheduler:
     def finish_step(self, work: list[Work], sampled: dict[str, int]) -> tuple[list[Sequence], list[Sequence]]:
         """Advance after a step's forward.  Returns (sequences that got a token, finished ones)."""
         grown, finished = [], []
+        for seq in getattr(self, "_cache_full", []):
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+            self.blocks.release(seq.block_table)
+            del self.seqs[seq.rid]
+            finished.append(seq)
+        self._cache_full = []
         for w in work:
             seq = w.seq
             seq.num_computed = w.start + w.n

@@ -1,0 +1,208 @@
+"""The engine on CPU: equal to HF ``generate``; survives SIGKILLs at every phase.
+
+Kill campaigns fork engine incarnations from a forkserver that imported torch +
+transformers but ran no torch op (forking this interpreter, which has run parallel
+regions, can hang the child in GNU OpenMP).  The test plays the frontend's part of the protocol: it keeps every
+request's delivered tokens, re-sends the requests an engine did not restore, and drops
+replayed tokens by index — checking that each replayed token equals the delivered one.
+Size knob: ``GPU_ANCHOR_SERVE_KILLS`` (default 50 kills; the HTTP campaign adds 50 more).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+
+import pytest
+import torch
+
+from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
+from gpu_anchor.serve.sequence import SamplingParams
+from gpu_anchor.serve.tiny import make_tiny_model
+
+KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_KILLS", "50"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return {f: make_tiny_model(str(d / f), f, seed=i) for i, f in enumerate(("llama", "qwen3", "qwen2"))}
+
+
+def _prompts(n, seed=0, lo=3, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 380) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+def test_greedy_equals_hf_generate(models, family):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(models[family])
+    prompts = _prompts(5, seed=1)
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    # small chunks + small blocks: chunked prefill, mixed prefill/decode batches, many blocks
+    eng = Engine(EngineConfig(model=models[family], anchor=False, block_size=4, num_blocks=200,
+                              max_batched_tokens=13))
+    out = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert out == ref
+
+
+def test_sampling_is_a_function_of_seed_and_index(models):
+    eng = Engine(EngineConfig(model=models["llama"], anchor=False, num_blocks=128, max_batched_tokens=64))
+    prompts = _prompts(4, seed=2)
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
+    together = eng.generate(prompts, params)
+    alone = [eng.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert together == alone
+    other = eng.generate(prompts[:1], [SamplingParams(**dict(params[0].to_dict(), seed=7))])[0]
+    assert other != together[0]
+    greedy = eng.generate(prompts[:1], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert greedy != together[0]
+
+
+# ---------------------------------------------------------------- crash campaigns
+class Client:
+    """The frontend's side of the protocol, in-process."""
+
+    def __init__(self, requests):
+        self.requests = requests                  # rid -> (prompt, params)
+        self.out = {rid: [] for rid in requests}
+        self.done = {}
+        self.mismatch = 0
+
+    def apply(self, rid, i, ids, fin):
+        if rid in self.done:
+            return
+        for j, t in enumerate(ids):
+            k = i + j
+            if k < len(self.out[rid]):
+                self.mismatch += self.out[rid][k] != t
+            elif k == len(self.out[rid]):
+                self.out[rid].append(t)
+        if fin:
+            self.done[rid] = fin
+
+    def pending(self, restored):
+        return [rid for rid in self.requests if rid not in self.done and rid not in restored]
+
+
+def _incarnation(cfg, client, conn):
+    """Engine process body: restore, replay, re-add, step until done (or killed)."""
+    eng = Engine(cfg)
+    msgs = [("hello", ([s.rid for s in eng.restored], eng.recovery_notes))]
+    msgs += [("ev", (s.rid, 0, s.output_ids, None)) for s in eng.restored]
+    for rid in client.pending({s.rid for s in eng.restored}):
+        prompt, params = client.requests[rid]
+        msgs += [("ev", e) for e in eng.add_request(rid, prompt, SamplingParams(**params.to_dict()), client.out[rid])]
+    conn.send(msgs)
+    while eng.has_work():
+        conn.send([("ev", e) for e in eng.step()])
+    conn.send([("exit", None)])
+
+
+def _ctx():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["gpu_anchor.serve.preload"])
+    return ctx
+
+
+def _run(cfg, client, fault=None):
+    ctx = _ctx()
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_incarnation, args=(EngineConfig(**dict(cfg.__dict__, fault=fault)), client, b))
+    p.start()
+    b.close()
+    notes = []
+    while True:
+        try:
+            batch = a.recv()
+        except EOFError:
+            break
+        for kind, x in batch:
+            if kind == "ev":
+                client.apply(*x)
+            elif kind == "hello":
+                notes += x[1]
+    p.join()
+    return p.exitcode, notes
+
+
+def _requests(n_greedy, n_sampled, max_tokens):
+    prompts = _prompts(n_greedy + n_sampled, seed=5, lo=5, hi=50)
+    reqs = {}
+    for i, p in enumerate(prompts):
+        sp = (SamplingParams(max_tokens=max_tokens, ignore_eos=True) if i < n_greedy else
+              SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1000 + i, ignore_eos=True))
+        reqs[f"r{i}"] = (p, sp)
+    return reqs
+
+
+def test_sigkill_campaign_matches_fault_free(models, host_daemon):
+    sock = host_daemon[0]
+    base = EngineConfig(model=models["qwen3"], dtype="float64", block_size=4, num_blocks=300,
+                        max_batched_tokens=24, max_num_seqs=16, socket=sock, namespace="campaign")
+    reqs = _requests(6, 6, max_tokens=48)
+    ref = Client(reqs)
+    code, _ = _run(EngineConfig(**dict(base.__dict__, namespace="reference")), ref)
+    assert code == 0 and len(ref.done) == len(reqs)
+
+    rng = random.Random(42)
+    kills = {ph: 0 for ph in PHASES}
+    wave = 0
+    while sum(kills.values()) < KILLS:         # waves of the same requests until enough kills
+        client = Client({f"w{wave}-{rid}": v for rid, v in reqs.items()})
+        while len(client.done) < len(reqs):
+            fault = (rng.randint(0, 2), rng.choice(PHASES)) if sum(kills.values()) < KILLS else None
+            code, _ = _run(base, client, fault)
+            if code == -9:
+                kills[fault[1]] += 1
+            else:
+                assert code == 0
+        assert client.mismatch == 0
+        assert [client.out[f"w{wave}-{rid}"] for rid in reqs] == [ref.out[rid] for rid in reqs]
+        wave += 1
+    assert all(kills.values()), kills                  # every phase was hit
+
+
+def test_lost_kv_falls_back_to_prefill(models, host_daemon):
+    """KV freed behind the engine's back (or a layout change): the engine says so and
+    recomputes; answers stay identical."""
+    import gpu_anchor
+    sock = host_daemon[0]
+    base = EngineConfig(model=models["llama"], dtype="float64", block_size=4, num_blocks=100,
+                        max_batched_tokens=16, socket=sock, namespace="fallback")
+    reqs = _requests(2, 2, max_tokens=24)
+    ref = Client(reqs)
+    _run(EngineConfig(**dict(base.__dict__, namespace="fallback-ref")), ref)
+    client = Client(reqs)
+    assert _run(base, client, fault=(6, "after_commit"))[0] == -9
+    c = gpu_anchor.connect("cpu", namespace="fallback", socket=sock)
+    c.free("kv_cache[0]")
+    code, notes = _run(base, client, fault=(3, "mid_forward"))
+    assert code == -9 and any("KV cache memory is new" in n for n in notes)
+    code, notes = _run(EngineConfig(**dict(base.__dict__, num_blocks=90)), client)
+    assert code == 0 and any("layout" in n for n in notes)
+    assert client.mismatch == 0 and client.out == ref.out
+
+
+def test_restart_does_not_reload_weights(models, host_daemon, tmp_path):
+    sock = host_daemon[0]
+    cfg = EngineConfig(model=models["llama"], socket=sock, namespace="reuse", num_blocks=32)
+    e1 = Engine(cfg)
+    assert e1.weights_loaded
+    w = e1.model.w["model.embed_tokens.weight"]
+    with torch.no_grad():
+        w[0, 0] = 12345.0          # a marker only anchored memory can carry into the next engine
+    ctx = _ctx()
+    q = ctx.Queue()
+    p = ctx.Process(target=_rebind, args=(cfg, q))
+    p.start()
+    assert q.get(timeout=60) == (False, 12345.0)
+    p.join()
+
+
+def _rebind(cfg, q):
+    e2 = Engine(cfg)
+    q.put((e2.weights_loaded, float(e2.model.w["model.embed_tokens.weight"][0, 0])))
