@@ -125,3 +125,23 @@ def test_worker_killed_between_bind_and_fill_is_refilled(host_daemon):
     assert sorted(scope.report.created) == ["model.bias", "model.weight"]   # matched, but known unfilled
     assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
     assert gpu_anchor.connect("cpu", namespace="unfilled").journal.get("scope/unfilled") is None
+
+
+def test_unfilled_marker_is_per_object(host_daemon):
+    """A second scope that fills its own objects must not clear the marker of the first's."""
+    import gpu_anchor
+    from gpu_anchor.scope import managed_scope
+    c = gpu_anchor.connect("cpu", namespace="marker")
+    held = c.tensor("a", (4,), torch.float32)                  # left unfilled by a dead worker
+    c.journal.put("scope/unfilled", b'["a"]')
+    with managed_scope("marker"):
+        b = torch.ones(2)                                      # noqa: F841 — another scope's object
+    assert c.journal.get("scope/unfilled") == b'["a"]'
+    del held
+    torch.manual_seed(1)
+    ref = torch.randn(4)
+    torch.manual_seed(1)
+    with managed_scope("marker") as s:
+        a = torch.randn(4)
+    assert s.report.created == ["a"] and torch.equal(a, ref)
+    assert c.journal.get("scope/unfilled") is None

@@ -97,9 +97,14 @@ def bind(stores_by_client: dict, on_conflict: str) -> list[dict]:
     return conflicts
 
 
-def mark_filled(client, puts: dict | None = None) -> None:
-    """After the replay: clear the unfilled marker (and write ``puts``) in one commit."""
-    client.journal.commit(puts or {}, deletes=[UNFILLED])
+def mark_filled(client, filled: set[str], puts: dict | None = None) -> None:
+    """After the replay: drop ``filled`` from the unfilled marker (names another scope of the
+    program still has to fill stay listed) and write ``puts``, in one commit."""
+    puts = dict(puts or {})
+    rest = set(json.loads(client.journal.get(UNFILLED) or b"[]")) - filled
+    if rest:
+        puts[UNFILLED] = json.dumps(sorted(rest)).encode()
+    client.journal.commit(puts, deletes=[] if rest else [UNFILLED])
 
 
 def _conflict_error(conflicts: list[dict]) -> ConflictError:

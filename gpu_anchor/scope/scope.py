@@ -273,10 +273,11 @@ class ManagedScope:
         if fp and journal is not None:
             puts[key] = json.dumps({k: base64.b64encode(g.get_state().numpy().tobytes()).decode()
                                     for k, g in fp[1].items()}).encode()
-        touched = {id(c) for c, stores in by_client.items() if any(s in created for s in stores)}
+        made = {id(s) for s in created}
         for c in clients:
-            if id(c) in touched or (c is clients[0] and puts):
-                binding.mark_filled(c, puts if c is clients[0] else None)
+            filled = {s.name for s in by_client[c] if id(s) in made}
+            if filled or (c is clients[0] and puts):
+                binding.mark_filled(c, filled, puts if c is clients[0] else None)
 
 
 def managed_scope(namespace: str | None = None, on_conflict: str = "error") -> ManagedScope:
