@@ -58,16 +58,17 @@ class Migration:
         fl = self.ckpt._flight
         return fl is not None and fl.queue.done()
 
-    def cutover(self, step: int) -> OnDemandRestore:
+    def cutover(self, step: int, background: bool = True) -> OnDemandRestore:
         """At a consistent point, with the job stopped on the source for good: copy what was
         written since its pre-copy, bind everything at the destination and start streaming.
-        Returns the running restore (``wait()`` for the rest)."""
+        Returns the running restore (``wait()`` for the rest; ``background=False``: objects
+        load only when touched or at ``wait()``)."""
         t0 = time.perf_counter()
         self.result = self.ckpt.finish(step)
         if self.result is None or not self.result.valid:
             raise RuntimeError(f"the pre-copy is not usable: {self.result}")
         restore = OnDemandRestore(None, self.dest_tracker, device_map=self.device_map,
                                   socket_paths=self.socket_paths, captured=self.ckpt.captured,
-                                  throttle_s=self.throttle_s).start()
+                                  throttle_s=self.throttle_s, background=background).start()
         self.downtime_s = time.perf_counter() - t0
         return restore
