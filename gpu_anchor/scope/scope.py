@@ -265,10 +265,9 @@ class ManagedScope:
             for s in created:
                 if s.status == "native":
                     s.real = out[s]
-            for s in created:
-                if s.status != "native" and s.device.startswith("cuda"):
-                    torch.cuda.synchronize(s.device)  # filled before the marker says so
-                    break
+            for dev in sorted({s.device for s in created if s.device.startswith("cuda")}):
+                torch.cuda.synchronize(dev)           # filled before the marker says so
+                torch.cuda.empty_cache()              # replay temporaries: give the memory back
             rep.rng = "replayed"
         if fp and journal is not None:
             puts[key] = json.dumps({k: base64.b64encode(g.get_state().numpy().tobytes()).decode()
