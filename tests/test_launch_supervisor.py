@@ -160,3 +160,14 @@ def test_bad_command_line_is_a_clear_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--checkpoint-every", "5", "--",
                         "python", "x.py"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert p.returncode == 2 and "--checkpoint-every needs --checkpoint-dir" in p.stderr
+
+
+def test_two_ranks_daemon_killed_every_rank_restores_the_same_step(reference, clean_daemons, tmp_path):
+    p = run(str(tmp_path), ["--nproc-per-node", "2", "--checkpoint-dir", "ckpt", "--checkpoint-every", "10",
+                            "--chaos-kills", "1", "--chaos-target", "daemon", "--chaos-kill-every", "0.5"],
+            ["--out", "r.pt", "--step-sleep", "0.01"])
+    rs = job(clean_daemons)["restarts"]
+    assert len(rs) == 1 and rs[0]["action"] == "restore" and rs[0]["restore_step"]
+    assert set(rs[0]["marks"]) == {"0", "1"} and all("restored" in m for m in rs[0]["marks"].values())
+    assert f"resuming at step {rs[0]['restore_step']}" in p.stdout
+    assert torch.equal(result(tmp_path / "r.pt"), reference[2])
