@@ -155,8 +155,8 @@ class ConcurrentCheckpointer:
         if cuda:
             dev = next(t.device for _, _, t in entries.values() if t.is_cuda)
             self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
-            self._stream.wait_stream(torch.cuda.current_stream())       # copies start after the consistent point
-            free = torch.cuda.mem_get_info()[0]
+            self._stream.wait_stream(torch.cuda.current_stream(dev))    # copies start after the consistent point
+            free = torch.cuda.mem_get_info(dev)[0]
             self._gpu_budget = int(free * self.gpu_buffer_fraction)
         self.recorder.first_touch.clear()
         self.recorder._touched.clear()
@@ -313,18 +313,19 @@ class ConcurrentCheckpointer:
                 with _disable_current_modes():
                     buf = src.clone()
                     ev = torch.cuda.Event()
-                    ev.record()  # the drain on the side stream waits for this clone
+                    ev.record(torch.cuda.current_stream(src.device))  # the drain waits for this clone
                 fl.gpu_buffers[key] = (buf, ev)
                 fl.result.gpu_buffered += 1
                 return
-            dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
-            torch.cuda.current_stream().synchronize()
+            with _disable_current_modes():
+                dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
+            torch.cuda.current_stream(src.device).synchronize()
             return
         chunked_copy(dst, src, self._stream, self.chunk_bytes)
 
     def _sync(self) -> None:
         if self._stream is not None:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self._stream.device)
 
     def _detach(self) -> None:
         self.tracker.remove_listener(self)

@@ -83,7 +83,7 @@ class GroupGuard:
                     raise RuntimeError(f"the backup of {name!r} is gone: restore from a checkpoint")
                 self.tensors[name].copy_(backup)
             if self.client.device.startswith("cuda") and names:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(torch.device(self.client.device))
         if names:
             self.client.journal.commit(deletes=list(entries))
         self.stats["rolled_back"] += len(names)
@@ -99,8 +99,8 @@ class GroupGuard:
         """Close the group: the user's ``puts`` and the drop of every backup in one journal commit."""
         if self.group is None:
             raise RuntimeError("no group is open")
-        if self.client.device.startswith("cuda"):
-            torch.cuda.current_stream().synchronize()  # the group's writes are done before it counts
+        if self.client.device.startswith("cuda"):  # the group's writes are done before it counts
+            torch.cuda.current_stream(torch.device(self.client.device)).synchronize()
         version = self.client.journal.commit(puts or {}, deletes=[PREFIX + "b/" + n for n in sorted(self.backed)])
         self.group = None
         self.backed = set()
@@ -135,7 +135,7 @@ class GroupGuard:
                 self.stats["backups"] += 1
                 self.stats["backup_bytes"] += t.numel() * t.element_size()
             if self.client.device.startswith("cuda"):
-                torch.cuda.current_stream().synchronize()
+                torch.cuda.current_stream(torch.device(self.client.device)).synchronize()
         self.client.journal.commit(puts)
         self.backed.update(names)
 
