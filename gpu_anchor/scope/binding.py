@@ -2,15 +2,18 @@
 swap the placeholders for real tensors over the bound memory.
 
 - One client per (process, device, namespace, socket) is cached for the process.
-- ``on_conflict="error"``: a name anchored with another dtype or shape refuses the
-  whole bind (``ConflictError`` naming each object and both shapes/dtypes) and the
-  daemon's data is untouched.  With several devices, a ``lookup`` pass checks all of
-  them first, so a refusal on one device creates nothing on another.
-- ``on_conflict="replace"``: conflicting objects are freed and recreated.
-- Swap: every live placeholder (found by reference count; views first, so autograd
-  views release their base) becomes, in place (``torch.utils.swap_tensors``), the
-  corresponding view of the real allocation; ``nn.Parameter``-ness, ``requires_grad``
-  and user attributes are kept.
+- Every device is asked with ``lookup`` first (on a fully-matching restart that is the
+  only round trip).  ``on_conflict="error"``: any conflict on any device refuses the
+  whole bind (``ConflictError`` naming each object and both shapes/dtypes) before
+  anything is created, and the daemons' data is untouched.  ``"replace"``: conflicting
+  objects are freed and recreated.
+- The *unfilled* marker (journal key ``scope/unfilled``) lists objects created but not
+  yet filled by their recipes, so a worker that dies in between does not leave garbage
+  that the next worker would match.
+- Swap: every live placeholder (found by reference count; autograd views first) becomes,
+  in place, the corresponding view of the real allocation — ``torch.utils.swap_tensors``'
+  mechanism, carrying tensor hooks over; ``nn.Parameter``-ness, ``requires_grad`` and user
+  attributes are kept.
 """
 from __future__ import annotations
 
