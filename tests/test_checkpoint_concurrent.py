@@ -119,6 +119,7 @@ def test_auto_policy_follows_the_measured_write_volume(host_daemon, tmp_path):
     ckpt.finish(11)
     assert [r.policy for r in ckpt.results] == ["cow", "cow"]
     assert "measured" in ckpt.results[1].reason
+    assert "copy order" in ckpt.results[1].reason  # the optimizer's first writes are copied first
 
     # serving-like: big read-only weights, a small cache row written per step
     sc = gpu_anchor.connect("cpu", namespace="serve")

@@ -121,6 +121,7 @@ def test_recorder_measures_write_volume_and_first_touch():
         a.copy_(b[:10])
     assert rec.close_group() == {"a", "b"}
     assert rec.bytes_written_last == 440
+    assert rec.write_order_last == ["b", "a"]
     assert rec.first_touch == ["c", "b", "a"]
 
 

@@ -160,7 +160,7 @@ class ConcurrentCheckpointer:
             self._gpu_budget = int(free * self.gpu_buffer_fraction)
         self.recorder.first_touch.clear()
         self.recorder._touched.clear()
-        self.recorder.group_written.clear()
+        self.recorder.group_written.clear()  # (write_order_last survives: it orders this copy)
         if policy == "stw":  # the baseline: every copy queued on the job's stream, one wait
             with _disable_current_modes(), torch.no_grad():
                 for k, (_, _, t) in entries.items():
@@ -169,7 +169,13 @@ class ConcurrentCheckpointer:
             fl.result.stall_s = time.perf_counter() - t0
             self._complete(step)
             return policy
-        fl.queue = TransferQueue(list(entries), self._move, throttle_s=self.throttle_s)
+        order = list(entries)
+        if self.recorder.write_order_last:  # what the last observed step wrote first goes first
+            first = [k for k in self.recorder.write_order_last if k in entries]
+            seen = set(first)
+            order = first + [k for k in order if k not in seen]
+            fl.result.reason += "; copy order: last step's first writes"
+        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s)
         self.tracker.add_listener(self)
         self.tracker.add_listener(self.recorder)
         fl.queue.start()

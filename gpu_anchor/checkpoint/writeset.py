@@ -227,20 +227,24 @@ class Recorder:
     """A listener that records write sets per group (step) and first-touch order.
 
     ``bytes_written_last`` (bytes of distinct objects written in the last closed
-    group) feeds the checkpointer's choice between soft copy-on-write and soft recopy.
+    group) feeds the checkpointer's choice between soft copy-on-write and soft recopy;
+    ``write_order_last`` (objects in the order the last group first wrote them) orders
+    its copier, so what the job will write first is copied first.
     """
 
     wants_touched = True
 
     def __init__(self, tracker: WriteSetTracker) -> None:
         self.tracker = tracker
-        self.group_written: set[str] = set()
+        self.group_written: dict[str, None] = {}  # insertion order = first-write order
         self.bytes_written_last: int | None = None
+        self.write_order_last: list[str] = []
         self.first_touch: list[str] = []
         self._touched: set[str] = set()
 
     def before_op(self, func, written, touched) -> None:
-        self.group_written.update(written)
+        for n in written:
+            self.group_written.setdefault(n)
         for n in touched or ():
             if n not in self._touched:
                 self._touched.add(n)
@@ -251,7 +255,8 @@ class Recorder:
 
     def close_group(self) -> set[str]:
         """End a group (a step): remember its write volume; returns the names written."""
-        done, self.group_written = self.group_written, set()
+        done, self.group_written = self.group_written, {}
         ts = self.tracker.tensors
         self.bytes_written_last = sum(ts[n].numel() * ts[n].element_size() for n in done if n in ts)
-        return done
+        self.write_order_last = list(done)
+        return set(done)
