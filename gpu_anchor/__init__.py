@@ -17,5 +17,11 @@ def connect(device=None, namespace=None, socket=None):
     return _connect(device, namespace, socket)
 
 
-__all__ = ["AnchorError", "ConflictError", "DaemonUnavailable", "OutOfMemoryError", "PermissionDenied",
+def managed_scope(namespace=None, on_conflict="error"):
+    """See :func:`gpu_anchor.scope.managed_scope`."""
+    from .scope import managed_scope as _managed_scope
+    return _managed_scope(namespace, on_conflict)
+
+
+__all__ = ["managed_scope", "AnchorError", "ConflictError", "DaemonUnavailable", "OutOfMemoryError", "PermissionDenied",
            "connect", "__version__"]

@@ -98,28 +98,25 @@ class Registry:
             raise ConflictError(conflicts)
 
         results: list[tuple[str, AnchoredObject | None]] = []
-        created: list[AnchoredObject] = []
-        replaced: list[AnchoredObject] = []
+        to_create = []
+        for name, dtype, shape, nbytes in parsed:
+            old = ns.objects.get(name)
+            if old is not None and (old.dtype, old.shape) == (dtype, shape):
+                results.append(("matched", old))
+            elif policy == "lookup":
+                results.append(("missing", None))
+            else:
+                to_create.append(len(results))
+                results.append(("created", (name, dtype, shape, nbytes)))
         try:
-            for name, dtype, shape, nbytes in parsed:
-                old = ns.objects.get(name)
-                if old is not None and (old.dtype, old.shape) == (dtype, shape):
-                    results.append(("matched", old))
-                    continue
-                if policy == "lookup":
-                    results.append(("missing", None))
-                    continue
-                try:
-                    seg, off = self.arena.allocate(nbytes)
-                except MemoryError as e:
-                    raise OutOfMemory(f"cannot allocate {nbytes} B for {name!r}: {e}") from None
-                obj = AnchoredObject(name, dtype, shape, nbytes, seg.id, off, next(self._generation))
-                created.append(obj)
-                results.append(("created", obj))
-        except BaseException:
-            for obj in created:
-                self.arena.release(obj.segment, obj.offset, obj.nbytes)
-            raise
+            placed = self.arena.allocate_many([results[i][1][3] for i in to_create])
+        except MemoryError as e:
+            need = sum(results[i][1][3] for i in to_create)
+            raise OutOfMemory(f"cannot allocate {need} B for {len(to_create)} object(s): {e}") from None
+        for i, (seg, off) in zip(to_create, placed):
+            name, dtype, shape, nbytes = results[i][1]
+            results[i] = ("created", AnchoredObject(name, dtype, shape, nbytes, seg.id, off, next(self._generation)))
+        replaced: list[AnchoredObject] = []
         for status, obj in results:
             if status == "created":
                 old = ns.objects.get(obj.name)
