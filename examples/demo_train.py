@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (slows the job for chaos)")
     p.add_argument("--fail-at-step", type=int, default=-1, help="raise at this step (crash-loop tests)")
+    p.add_argument("--hang-at-step", type=int, default=-1,
+                   help="hang (sleep) at this step in the first generation only (hang-detection tests)")
     p.add_argument("--out", help="rank 0 writes the final parameters here (torch.save)")
     a = p.parse_args(argv)
 
@@ -124,6 +126,8 @@ def main(argv=None) -> int:
     for s in range(step + 1, a.steps + 1):
         if s == a.fail_at_step:
             raise RuntimeError(f"--fail-at-step {s}")
+        if s == a.hang_at_step and os.environ.get("GPU_ANCHOR_RESTART_COUNT", "0") == "0":
+            time.sleep(3600)
         cur, nxt = bufs[live], bufs[1 - live]
         params = [v.detach().requires_grad_() for v in views(cur[:n], shp)]
         x, y = batch(a.seed, s, rank, a.batch, a.d_in, a.d_out, device)

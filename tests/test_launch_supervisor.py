@@ -171,3 +171,12 @@ def test_two_ranks_daemon_killed_every_rank_restores_the_same_step(reference, cl
     assert set(rs[0]["marks"]) == {"0", "1"} and all("restored" in m for m in rs[0]["marks"].values())
     assert f"resuming at step {rs[0]['restore_step']}" in p.stdout
     assert torch.equal(result(tmp_path / "r.pt"), reference[2])
+
+
+def test_hung_group_is_killed_and_restarted_in_place(reference, clean_daemons, tmp_path):
+    p = run(str(tmp_path), ["--hang-timeout", "2"], ["--out", "r.pt", "--hang-at-step", "30"])
+    rs = job(clean_daemons)["restarts"]
+    assert len(rs) == 1 and rs[0]["action"] == "restart" and rs[0]["step"] == 29
+    assert "hang: no new committed step" in rs[0]["reason"]
+    assert "resuming at step 29" in p.stdout
+    assert torch.equal(result(tmp_path / "r.pt"), reference[1])

@@ -34,6 +34,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                    help="mean seconds between chaos kills (counted from the first step after a recovery)")
     r.add_argument("--chaos-seed", type=int)
     r.add_argument("--chaos-target", default="worker", choices=["worker", "daemon"])
+    r.add_argument("--hang-timeout", type=float, default=0.0,
+                   help="restart the group when the committed step has not advanced for this many seconds "
+                        "(armed after each generation's first step; 0: off)")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     r.set_defaults(func=cmd_run)
@@ -55,7 +58,8 @@ def cmd_run(args) -> int:
                     device_type=args.device_type, warm=args.warm,
                     preload=[m for m in args.preload.split(",") if m], keep_daemons=args.keep_daemons,
                     resume=args.resume, chaos_kills=args.chaos_kills, chaos_every=args.chaos_every,
-                    chaos_seed=args.chaos_seed, chaos_target=args.chaos_target, quiet=args.quiet)
+                    chaos_seed=args.chaos_seed, chaos_target=args.chaos_target, hang_timeout=args.hang_timeout,
+                    quiet=args.quiet)
     try:
         sup = Supervisor(cfg)
         return sup.run()

@@ -33,6 +33,7 @@ class RunConfig:
     chaos_seed: int | None = None
     chaos_target: str = "worker"
     master_addr: str = "127.0.0.1"
+    hang_timeout: float = 0.0
     quiet: bool = False
 
 

@@ -68,6 +68,8 @@ class Supervisor:
         self.chaos_victim: int | None = None
         self.t_chaos: float | None = None
         self._stop_signal: int | None = None
+        self._hang_reason: str | None = None
+        self._gen_stepped = False
         self._mtime = self._code_mtime()
 
     # ------------------------------------------------------------------ logging
@@ -103,6 +105,7 @@ class Supervisor:
                 self.daemons.keep = True
                 return 128 + self._stop_signal
             self._chaos_tick()
+            self._hang_tick()
             failed = [w for w in self.workers.values() if w.status not in (None, 0)]
             if failed:
                 action = self._on_failure(min(failed, key=lambda w: w.t_exit))
@@ -124,6 +127,29 @@ class Supervisor:
             self.chaos_victim = fired[1]
             self.log(f"chaos: SIGKILL {fired[0]} (pid {fired[1]}), {self.chaos.left} kill(s) left")
 
+    def _hang_tick(self) -> None:
+        """Kill a group whose committed step stopped advancing (a hung collective, a deadlock)."""
+        if not self.cfg.hang_timeout or not self._gen_stepped or any(w.status is not None
+                                                                      for w in self.workers.values()):
+            return
+        now = time.monotonic()
+        if now - self._hang_polled < min(1.0, self.cfg.hang_timeout / 4):
+            return
+        self._hang_polled = now
+        steps = [v["step"] for v in self._views() if v and v["step"] is not None]
+        step = min(steps) if steps else None
+        if step != self._hang_step:
+            self._hang_step, self._hang_since = step, now
+        elif now - self._hang_since > self.cfg.hang_timeout:
+            self._hang_reason = f"hang: no new committed step for {now - self._hang_since:.0f} s (step {step})"
+            self.log(f"{self._hang_reason}: killing the group")
+            self._kill_group()  # every rank now has an exit status: the loop classifies it
+
+    def _views(self) -> list:
+        ranks = list(range(self.cfg.nproc))
+        return [health.read_namespace(d, self.daemons.paths[d], ns) for d in self.daemons.devices
+                for ns in self.daemons.namespaces_of(d, self.cfg.nproc, ranks)]
+
     # ------------------------------------------------------------------ workers
     def _env(self, rank: int, port: int) -> dict:
         env = dict(os.environ)
@@ -144,6 +170,8 @@ class Supervisor:
         return env
 
     def _start_group(self) -> None:
+        self._gen_stepped = False
+        self._hang_step, self._hang_since, self._hang_polled = None, time.monotonic(), 0.0
         port = free_port()
         self.workers = {}
         self.restored_ranks = set()
@@ -231,12 +259,7 @@ class Supervisor:
         by_chaos = self.chaos_victim is not None  # we killed something since the last failure
         alive, same, dproblems = self.daemons.check()
         healthy, dev_problem = self.health.check()
-        views = []
-        ranks = list(range(self.cfg.nproc))
-        if alive and same:
-            for d in self.daemons.devices:
-                for ns in self.daemons.namespaces_of(d, self.cfg.nproc, ranks):
-                    views.append(health.read_namespace(d, self.daemons.paths[d], ns))
+        views = self._views() if alive and same else []
         jproblem = health.journal_problem(views) if views else ""
         steps = [v["step"] for v in views if v and v["step"] is not None]
         step = min(steps) if steps else None
@@ -253,6 +276,9 @@ class Supervisor:
         if d.action == "restart" and self.pending_restore is not None:
             d = classify.Decision("restore", d.reason + "; the previous restore did not finish -> restore again",
                                   "destructive")
+        if self._hang_reason:
+            d = classify.Decision(d.action, f"{self._hang_reason}; {d.reason}", d.kind)
+            self._hang_reason = None
         reason = d.reason + ("; code changed since the last start" if code_changed else "") + \
             (" [chaos]" if by_chaos else "") + (f" ({'; '.join(dproblems)})" if dproblems else "")
         self.log(f"decision: {d.action.upper()} — {reason}")
@@ -317,6 +343,7 @@ class Supervisor:
                     self.pending_restore = None
             if ev["event"] == "first_step":
                 self.chaos.arm()
+                self._gen_stepped = True
             if self.current is None:
                 continue
             marks = self.current["marks"].setdefault(str(ev["rank"]), {})
