@@ -46,7 +46,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 
 
 def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
-    if q.is_cuda and triton is not None:
+    if q.is_cuda and triton is not None and cache.dtype != torch.float64:
         return attend_triton(q, cache, meta, scale)
     return attend_reference(q, cache, meta, scale)
 
@@ -76,7 +76,7 @@ if triton is not None:
     @triton.jit
     def _paged_attn_kernel(Q, C, O, BT, TSEQ, TPOS, scale,
                            sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, so_t, so_h, s_bt,
-                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(TSEQ + t)
@@ -96,14 +96,20 @@ if triton is not None:
             off = blk * sc_b + n[:, None] * sc_s + kvh * sc_h + d[None, :]
             k = tl.load(C + off)
             v = tl.load(C + sc_kv + off)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            if IEEE:   # float32 caches: exact products, as the reference computes them
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             kpos = b * BS + n
             s = tl.where(kpos[None, :] <= pos, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(O + t * so_t + heads[:, None] * so_h + d[None, :], acc.to(O.dtype.element_ty), mask=gmask[:, None])
@@ -122,5 +128,5 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
         q, cache, out, bt, meta.token_seq, meta.positions, scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         out.stride(0), out.stride(1), bt.stride(0),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs)
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs, IEEE=cache.dtype == torch.float32)
     return out
