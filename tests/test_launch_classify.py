@@ -170,3 +170,52 @@ def test_one_supervisor_per_namespace(tmp_path, monkeypatch):
     jobstate.lock("jobA").close()
     other.close()
     assert len(jobstate.events_path("x" * 200).encode()) <= 100
+
+
+class _FakeNVML:
+    """Stands in for pynvml (absent on CPU machines) to drive DeviceHealth's bookkeeping."""
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_FEATURE_ENABLED = 1, 0, 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.ecc = {0: 0, 3: 0}
+        self.lost = set()
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if i in self.lost:
+            raise self.NVMLError("GPU is lost")
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, u):
+        return 3
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return None
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        return self.ecc[h]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return 0
+
+
+def test_device_health_from_nvml(monkeypatch):
+    import sys
+    from gpu_anchor.launch import health
+    fake = _FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    dh = health.DeviceHealth([0])          # cuda:0 is NVML device 3 here
+    assert dh.available and dh.check() == (True, "")
+    fake.ecc[3] = 2
+    ok, why = dh.check()
+    assert ok is False and "2 new uncorrectable ECC" in why
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    fake.lost.add(0)
+    ok, why = health.DeviceHealth([0]).check()
+    assert ok is False and "NVML query failed" in why

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from gpu_anchor import errors
@@ -88,17 +89,31 @@ class DeviceHealth:
             import pynvml  # from nvidia-ml-py; optional
             pynvml.nvmlInit()
             self._nvml = pynvml
-            self._baseline = {i: self._ecc(i) for i in indices}
         except Exception:
             self._nvml = None
+            return
+        for i in indices:
+            try:
+                self._baseline[i] = self._ecc(i)
+            except Exception:
+                self._baseline[i] = 0  # already unreachable: check() will say so
 
     @property
     def available(self) -> bool:
         return self._nvml is not None
 
+    def _handle(self, i: int):
+        """NVML handle of CUDA device ``i`` (CUDA_VISIBLE_DEVICES renumbers; NVML does not)."""
+        nv = self._nvml
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if i < len(visible):
+            v = visible[i]
+            return nv.nvmlDeviceGetHandleByIndex(int(v)) if v.isdigit() else nv.nvmlDeviceGetHandleByUUID(v)
+        return nv.nvmlDeviceGetHandleByIndex(i)
+
     def _ecc(self, i: int) -> int:
         nv = self._nvml
-        h = nv.nvmlDeviceGetHandleByIndex(i)
+        h = self._handle(i)
         try:
             return int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))
         except nv.NVMLError:
@@ -112,7 +127,7 @@ class DeviceHealth:
         nv = self._nvml
         for i in self.indices:
             try:
-                h = nv.nvmlDeviceGetHandleByIndex(i)
+                h = self._handle(i)
                 nv.nvmlDeviceGetMemoryInfo(h)
                 ecc = self._ecc(i)
             except Exception as e:  # GPU fell off the bus, driver gone, ...
