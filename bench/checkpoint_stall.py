@@ -214,15 +214,26 @@ def main(argv=None) -> int:
             base_times = _steps(job, step, max(args.warmup, 5), args.device)
         step += len(base_times)
         base = statistics.median(base_times)
-        rows = {}
+        rows, restore = {}, {}
+        result = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
+                  "anchored_values": n_values, "anchored_bytes": n_values * 4, "build_s": build_s,
+                  "plain_step_s": statistics.median(plain_times), "baseline_step_s": base,
+                  "checkpoint_dir": base_dir, "checkpoint": rows, "restore": restore,
+                  "notes": "same warm interpreter and daemon for every row; stall = job thread blocked; "
+                           "disk writes are background in every row"}
+
+        def save():  # after every section: a run cut short still leaves what it measured
+            return write_result("checkpoint_stall", result, args.out)
+
         ck_dir = os.path.join(base_dir, "ga")
         ck = ConcurrentCheckpointer([client], ck_dir, tracker, throttle_s=args.throttle)
         t0 = time.perf_counter()
         ck.prepare()  # pinned staging, shared by every row (allocated once, as a long-running job would)
-        staging_s = time.perf_counter() - t0
+        result["staging_alloc_s"] = time.perf_counter() - t0
         for policy in ("stw", "cow", "recopy"):
             rows[policy], step = _checkpoint_run(ck, job, tracker, policy, args.device, step, base,
                                                  args.inflight_steps)
+            save()
         ck.close()
         rows["dcp_async_save"], step = _dcp(job, os.path.join(base_dir, "dcp"), args.device, step, base,
                                             min(args.inflight_steps, 10))
@@ -231,15 +242,12 @@ def main(argv=None) -> int:
         for k in ("cow", "recopy", "dcp_async_save"):
             if "stall_s" in rows[k] and stw > 0:
                 rows[k]["stall_vs_stw"] = rows[k]["stall_s"] / stw
+        save()
         del job
         del ck, tracker
-        restore = {m: _restore(ck_dir, args.device, args, m) for m in ("full", "on_demand")}
-        result = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
-                  "anchored_values": n_values, "anchored_bytes": n_values * 4, "build_s": build_s,
-                  "plain_step_s": statistics.median(plain_times), "baseline_step_s": base,
-                  "staging_alloc_s": staging_s, "checkpoint": rows, "restore": restore,
-                  "notes": "same warm interpreter and daemon for every row; stall = job thread blocked; "
-                           "disk writes are background in every row"}
+        for m in ("full", "on_demand"):
+            restore[m] = _restore(ck_dir, args.device, args, m)
+            save()
         if args.migrate_to:
             if args.device.startswith("cuda") and torch.cuda.device_count() > 1:
                 try:
@@ -248,7 +256,7 @@ def main(argv=None) -> int:
                     result["migration"] = {"error": f"{type(e).__name__}: {e}"}
             else:
                 result["migration"] = {"skipped": "needs a CUDA source and a second GPU"}
-        path = write_result("checkpoint_stall", result, args.out)
+        path = save()
         print(f"wrote {path}")
         for k, r in rows.items():
             print(f"{k:15s} stall {r.get('stall_s', float('nan')) * 1e3:9.2f} ms  extra {r.get('extra_s', 0) * 1e3:9.2f} ms"
