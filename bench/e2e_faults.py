@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = default_device(args.device)
     if args.tiny:
-        args.steps, args.ckpt_every, args.rates, args.batch, args.seq = 40, 10, "0.5", 2, 32
+        args.steps, args.ckpt_every, args.rates, args.batch, args.seq = 20, 5, "0.2", 2, 32
         args.methods = "inmemory,gpu_anchor"
     methods = args.methods.split(",")
     why = available()

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     device = default_device(args.device)
     args.dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if args.tiny:
-        args.concurrency, args.requests, args.num_blocks, args.max_batched_tokens = 4, 8, 128, 512
+        args.concurrency, args.requests, args.num_blocks, args.max_batched_tokens = 3, 6, 128, 512
         args.rates, args.methods = "0.3", "kv_memory,gpu_anchor"
     work = tempfile.mkdtemp(prefix="e2e-serve-")
     root = args.model_root or os.path.join(work, "models")

@@ -72,8 +72,8 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     launcher = launchers.get("warm") or launchers["cold"]
     pid = launcher.spawn(_args(method, a, model_dir, device, state, ns, evfile), mod)
     trials = {m: [] for m in modes}
-    if a.tiny and method != "gpu_anchor":
-        trials.pop("cold", None)  # smoke size: cold start-up is the same interpreter cost for every method
+    if a.tiny:
+        trials.pop("cold", None)  # smoke size: recovery_train --tiny exercises the cold path
     modes = list(trials)
     try:
         for mode in modes:

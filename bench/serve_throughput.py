@@ -1,0 +1,257 @@
+"""Serving throughput with vs without anchoring, vs transformers' ``generate_batch``, and
+SIGKILL -> first resumed token on every open stream.
+
+    PYTHONPATH=. python bench/serve_throughput.py --out $OUT/serve_throughput.json      # H200
+    PYTHONPATH=. python bench/serve_throughput.py --tiny --out /tmp/s.json             # CPU smoke
+
+Model: Qwen3-8B-shaped (36 layers, hidden 4096, GQA 32/8, head_dim 128, vocab 151936) with
+seeded random bf16 weights; ``--tiny`` swaps in a 2-layer model on the CPU.
+1. throughput: the same engine code, anchored (daemon memory + one journal commit per step)
+   vs plain allocations without a journal; ``--rounds`` interleaved rounds, best of each.
+   Both engines live in this process (warm vs warm).
+2. ``generate_batch`` (transformers' continuous batching) on the same prompts, greedy.
+3. recovery: ``gpu-anchor serve --random-weights`` in its own processes; ``--streams``
+   streaming requests; SIGKILL the engine once every stream has tokens; for each stream the
+   time from the kill to its next token, plus the engine's own breakdown (process start,
+   CUDA init, bind, weights (0 = not reloaded), metadata restore, first step).  The same is
+   measured for ``--no-anchor`` (weights re-initialised, every request prefilled again).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                hidden_act="silu", tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+                initializer_range=0.02)
+TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2)
+
+
+def _prompts(n, length, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1000 % vocab, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _engine_cfg(args, config_path, anchor, namespace):
+    from gpu_anchor.serve.engine import EngineConfig
+    per_seq = -(-(args.prompt_len + args.max_tokens + 1) // args.block_size)
+    return EngineConfig(model=config_path, random_weights=True, seed=0, device=args.device, dtype=args.dtype,
+                        block_size=args.block_size, num_blocks=per_seq * args.requests + 8,
+                        max_num_seqs=args.requests, max_batched_tokens=args.max_batched_tokens,
+                        max_model_len=args.prompt_len + args.max_tokens + 8, anchor=anchor, namespace=namespace,
+                        socket=args.socket)
+
+
+def _sync(device):
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def throughput(args, config_path) -> dict:
+    from gpu_anchor.serve.engine import Engine
+    from gpu_anchor.serve.sequence import SamplingParams
+    vocab = json.load(open(config_path))["vocab_size"]
+    prompts = _prompts(args.requests, args.prompt_len, vocab)
+    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    engines = {}
+    for name, anchor in (("anchored", True), ("plain", False)):
+        t = time.perf_counter()
+        engines[name] = Engine(_engine_cfg(args, config_path, anchor, "bench-throughput"))
+        engines[name].generate(_prompts(2, 16, vocab, seed=1), SamplingParams(max_tokens=4))   # compile, warm
+        _sync(args.device)
+        print(f"[bench] {name} engine ready in {time.perf_counter() - t:.1f} s", flush=True)
+    runs = {k: [] for k in engines}
+    for r in range(args.rounds):
+        for name, eng in engines.items():
+            c0, b0 = eng.committer.commits, eng.committer.bytes
+            _sync(args.device)
+            t = time.perf_counter()
+            out = eng.generate(prompts, sp)
+            _sync(args.device)
+            dt = time.perf_counter() - t
+            n = sum(map(len, out))
+            runs[name].append({"seconds": dt, "tokens": n, "tokens_per_s": n / dt,
+                               "commits": eng.committer.commits - c0, "commit_bytes": eng.committer.bytes - b0})
+            print(f"[bench] round {r} {name}: {n / dt:.0f} tok/s", flush=True)
+    best = {k: max(x["tokens_per_s"] for x in v) for k, v in runs.items()}
+    same = engines["anchored"].generate(prompts[:4], SamplingParams(max_tokens=16, ignore_eos=True)) == \
+        engines["plain"].generate(prompts[:4], SamplingParams(max_tokens=16, ignore_eos=True))
+    res = {"runs": runs, "best_tokens_per_s": best, "anchored_over_plain": best["anchored"] / best["plain"],
+           "anchored_and_plain_outputs_equal": same}
+    for eng in engines.values():
+        if eng.anchor.client is not None:
+            eng.anchor.client.drop_namespace()
+    engines.clear()
+    gc.collect()
+    return res
+
+
+def hf_generate_batch(args, config_path) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    cfg = AutoConfig.for_model(**json.load(open(config_path)))
+    vocab = cfg.vocab_size
+    prompts = _prompts(args.requests, args.prompt_len, vocab)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
+    if not hasattr(model, "generate_batch"):
+        return {"error": "this transformers has no generate_batch"}
+    gcfg = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=_prompts(2, 16, vocab, seed=1), generation_config=GenerationConfig(
+        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0))
+    _sync(args.device)
+    t = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gcfg)
+    _sync(args.device)
+    dt = time.perf_counter() - t
+    n = sum(len(o.generated_tokens) for o in out.values())
+    del model
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"seconds": dt, "tokens": n, "tokens_per_s": n / dt}
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+
+
+def recovery(args, config_path, anchor: bool) -> dict:
+    """Start ``gpu-anchor serve``, open streams, SIGKILL the engine, time the resumption."""
+    import openai
+    tmp = tempfile.mkdtemp(prefix="serve-bench-")
+    port_file = os.path.join(tmp, "port")
+    per_seq = -(-(args.prompt_len + args.max_tokens + 1) // args.block_size)
+    cmd = [sys.executable, "-m", "gpu_anchor.serve", config_path, "--random-weights", "--device", args.device,
+           "--dtype", args.dtype, "--block-size", str(args.block_size),
+           "--num-blocks", str(per_seq * args.streams + 8), "--max-num-seqs", str(args.streams),
+           "--max-batched-tokens", str(args.max_batched_tokens),
+           "--max-model-len", str(args.prompt_len + args.max_tokens + 8),
+           "--port", "0", "--port-file", port_file, "--namespace", f"bench-recovery-{int(anchor)}"]
+    cmd += ["--socket", args.socket] if anchor else ["--no-anchor"]
+    log = open(os.path.join(tmp, "serve.log"), "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        t0 = time.time()
+        while not os.path.exists(port_file) or _get(f"http://127.0.0.1:{open(port_file).read()}/health").get(
+                "status") != "ok":
+            if proc.poll() is not None or time.time() - t0 > 600:
+                raise RuntimeError("server did not come up: " + open(log.name).read()[-3000:])
+            time.sleep(0.2)
+        base = f"http://127.0.0.1:{open(port_file).read()}"
+        cold_start = time.time() - t0
+        vocab = json.load(open(config_path))["vocab_size"]
+        prompts = _prompts(args.streams, args.prompt_len, vocab, seed=7)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=900, max_retries=0)
+        stamps = [[] for _ in prompts]
+
+        def run(i):
+            for ch in c.completions.create(model="x", prompt=prompts[i], max_tokens=args.max_tokens, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+                if ch.choices[0].text or ch.choices[0].finish_reason:
+                    stamps[i].append(time.time())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps) < 8:
+            time.sleep(0.01)
+        pid = _get(base + "/health")["engine_pid"]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join()
+        gaps = [next((x - t_kill for x in s if x > t_kill), None) for s in stamps]
+        gaps = [g for g in gaps if g is not None]
+        health = _get(base + "/health")
+        return {"anchored": anchor, "streams": len(prompts), "server_cold_start_s": cold_start,
+                "kill_to_first_resumed_token_s": {"min": min(gaps), "median": statistics.median(gaps),
+                                                  "max": max(gaps)} if gaps else None,
+                "streams_resumed": len(gaps), "engine_breakdown_s": health.get("last_recovery"),
+                "token_mismatches": health.get("token_mismatches")}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="2-layer model on the CPU (smoke run)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--skip-recovery-baseline", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/serve_throughput.json or stdout)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.device = args.device or "cpu"
+        args.dtype = args.dtype or "float32"
+    args.device = args.device or "cuda:0"
+    args.dtype = args.dtype or "bfloat16"
+    from gpu_anchor.daemon import control
+    sockdir = tempfile.mkdtemp(prefix="serve-bench-sock-")
+    args.socket = os.path.join(sockdir, args.device.replace(":", "") + ".sock")
+    daemon = control.start(args.device, args.socket)
+    config_path = os.path.join(sockdir, "config.json")
+    with open(config_path, "w") as f:
+        json.dump(TINY if args.tiny else QWEN3_8B, f)
+    res = {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B-shaped random bf16", "device": args.device,
+           "dtype": args.dtype, "requests": args.requests, "prompt_len": args.prompt_len,
+           "max_tokens": args.max_tokens}
+    try:
+        res["throughput"] = throughput(args, config_path)
+        if not args.skip_hf:
+            try:
+                res["hf_generate_batch"] = hf_generate_batch(args, config_path)
+                res["anchored_over_generate_batch"] = (res["throughput"]["best_tokens_per_s"]["anchored"]
+                                                       / res["hf_generate_batch"]["tokens_per_s"])
+            except Exception as e:   # report, do not hide: the other numbers still stand
+                res["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        if not args.skip_recovery:
+            res["recovery_anchored"] = recovery(args, config_path, True)
+            if not args.skip_recovery_baseline:
+                res["recovery_no_anchor"] = recovery(args, config_path, False)
+    finally:
+        control.stop(args.device, args.socket)
+        daemon.wait(30)
+    out = args.out or (os.path.join(os.environ["OUT"], "serve_throughput.json") if os.environ.get("OUT") else None)
+    text = json.dumps(res, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    print(text)
+    return res
+
+
+if __name__ == "__main__":
+    main()
