@@ -28,7 +28,7 @@ KILLS = int(os.environ.get("GPU_ANCHOR_GUARD_KILLS", "10"))
 _fork = multiprocessing.get_context("fork")
 
 
-def _worker(ns, guard_on, kill_at, sleep_s, log):
+def _worker(ns, guard_on, kill_at, sleep_s, log, steps=STEPS):
     """One worker life: recover, then run steps until STEPS; SIGKILL itself at ``kill_at``=(step, param)."""
     torch.set_num_threads(1)  # the parent's thread pool does not survive fork
     client = gpu_anchor.connect("cpu", namespace=ns)
@@ -48,7 +48,7 @@ def _worker(ns, guard_on, kill_at, sleep_s, log):
     with open(log, "a") as f:
         f.write(f"{start} {len(rolled)}\n")
     with tracker:
-        for s in range(start + 1, STEPS + 1):
+        for s in range(start + 1, steps + 1):
             if guard:
                 guard.begin(s)
             job.step(s)
@@ -59,8 +59,8 @@ def _worker(ns, guard_on, kill_at, sleep_s, log):
     os._exit(0)
 
 
-def _life(ns, guard_on, log, kill_at=None, sleep_s=0.0, kill_after=None):
-    p = _fork.Process(target=_worker, args=(ns, guard_on, kill_at, sleep_s, log))
+def _life(ns, guard_on, log, kill_at=None, sleep_s=0.0, kill_after=None, steps=STEPS):
+    p = _fork.Process(target=_worker, args=(ns, guard_on, kill_at, sleep_s, log, steps))
     p.start()
     if kill_after is not None:
         lives = len(_lives(log)) if os.path.exists(log) else 0
@@ -120,23 +120,30 @@ def test_kill_inside_a_fused_step_with_guard_rolls_back(reference, tmp_path):
     _assert_same(state, reference)
 
 
-def test_random_kill_campaign_with_guard_matches_fault_free(reference, tmp_path):
+def test_random_kill_campaign_with_guard_matches_fault_free(host_daemon, tmp_path):
+    """KILLS workers SIGKILLed at random instants; enough steps that every kill lands in training."""
+    steps = max(STEPS, 3 * KILLS)
+    assert _life("ref-c", True, str(tmp_path / "ref.log"), steps=steps) == 0
+    want_step, want = _state("ref-c")
+    assert want_step == steps
     rng = random.Random(int(os.environ.get("GPU_ANCHOR_GUARD_SEED", "8")))
     log = str(tmp_path / "campaign.log")
     killed = 0
     for _ in range(KILLS):
-        code = _life("c", True, log, sleep_s=0.002, kill_after=rng.uniform(0.0, 0.15))
+        code = _life("c", True, log, sleep_s=0.002, kill_after=rng.uniform(0.0, 0.1), steps=steps)
         if code == 0:
             break
         assert code == -signal.SIGKILL
         killed += 1
-    assert _life("c", True, log, sleep_s=0.002) == 0
+    assert _life("c", True, log, sleep_s=0.002, steps=steps) == 0
     lives = _lives(log)
+    print(f"campaign: {killed} kills, restarts at steps {[s for s, _ in lives]}, "
+          f"rolled back {sum(r for _, r in lives)} objects")
     assert killed >= min(KILLS, 3), "the campaign must actually kill workers"
     assert sum(r for _, r in lives) > 0, f"no kill landed inside a step: {lives}"
     step, state = _state("c")
-    assert step == STEPS
-    _assert_same(state, reference)
+    assert step == steps
+    _assert_same(state, want)
 
 
 def test_guard_protocol_in_process(host_daemon):
