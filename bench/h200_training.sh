@@ -14,7 +14,7 @@ t0=$(date +%s)
 echo "== persist_blocking ($MODELS)"
 timeout 170 python -m bench persist_blocking --models "$MODELS" --repeat 2 --out "$OUT" 2>&1 | grep -v "Warning\|return func"
 echo "== recovery_train ($MODELS) after $(( $(date +%s) - t0 )) s"
-timeout $(( 560 - ( $(date +%s) - t0 ) )) python -m bench recovery_train --models "$MODELS" --repeat 1 --out "$OUT" 2>&1 \
+timeout $(( 560 - ( $(date +%s) - t0 ) )) python -m bench recovery_train --models "$MODELS" --repeat 1 --supervised --out "$OUT" 2>&1 \
   | grep -v "Warning\|return func"
 echo "== report after $(( $(date +%s) - t0 )) s"
 python -m bench report --results "$OUT" --out "$OUT/benchmarks.md"

@@ -109,6 +109,64 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
     return out
 
 
+def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work) -> dict:
+    """gpu-anchor as shipped: ``gpu-anchor run`` (supervisor, warm workers, its own daemons)
+    restarts the killed worker by itself; kill → first step measured the same way."""
+    import signal
+    import subprocess
+    import sys
+
+    from bench.baselines.launcher import PRELOAD, ROOT, EventLog, worker_env
+    evfile = os.path.join(work, f"supervised-{model}.events")
+    log = EventLog(evfile)
+    ns = f"rt-sup-{model}-{time.time_ns()}"
+    args = _trial_args("gpu_anchor", model, device, tiny, os.path.join(work, "sup-ck"), ns, evfile, ckpt_every,
+                       bsz, seq)
+    env = worker_env()
+    env["GPU_ANCHOR_SOCKET_DIR"] = tempfile.mkdtemp(prefix="ga-sup-")  # the supervisor's own daemons
+    # `gpu-anchor run` (gpu_anchor.launch.cli until the top-level CLI registers `run`)
+    cmd = [sys.executable, "-c", "import sys; from gpu_anchor.launch.cli import main; sys.exit(main(sys.argv[1:]))",
+           "run", "--max-restarts", str(repeat + 2), "--restart-backoff",
+           "0", "--crash-loop", str(repeat + 2), "--preload", ",".join(PRELOAD), "--namespace", ns,
+           "--device-type", "cuda" if device.startswith("cuda") else "cpu", "--quiet", "--",
+           sys.executable, "-m", "bench.baselines.trainer"] + args
+    sup = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(os.path.join(work, "supervisor.log"), "wb"),
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    trials = []
+    try:
+        def alive():
+            return sup.poll() is None
+        pid = log.wait(lambda e: e["ev"] == "restored", alive, 600)["pid"]
+        for _ in range(repeat):
+            restored = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, alive)["step"]
+            done = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["step"] >= restored + ckpt_every + 1,
+                            alive)["step"]
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            first = log.wait(lambda e: e["ev"] == "step" and e["pid"] != pid and e["t"] > t_kill, alive, 600)
+            old, pid = pid, first["pid"]
+            ph = _phases([e for e in log.events if e["pid"] == pid], t_kill, t_kill)
+            ph["killed_after_step"] = done
+            ph["lost_steps"] = done - ph["restored_step"]
+            trials.append(ph)
+            print(f"{model} gpu-anchor run (supervised, warm): total {ph['total_s']:.3f}s = start-up "
+                  f"{ph['startup_s']:.3f} + restore {ph['restore_s']:.3f} + first step {ph['first_step_s']:.3f}",
+                  flush=True)
+    finally:
+        try:
+            os.killpg(sup.pid, signal.SIGTERM)
+            sup.wait(timeout=30)
+        except Exception:
+            try:
+                os.killpg(sup.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    med = {k: statistics.median(t[k] for t in trials) for k in trials[0]
+           if isinstance(trials[0][k], (int, float)) and not isinstance(trials[0][k], bool)}
+    med["trials"] = trials
+    return {"method": "gpu_anchor_run", "modes": {"warm": med}}
+
+
 def main(argv=None) -> int:
     from bench import baselines
     from bench.baselines.anchor import available
@@ -124,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dir", default=None, help="local-disk work directory (default: a temp dir)")
+    p.add_argument("--supervised", action="store_true",
+                   help="add a row for gpu-anchor under `gpu-anchor run` (its supervisor restarts the worker)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -158,6 +218,13 @@ def main(argv=None) -> int:
                         print(f"{m} {meth} FAILED: {type(e).__name__}: {e}", flush=True)
                         result.setdefault("failed", {})[f"{m}/{meth}"] = f"{type(e).__name__}: {e}"
                     result["models"][m] = rows
+                    if meth == methods[-1] and args.supervised and why is None:
+                        try:
+                            rows.append(run_supervised(m, device, args.tiny, args.repeat, args.ckpt_every,
+                                                       args.batch, args.seq, work))
+                        except Exception as e:
+                            print(f"{m} gpu-anchor run FAILED: {type(e).__name__}: {e}", flush=True)
+                            result.setdefault("failed", {})[f"{m}/gpu_anchor_run"] = f"{type(e).__name__}: {e}"
                     # partial results survive a time limit
                     write_result("recovery_train_tiny" if args.tiny else "recovery_train", result, args.out)
     finally:
@@ -174,7 +241,8 @@ def render(result: dict) -> str:
     from bench.common import plot_path
     parts = []
     labels = {"torch_save": "torch.save", "checkfreq": "CheckFreq", "inmemory": "in-memory (/dev/shm)",
-              "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor"}
+              "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor",
+              "gpu_anchor_run": "gpu-anchor under `gpu-anchor run`"}
     verdicts = []
     for model, rows in result["models"].items():
         modes = list(dict.fromkeys(m for r in rows for m in r["modes"]))
@@ -183,7 +251,8 @@ def render(result: dict) -> str:
                  "| method | mode | start-up | restore | first step | **total** | vs best baseline | lost steps |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for mode in modes:
-            base = [r["modes"][mode]["total_s"] for r in rows if r["method"] != "gpu_anchor" and mode in r["modes"]]
+            base = [r["modes"][mode]["total_s"] for r in rows
+                    if not r["method"].startswith("gpu_anchor") and mode in r["modes"]]
             best = min(base) if base else None
             for r in rows:
                 x = r["modes"].get(mode)
