@@ -29,7 +29,7 @@ ROOT = os.path.dirname(HERE)
 def supervised(workdir, sock, name, opts, steps, nproc, device_type, out):
     cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--namespace", name, "--nproc-per-node", str(nproc),
            "--device-type", device_type, *opts, "--", sys.executable, os.path.join(HERE, "demo_train.py"),
-           "--steps", str(steps), "--step-sleep", "0.005", "--out", out]
+           "--steps", str(steps), "--step-sleep", "0.015", "--out", out]
     env = {**os.environ, "GPU_ANCHOR_SOCKET_DIR": sock, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     t0 = time.time()
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--device-type", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--kills", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--no-daemon-kill", action="store_true")
     ap.add_argument("--json", help="write the summary here")
     a = ap.parse_args(argv)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         ref, _, secs = supervised(work, sock, "demo-ref", [], a.steps, a.nproc, a.device_type, "ref.pt")
         print(f"   done in {secs:.1f} s")
         runs = [("chaos", f"2. chaos: {a.kills} workers SIGKILLed at random instants, recovered in place",
-                 ["--chaos-kills", str(a.kills), "--chaos-kill-every", "0.4", "--max-restarts", str(a.kills)])]
+                 ["--chaos-kills", str(a.kills), "--chaos-kill-every", "0.3", "--max-restarts", str(a.kills)])]
         if not a.no_daemon_kill:
             runs.append(("daemon", "3. the daemon SIGKILLed: fall back to the last complete checkpoint",
                          ["--chaos-kills", "1", "--chaos-target", "daemon", "--chaos-kill-every", "0.8",
@@ -73,7 +73,11 @@ def main(argv=None) -> int:
             res, job, secs = supervised(work, sock, f"demo-{name}", opts, a.steps, a.nproc, a.device_type,
                                         f"{name}.pt")
             same = torch.equal(res, ref)
-            ok &= same
+            want = [("restart", "shallow")] * a.kills if name == "chaos" else [("restore", "destructive")]
+            got = [(r["action"], r["kind"]) for r in job["restarts"]]
+            if got != want:
+                print(f"   expected recoveries {want}, got {got}")
+            ok &= same and got == want
             for i, r in enumerate(job["restarts"], 1):
                 rec = f"{r['recovery_s']:.3f} s" if r.get("recovery_s") is not None else "n/a"
                 extra = f", restored checkpoint step {r['restore_step']}" if r.get("restore_step") else ""

@@ -401,7 +401,8 @@ class Supervisor:
         out = {}
         if self.chaos.target != "daemon" or self.chaos.due is None:
             return out
-        for d in self.daemons.devices:
+        # the daemons holding the job's tensors: the GPUs' when there are any
+        for d in [d for d in self.daemons.devices if d != "cpu"] or ["cpu"]:
             v = health.probe_daemon(d, self.daemons.paths[d])
             if v.alive and v.pid:
                 out[d] = v.pid
