@@ -88,7 +88,7 @@ def test_gpu_on_demand_restore_equals_full_restore(cuda_daemon, tmp_path):
     full = cont()
     gpu_anchor.connect("cuda:0", namespace="job").drop_namespace()
     tracker = WriteSetTracker()
-    r = od.OnDemandRestore(ckdir, tracker, step=AT, throttle_s=0.01).start()
+    r = od.OnDemandRestore(ckdir, tracker, step=AT, throttle_s=0.05).start()
     lazy = cont(tracker)
     stats = r.wait()
     _same(full, ref[STEPS])
@@ -127,38 +127,35 @@ def test_gpu_migration_cuda0_to_cuda1(cuda_daemon, tmp_path):
     path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
     proc = control.start("cuda:1", path)
     try:
-        total = 60
-        plain = Job(gpu_anchor.connect("cuda:0", namespace="ref"), hidden=H, layers=4, batch=64)
-        for s in range(1, total + 1):
-            plain.step(s)
-            plain.commit(s)
-        want = plain.snapshot()
         src = gpu_anchor.connect("cuda:0", namespace="job")
         job, tracker = Job(src, hidden=H, layers=4, batch=64), WriteSetTracker()
         m = Migration([src], tracker, {"cuda:0": "cuda:1"}, socket_paths={"cuda:1": path}, throttle_s=0.005)
-        cut = None
+        s = 0
         with tracker:
-            for s in range(1, total + 1):
+            while s < 2 or not m.ready():  # train on until the pre-copy is through
+                s += 1
                 job.step(s)
                 job.commit(s)
                 torch.cuda.synchronize()
                 if s == 2:
                     m.start(s)
-                elif s > 2 and m.ready():
-                    cut = s
-                    break
-        assert cut is not None and cut < total
+                assert s < 100000
+        cut, final = s, s + 3
         restore = m.cutover(cut)
         with torch.cuda.device(1):
             moved = Job(gpu_anchor.connect("cuda:1", namespace="job", socket=path), hidden=H, layers=4, batch=64)
             assert moved.committed_step() == cut
             with tracker:
-                for s in range(cut + 1, total + 1):
+                for s in range(cut + 1, final + 1):
                     moved.step(s)
                     moved.commit(s)
             torch.cuda.synchronize()
         restore.wait()
-        _same(moved.snapshot(), want)
+        plain = Job(gpu_anchor.connect("cuda:0", namespace="ref"), hidden=H, layers=4, batch=64)
+        for s in range(1, final + 1):
+            plain.step(s)
+            plain.commit(s)
+        _same(moved.snapshot(), plain.snapshot())
         assert m.downtime_s is not None and m.result.policy == "recopy"
     finally:
         control.stop("cuda:1", path)

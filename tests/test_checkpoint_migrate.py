@@ -13,9 +13,6 @@ from gpu_anchor.checkpoint.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
 from gpu_anchor.daemon import control
 
-STEPS = 10
-
-
 @pytest.fixture
 def second_daemon(host_daemon, tmp_path):
     path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "other.sock")
@@ -26,28 +23,22 @@ def second_daemon(host_daemon, tmp_path):
 
 
 def test_live_migration_continues_bit_exact_on_the_destination(second_daemon):
-    ref = Job(gpu_anchor.connect("cpu", namespace="ref"))
-    for s in range(1, STEPS + 1):
-        ref.step(s)
-        ref.commit(s)
-    want = ref.snapshot()
-
     src = gpu_anchor.connect("cpu", namespace="job")
     job, tracker = Job(src), WriteSetTracker()
     with pytest.raises(ValueError, match="same daemon"):
         Migration([src], tracker, {"cpu": "cpu"})
     m = Migration([src], tracker, {"cpu": "cpu"}, socket_paths={"cpu": second_daemon}, throttle_s=0.005)
-    cut = None
+    s = 0
     with tracker:
-        for s in range(1, STEPS + 1):
+        while s < 3 or not m.ready():  # the job keeps training until the pre-copy is through
+            s += 1
             job.step(s)
             job.commit(s)
             if s == 3:
                 m.start(s)
-            elif s > 3 and m.ready():
-                cut = s
-                break
-    assert cut is not None and cut < STEPS, "the pre-copy finished while the job ran"
+            assert s < 10000
+    cut, final = s, s + 3
+    assert cut > 3, "the job ran on during the pre-copy"
     restore = m.cutover(cut, background=False)  # loads only on demand (and at wait): deterministic to check
     assert m.result.policy == "recopy" and m.result.step == cut and m.downtime_s is not None
     dst = gpu_anchor.connect("cpu", namespace="job", socket=second_daemon)
@@ -56,12 +47,17 @@ def test_live_migration_continues_bit_exact_on_the_destination(second_daemon):
     assert moved.committed_step() == cut
     assert not restore.queue.foreground, "the destination job is built with nothing loaded yet"
     with tracker:
-        for s in range(cut + 1, STEPS + 1):
+        for s in range(cut + 1, final + 1):
             moved.step(s)
             moved.commit(s)
     assert len(restore.queue.foreground) == m.result.objects, "every object was loaded by the op that needed it"
     restore.wait()
-    got = moved.snapshot()
-    assert not [k for k in want if not torch.equal(want[k], got[k])]
     assert incomplete(dst) is None
     assert int(src.journal.get("gpu_anchor/step")) == cut, "the source is left intact until dropped"
+
+    ref = Job(gpu_anchor.connect("cpu", namespace="ref"))
+    for s in range(1, final + 1):
+        ref.step(s)
+        ref.commit(s)
+    want, got = ref.snapshot(), moved.snapshot()
+    assert not [k for k in want if not torch.equal(want[k], got[k])]
