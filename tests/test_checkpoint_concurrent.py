@@ -79,7 +79,7 @@ def test_cow_checkpoint_equals_stop_the_world(host_daemon, tmp_path):
     res_stw = stw.stop_the_world(3)
     assert res_stw.policy == "stw" and res_stw.valid
 
-    results, _ = run_with_checkpoint("job", str(tmp_path / "cc"), 3, "cow", throttle_s=0.02)
+    results, _ = run_with_checkpoint("job", str(tmp_path / "cc"), 3, "cow", throttle_s=0.05)
     (res,) = results
     assert res.policy == "cow" and res.valid and res.step == 3
     # really concurrent: ops copied some objects first (soft CoW), the copier the others
