@@ -210,7 +210,15 @@ def render(result: dict) -> str:
         elif "gpu_anchor_unavailable" in result["models"][m]:
             tail += f"\n| {m} | gpu-anchor unavailable: {result['models'][m]['gpu_anchor_unavailable']} | | | | |"
     first = "; ".join(f"{r['method']} {fmt_s(r['first_s'])}" for r in result["models"][ms[0]]["baselines"])
+    notes = "; ".join(f"{r['method']}: " + ", ".join(f"{k}={_fmt_note(v)}" for k, v in r["notes"].items())
+                      for r in result["models"][ms[0]]["baselines"] if r.get("notes"))
+    if notes:
+        first += f" Method notes ({ms[0]}): {notes}"
     for m in ms:
         for n, err in result["models"][m].get("failed", {}).items():
             tail += f"\n\n{m}: {n} FAILED — {err}"
     return "\n".join(lines) + tail + f"\n\nFirst save ({ms[0]}, includes buffer allocation / pinning): {first}."
+
+
+def _fmt_note(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)

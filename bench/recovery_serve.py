@@ -42,6 +42,9 @@ def make_model_dir(name: str, device: str, tiny: bool, root: str) -> str:
         m = models.build(name, device, tiny=tiny)
         m.save_pretrained(d)
         del m
+        if device.startswith("cuda"):
+            import torch
+            torch.cuda.empty_cache()  # the driver must not sit on the GPU memory the engines need
     for f in glob.glob(os.path.join(d, "*.safetensors")):
         with open(f, "rb") as fh:
             while fh.read(64 << 20):

@@ -50,7 +50,14 @@ class DcpAsync(TrainCheckpoint):
         msd, osd = get_state_dict(model, opt)
         target = os.path.join(self.directory, f"step{step}")
         kw = {"async_stager": self._stager} if self._stager is not None else {}
-        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True, **kw)
+        try:
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True, **kw)
+        except TypeError as e:  # an older torch whose async_save does not take this stager
+            if not kw:
+                raise
+            self._stager = None
+            self.notes["stager"] = f"default (configured stager refused: {e})"
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True)
         fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch
         fut.add_done_callback(lambda f, s=step: self._written(f, s))
         self._future = fut
