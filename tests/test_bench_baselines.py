@@ -147,3 +147,19 @@ def test_serving_method_survives_sigkill(harness, tiny_model, method):
         assert "weights_load_s" in eng[1]["timings"]  # baselines reload weights from safetensors
     if method == "kv_memory":
         assert "kv_copy_back_s" in eng[1]["timings"] and not eng[1]["notes"]  # resumed on the copied KV
+
+
+def test_fault_schedule_and_workload_are_seeded():
+    from bench.baselines.server import workload
+    from bench.e2e_faults import fault_times
+    a, b = fault_times(0.01, 7, 1e6), fault_times(0.01, 7, 1e6)
+    assert a == b and a == sorted(a) and fault_times(0.01, 8, 1e6) != a
+    assert 0.9e4 < len(a) < 1.1e4            # rate × horizon, Poisson
+    assert fault_times(0.0, 7, 1e6) == []
+    w = workload(0, 2000, 1000)
+    assert w == workload(0, 2000, 1000) and w != workload(1, 2000, 1000)
+    plen = sorted(len(p) for p, _ in w)
+    olen = sorted(o for _, o in w)
+    assert 8 <= plen[0] and plen[-1] <= 2048 and 8 <= olen[0] and olen[-1] <= 1024
+    assert 120 < plen[len(plen) // 2] < 260 and 100 < olen[len(olen) // 2] < 220   # ShareGPT-like medians
+    assert plen[int(0.99 * len(plen))] > 3 * plen[len(plen) // 2]                 # a long tail
