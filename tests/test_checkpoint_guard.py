@@ -178,3 +178,4 @@ def test_guard_protocol_in_process(host_daemon):
     client.journal.commit({"gpu_anchor/guard/b/c": b"3 device"})
     with pytest.raises(RuntimeError, match="does not protect"):
         GroupGuard(client, WriteSetTracker(), {"a": a}).recover()
+    assert b"does not protect" in client.journal.get("gpu_anchor/inconsistent"), "the supervisor is told to restore"

@@ -78,7 +78,7 @@ def test_full_and_on_demand_restore_continue_like_the_fault_free_run(host_daemon
     _same(lazy, want)
     assert loaded_at_start < stats["objects"], "the job started before its objects were loaded"
     assert stats["on_demand"], "objects touched by ops were loaded on demand"
-    assert od.incomplete(client) is None
+    assert od.incomplete(client) is None and client.journal.get("gpu_anchor/inconsistent") is None
     assert client.journal.get("gpu_anchor/checkpoint/touch_order") is None
 
 
@@ -114,6 +114,9 @@ def test_crash_during_on_demand_restore_is_detected_and_redone(host_daemon, tmp_
     assert p.exitcode == -9
     client = gpu_anchor.connect("cpu", namespace="job")
     assert od.incomplete(client) == AT, "a torn restore must not look like intact state"
+    from gpu_anchor.launch import health
+    view = health.read_namespace("cpu", client.socket_path, "job")
+    assert view["inconsistent"] and "on-demand restore" in view["inconsistent"], view
     tracker = WriteSetTracker()
     r = od.OnDemandRestore(ckdir, tracker, step=AT).start()
     got, _ = _continue(gpu_anchor.connect("cpu", namespace="job"), tracker)

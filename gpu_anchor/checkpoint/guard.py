@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from gpu_anchor.client.client import Client
+from gpu_anchor.launch.health import INCONSISTENT_KEY
 
 PREFIX = "gpu_anchor/guard/"
 
@@ -75,12 +76,12 @@ class GroupGuard:
         with _disable_current_modes(), torch.no_grad():
             for name, value in zip(names, entries.values()):
                 if name not in self.tensors:
-                    raise RuntimeError(f"the guard journal names {name!r}, which this worker does not protect: "
-                                       "recover with the program that wrote it, or restore from a checkpoint")
+                    self._give_up(f"the guard journal names {name!r}, which this worker does not protect: "
+                                  "recover with the program that wrote it, or restore from a checkpoint")
                 where = value.split()[1].decode() if len(value.split()) > 1 else "device"
                 backup = self._backup(name, where, create=False)
                 if backup is None:
-                    raise RuntimeError(f"the backup of {name!r} is gone: restore from a checkpoint")
+                    self._give_up(f"the backup of {name!r} is gone: restore from a checkpoint")
                 self.tensors[name].copy_(backup)
             if self.client.device.startswith("cuda") and names:
                 torch.cuda.synchronize(torch.device(self.client.device))
@@ -88,6 +89,11 @@ class GroupGuard:
             self.client.journal.commit(deletes=list(entries))
         self.stats["rolled_back"] += len(names)
         return names
+
+    def _give_up(self, reason: str) -> None:
+        """State that cannot be rolled back: tell the supervisor (restore, do not reuse), then raise."""
+        self.client.journal.commit({INCONSISTENT_KEY: reason.encode()})
+        raise RuntimeError(reason)
 
     def begin(self, group: int) -> None:
         if self.group is not None:

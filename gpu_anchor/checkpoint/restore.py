@@ -18,9 +18,10 @@ reaches the memory otherwise — NCCL, raw pointers, ``.numpy()`` — must call 
 or ``ensure`` first).
 
 Crash safety: ``start`` drops the namespaces, binds fresh objects and commits the
-checkpoint's journal together with ``RESTORING_KEY``; ``wait`` deletes that key only
-after every object is loaded.  A worker (or the supervisor) that finds the key knows
-the daemon holds a partial restore (``incomplete``) and restores again.
+checkpoint's journal together with ``RESTORING_KEY`` and the supervisor's
+``INCONSISTENT_KEY``; both are deleted only after every object is loaded.  A worker
+(``incomplete``) or the supervisor (``health``: inconsistent → restore) that finds them
+knows the daemon holds a partial restore and restores again.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch
 
 from gpu_anchor.client.client import Client
 from gpu_anchor.launch import snapshot
-from gpu_anchor.launch.health import STEP_KEY
+from gpu_anchor.launch.health import INCONSISTENT_KEY, STEP_KEY
 from gpu_anchor.launch.snapshot_paths import _manifest, latest_complete, step_dir
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -141,6 +142,8 @@ class OnDemandRestore:
                 self._stream = torch.cuda.Stream(device=torch.device(device), priority=0)
             journal[snapshot.RESTORED_KEY] = b"%d" % self.step
             journal[RESTORING_KEY] = b"%d" % self.step
+            # the supervisor's contract: a namespace marked inconsistent is restored, not reused
+            journal[INCONSISTENT_KEY] = b"on-demand restore of step %d not finished" % self.step
             client.journal.commit(journal)
         self.queue = TransferQueue(order, self._load, name="gpu-anchor-restore", throttle_s=self.throttle_s)
         self.tracker.add_listener(self)
@@ -182,7 +185,7 @@ class OnDemandRestore:
             if self._stream is not None:
                 torch.cuda.synchronize(self._stream.device)  # on-demand loads ran on the job's streams
             for c in self.clients:
-                c.journal.commit(deletes=[RESTORING_KEY])
+                c.journal.commit(deletes=[RESTORING_KEY, INCONSISTENT_KEY])
             self.stats.update(seconds=time.perf_counter() - self._t0, objects=len(self.targets),
                               on_demand=list(self.queue.foreground), background=list(self.queue.background))
             self._done = True
