@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 
@@ -45,7 +46,7 @@ def reference(ns, steps=STEPS, **kw):
     return states
 
 
-def run_with_checkpoint(ns, directory, start_at, policy, throttle_s, validate=False, steps=STEPS, **kw):
+def run_with_checkpoint(ns, directory, start_at, policy, throttle_s, validate=False, steps=STEPS, enter=True, **kw):
     client = gpu_anchor.connect("cpu", namespace=ns)
     job = Job(client, **kw)
     tracker = WriteSetTracker()
@@ -53,7 +54,7 @@ def run_with_checkpoint(ns, directory, start_at, policy, throttle_s, validate=Fa
     ckpt = ConcurrentCheckpointer([client], directory, tracker, policy=policy, throttle_s=throttle_s,
                                   validator=val)
     done = []
-    with tracker:
+    with tracker if enter else contextlib.nullcontext():  # else: the checkpointer enters it while in flight
         for s in range(1, steps + 1):
             job.step(s)
             job.commit(s)
@@ -92,6 +93,17 @@ def test_cow_checkpoint_equals_stop_the_world(host_daemon, tmp_path):
     assert journal[STEP_KEY] == base_journal[STEP_KEY] == b"3"
     assert json.loads(journal["gpu_anchor/checkpoint/touch_order"]), "first-touch order recorded for restore"
     assert latest_complete(str(tmp_path / "cc"), 1) == 3
+
+
+def test_checkpointer_enters_the_tracker_only_while_in_flight(host_daemon, tmp_path):
+    ref = reference("ref")
+    results, _ = run_with_checkpoint("job", str(tmp_path / "m"), 3, "cow", throttle_s=0.05, enter=False)
+    (res,) = results
+    assert res.valid and res.cow_foreground, "writes were seen without a user `with tracker:`"
+    got, _ = read_ckpt(str(tmp_path / "m"), 3)
+    assert_same(got, ref[3])
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    assert not _get_current_dispatch_mode_stack(), "the mode is popped when the flight completes"
 
 
 def test_recopy_checkpoint_is_the_state_at_its_closing_boundary(host_daemon, tmp_path):

@@ -8,9 +8,13 @@
             ckpt.boundary(step)            # starts a due checkpoint, completes one in flight
     ckpt.finish()
 
-Contract: call ``start``/``boundary`` only at a consistent point (a committed step:
-nothing in flight that writes anchored state), and keep ``tracker`` active around
-everything that may write anchored objects while a checkpoint is in flight.
+Contract: call ``start``/``boundary``/``finish`` only at a consistent point (a committed
+step: nothing in flight that writes anchored state), on the thread that runs the job.
+While a checkpoint is in flight the tracker must see every write: by default
+(``manage_mode``) the checkpointer pushes the tracker's dispatch mode on that thread at
+``start`` and pops it when the flight completes, so between checkpoints ops pay nothing;
+with ``with tracker:`` around the loop it is simply already active.  Other threads that
+write anchored state must enter the tracker themselves.
 
 Two policies (PhoenixOS §4), chosen per checkpoint and reported:
 
@@ -92,7 +96,7 @@ class ConcurrentCheckpointer:
                  recopy_threshold: float = 0.25, expected_dirty_fraction: float | None = None,
                  gpu_buffer_fraction: float = 0.5, validator=None, rank: int | None = None,
                  world: int | None = None, throttle_s: float | None = None, write: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, manage_mode: bool = True) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not 0.0 <= recopy_threshold <= 1.0:
@@ -110,6 +114,7 @@ class ConcurrentCheckpointer:
         self.write_files = write
         self.captured: list[dict] | None = None  # the last checkpoint, when write=False
         self.chunk_bytes = chunk_bytes
+        self.manage_mode, self._entered = manage_mode, False
         self.recorder = Recorder(tracker)
         self.results: list[CheckpointResult] = []
         self.retake_pending = False
@@ -178,6 +183,9 @@ class ConcurrentCheckpointer:
         fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s)
         self.tracker.add_listener(self)
         self.tracker.add_listener(self.recorder)
+        if self.manage_mode and not self.tracker.active:
+            self.tracker.__enter__()  # only while in flight: no per-op cost between checkpoints
+            self._entered = True
         fl.queue.start()
         fl.result.stall_s += time.perf_counter() - t0
         return policy
@@ -336,6 +344,9 @@ class ConcurrentCheckpointer:
     def _detach(self) -> None:
         self.tracker.remove_listener(self)
         self.tracker.remove_listener(self.recorder)
+        if self._entered:
+            self._entered = False
+            self.tracker.__exit__(None, None, None)
 
     def _complete(self, step: int) -> CheckpointResult:
         fl = self._flight

@@ -4,7 +4,9 @@
     m.start(step)                         # pre-copy to host memory while the job keeps running
     ... job runs; at each committed step: if m.ready(): break ...
     restore = m.cutover(step)             # job stopped at a consistent point: recopy dirty, bind there
-    job continues on cuda:1               # objects stream in; a touched one is loaded first
+    with tracker:                         # required: the tracker must see the destination's ops
+        job continues on cuda:1           # objects stream in; a touched one is loaded first
+    restore.wait()
 
 The pre-copy is a soft-recopy checkpoint kept in pinned host memory (no disk): it must
 end at the cut-over step, which copy-on-write (the state at ``start``) cannot give.

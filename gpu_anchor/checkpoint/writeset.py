@@ -176,6 +176,12 @@ class WriteSetTracker(TorchDispatchMode):
         with self._lock:
             self.listeners = [x for x in self.listeners if x is not listener]
 
+    @property
+    def active(self) -> bool:
+        """Is this tracker on the calling thread's dispatch-mode stack?"""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        return any(m is self for m in _get_current_dispatch_mode_stack())
+
     def treat_as_writing(self, func) -> None:
         """From now on every tensor argument of ``func`` counts as written (after a validation miss)."""
         self.conservative.add(func)
