@@ -137,7 +137,7 @@ class CrashLoop:
 
     def detail(self) -> str:
         step, key = self._last or (None, "")
-        at = f"step {step}" if step is not None else "before the first committed step"
+        at = f"at step {step}" if step is not None else "before the first committed step"
         return f"{self._count} failures in a row {at} with {key}"
 
     def reset(self) -> None:
