@@ -59,6 +59,8 @@ from .writeset import Recorder, WriteSetTracker
 
 TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
 POLICIES = ("auto", "cow", "recopy", "stw")
+
+
 @dataclass
 class CheckpointResult:
     step: int
@@ -83,7 +85,7 @@ class _Flight:
         self.entries = entries          # key -> (client index, object name, live tensor)
         self.staging = staging          # key -> host tensor
         self.journals = journals        # per client: dict
-        self.gpu_buffers: dict[str, torch.Tensor] = {}
+        self.gpu_buffers: dict[str, tuple] = {}   # key -> (device copy, event after it)
         self.dirty: set[str] = set()
         self.queue: TransferQueue | None = None
         self.t0 = time.perf_counter()
@@ -122,7 +124,7 @@ class ConcurrentCheckpointer:
         self._writer: threading.Thread | None = None
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
-        self._stream = None
+        self._stream = self._job_stream = None
         self._gpu_budget = 0
         self.validator = validator
         if validator is not None:
@@ -160,7 +162,8 @@ class ConcurrentCheckpointer:
         if cuda:
             dev = next(t.device for _, _, t in entries.values() if t.is_cuda)
             self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
-            self._stream.wait_stream(torch.cuda.current_stream(dev))    # copies start after the consistent point
+            self._job_stream = torch.cuda.current_stream(dev)
+            self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
             free = torch.cuda.mem_get_info(dev)[0]
             self._gpu_budget = int(free * self.gpu_buffer_fraction)
         self.recorder.first_touch.clear()
@@ -335,6 +338,10 @@ class ConcurrentCheckpointer:
                 dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
             torch.cuda.current_stream(src.device).synchronize()
             return
+        if fl.result.policy == "recopy":
+            # an op may have queued a write while this object was PENDING (so it is not dirty):
+            # copy after everything the job has queued so far, never before it
+            self._stream.wait_stream(self._job_stream)
         chunked_copy(dst, src, self._stream, self.chunk_bytes)
 
     def _sync(self) -> None:
@@ -351,6 +358,8 @@ class ConcurrentCheckpointer:
     def _complete(self, step: int) -> CheckpointResult:
         fl = self._flight
         res = fl.result
+        if self.validator is not None:
+            self.validator.flush()  # a miss in the open op group must count before this completes
         if fl.queue is not None:
             self._detach()
             fl.queue.join()
