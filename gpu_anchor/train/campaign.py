@@ -211,11 +211,18 @@ def trajectory(log: str) -> tuple[dict[int, str], str | None]:
         if a == "done":
             done = b
             continue
+        if a == "digest":
+            continue
         s = int(a)
         if s in out and out[s] != b:
             raise AssertionError(f"step {s} replayed with a different loss: {out[s]} vs {b}")
         out[s] = b
     return out, done
+
+
+def digests(log: str) -> list[str]:
+    """The ``digest`` lines a DDP rank log carries (one per finished worker)."""
+    return [line.split(" ", 1)[1] for line in log.splitlines() if line.startswith("digest ")]
 
 
 def compare(client_a, client_b, skip_prefixes=("train.undo.", "train.progress")) -> list[str]:

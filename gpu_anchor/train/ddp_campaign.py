@@ -74,9 +74,26 @@ def rank_train(rank: int, world: int, port: int, namespace: str, cfg: C.RunConfi
         if plain:
             sched.step()
         opt.zero_grad()
+    if not plain:
+        os.write(fd, f"digest {state_digest(model, opt)}\n".encode())
     os.write(fd, f"done {cfg.steps}\n".encode())
     os.close(fd)
     dist.destroy_process_group()
+
+
+def state_digest(model, opt) -> str:
+    """sha256 over the parameters and optimizer state, for comparing runs across processes."""
+    import hashlib
+
+    import torch
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().view(torch.uint8).numpy().tobytes())
+        for k in sorted(opt.optimizer.state.get(p, {})):
+            t = opt.optimizer.state[p][k]
+            if torch.is_tensor(t) and k != "step":
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _to_file(fn, path):

@@ -92,6 +92,9 @@ class AnchoredOptimizer:
             for j, p in enumerate(group["params"]):
                 if any(q.p is p for q in self._params):
                     raise ValueError("a parameter appears twice in the optimizer")
+                if hasattr(p, "_local_tensor") or hasattr(p, "device_mesh"):
+                    raise NotImplementedError("DTensor / FSDP2 sharded parameters are not supported yet; "
+                                              "DDP and single-device training are")
                 if not p.is_contiguous():
                     raise ValueError("AnchoredOptimizer needs contiguous parameters")
                 e = _Param()

@@ -1,0 +1,213 @@
+"""Ten SIGKILLs at the five protocol phases on a ~1B Llama (transformers, bf16, AdamW).
+
+    PYTHONPATH=. python -m gpu_anchor.train.gpu_campaign --out train_gpu_faults.json
+    python -m gpu_anchor.train.gpu_campaign --device cpu --tiny      # the same on a toy model
+
+This process imports torch and transformers but never touches CUDA; every worker is
+forked from it (CUDA starts in the child, ~0.5 s instead of a cold interpreter).  It
+starts the device's daemon, runs a fault-free reference, then a run whose workers are
+killed at ``before_update / mid_chunk / after_update / after_commit / between_steps``
+(twice each, at first / middle / last chunks).  The last worker compares its anchored
+state with the reference's.  Output JSON: per-step losses of both runs, the max
+per-step loss difference, whether they are bit-identical, max parameter / optimizer
+state differences, each worker's recovery time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=2048)
+
+
+def build(tiny: bool, device, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**(LLAMA_1B | (TINY if tiny else {})))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str | None = None) -> None:
+    import torch
+
+    import gpu_anchor
+
+    from . import faults
+    from .anchor import anchor_module
+    from .optimizer import AnchoredOptimizer
+
+    t0 = time.perf_counter()
+    faults.arm(fault)
+    dev = torch.device(a["device"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    client = gpu_anchor.connect(a["device"], namespace=ns)
+    model = build(a["tiny"], dev)
+    anchor_module(model, client)
+    inner = torch.optim.AdamW(model.parameters(), lr=a["lr"], weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 5))
+    opt = AnchoredOptimizer(inner, model=model, client=client, schedulers=[sched], chunk_bytes=a["chunk_bytes"])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"resumed {opt.completed_steps} {time.perf_counter() - t0:.3f} chunks {opt.num_chunks}\n".encode())
+    vocab = model.config.vocab_size
+    for step in range(opt.completed_steps, a["steps"]):
+        g = torch.Generator().manual_seed(1000 + step)
+        tokens = torch.randint(0, vocab, (a["batch"], a["seq"]), generator=g).to(dev)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        os.write(fd, f"{step} {float(loss)!r}\n".encode())
+        opt.step()
+        opt.zero_grad()
+    if compare_ns:
+        ref = gpu_anchor.connect(a["device"], namespace=compare_ns)
+        diffs = {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+        identical = True
+        objs = client.objects()
+        for name, info in objs.items():
+            kind = ("param" if name.startswith("model.") else
+                    "exp_avg_sq" if name.endswith(".exp_avg_sq") else "exp_avg" if name.endswith(".exp_avg") else None)
+            if kind is None:
+                continue
+            mine = client.lookup(name, info.shape, next(p.dtype for p in model.parameters()))
+            theirs = ref.lookup(name, info.shape, mine.dtype)
+            identical &= bool(torch.equal(mine, theirs))
+            diffs[kind] = max(diffs[kind], float((mine.float() - theirs.float()).abs().max()))
+        os.write(fd, ("compare " + json.dumps({"max_abs_diff": diffs, "bit_identical": identical}) + "\n").encode())
+    os.close(fd)
+
+
+def _fork(fn, *args) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            fn(*args)
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _parse(log: str) -> dict:
+    losses, resumes, compare = {}, [], None
+    for line in log.splitlines():
+        head, _, rest = line.partition(" ")
+        if head == "resumed":
+            f = rest.split()
+            resumes.append({"completed_steps": int(f[0]), "construct_s": float(f[1])})
+            chunks = int(f[3])
+        elif head == "compare":
+            compare = json.loads(rest)
+        else:
+            s, v = int(head), float(rest)
+            losses.setdefault(s, []).append(v)
+    return {"losses": losses, "resumes": resumes, "compare": compare, "chunks": chunks}
+
+
+def schedule(n: int) -> list[str]:
+    """Ten kills: the five phases twice, at first / middle / last chunks, steps 2..19."""
+    mid, last = n // 2, n - 1
+    return ["before_update@2:0", f"mid_chunk@4:{mid}", f"after_update@6:{last}", f"after_commit@8:{mid}",
+            "between_steps@10", f"before_update@12:{last}", "mid_chunk@14:0", f"after_update@16:{mid}",
+            f"after_commit@18:{last}", "between_steps@19"]  # noqa: E501
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--steps", type=int, default=22)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--chunk-bytes", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.batch, args.seq = 2, 32
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # in case anything asks: no cuInit here
+    import torch  # noqa: F401  (imported before fork on purpose)
+    import transformers  # noqa: F401
+
+    from gpu_anchor.daemon import control
+
+    torch.set_num_threads(1)   # no OpenMP team before fork (libgomp is not fork-safe)
+    build(True, "cpu")         # resolve transformers' lazy imports once, here, not in every worker
+    tmp = tempfile.mkdtemp(prefix="ga-train-gpu-")
+    os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
+    os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
+    sock = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], args.device.replace(":", "") + ".sock")
+    daemon = control.start(args.device, sock)
+    a = dict(device=args.device, tiny=args.tiny, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+             chunk_bytes=args.chunk_bytes)
+    out = {"test": "train_gpu_faults", "model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""),
+           "device": args.device, "dtype": "bfloat16", "optimizer": "AdamW", **a}
+    try:
+        t0 = time.perf_counter()
+        ref_log = os.path.join(tmp, "ref.log")
+        code = _wait(_fork(worker, "ref", a, ref_log, None))
+        if code != 0:
+            raise RuntimeError(f"fault-free run failed ({code})")
+        out["fault_free_wall_s"] = time.perf_counter() - t0
+        ref = _parse(open(ref_log).read())
+        specs = schedule(ref["chunks"])
+        run_log = os.path.join(tmp, "run.log")
+        t0 = time.perf_counter()
+        codes = []
+        for spec in specs:
+            codes.append(_wait(_fork(worker, "run", a, run_log, spec)))
+        codes.append(_wait(_fork(worker, "run", a, run_log, None, "ref")))
+        out["faulted_wall_s"] = time.perf_counter() - t0
+        run = _parse(open(run_log).read())
+        kills = sum(c == -signal.SIGKILL for c in codes[:-1])
+        ref_l = {s: v[0] for s, v in ref["losses"].items()}
+        replays_equal = all(len(set(v)) == 1 for v in run["losses"].values())
+        run_l = {s: v[-1] for s, v in run["losses"].items()}
+        diffs = [abs(run_l[s] - ref_l[s]) for s in sorted(ref_l) if s in run_l]
+        out.update({
+            "chunks": ref["chunks"], "kill_specs": specs, "kills": kills, "final_exit": codes[-1],
+            "losses_fault_free": [ref_l[s] for s in sorted(ref_l)],
+            "losses_faulted": [run_l.get(s) for s in sorted(ref_l)],
+            "all_steps_present": sorted(run_l) == sorted(ref_l) == list(range(args.steps)),
+            "max_step_loss_diff": max(diffs) if diffs else None,
+            "losses_bit_identical": run_l == ref_l,
+            "replayed_iterations_identical": replays_equal,
+            "state_compare": run["compare"],
+            "recoveries": run["resumes"],
+        })
+        out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"])
+    finally:
+        control.stop(args.device, sock)
+        daemon.wait(timeout=30)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0 if out.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
