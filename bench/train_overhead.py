@@ -62,7 +62,7 @@ def _measure(model, opt, device, batch, seq, steps, warmup, vocab):
         opt.zero_grad()
         _sync(device)
         t3 = time.perf_counter()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if i >= warmup:
             step_t.append(t3 - t0)
             opt_t.append(t2 - t1)

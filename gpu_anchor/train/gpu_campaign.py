@@ -69,7 +69,7 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
         tokens = torch.randint(0, vocab, (a["batch"], a["seq"]), generator=g).to(dev)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        os.write(fd, f"{step} {float(loss)!r}\n".encode())
+        os.write(fd, f"{step} {float(loss.detach())!r}\n".encode())
         opt.step()
         opt.zero_grad()
     if compare_ns:
