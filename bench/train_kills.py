@@ -21,13 +21,16 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=200)
+    ap.add_argument("--kills", type=int, default=1000)
+    ap.add_argument("--tiny", action="store_true", help="20 kills (smoke test size)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--progress", default="journal", choices=["journal", "device"])
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.kills = min(args.kills, 20)
 
     tmp = tempfile.mkdtemp(prefix="ga-kills-")
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
@@ -72,10 +75,10 @@ def main(argv=None) -> int:
     finally:
         control.stop("cpu", sock)
         daemon.wait(timeout=10)
+    from bench.common import write_result
     print(json.dumps(out))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    out.pop("bench")
+    print(write_result("train_kills" + ("_tiny" if args.tiny else ""), out, args.out))
     return 0 if out["mismatches"] == 0 else 1
 
 

@@ -1,7 +1,7 @@
 """Steady-state cost of AnchoredOptimizer vs plain PyTorch (same model, same warm process).
 
     python -m bench train_overhead [--tiny] [--device cuda:0] [--steps 10] [--batch 8 --seq 2048]
-                                   [--progress device|journal] [--out results.json]
+                                   [--progress device|journal] [--out DIR]
 
 Llama3.2-1B shape (transformers, bf16 weights, AdamW foreach, random tokens) on the GPU;
 ``--tiny`` runs the same architecture at toy size on the CPU.  Plain first, then
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--progress", default=None, choices=["device", "journal"])
     ap.add_argument("--chunk-bytes", type=int, default=None)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.tiny else "cuda:0")
     if args.tiny:
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="ga-train-overhead-")
     sock = os.path.join(tmp, device.replace(":", "") + ".sock")
     daemon = control.start(device, sock)
-    out = {"bench": "train_overhead", "model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""), "device": device,
+    out = {"model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""), "device": device,
            "dtype": "bfloat16", "optimizer": "AdamW (foreach default)", "batch": args.batch, "seq": args.seq,
            "steps": args.steps, "warmup": args.warmup}
     try:
@@ -148,11 +148,9 @@ def main(argv=None) -> int:
     finally:
         control.stop(device, sock)
         daemon.wait(timeout=30)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    from bench.common import write_result
+    print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
+    print(write_result("train_overhead" + ("_tiny" if args.tiny else ""), out, args.out))
     return 0
 
 
