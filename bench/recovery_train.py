@@ -67,7 +67,7 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
     setup = launchers.get("warm") or launchers["cold"]
     launcher, pid = setup, setup.spawn(args)
     trials = {m: [] for m in modes}
-    if tiny and method not in ("inmemory", "gpu_anchor"):
+    if tiny and method != "gpu_anchor":
         trials.pop("cold", None)  # smoke size: cold start-up is the same interpreter cost for every method
     modes = list(trials)
     try:
