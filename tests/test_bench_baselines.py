@@ -163,3 +163,19 @@ def test_fault_schedule_and_workload_are_seeded():
     assert 8 <= plen[0] and plen[-1] <= 2048 and 8 <= olen[0] and olen[-1] <= 1024
     assert 120 < plen[len(plen) // 2] < 260 and 100 < olen[len(olen) // 2] < 220   # ShareGPT-like medians
     assert plen[int(0.99 * len(plen))] > 3 * plen[len(plen) // 2]                 # a long tail
+
+
+def test_goodput_accounting():
+    from bench.e2e_faults import summarise
+    rows = [{"method": "inmemory", "wall_s": 130.0, "step_dts": [0.1] * 1000, "lost_steps": 50,
+             "ckpt_blocking_s": 5.0, "recovery_s": 10.0},
+            {"method": "gpu_anchor", "wall_s": 110.0, "step_dts": [0.102] * 1000, "lost_steps": 0,
+             "ckpt_blocking_s": 0.0, "recovery_s": 6.0}]
+    summarise(rows, 1000)
+    base, anc = rows
+    assert base["ref_step_s"] == anc["ref_step_s"] == 0.1   # the plain optimizer's step, from baselines only
+    assert abs(base["goodput"] - 100 / 130) < 1e-12 and abs(anc["goodput"] - 100 / 110) < 1e-12
+    assert abs(base["recompute_s"] - 5.0) < 1e-9 and abs(anc["slower_steps_s"] - 2.0) < 1e-9
+    for r in rows:  # the parts add up to the waste
+        parts = r["ckpt_blocking_s"] + r["recovery_s"] + r["recompute_s"] + r["slower_steps_s"] + r["other_s"]
+        assert abs(parts - r["wasted_s"]) < 1e-9
