@@ -91,7 +91,7 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
                 log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid, lambda: launcher.alive(pid))
                 ph = _phases([e for e in log.events if e["pid"] == pid], t_kill, t_dead)
                 ph["killed_after_step"] = done
-                ph["lost_steps"] = done - ph["restored_step"]
+                ph["lost_steps"] = max(0, done - ph["restored_step"])  # a step may commit before the kill lands
                 trials[mode].append(ph)
                 print(f"{model} {method:10s} {mode}: total {ph['total_s']:.3f}s = start-up {ph['startup_s']:.3f} "
                       f"+ restore {ph['restore_s']:.3f} + first step {ph['first_step_s']:.3f}; "
@@ -147,7 +147,7 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work) -> d
             old, pid = pid, first["pid"]
             ph = _phases([e for e in log.events if e["pid"] == pid], t_kill, t_kill)
             ph["killed_after_step"] = done
-            ph["lost_steps"] = done - ph["restored_step"]
+            ph["lost_steps"] = max(0, done - ph["restored_step"])
             trials.append(ph)
             print(f"{model} gpu-anchor run (supervised, warm): total {ph['total_s']:.3f}s = start-up "
                   f"{ph['startup_s']:.3f} + restore {ph['restore_s']:.3f} + first step {ph['first_step_s']:.3f}",
