@@ -1,7 +1,8 @@
 """Multi-rank kill campaigns: DDP training where one rank is SIGKILLed and the group restarts.
 
 Torchrun-style: when any rank dies the others are killed too and the whole group is
-started again (fresh rendezvous port); every rank resumes at the agreed
+started again (fresh file rendezvous, so no port can be taken by
+another job); every rank resumes at the agreed
 ``completed_steps``.  CPU ranks (gloo, host daemon, namespace ``<ns>/rank<r>``) are
 forked from the calling interpreter; GPU ranks (NCCL, one daemon per GPU) are fresh
 interpreters (``python -m gpu_anchor.train.ddp_campaign``), since CUDA does not
@@ -17,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,13 +26,7 @@ from datetime import timedelta
 from . import campaign as C
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_train(rank: int, world: int, port: int, namespace: str, cfg: C.RunConfig, log_path: str,
+def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConfig, log_path: str,
                fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0) -> None:
     import torch
     import torch.distributed as dist
@@ -44,14 +38,13 @@ def rank_train(rank: int, world: int, port: int, namespace: str, cfg: C.RunConfi
     from .anchor import anchor_module
     from .optimizer import AnchoredOptimizer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     faults.arm(fault)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model = C.build_model(cfg.seed, width).to(dev)
     inner = C.build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
@@ -107,10 +100,10 @@ def _to_file(fn, path):
     return run
 
 
-def _start(rank, world, port, namespace, cfg, log_path, fault, device, plain, width):
+def _start(rank, world, store, namespace, cfg, log_path, fault, device, plain, width):
     if device == "cpu":
-        return C._child(_to_file(rank_train, log_path + ".err"), rank, world, port, namespace, cfg, log_path, fault, device, plain, width)
-    args = json.dumps([rank, world, port, namespace, cfg.__dict__, log_path, fault, device, plain, width])
+        return C._child(_to_file(rank_train, log_path + ".err"), rank, world, store, namespace, cfg, log_path, fault, device, plain, width)
+    args = json.dumps([rank, world, store, namespace, cfg.__dict__, log_path, fault, device, plain, width])
     return subprocess.Popen([sys.executable, "-m", "gpu_anchor.train.ddp_campaign", args])
 
 
@@ -143,9 +136,9 @@ def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, fa
     kills = generations = 0
     t0 = time.perf_counter()
     while True:
-        port = free_port()
+        store = os.path.join(log_dir, f".rendezvous-{os.getpid()}-{time.time_ns()}")
         spec = fixed.pop(0) if fixed else None
-        procs = [_start(r, world, port, namespace, cfg, os.path.join(log_dir, f"rank{r}.log"),
+        procs = [_start(r, world, store, namespace, cfg, os.path.join(log_dir, f"rank{r}.log"),
                         spec[1] if spec and spec[0] == r else None, devices[r], plain, width) for r in range(world)]
         generations += 1
         deadline = time.monotonic() + timeout_s

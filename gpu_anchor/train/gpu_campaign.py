@@ -76,14 +76,15 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
         ref = gpu_anchor.connect(a["device"], namespace=compare_ns)
         diffs = {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
         identical = True
+        from gpu_anchor.client.mapping import torch_dtype
         objs = client.objects()
         for name, info in objs.items():
             kind = ("param" if name.startswith("model.") else
                     "exp_avg_sq" if name.endswith(".exp_avg_sq") else "exp_avg" if name.endswith(".exp_avg") else None)
             if kind is None:
                 continue
-            mine = client.lookup(name, info.shape, next(p.dtype for p in model.parameters()))
-            theirs = ref.lookup(name, info.shape, mine.dtype)
+            mine = client.lookup(name, info.shape, torch_dtype(info.dtype))
+            theirs = ref.lookup(name, info.shape, torch_dtype(info.dtype))
             identical &= bool(torch.equal(mine, theirs))
             diffs[kind] = max(diffs[kind], float((mine.float() - theirs.float()).abs().max()))
         os.write(fd, ("compare " + json.dumps({"max_abs_diff": diffs, "bit_identical": identical}) + "\n").encode())
@@ -155,6 +156,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)   # no OpenMP team before fork (libgomp is not fork-safe)
     build(True, "cpu")         # resolve transformers' lazy imports once, here, not in every worker
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
     tmp = tempfile.mkdtemp(prefix="ga-train-gpu-")
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
     os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
