@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, speedup, write_result
+from bench.common import default_device, fmt_s, private_daemon, write_result
 
 
 def fault_times(rate: float, seed: int, horizon: float) -> list[float]:

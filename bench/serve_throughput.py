@@ -38,7 +38,8 @@ QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
                 hidden_act="silu", tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
                 initializer_range=0.02)
 TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2)
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2)
 
 
 def _prompts(n, length, vocab, seed=0):
@@ -167,13 +168,14 @@ def recovery(args, config_path, anchor: bool) -> dict:
         def run(i):
             for ch in c.completions.create(model="x", prompt=prompts[i], max_tokens=args.max_tokens, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True}):
-                if ch.choices[0].text or ch.choices[0].finish_reason:
-                    stamps[i].append(time.time())
+                stamps[i].append(time.time())     # one chunk per token batch
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
         while min(len(s) for s in stamps) < 8:
+            if not any(t.is_alive() for t in threads):
+                raise RuntimeError("streams ended before the kill: raise --max-tokens")
             time.sleep(0.01)
         pid = _get(base + "/health")["engine_pid"]
         t_kill = time.time()

@@ -8,7 +8,6 @@ Training (``TrainCheckpoint`` subclasses, see ``base``): ``torch_save``, ``check
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 
 TRAIN = {"torch_save": ("torch_save", "TorchSave"), "checkfreq": ("checkfreq", "CheckFreq"),
