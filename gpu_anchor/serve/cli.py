@@ -78,6 +78,9 @@ def engine_config(args, mc):
     import torch
     from .engine import EngineConfig
     from .model_runner import head_dim
+    if args.device is None:
+        # The NVML check does not initialise the CUDA driver here: forked engines could not use it.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     num_blocks = args.num_blocks

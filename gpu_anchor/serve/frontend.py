@@ -262,9 +262,10 @@ class Frontend:
                         target = target[:len(target) - hold] if hold else target
                         target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
                     delta = target[len(sent):] if target.startswith(sent) else ""
-                    if delta or done or first:
-                        sent += delta
-                        await emit(delta, r.finish if done else None)
+                    # one chunk per token batch even when its text is held back or empty
+                    # (special tokens, partial UTF-8): clients see progress token by token
+                    sent += delta
+                    await emit(delta, r.finish if done else None)
                 if done:
                     break
                 await r.changed.wait()
