@@ -209,7 +209,8 @@ class ConcurrentCheckpointer:
         """Call at every committed step boundary: completes a finished flight (recopy: at
         this step), retakes an invalid one, starts one if ``due`` (``None``: when the
         supervisor's ``GPU_ANCHOR_CHECKPOINT_EVERY`` says so and the step is not on disk
-        yet).  Returns the result of a checkpoint completed here, if any."""
+        yet; a checkpoint due while another is in flight starts at the first boundary
+        after that one completes).  Returns the result of a checkpoint completed here."""
         if due is None:
             due = snapshot.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
         done = None
@@ -218,7 +219,8 @@ class ConcurrentCheckpointer:
             done = self._complete(step)
         elif fl is not None:
             self.recorder.close_group()
-        if self._flight is None and (due or self.retake_pending):
+        self.retake_pending |= bool(due)  # due while one is in flight: start right after it
+        if self._flight is None and self.retake_pending:
             self.retake_pending = False
             self.start(step)
         return done
