@@ -10,8 +10,9 @@ finished step).  Two optimizer placements:
   (the optimizer fused into backward: breaks the training protocol's "gradients
   finalised before the step" assumption, so it needs the generic guard).
 
-``undeclared=True`` adds a custom op whose schema says it writes nothing but which
-scales its input in place (the validation test's culprit).  Inputs of step ``s``
+``undeclared=True`` starts every step with a custom op whose schema says it writes
+nothing but which scales its input in place — the last Adam moment by name, i.e. the
+object the copier reaches last (the validation test's culprit).  Inputs of step ``s``
 depend only on ``(seed, s)``, so any run that reaches step ``s`` from the same state
 computes the same bits.
 """
