@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def _span(t: torch.Tensor) -> tuple[tuple, int, int] | None:
-    """(device key, start, end) of the storage ``t`` lives in; None for meta / storage-less tensors."""
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """(start, end) of the storage ``t`` lives in; None for meta / storage-less tensors."""
     if t.device.type == "meta":
         return None
     try:
@@ -42,15 +42,22 @@ def _span(t: torch.Tensor) -> tuple[tuple, int, int] | None:
         return None
     if start == 0 or n == 0:
         return None
-    return (t.device.type, t.device.index), start, start + n
+    return start, start + n
 
 
 class ObjectMap:
-    """Registered objects by address range, per device; non-overlapping."""
+    """Registered objects by address range; non-overlapping.
+
+    One address space for every device: host mappings and CUDA allocations share the
+    process's virtual address space (UVA), so an address names one object.  Lookups use
+    ``data_ptr()`` only (a view's first byte lies inside the object it views): the
+    dispatch path pays a pointer read and a bisect per tensor argument.
+    """
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._ranges: dict[tuple, tuple[list[int], list[tuple[int, str]]]] = {}
+        self._starts: list[int] = []
+        self._items: list[tuple[int, str]] = []  # (end, name), parallel to _starts
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -60,8 +67,8 @@ class ObjectMap:
         span = _span(tensor)
         if span is None:
             raise ValueError(f"{name!r} has no storage (meta or empty tensor) and cannot be tracked")
-        dev, start, end = span
-        starts, items = self._ranges.setdefault(dev, ([], []))
+        start, end = span
+        starts, items = self._starts, self._items
         i = bisect.bisect_left(starts, start)
         if (i > 0 and items[i - 1][0] > start) or (i < len(starts) and starts[i] < end):
             other = items[i - 1][1] if i > 0 and items[i - 1][0] > start else items[i][1]
@@ -74,25 +81,17 @@ class ObjectMap:
         t = self.tensors.pop(name, None)
         if t is None:
             return
-        dev, start, _ = _span(t)
-        starts, items = self._ranges[dev]
-        i = bisect.bisect_left(starts, start)
-        del starts[i], items[i]
+        i = next(k for k, (_, n) in enumerate(self._items) if n == name)
+        del self._starts[i], self._items[i]
 
     def find(self, t: torch.Tensor) -> str | None:
-        span = _span(t)
-        if span is None:
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # fake / functional tensors: no memory
             return None
-        dev, start, end = span
-        ranges = self._ranges.get(dev)
-        if not ranges:
-            return None
-        starts, items = ranges
-        i = bisect.bisect_right(starts, start) - 1
-        if i >= 0 and items[i][0] > start:
-            return items[i][1]
-        if i + 1 < len(starts) and starts[i + 1] < end:  # a storage that starts before an object
-            return items[i + 1][1]
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0 and ptr and self._items[i][0] > ptr:
+            return self._items[i][1]
         return None
 
 
@@ -143,6 +142,7 @@ class WriteSetTracker(TorchDispatchMode):
         super().__init__()
         self.objects = ObjectMap()
         self.listeners: list = []
+        self._want_touched = False
         self.conservative: set = set()  # ops learnt to write without declaring it
         self.ops_seen = 0
         self._lock = threading.Lock()
@@ -170,11 +170,16 @@ class WriteSetTracker(TorchDispatchMode):
     def add_listener(self, listener) -> None:
         with self._lock:
             if listener not in self.listeners:
-                self.listeners = self.listeners + [listener]  # copy: the dispatch path reads without a lock
+                self._set([*self.listeners, listener])
 
     def remove_listener(self, listener) -> None:
         with self._lock:
-            self.listeners = [x for x in self.listeners if x is not listener]
+            self._set([x for x in self.listeners if x is not listener])
+
+    def _set(self, listeners) -> None:
+        # swapped whole: the dispatch path reads both without a lock
+        self._want_touched = any(getattr(x, "wants_touched", False) for x in listeners)
+        self.listeners = listeners
 
     @property
     def active(self) -> bool:
@@ -220,7 +225,7 @@ class WriteSetTracker(TorchDispatchMode):
             return func(*args, **kwargs)
         self.ops_seen += 1
         written = self.written(func, args, kwargs)
-        touched = self.touched(args, kwargs) if any(getattr(x, "wants_touched", False) for x in listeners) else None
+        touched = self.touched(args, kwargs) if self._want_touched else None
         for listener in listeners:
             listener.before_op(func, written, touched)
         out = func(*args, **kwargs)
