@@ -159,3 +159,36 @@ def test_loop_position():
     ls = LoopState(_Opt(), 4)
     assert ls.position.epoch == 1 and ls.data == {"tokens": 5}
     assert list(ls.batches(9)) == [(7, 1, 3), (8, 2, 0)]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_load_state_dict_from_plain_pytorch(host_daemon, name):
+    cfg = C.RunConfig(optimizer=name, flavour="single")
+    ref = C.build_model(cfg.seed)
+    ropt = C.build_optimizer(ref, cfg)
+
+    def train(m, o, steps):
+        for step in steps:
+            x, y = C.batch(step, cfg.seed)
+            torch.manual_seed(step)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    train(ref, ropt, range(3))
+    client = gpu_anchor.connect("cpu", namespace=f"load-{name}")
+    model = C.build_model(cfg.seed)
+    model.load_state_dict(ref.state_dict())
+    anchor_module(model, client)
+    opt = AnchoredOptimizer(C.build_optimizer(model, cfg), model=model, client=client, chunk_bytes=4096)
+    opt.load_state_dict(ropt.state_dict())
+    assert all(t.data_ptr() == q.data_ptr() for t, q in
+               zip(opt.optimizer.state[next(model.parameters())].values(),
+                   [client.lookup(f"train.state.0.weight.{k}", (C.HIDDEN, C.D_IN), torch.float32)
+                    for k in opt.optimizer.state[next(model.parameters())]]))
+    train(ref, ropt, range(3, 6))
+    train(model, opt, range(3, 6))
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    sd = opt.state_dict()
+    for k, v in ropt.state_dict()["state"][0].items():
+        assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd["state"][0][k])), k
