@@ -16,9 +16,7 @@ import torch
 
 from gpu_anchor.daemon import control
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO = os.path.join(ROOT, "examples", "demo_train.py")
-STEPS = int(os.environ.get("GPU_ANCHOR_TEST_STEPS", "120"))
+from launch_reference import DEMO, ROOT, STEPS, reference  # noqa: F401  (session fixture)
 
 
 def run(cwd, opts, train_args=(), env=None, timeout=240, check=True):
@@ -45,19 +43,6 @@ def clean_daemons(socket_dir):
     yield socket_dir
     for device, path in control.discover(socket_dir).items():
         control.stop(device, path)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Fault-free results, 1 and 2 ranks, under the supervisor."""
-    d = tmp_path_factory.mktemp("ref")
-    env = {"GPU_ANCHOR_SOCKET_DIR": str(d / "sock")}
-    out = {}
-    for n in (1, 2):
-        run(str(d), ["--nproc-per-node", str(n)], ["--out", f"ref{n}.pt"], env=env)
-        out[n] = result(d / f"ref{n}.pt")
-    assert not torch.equal(out[1], out[2])  # the ranks' data differ: a real 2-rank job
-    return out
 
 
 def test_shallow_kills_reattach_in_place(reference, clean_daemons, tmp_path):
