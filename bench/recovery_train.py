@@ -261,8 +261,10 @@ def render(result: dict) -> str:
                 lines.append(f"| {labels.get(r['method'], r['method'])} | {mode} | {fmt_s(x['startup_s'])} | "
                              f"{fmt_s(x['restore_s'])} | {fmt_s(x['first_step_s'])} | **{fmt_s(x['total_s'])}** | "
                              f"{speedup(x['total_s'], best)} | {x['lost_steps']:.0f} |")
-            inmem = next((r["modes"][mode]["total_s"] for r in rows if r["method"] == "inmemory"), None)
-            anc = next((r["modes"][mode]["total_s"] for r in rows if r["method"] == "gpu_anchor"), None)
+            inmem = next((r["modes"][mode]["total_s"] for r in rows
+                          if r["method"] == "inmemory" and mode in r["modes"]), None)
+            anc = next((r["modes"][mode]["total_s"] for r in rows
+                        if r["method"] == "gpu_anchor" and mode in r["modes"]), None)
             if inmem and anc and model == "llama3.2-1b":
                 verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs in-memory {fmt_s(inmem)} = "
                                 f"{inmem / anc:.2f}× — {verdict(inmem / anc >= result['target_x'])}")
