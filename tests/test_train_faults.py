@@ -21,7 +21,7 @@ def reference(host_daemon, tmp_path):
     made = {}
 
     def get(cfg):
-        k = (cfg.optimizer, cfg.flavour, cfg.steps, cfg.chunk_bytes, cfg.progress)
+        k = (cfg.optimizer, cfg.flavour, cfg.steps, cfg.chunk_bytes, cfg.progress, cfg.scope)
         if k not in made:
             ns = "ref-" + "-".join(map(str, k))
             res = C.run(ns, cfg, str(tmp_path / f"{ns}.log"))
@@ -123,3 +123,20 @@ def test_random_kill_campaign(reference, tmp_path, progress, kills):
           f"{rollbacks} needed the undo slot (journal mode)")
     assert total >= kills
     assert in_flight > 0                         # the campaign did reach inside the step
+
+
+def test_under_managed_scope(reference, tmp_path):
+    """The issue's usage: model and AnchoredOptimizer built inside managed_scope (the
+    optimizer attaches when the scope has bound); killed at each phase and at random."""
+    cfg = C.RunConfig(steps=10, scope=True)
+    n = _num_chunks(cfg)
+    specs = ["mid_chunk@1:0", f"after_update@2:{n - 1}", "before_update@3:1", "after_commit@4:0",
+             "between_steps@5", "before_boundary@7"]
+    ns = "scoped"
+    client = gpu_anchor.connect("cpu", namespace=ns)
+    _, _, _, ref_wall = reference(cfg)
+    res = C.run(ns, cfg, str(tmp_path / "log"), faults_seq=specs, random_kills=10, max_delay_s=ref_wall * 0.8,
+                rng=random.Random(5), client=client)
+    assert res.kills >= len(specs)
+    _check(reference, cfg, ns, res)
+    assert "model[0].weight" in client.names()       # the scope's names, the optimizer's next to them

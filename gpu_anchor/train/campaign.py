@@ -38,6 +38,7 @@ class RunConfig:
     chunk_bytes: int = 16 << 10
     seed: int = 1234
     progress: str = "journal"       # journal | device (where the per-chunk cursor lives)
+    scope: bool = False             # build model + optimizer inside gpu_anchor.managed_scope
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -80,13 +81,21 @@ def _log(fd: int, step: int, loss: torch.Tensor) -> None:
 def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = None) -> int:
     """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
     faults.arm(fault)
-    client = gpu_anchor.connect("cpu", namespace=namespace)
-    model = build_model(cfg.seed)
-    anchor_module(model, client)
-    inner = build_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
-    opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
-                            progress=cfg.progress)
+    if cfg.scope:
+        with gpu_anchor.managed_scope(namespace=namespace):
+            model = build_model(cfg.seed)
+            inner = build_optimizer(model, cfg)
+            sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
+            opt = AnchoredOptimizer(inner, model=model, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
+                                    progress=cfg.progress)
+    else:
+        client = gpu_anchor.connect("cpu", namespace=namespace)
+        model = build_model(cfg.seed)
+        anchor_module(model, client)
+        inner = build_optimizer(model, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
+        opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
+                                progress=cfg.progress)
     start = opt.completed_steps
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -50,6 +50,15 @@ def _set_hparams(group: dict, hp: dict) -> None:
         group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
 
 
+def _open_scope():
+    """The managed_scope open in this thread, if that package is present."""
+    try:
+        from gpu_anchor.scope import current
+    except ImportError:
+        return None
+    return current()
+
+
 class _Param:
     __slots__ = ("index", "name", "group", "p", "grad", "states", "flat", "gflat", "sflat")
 
@@ -83,7 +92,18 @@ class AnchoredOptimizer:
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
         self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0}
         faults.arm_from_env()
+        self._state = None
+        scope = _open_scope()
+        args = (model, client, prefix, chunk_bytes, progress, scope.namespace if scope is not None else None)
+        if scope is not None:
+            # Inside managed_scope the parameters are placeholders until the scope binds:
+            # bind our own state and recover once they are real.
+            scope.on_bound(lambda: self._attach(*args))
+        else:
+            self._attach(*args)
 
+    def _attach(self, model, client, prefix, chunk_bytes, progress, namespace=None) -> None:
+        optimizer = self.optimizer
         names = {}
         if model is not None:
             names = {id(p): n for n, p in model.named_parameters()}
@@ -109,7 +129,7 @@ class AnchoredOptimizer:
         self.device = devices.pop()
         if client is None:
             import gpu_anchor
-            client = gpu_anchor.connect("cpu" if self.device.type == "cpu" else str(self.device))
+            client = gpu_anchor.connect("cpu" if self.device.type == "cpu" else str(self.device), namespace=namespace)
         self.client = client
         self._journal = client.journal
 
@@ -194,6 +214,8 @@ class AnchoredOptimizer:
     @property
     def completed_steps(self) -> int:
         """Optimizer steps committed; the training loop continues at this iteration."""
+        if self._state is None:
+            raise RuntimeError("AnchoredOptimizer built inside managed_scope attaches when the scope exits")
         return self._state.step
 
     @property
@@ -210,7 +232,7 @@ class AnchoredOptimizer:
         With ``set_to_none=True`` (torch's default) a parameter that receives no gradient
         before the next ``step`` is skipped by it, exactly as torch skips ``grad is None``.
         """
-        if self._state.in_flight:
+        if self.completed_steps is not None and self._state.in_flight:
             raise RuntimeError("zero_grad during an optimizer step")
         faults.hit("between_steps", self._state.step - 1)   # "after step s committed"
         with torch.no_grad():
@@ -224,6 +246,7 @@ class AnchoredOptimizer:
         """
         if closure is not None:
             raise ValueError("AnchoredOptimizer.step does not take a closure")
+        self.completed_steps    # raises if not attached yet
         st = self._state
         faults.hit("before_boundary", st.step)
         with torch.no_grad():
