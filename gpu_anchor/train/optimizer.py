@@ -28,27 +28,11 @@ import torch
 from . import carry as carry_mod
 from . import chunking, distributed, faults, protocol
 from .chunk_exec import ChunkExecutor
+from .hparams import hparams as _hparams
+from .hparams import set_hparams as _set_hparams
+from .state_dict import StateDictMixin
 from .kinds import kind_of
 from .protocol import StepState, key
-
-_HP_SKIP = ("params",)
-
-
-def _hparams(group: dict) -> dict:
-    out = {}
-    for k, v in group.items():
-        if k in _HP_SKIP:
-            continue
-        if isinstance(v, torch.Tensor):
-            raise TypeError(f"tensor hyper-parameter {k!r} is not supported by AnchoredOptimizer; use a float")
-        out[k] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def _set_hparams(group: dict, hp: dict) -> None:
-    for k, v in hp.items():
-        group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -63,7 +47,7 @@ class _Param:
     __slots__ = ("index", "name", "group", "p", "grad", "states", "flat", "gflat", "sflat")
 
 
-class AnchoredOptimizer:
+class AnchoredOptimizer(StateDictMixin):
     """Wraps ``optimizer`` (Adam, AdamW or SGD; foreach/fused as configured).
 
     ``client``: a ``gpu_anchor`` client for the parameters' device (default: connect).
@@ -269,40 +253,6 @@ class AnchoredOptimizer:
             if device:
                 self._publish(0)
             self._run_from(0, mask, counts, hps, carry)
-
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's ``state_dict`` (anchored tensors, current step counts)."""
-        for q in self._params:
-            st = dict(q.states)
-            if self.kind.has_step:
-                st["step"] = torch.tensor(float(self._counts[q.index]))
-            self.optimizer.state[q.p] = st
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a torch ``state_dict`` (e.g. from a checkpoint) into the anchored state.
-
-        Only between steps.  Commits the step counts and hyper-parameters so that a
-        restart keeps them; ``completed_steps`` is not changed.
-        """
-        if self._state.in_flight:
-            raise RuntimeError("load_state_dict during an optimizer step")
-        self.optimizer.load_state_dict(state_dict)     # torch casts into fresh tensors ...
-        with torch.no_grad():
-            for q in self._params:
-                st = self.optimizer.state.get(q.p, {})
-                for k, t in q.states.items():          # ... which we copy into anchored memory
-                    t.copy_(st[k]) if k in st else t.zero_()
-                if self.kind.has_step:
-                    self._counts[q.index] = int(st["step"]) if "step" in st else 0
-                else:    # SGD: a loaded momentum buffer means "not the first step any more"
-                    self._counts[q.index] = int(any(k in st for k in q.states))
-                self.optimizer.state[q.p] = q.states
-            self._wait()
-        committed = json.dumps({"counts": self._counts,
-                                "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
-        self._commit({key(self.prefix, "committed"): committed,
-                      key(self.prefix, "sched"): pickle.dumps([sch.state_dict() for sch in self.schedulers])})
 
     # ------------------------------------------------------------------ protocol
     def _run_from(self, c0: int, mask, counts, hps, carry) -> None:
