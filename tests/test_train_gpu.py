@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,6 +27,7 @@ def _run(args, timeout):
     return subprocess.run([sys.executable, *args], env=env, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.gpu
 def test_llama_1b_ten_kills_at_the_five_phases(tmp_path):
     path = _out("train_gpu_faults.json", tmp_path)
     proc = _run(["-m", "gpu_anchor.train.gpu_campaign", "--out", path], timeout=540)
@@ -40,6 +40,7 @@ def test_llama_1b_ten_kills_at_the_five_phases(tmp_path):
     assert r["max_step_loss_diff"] < 2.5e-2            # the paper's bound for kernel nondeterminism
 
 
+@pytest.mark.gpu
 def test_ddp_two_gpus_one_rank_killed(tmp_path):
     import torch
     if torch.cuda.device_count() < 2:
@@ -49,3 +50,13 @@ def test_ddp_two_gpus_one_rank_killed(tmp_path):
     r = json.load(open(path))
     print(json.dumps({k: v for k, v in r.items() if k != "logs"}))
     assert proc.returncode == 0 and r["ok"]
+
+
+def test_gpu_campaign_driver_on_cpu_tiny(tmp_path):
+    """The GPU campaign's driver logic (fork workers, ten kills, compare) on a toy Llama on CPU."""
+    path = str(tmp_path / "tiny.json")
+    proc = _run(["-m", "gpu_anchor.train.gpu_campaign", "--device", "cpu", "--tiny", "--chunk-bytes", "65536",
+                 "--out", path], timeout=300)
+    r = json.load(open(path))
+    assert proc.returncode == 0 and r["ok"] and r["kills"] == 10
+    assert r["losses_bit_identical"] and r["state_compare"]["bit_identical"]
