@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         daemon.wait(timeout=30)
     from bench.common import write_result
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
-    print(write_result("train_overhead" + ("_tiny" if args.tiny else ""), out, args.out))
+    name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_tiny" if args.tiny else "")
+    print(write_result(name, out, args.out))
     return 0
 
 
