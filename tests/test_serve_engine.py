@@ -5,7 +5,7 @@ transformers but ran no torch op (forking this interpreter, which has run parall
 regions, can hang the child in GNU OpenMP).  The test plays the frontend's part of the protocol: it keeps every
 request's delivered tokens, re-sends the requests an engine did not restore, and drops
 replayed tokens by index — checking that each replayed token equals the delivered one.
-Size knob: ``GPU_ANCHOR_SERVE_KILLS`` (default 50 kills; the HTTP campaign adds 50 more).
+Size knob: ``GPU_ANCHOR_SERVE_KILLS`` (default 40 kills; the HTTP campaign adds 60 more).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
 from gpu_anchor.serve.tiny import make_tiny_model
 
-KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_KILLS", "50"))
+KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_KILLS", "40"))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def _requests(n_greedy, n_sampled, max_tokens):
 def test_sigkill_campaign_matches_fault_free(models, host_daemon):
     sock = host_daemon[0]
     base = EngineConfig(model=models["qwen3"], dtype="float64", block_size=4, num_blocks=300,
-                        max_batched_tokens=24, max_num_seqs=16, socket=sock, namespace="campaign")
+                        max_batched_tokens=24, max_num_seqs=16, socket=sock, namespace="campaign", cpu_threads=1)
     reqs = _requests(6, 6, max_tokens=48)
     ref = Client(reqs)
     code, _ = _run(EngineConfig(**dict(base.__dict__, namespace="reference")), ref)
@@ -172,7 +172,7 @@ def test_lost_kv_falls_back_to_prefill(models, host_daemon):
     import gpu_anchor
     sock = host_daemon[0]
     base = EngineConfig(model=models["llama"], dtype="float64", block_size=4, num_blocks=100,
-                        max_batched_tokens=16, socket=sock, namespace="fallback")
+                        max_batched_tokens=16, socket=sock, namespace="fallback", cpu_threads=1)
     reqs = _requests(2, 2, max_tokens=24)
     ref = Client(reqs)
     _run(EngineConfig(**dict(base.__dict__, namespace="fallback-ref")), ref)
@@ -180,7 +180,7 @@ def test_lost_kv_falls_back_to_prefill(models, host_daemon):
     assert _run(base, client, fault=(6, "after_commit"))[0] == -9
     c = gpu_anchor.connect("cpu", namespace="fallback", socket=sock)
     c.free("kv_cache[0]")
-    code, notes = _run(base, client, fault=(3, "mid_forward"))
+    code, notes = _run(base, client, fault=(3, "mid_decode"))
     assert code == -9 and any("KV cache memory is new" in n for n in notes)
     code, notes = _run(EngineConfig(**dict(base.__dict__, num_blocks=90)), client)
     assert code == 0 and any("layout" in n for n in notes)
@@ -206,3 +206,26 @@ def test_restart_does_not_reload_weights(models, host_daemon, tmp_path):
 def _rebind(cfg, q):
     e2 = Engine(cfg)
     q.put((e2.weights_loaded, float(e2.model.w["model.embed_tokens.weight"][0, 0])))
+
+
+def test_readd_adopts_the_delivered_history(models):
+    """What the frontend does when a replayed token differs from a delivered one."""
+    eng = Engine(EngineConfig(model=models["llama"], anchor=False, num_blocks=64, max_batched_tokens=16))
+    prompt = _prompts(1, seed=8)[0]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng.add_request("r", prompt, SamplingParams(**sp.to_dict()))
+    for _ in range(4):
+        eng.step()
+    delivered = [7, 8, 9]
+    got = {"r": list(delivered)}
+    assert eng.readd("r", prompt, SamplingParams(**sp.to_dict()), delivered) == []
+    while eng.has_work():
+        for rid, i, ids, _ in eng.step():
+            assert i == len(got[rid])
+            got[rid] += ids
+    fresh = Engine(EngineConfig(model=models["llama"], anchor=False, num_blocks=64))
+    fresh.add_request("x", prompt, SamplingParams(**sp.to_dict()), delivered)
+    out = list(delivered)
+    while fresh.has_work():
+        out += [t for _, _, ids, _ in fresh.step() for t in ids]
+    assert got["r"] == out and len(out) == 12

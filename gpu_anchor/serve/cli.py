@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")
     p.add_argument("--socket", default=None, help="daemon socket (default: the device's standard one)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the engine on the CPU")
     p.add_argument("--no-anchor", action="store_true", help="plain allocations, no journal (baseline)")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
@@ -93,7 +94,8 @@ def engine_config(args, mc):
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
-                        namespace=args.namespace or f"serve-{name}", socket=args.socket)
+                        namespace=args.namespace or f"serve-{name}", socket=args.socket,
+                        cpu_threads=args.cpu_threads)
 
 
 def main(args) -> int:

@@ -55,6 +55,11 @@ class Committer:
             self._state[s.rid] = state_record(s)
             self._nout[s.rid] = len(s.output_ids)
 
+    def forget(self, rid: str) -> None:
+        """The next commit writes this request from scratch (request, state, every segment)."""
+        self._state.pop(rid, None)
+        self._nout.pop(rid, None)
+
     def commit(self, live, gone=()) -> None:
         """``live``: every unfinished sequence; ``gone``: rids finished or aborted since the last commit."""
         if self.journal is None:

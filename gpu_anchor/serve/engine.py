@@ -34,7 +34,9 @@ from .sequence import SamplingParams, Sequence
 log = logging.getLogger("gpu_anchor.serve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-PHASES = ("between_steps", "mid_forward", "before_commit", "after_commit")
+# Fault-injection points (tests): mid_prefill / mid_decode fire halfway through the layers of
+# the first step at or after the given one that has prefill work / only decodes.
+PHASES = ("between_steps", "mid_prefill", "mid_decode", "before_commit", "after_commit")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class EngineConfig:
     namespace: str | None = None
     socket: str | None = None        # daemon socket
     fault: tuple[int, str] | None = None   # (step, phase): SIGKILL self there (tests)
+    cpu_threads: int | None = None   # torch intra-op threads on the CPU (None: torch's default)
     extra: dict = field(default_factory=dict)
 
 
@@ -65,6 +68,8 @@ class Engine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
         self.dtype = DTYPES[cfg.dtype]
         self.device = torch.device(cfg.device)
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)
@@ -118,7 +123,8 @@ class Engine:
         self.steps = 0
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
-        self.model.mid_hook = lambda: self._fault("mid_forward")
+        self.model.mid_hook = self._mid_forward
+        self._prefill_step = False
         self.tokens_generated = 0
         self.timings["init_s"] = time.perf_counter() - t0
 
@@ -174,6 +180,13 @@ class Engine:
         self._arrivals += 1
         return []
 
+    def readd(self, rid: str, prompt_ids, params: SamplingParams, output_ids) -> list[tuple]:
+        """Replace a request's history with the tokens the client actually received
+        (after a replay disagreed with them): its KV is dropped and recomputed."""
+        if self.scheduler.abort(rid) is not None:
+            self.committer.forget(rid)
+        return self.add_request(rid, prompt_ids, params, output_ids)
+
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:
             self._gone.append(rid)
@@ -184,8 +197,15 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def _fault(self, phase: str) -> None:
         f = self.cfg.fault
-        if f is not None and f[0] == self.steps and f[1] == phase:
+        if f is not None and f[1] == phase and (f[0] == self.steps or (phase.startswith("mid_") and
+                                                                      self.steps >= f[0])):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _mid_forward(self) -> None:
+        self._fault("mid_prefill" if self._prefill_step else "mid_decode")
+        f = self.cfg.fault
+        if f is not None and f[1] == "mid_prefill" and self.steps >= f[0] + 2:
+            os.kill(os.getpid(), signal.SIGKILL)     # no prefill came: die mid-decode instead
 
     def _prepare(self, work: list[Work]):
         bs, dev = self.cfg.block_size, self.device
@@ -220,6 +240,7 @@ class Engine:
         events = []
         sampled: dict[str, int] = {}
         if work:
+            self._prefill_step = any(w.n > 1 or not w.sample for w in work)
             ids, meta, rows = self._prepare(work)
             logits = self.model.forward(ids, meta, rows)
             sw = [w for w in work if w.sample]

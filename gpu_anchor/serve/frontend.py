@@ -37,6 +37,7 @@ class Req:
         self.finish: str | None = None
         self.error: str | None = None
         self.changed = asyncio.Event()
+        self.resyncing = False       # a replay disagreed: ignore the engine until it adopts ours
         self.text: str | None = None     # final text when a stop string cut it
         self.t0 = time.monotonic()
 
@@ -74,6 +75,8 @@ class Frontend:
             log.warning("engine %s: %s", self.engine_pid, note)
         held = set(hello["rids"])
         self.writer = writer
+        for r in self.reqs.values():
+            r.resyncing = False          # the new engine replays; a mismatch re-triggers it
         for rid in held - set(self.reqs):
             self._send({"t": "abort", "rid": rid})
         for r in list(self.reqs.values()):
@@ -90,6 +93,10 @@ class Frontend:
                     if r is not None:
                         r.error, r.finish = msg["msg"], "error"
                         r.changed.set()
+                elif msg["t"] == "readd_ok":
+                    r = self.reqs.get(msg["rid"])
+                    if r is not None:
+                        r.resyncing = False
                 elif msg["t"] == "stats":
                     self.last_timings.update({k: v for k, v in msg.items() if k != "t"})
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -104,15 +111,21 @@ class Frontend:
 
     def _apply(self, rid, i, ids, fin) -> None:
         r = self.reqs.get(rid)
-        if r is None or r.finish is not None:
+        if r is None or r.finish is not None or r.resyncing:
             return
         for j, t in enumerate(ids):
             k = i + j
             if k < len(r.out):
                 self.m["dup"] += 1
                 if r.out[k] != t:
+                    # The client has token r.out[k]: make the engine continue from what was
+                    # delivered (it recomputes the KV), never from its own different replay.
                     self.m["mismatch"] += 1
-                    log.error("request %s: replayed token %d is %d, delivered %d", rid, k, t, r.out[k])
+                    log.error("request %s: replayed token %d is %d, delivered %d; resyncing", rid, k, t,
+                              r.out[k])
+                    r.resyncing = True
+                    self._send(dict(self._add_msg(r), t="readd"))
+                    return
             elif k == len(r.out):
                 r.out.append(t)
                 self.m["tokens"] += 1

@@ -1,10 +1,10 @@
 """Engine <-> frontend messages: 4-byte little-endian length + UTF-8 JSON, over a Unix socket.
 
 frontend -> engine: ``{"t": "add", "rid", "prompt": [ids], "params": {...}, "out": [ids already delivered]}``,
-                    ``{"t": "abort", "rid"}``
+                    ``{"t": "abort", "rid"}``, ``{"t": "readd", ...like add}`` (replace the history)
 engine -> frontend: ``{"t": "hello", "pid", "rids": [...], "timings": {...}, "notes": [...]}`` (first),
                     ``{"t": "toks", "ev": [[rid, first_index, [ids], finish_reason|null], ...]}``,
-                    ``{"t": "err", "rid", "msg"}``, ``{"t": "stats", ...}``
+                    ``{"t": "err", "rid", "msg"}``, ``{"t": "stats", ...}``, ``{"t": "readd_ok", "rid"}``
 Token events carry their index, so the receiver can drop duplicates after a restart.
 """
 from __future__ import annotations

@@ -67,6 +67,13 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                         out += [list(e) for e in ev]
                     except ValueError as e:
                         sock.sendall(wire.encode({"t": "err", "rid": msg["rid"], "msg": str(e)}))
+                elif msg["t"] == "readd":
+                    out += [list(e) for e in eng.readd(msg["rid"], msg["prompt"],
+                                                       SamplingParams.from_dict(msg["params"]), msg["out"])]
+                    if out:
+                        sock.sendall(wire.encode({"t": "toks", "ev": out}))
+                        out = []
+                    sock.sendall(wire.encode({"t": "readd_ok", "rid": msg["rid"]}))
                 elif msg["t"] == "abort":
                     eng.abort(msg["rid"])
             if out:
