@@ -99,6 +99,9 @@ def throughput(args, config_path) -> dict:
             eng.anchor.client.drop_namespace()
     engines.clear()
     gc.collect()
+    if args.device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()
     return res
 
 
@@ -178,6 +181,10 @@ def recovery(args, config_path, anchor: bool) -> dict:
                 raise RuntimeError("streams ended before the kill: raise --max-tokens")
             time.sleep(0.01)
         pid = _get(base + "/health")["engine_pid"]
+        # Freeze the engine at an arbitrary point, let tokens already on the wire arrive,
+        # then kill it: every token after t_kill comes from the next engine.
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.0)
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
         for t in threads:
