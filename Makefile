@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
-	$(BIN)/python examples/kill_and_remap.py
+	$(BIN)/python examples/demo.py
 
 demo-remap: venv
 	$(BIN)/python examples/kill_and_remap.py

@@ -4,6 +4,9 @@
     gpu-anchor status [--json]
     gpu-anchor drop NAMESPACE [--device D]
     gpu-anchor stop [--device D]
+    gpu-anchor run [options] -- COMMAND...       supervise a job on this node
+    gpu-anchor torchrun TORCHRUN-ARGS...         torch elastic with this node's daemons
+    gpu-anchor serve MODEL_DIR | --random-weights CONFIG
 
 Subcommands that only talk to daemons never import torch.
 """
@@ -65,12 +68,16 @@ def _status_of(device: str, path: str | None) -> dict:
 
 
 def cmd_status(args) -> int:
+    from gpu_anchor.launch import jobstate
     targets = _targets(args)
     report = [_status_of(d, p) for d, p in targets.items()]
+    jobs = jobstate.load_all()
     if args.json:
-        json.dump({"socket_dir": socket_dir(), "daemons": report}, sys.stdout, indent=2)
+        json.dump({"socket_dir": socket_dir(), "daemons": report, "jobs": jobs}, sys.stdout, indent=2)
         print()
         return 0
+    if jobs:
+        print(jobstate.format_jobs(jobs))
     if not report:
         print(f"no gpu-anchor daemons in {socket_dir()} (start one: gpu-anchor daemon --device cuda:0 --detach)")
         return 0
@@ -153,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--device")
     st.add_argument("--socket")
     st.set_defaults(func=cmd_stop)
+
+    from gpu_anchor.launch.cli import add_run_parser, add_torchrun_parser
+    add_run_parser(sub)
+    add_torchrun_parser(sub)
     return p
 
 

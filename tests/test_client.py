@@ -70,10 +70,20 @@ def test_gc_of_last_tensor_frees_but_exit_and_crash_do_not(host_daemon):
     code = ("import torch, gpu_anchor\n"
             "c = gpu_anchor.connect('cpu', namespace='job')\n"
             "keep = c.tensor('kept_at_exit', (4,), torch.float32); keep.fill_(3)\n"
-            "gone = c.tensor('deleted', (4,), torch.float32); del gone\n")
+            "gone = c.tensor('deleted', (4,), torch.float32); del gone\n"
+            "c.names()  # the free rides on the next request\n"
+            "def main():\n"
+            "    model = c.tensor('local_model', (4,), torch.float32); model.fill_(9)\n"
+            "    raise RuntimeError('crash')\n"
+            "try:\n"
+            "    main()\n"
+            "except RuntimeError:\n"
+            "    pass  # a wrapper that catches and exits: main's frame (and the model) is gone\n"
+            )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     names = c.names()
     assert "kept_at_exit" in names and "deleted" not in names
+    assert "local_model" in names  # frees still queued at exit are dropped: never lose state
     assert c.tensor("kept_at_exit", (4,), torch.float32).tolist() == [3.0] * 4
 
 

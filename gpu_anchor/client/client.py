@@ -9,8 +9,9 @@ Contract:
   new process returns the same memory and data ("matched"), or fresh memory
   ("created", contents undefined) if it was never anchored.
 - A tensor whose last reference dies (with all its views) frees its object in
-  the daemon, except during interpreter shutdown, in a forked child, or on a
-  crash: then the object stays for the next worker.  ``free`` frees at once.
+  the daemon, with this process's next request to it — not during interpreter
+  shutdown, not from a forked child, not after a crash: then the object stays
+  for the next worker.  ``free`` frees at once.
 - One client per process and device is the normal case; it is thread-safe.
 """
 from __future__ import annotations
@@ -50,9 +51,13 @@ def _queue_free(key: tuple, name: str, generation: int) -> None:
 
 @atexit.register
 def _stop_reporting_frees() -> None:
-    """Objects the program deleted are freed; those still alive at exit stay anchored."""
-    for client in list(_live_clients):
-        client.flush_frees()
+    """From here on, dying tensors free nothing: what is alive at exit stays anchored.
+
+    Frees still queued are dropped, not sent: a wrapper that caught an exception and
+    unwound the frames holding a model (``torch.distributed.elastic``'s ``@record``, a
+    user's ``try/except: sys.exit(1)``) must not free the state the next worker needs.
+    The price is on the safe side: an object deleted just before exit, with no request
+    after it, stays until ``gpu-anchor drop`` (``client.free`` frees at once)."""
     mapping.shutting_down = True
 
 
@@ -108,7 +113,7 @@ class Client:
         return self._channel.request(header, blob)
 
     def flush_frees(self) -> None:
-        """Forward frees of objects whose tensors died; runs before every request and at exit."""
+        """Forward frees of objects whose tensors died; runs before every request."""
         if not _pending_frees or os.getpid() != self._channel.pid:
             return
         mine: dict[str, list] = {}
