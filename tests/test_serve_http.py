@@ -160,3 +160,26 @@ def test_streams_survive_engine_sigkills(server):
         assert int(metrics["gpu_anchor_serve_token_mismatch_total"]) == 0
     assert restarts >= KILLS, restarts
     assert int(metrics["gpu_anchor_serve_replayed_tokens_total"]) > 0
+
+
+def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(server, tmp_path):
+    import openai
+    model, start = server
+    base = start()
+    _wait_up(base)
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    s = c.completions.create(model="tiny-qwen3", prompt="hello", max_tokens=400, temperature=0, stream=True,
+                             extra_body={"ignore_eos": True})
+    for i, _ in enumerate(s):
+        if i == 3:
+            break
+    s.close()
+    deadline = time.time() + 30
+    while "gpu_anchor_serve_requests_open 0" not in _get(base + "/metrics")[1]:
+        assert time.time() < deadline, "the abandoned request was not dropped"
+        time.sleep(0.1)
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", str(bad), "--no-anchor"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "not-a-model" in r.stderr
