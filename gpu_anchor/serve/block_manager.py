@@ -25,7 +25,8 @@ class BlockManager:
         # LIFO free list, lowest ids first out: deterministic allocation.
         self._free = list(range(num_blocks - 1, -1, -1))
         self._owner: dict[int, str] = {}
-        self._pending: list[int] = []
+        self._pending: list[tuple[int, int]] = []   # (epoch released in, block)
+        self.epoch = 0       # the engine bumps it per step; a commit of epoch E frees releases <= E
 
     @property
     def num_free(self) -> int:
@@ -55,14 +56,16 @@ class BlockManager:
         """Give blocks back; they become allocatable after the next commit."""
         for b in table:
             self._owner.pop(b, None)
-            self._pending.append(b)
+            self._pending.append((self.epoch, b))
         table.clear()
 
-    def on_commit(self) -> None:
+    def on_commit(self, epoch: int | None = None) -> None:
+        """The commit covering releases up to ``epoch`` (default: all) has landed."""
         if self._pending:
-            self._free.extend(sorted(self._pending, reverse=True))
+            done = [b for e, b in self._pending if epoch is None or e <= epoch]
+            self._pending = [(e, b) for e, b in self._pending if not (epoch is None or e <= epoch)]
+            self._free.extend(done)
             self._free.sort(reverse=True)
-            self._pending.clear()
 
     def adopt(self, tables: dict[str, list[int]]) -> None:
         """Rebuild ownership from committed block tables (recovery).  Raises
@@ -81,6 +84,6 @@ class BlockManager:
 
     def check(self) -> None:
         """Invariant: every block is exactly one of owned, pending, free."""
-        seen = list(self._owner) + self._pending + self._free
+        seen = list(self._owner) + [b for _, b in self._pending] + self._free
         if sorted(seen) != list(range(self.num_blocks)):
             raise InconsistentState("block accounting broken")

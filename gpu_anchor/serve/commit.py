@@ -62,8 +62,15 @@ class Committer:
 
     def commit(self, live, gone=()) -> None:
         """``live``: every unfinished sequence; ``gone``: rids finished or aborted since the last commit."""
+        payload = self.prepare(live, gone)
+        if payload is not None:
+            self.apply(*payload)
+
+    def prepare(self, live, gone=()):
+        """Build the commit of the current state: ``(puts, deletes)``, or ``None`` if nothing
+        changed.  Updates the record caches as if it landed: apply it (in order) or die."""
         if self.journal is None:
-            return
+            return None
         puts: dict[str, bytes] = {}
         deletes: list[str] = []
         for seq in live:
@@ -76,24 +83,25 @@ class Committer:
             st = state_record(seq)
             if st != self._state.get(rid):
                 puts[_st(rid)] = st
+                self._state[rid] = st
             for k in segment_keys(n0, len(seq.output_ids)):
                 puts[_out(rid, k)] = pack_ints(seq.output_ids[k * OUT_SEGMENT:(k + 1) * OUT_SEGMENT])
+            self._nout[rid] = len(seq.output_ids)
         for rid in gone:
             if rid not in self._nout:
                 continue
             deletes += [_req(rid), _st(rid)]
-            deletes += [_out(rid, k) for k in range(-(-self._nout[rid] // OUT_SEGMENT))]
+            deletes += [_out(rid, k) for k in range(-(-self._nout.pop(rid) // OUT_SEGMENT))]
+            self._state.pop(rid, None)
         if not puts and not deletes:
-            return
+            return None
+        return puts, deletes
+
+    def apply(self, puts, deletes) -> None:
+        """One atomic journal commit (safe to run on a helper thread)."""
         self.journal.commit(puts, deletes)
         self.commits += 1
         self.bytes += sum(len(k) + len(v) for k, v in puts.items())
-        for seq in live:
-            self._state[seq.rid] = state_record(seq)
-            self._nout[seq.rid] = len(seq.output_ids)
-        for rid in gone:
-            self._state.pop(rid, None)
-            self._nout.pop(rid, None)
 
 
 def read_sequences(journal) -> tuple[list[Sequence], list[str]]:

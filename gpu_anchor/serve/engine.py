@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Fault-injection points (tests): mid_prefill / mid_decode fire halfway through the layers of
 # the first step at or after the given one that has prefill work / only decodes.
 PHASES = ("between_steps", "mid_prefill", "mid_decode", "before_commit", "after_commit")
+
+
+class _Immediate:
+    """Runs 'submitted' work at once (no journal: nothing to overlap)."""
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        f.set_result(fn(*args))
+        return f
 
 
 @dataclass
@@ -123,6 +133,12 @@ class Engine:
         self.steps = 0
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
+        # Step N's commit is sent from a helper thread while step N+1 runs; its tokens are
+        # returned (published) only once it landed, and blocks freed by step N become
+        # reusable only then (BlockManager epochs).
+        self._inflight = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit") if journal is not None else \
+            _Immediate()
         self.model.mid_hook = self._mid_forward
         self._prefill_step = False
         self.tokens_generated = 0
@@ -185,11 +201,18 @@ class Engine:
         (after a replay disagreed with them): its KV is dropped and recomputed."""
         if self.scheduler.abort(rid) is not None:
             self.committer.forget(rid)
+        self._drop_unpublished(rid)
         return self.add_request(rid, prompt_ids, params, output_ids)
+
+    def _drop_unpublished(self, rid: str) -> None:
+        if self._inflight is not None:
+            fut, events, epoch = self._inflight
+            self._inflight = (fut, [e for e in events if e[0] != rid], epoch)
 
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:
             self._gone.append(rid)
+        self._drop_unpublished(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -249,16 +272,35 @@ class Engine:
                 sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
         grown, finished = self.scheduler.finish_step(work, sampled)
         self._fault("before_commit")
-        gone = self._gone + [s.rid for s in finished]
-        self.committer.commit(self.scheduler.seqs.values(), gone)
-        self.blocks.on_commit()
+        payload = self.committer.prepare(self.scheduler.seqs.values(), self._gone + [s.rid for s in finished])
         self._gone = []
+        epoch = self.blocks.epoch
+        self.blocks.epoch += 1
+        events = [(s.rid, len(s.output_ids) - 1, [s.output_ids[-1]], s.finish_reason) for s in grown]
+        published = self._await_commit()        # the previous step's commit ran during this forward
         self._fault("after_commit")
+        fut = self._pool.submit(self.committer.apply, *payload) if payload is not None else None
+        self._inflight = (fut, events, epoch)
+        if not self.scheduler.has_work():
+            published += self._await_commit()   # nothing left to overlap with: land it now
         self.steps += 1
         self.tokens_generated += len(grown)
-        for s in grown:
-            events.append((s.rid, len(s.output_ids) - 1, [s.output_ids[-1]], s.finish_reason))
+        return published
+
+    def _await_commit(self) -> list[tuple]:
+        """Wait for the in-flight commit; then its blocks may be reused and its tokens published."""
+        if self._inflight is None:
+            return []
+        fut, events, epoch = self._inflight
+        self._inflight = None
+        if fut is not None:
+            fut.result()             # a failed commit raises: the engine dies, nothing unsafe was published
+        self.blocks.on_commit(epoch)
         return events
+
+    def flush(self) -> list[tuple]:
+        """Land the in-flight commit and return the tokens it makes publishable."""
+        return self._await_commit()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline convenience: run ``prompts`` to completion, return their output ids."""
