@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import http.client
 import json
 import os
 import random
@@ -141,7 +142,6 @@ def _get(url):
 
 def recovery(args, config_path, anchor: bool) -> dict:
     """Start ``gpu-anchor serve``, open streams, SIGKILL the engine, time the resumption."""
-    import openai
     tmp = tempfile.mkdtemp(prefix="serve-bench-")
     port_file = os.path.join(tmp, "port")
     per_seq = -(-(args.prompt_len + args.max_tokens + 1) // args.block_size)
@@ -165,13 +165,19 @@ def recovery(args, config_path, anchor: bool) -> dict:
         cold_start = time.time() - t0
         vocab = json.load(open(config_path))["vocab_size"]
         prompts = _prompts(args.streams, args.prompt_len, vocab, seed=7)
-        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=900, max_retries=0)
         stamps = [[] for _ in prompts]
+        host, port = base.rsplit("/", 1)[1].split(":")
 
-        def run(i):
-            for ch in c.completions.create(model="x", prompt=prompts[i], max_tokens=args.max_tokens, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
-                stamps[i].append(time.time())     # one chunk per token batch
+        def run(i):   # plain http.client SSE reader: the openai package may be absent on the GPU host
+            conn = http.client.HTTPConnection(host, int(port), timeout=900)
+            body = json.dumps({"model": "x", "prompt": prompts[i], "max_tokens": args.max_tokens,
+                               "temperature": 0, "stream": True, "ignore_eos": True})
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    stamps[i].append(time.time())     # one chunk per token batch
+            conn.close()
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
