@@ -34,6 +34,12 @@ CASE = textwrap.dedent('''
         q = torch.randn(len(pos), hq, d, generator=g).to(device, dtype)
         meta = A.AttnMeta(torch.tensor(pos, device=device), torch.zeros(len(pos), dtype=torch.long, device=device),
                           torch.tensor(tseq, dtype=torch.int32, device=device), bt, q_starts, q_lens, ctx, tables)
+        # poison every slot no query may see: the kernel must not read them
+        seen = torch.zeros(nb, bs, dtype=torch.bool)
+        for t, c in zip(tables, ctx):
+            for p in range(c):
+                seen[t[p // bs], p % bs] = True
+        cache[:, ~seen.to(device)] = float("nan")
         ref = A.attend_reference(q.double(), cache.double(), meta, d ** -0.5)
         out = A.attend_triton(q, cache, meta, d ** -0.5)
         return (out.double() - ref).abs().max().item()

@@ -94,13 +94,16 @@ if triton is not None:
         for b in range(0, n_blocks):
             blk = tl.load(BT + seq * s_bt + b).to(tl.int64)
             off = blk * sc_b + n[:, None] * sc_s + kvh * sc_h + d[None, :]
-            k = tl.load(C + off)
-            v = tl.load(C + sc_kv + off)
+            kpos = b * BS + n
+            # slots past the query's position may hold anything (fresh memory, NaN patterns):
+            # never load them, since 0 * NaN would poison the accumulator
+            live = (kpos <= pos)[:, None]
+            k = tl.load(C + off, mask=live, other=0.0)
+            v = tl.load(C + sc_kv + off, mask=live, other=0.0)
             if IEEE:   # float32 caches: exact products, as the reference computes them
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            kpos = b * BS + n
             s = tl.where(kpos[None, :] <= pos, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])

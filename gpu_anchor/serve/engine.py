@@ -118,6 +118,9 @@ class Engine:
                 journal.commit({C.WEIGHTS: fp.encode()})
         self.weights_loaded = not weights_matched
         self.timings["weights_s"] = time.perf_counter() - t2
+        if any(status[n] == "created" for n, _, _ in kspecs):
+            for t in kv:          # fresh CUDA memory is undefined: start from zeros (once, at creation)
+                t.zero_()
         self.model = Model(self.mc, weights, kv, self.device)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
