@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import train  # noqa: F401  (lazy: gpu_anchor.train.AnchoredOptimizer loads torch on first use)
 from .errors import AnchorError, ConflictError, DaemonUnavailable, OutOfMemoryError, PermissionDenied
 
 
