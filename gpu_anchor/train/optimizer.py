@@ -33,6 +33,7 @@ from .hparams import set_hparams as _set_hparams
 from .state_dict import StateDictMixin
 from .kinds import kind_of
 from .protocol import StepState, key
+from gpu_anchor.launch import STEP_KEY, step_boundary
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -296,10 +297,14 @@ class AnchoredOptimizer(StateDictMixin):
         self._wait()
         new = self._state.finish()
         p = self.prefix
+        # STEP_KEY in the same commit: the supervisor's contract (docs/supervisor.md) — crash-loop
+        # detection, status, and checkpoints only at committed step boundaries.
         self._commit({key(p, "state"): new.encode(), key(p, "committed"): committed, key(p, "sched"): sched,
-                      key(p, "carry"): carry}, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
+                      key(p, "carry"): carry, STEP_KEY: b"%d" % new.step},
+                     deletes=[key(p, "boundary"), key(p, "carry_inflight")])
         self._state = new
         self._counts = new_counts
+        step_boundary(new.step, self.client)  # checkpoints when `gpu-anchor run --checkpoint-every` asks
 
     def _resume(self, vals: dict) -> None:
         p = self.prefix
