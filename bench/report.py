@@ -1,8 +1,11 @@
 """``python -m bench report``: render every result in bench/results/ into docs/benchmarks.md.
 
-A scenario module may define ``render(result: dict) -> str`` (markdown); otherwise
-its figures are listed as a two-column table.  Each section names the machine,
-the date and the command that produced it.
+A result belongs to the scenario module whose name is the longest ``_``-separated
+prefix of its ``benchmark`` (``scope_bind_cuda0`` -> bench/scope_bind.py).  That module
+may define ``render(result: dict) -> str`` (markdown) and ``title(result: dict) -> str``;
+otherwise its figures are listed as a two-column table.  Results of GPU test campaigns
+(a ``test`` key instead of a scenario, e.g. ``train_gpu_faults``) get a verdict table.
+Each section names the machine, the date and the command that produced it.
 """
 from __future__ import annotations
 
@@ -40,6 +43,47 @@ def _generic(result: dict) -> str:
     return "| figure | value |\n| --- | --- |\n" + "\n".join(rows)
 
 
+def _module(name: str):
+    """The scenario module for a result name, or None (``train_overhead_journal_tiny`` -> train_overhead)."""
+    from bench.__main__ import scenarios
+    known = set(scenarios())
+    parts = name.split(":")[0].removesuffix("_tiny").split("_")
+    for i in range(len(parts), 0, -1):
+        if "_".join(parts[:i]) in known:
+            return importlib.import_module("bench." + "_".join(parts[:i]))
+    return None
+
+
+def _test_table(r: dict) -> str:
+    """A GPU fault-injection test's output (gpu_anchor/train/gpu_campaign.py's JSON)."""
+    def yn(v, want=True):
+        return "—" if v is None else ("yes" if v else "**no**" if want else "no")
+    rows = [("Model", f"{r.get('model', '?')} ({r.get('dtype', '?')}, {r.get('optimizer', '?')}), "
+                      f"batch {r.get('batch', '?')} × seq {r.get('seq', '?')}, {r.get('steps', '?')} steps, "
+                      f"{r.get('chunks', '?')} chunks", ""),
+            ("SIGKILLs injected", f"{r.get('kills', '?')}" + (f" ({', '.join(r['kill_specs'])})"
+                                                             if r.get("kill_specs") else ""), ""),
+            ("Every step's loss present after the kills", yn(r.get("all_steps_present")), "yes"),
+            ("Max per-step loss difference vs fault-free run", _fmt(r.get("max_step_loss_diff")),
+             "within the noise of nondeterministic kernels"),
+            ("Losses bit-identical to fault-free", yn(r.get("losses_bit_identical"), want=False),
+             "not expected on GPU (nondeterministic kernels)"),
+            ("Replayed iterations identical to their first attempt", yn(r.get("replayed_iterations_identical")),
+             "yes")]
+    sc = r.get("state_compare") or {}
+    if sc.get("max_abs_diff"):
+        rows.append(("Final state vs fault-free: largest absolute difference",
+                     ", ".join(f"{k} {_fmt(v)}" for k, v in sc["max_abs_diff"].items()), ""))
+    rec = [x["construct_s"] for x in r.get("recoveries", []) if "construct_s" in x]
+    if rec:
+        rows.append(("Optimizer construction (recovery) in each new worker", f"{min(rec):.2f}–{max(rec):.2f} s", ""))
+    if "faulted_wall_s" in r:
+        rows.append(("Wall time, fault-free vs with the kills",
+                     f"{r.get('fault_free_wall_s', 0):.1f} s vs {r['faulted_wall_s']:.1f} s", ""))
+    rows.append(("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", ""))
+    return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
+
+
 def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: str | None = None) -> str:
     """Markdown for every result in ``results_dir`` (``*_tiny`` only with ``include_tiny``).
 
@@ -55,15 +99,13 @@ def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: 
         with open(path) as f:
             result = json.load(f)
         name = result.get("benchmark", os.path.basename(path)[:-5])
-        module = name.split(":")[0].removesuffix("_tiny")
-        try:
-            render = getattr(importlib.import_module(f"bench.{module}"), "render", None)
-        except ImportError:
-            render = None
-        body = render(result) if render else _generic(result)
-        parts.append(f"## {result.get('title', name)}\n\n"
+        mod = None if "test" in result else _module(name)
+        render, title = getattr(mod, "render", None), getattr(mod, "title", None)
+        body = _test_table(result) if "test" in result else render(result) if render else _generic(result)
+        heading = result.get("title") or (title(result) if title else None) or name
+        parts.append(f"## {heading}\n\n"
                      f"Machine: {_machine_line(result.get('machine', {}))}. Measured {result.get('date', '?')}.  \n"
-                     f"Command: `{result.get('command', '?')}`\n\n{body}\n")
+                     f"Command: `{str(result.get('command', '?')).strip()}`\n\n{body}\n")
     return "\n".join(parts)
 
 

@@ -2,7 +2,8 @@
 the parameters (same tensor count), and far less than building the model natively.
 
     python -m bench scope_bind --device cuda:0                       # H200: 1B and ~10B Llama, bf16
-    python -m bench scope_bind --device cpu --presets tiny tiny10    # smoke size
+    python -m bench scope_bind --device cpu --presets tiny tiny10    # CPU, small presets
+    python -m bench scope_bind --tiny                                # smoke: tiny + tiny10, CPU, one restart
 
 For each preset, in worker processes forked from this one (which imports torch and
 transformers but never touches CUDA — the warm-restart setting): a native build
@@ -137,12 +138,15 @@ def measure(device: str, preset: str, repeats: int, dtype: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="smoke run: presets tiny tiny10 on CPU, one restart")
     ap.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 when available)")
     ap.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     a = ap.parse_args(argv)
+    if a.tiny:
+        a.device, a.presets, a.repeats = "cpu", ["tiny", "tiny10"], 1
     # Workers are forked: this process must not initialise CUDA (an NVML-based check does not).
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     from bench.common import default_device
@@ -160,9 +164,60 @@ def main(argv=None) -> int:
               f"{r['restart_block_ms_median']:.1f} ms, bind {r['restart_bind_ms_median']:.1f} ms "
               f"(replayed ops {r['restart_replayed_ops']}, all matched {r['restart_all_matched']}) | "
               f"memory overhead {r['memory_overhead_pct']:.3f} %")
-    path = write_result(f"scope_bind_{device.replace(':', '')}", {"device": device, "rows": rows}, a.out)
+    path = write_result(f"scope_bind_{device.replace(':', '')}" + ("_tiny" if a.tiny else ""), {"device": device, "rows": rows}, a.out)
     print("wrote", path)
     return 0
+
+
+# ---------------------------------------------------------------- report
+def title(r: dict) -> str:
+    return f"managed_scope bind time vs model size ({r.get('device', '?')})"
+
+
+def render(r: dict) -> str:
+    """Issue 3's targets: restart bind < 100 ms for 1B on the H200; 10× the parameters bind in the same
+    time within noise; memory overhead ≤ 1 % (the overhead target is judged on ≥ 0.5 B-parameter rows)."""
+    from bench.common import verdict
+    rows = r.get("rows", [])
+    cuda = str(r.get("device", "")).startswith("cuda")
+    out = ["| model | params | tensors | native build | create: scope exit | restart: `with` block | "
+           "restart: scope exit (naming + bind + map + swap) | replayed on restart | all matched | "
+           "memory overhead |", "| --- |" + " ---: |" * 9]
+    for x in rows:
+        out.append(f"| {x['preset']} ({x['dtype']}) | {x['params'] / 1e6:,.1f} M | {x['tensors']} | "
+                   f"{x['native_build_s'] * 1e3:.0f} ms | {x['create']['exit_ms']:.0f} ms | "
+                   f"{x['restart_block_ms_median']:.0f} ms | {x['restart_bind_ms_median']:.1f} ms | "
+                   f"{x['restart_replayed_ops']} ops | {'yes' if x['restart_all_matched'] else '**no**'} | "
+                   f"{x['memory_overhead_pct']:.2f} % |")
+    out += ["", "Restart figures are medians over the restarts; \"scope exit\" is the bind a restarted worker pays, "
+                "the `with` block is the model's own constructor running on placeholders.", ""]
+    t = ["| target (issue 3) | measured | verdict |", "| --- | --- | --- |"]
+    big = [x for x in rows if x["params"] >= 5e8]
+    if cuda and big:
+        b = big[0]
+        t.append(f"| restart bind < 100 ms for a 1B model on the GPU | {b['restart_bind_ms_median']:.1f} ms "
+                 f"({b['preset']}) | {verdict(b['restart_bind_ms_median'] < 100)} |")
+    if len(rows) >= 2:
+        a, z = rows[0], rows[-1]
+        sa = [q["exit_ms"] for q in a["restarts"]]
+        sz = [q["exit_ms"] for q in z["restarts"]]
+        overlap = min(sz) <= max(sa) and min(sa) <= max(sz)
+        t.append(f"| {z['param_ratio_vs_first']:.1f}× the parameters (same tensor count): same bind time within "
+                 f"noise | {z['restart_bind_ms_median']:.1f} vs {a['restart_bind_ms_median']:.1f} ms median "
+                 f"({z['bind_ratio_vs_first']:.2f}×); samples {min(sz):.1f}–{max(sz):.1f} vs "
+                 f"{min(sa):.1f}–{max(sa):.1f} ms | "
+                 + ("met (sample ranges overlap)" if overlap else
+                    f"**MISSED** strictly: the sample ranges do not overlap ({len(sa)} samples each), though the "
+                    f"bind grows {z['bind_ratio_vs_first']:.2f}× for {z['param_ratio_vs_first']:.1f}× the "
+                    f"parameters") + " |")
+    if big:
+        t.append("| memory overhead (daemon reserved vs native bytes) ≤ 1 % | "
+                 + ", ".join(f"{x['memory_overhead_pct']:.2f} % ({x['preset']})" for x in big)
+                 + f" | {verdict(all(x['memory_overhead_pct'] <= 1 for x in big))} |")
+    else:
+        t.append("| memory overhead ≤ 1 % (for the 1B model) | not judged on these small models (see the last "
+                 "column: allocation rounding dominates) | — |")
+    return "\n".join(out + t)
 
 
 if __name__ == "__main__":
