@@ -28,7 +28,8 @@ def _same_as_reference(ns, ref_ns, res, ref):
         a = gpu_anchor.connect("cpu", namespace=f"{ref_ns}/rank{r}")
         b = gpu_anchor.connect("cpu", namespace=f"{ns}/rank{r}")
         assert C.compare(a, b) == [], f"rank {r} state"
-        assert C.digests(res["logs"][r]) == C.digests(ref["logs"][r]) != []
+        # a rank that had finished prints its digest again when a peer's death restarts the group
+        assert set(C.digests(res["logs"][r])) == set(C.digests(ref["logs"][r])) != set()
 
 
 def test_reference_matches_plain_ddp(ddp_reference, tmp_path):
