@@ -211,7 +211,7 @@ def recovery(args, config_path, anchor: bool) -> dict:
             proc.kill()
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="2-layer model on the CPU (smoke run)")
     ap.add_argument("--device", default=None)
@@ -228,9 +228,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-recovery-baseline", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/serve_throughput.json or stdout)")
     args = ap.parse_args(argv)
-    if args.tiny:
+    if args.tiny:  # a smoke run: every code path, a few seconds of work
         args.device = args.device or "cpu"
         args.dtype = args.dtype or "float32"
+        args.requests = args.streams = min(args.requests, 8)
+        args.prompt_len, args.max_tokens, args.rounds = min(args.prompt_len, 32), min(args.max_tokens, 12), 1
     args.device = args.device or "cuda:0"
     args.dtype = args.dtype or "bfloat16"
     from gpu_anchor.daemon import control
@@ -260,12 +262,14 @@ def main(argv=None) -> dict:
         control.stop(args.device, args.socket)
         daemon.wait(30)
     out = args.out or (os.path.join(os.environ["OUT"], "serve_throughput.json") if os.environ.get("OUT") else None)
+    if out and os.path.isdir(out):
+        out = os.path.join(out, "serve_throughput_tiny.json" if args.tiny else "serve_throughput.json")
     text = json.dumps(res, indent=2)
     if out:
         with open(out, "w") as f:
             f.write(text)
     print(text)
-    return res
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The serving benchmark's tiny configuration runs end to end on the CPU (no timing asserts)."""
 from __future__ import annotations
 
-import sys
+import json
 
 import pytest
 
@@ -9,8 +9,9 @@ import pytest
 def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend("bench")
     from serve_throughput import main
-    res = main(["--tiny", "--requests", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1",
-                "--skip-hf", "--skip-recovery", "--out", str(tmp_path / "r.json")])
+    assert main(["--tiny", "--requests", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1",
+                 "--skip-hf", "--skip-recovery", "--out", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
     t = res["throughput"]
     assert t["anchored_and_plain_outputs_equal"]
     assert t["runs"]["anchored"][0]["tokens"] == 32 and t["runs"]["anchored"][0]["commits"] > 0
@@ -21,8 +22,9 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
 def test_serve_throughput_tiny_full(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend("bench")
     from serve_throughput import main
-    res = main(["--tiny", "--requests", "4", "--streams", "4", "--prompt-len", "8", "--max-tokens", "40",
-                "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    assert main(["--tiny", "--requests", "4", "--streams", "4", "--prompt-len", "8", "--max-tokens", "40",
+                 "--rounds", "1", "--out", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
     assert "tokens_per_s" in res["hf_generate_batch"], res["hf_generate_batch"]
     for k in ("recovery_anchored", "recovery_no_anchor"):
         assert res[k]["streams_resumed"] == 4 and res[k]["token_mismatches"] == 0
