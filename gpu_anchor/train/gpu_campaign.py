@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from gpu_anchor.train.campaign import _child, _wait
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                 rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
@@ -91,26 +93,6 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
     os.close(fd)
 
 
-def _fork(fn, *args) -> int:
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        code = 1
-        try:
-            fn(*args)
-            code = 0
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> int:
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
 def _parse(log: str) -> dict:
     losses, resumes, compare = {}, [], None
     for line in log.splitlines():
@@ -170,7 +152,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         ref_log = os.path.join(tmp, "ref.log")
-        code = _wait(_fork(worker, "ref", a, ref_log, None))
+        code = _wait(_child(worker, "ref", a, ref_log, None))
         if code != 0:
             raise RuntimeError(f"fault-free run failed ({code})")
         out["fault_free_wall_s"] = time.perf_counter() - t0
@@ -180,8 +162,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         codes = []
         for spec in specs:
-            codes.append(_wait(_fork(worker, "run", a, run_log, spec)))
-        codes.append(_wait(_fork(worker, "run", a, run_log, None, "ref")))
+            codes.append(_wait(_child(worker, "run", a, run_log, spec)))
+        codes.append(_wait(_child(worker, "run", a, run_log, None, "ref")))
         out["faulted_wall_s"] = time.perf_counter() - t0
         run = _parse(open(run_log).read())
         kills = sum(c == -signal.SIGKILL for c in codes[:-1])
