@@ -274,3 +274,41 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     main()
+
+
+def render(r: dict) -> str:
+    """Markdown for docs/benchmarks.md (``python -m bench report``)."""
+    t = r["throughput"]["best_tokens_per_s"]
+    ratio = r["throughput"]["anchored_over_plain"]
+    rows = [("Throughput, anchored vs the same engine without anchoring",
+             f"{t['anchored']:.0f} vs {t['plain']:.0f} tokens/s ({ratio:.3f}); outputs equal: "
+             f"{r['throughput']['anchored_and_plain_outputs_equal']}",
+             f"≥ 0.99 [paper 0.98]: {'met' if ratio >= 0.99 else 'MISSED'}")]
+    hf = r.get("hf_generate_batch", {})
+    if "tokens_per_s" in hf:
+        rows.append(("vs transformers `generate_batch` (continuous batching), same requests",
+                     f"{hf['tokens_per_s']:.0f} tokens/s: anchored engine {r['anchored_over_generate_batch']:.2f}×", ""))
+    for key, label in (("recovery_anchored", "gpu-anchor"), ("recovery_no_anchor", "same engine, no anchoring "
+                                                                                    "(re-prefill)")):
+        rec = r.get(key)
+        if rec:
+            k = rec["kill_to_first_resumed_token_s"]
+            rows.append((f"SIGKILL → first resumed token on every open stream, {label}",
+                         f"median {k['median']:.3f} s (min {k['min']:.3f}, max {k['max']:.3f}); "
+                         f"{rec['streams_resumed']}/{rec['streams']} streams, {rec['token_mismatches']} token "
+                         "mismatches", ""))
+    out = [f"Model: {r['model']}, {r['dtype']}; {r['requests']} concurrent requests, prompt {r['prompt_len']}, "
+           f"max tokens {r['max_tokens']}.", "", "| figure | measured | target |", "| --- | --- | --- |"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    b = r.get("recovery_anchored", {}).get("engine_breakdown_s")
+    if b:
+        out += ["", "Restarted engine, gpu-anchor (seconds): " + ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}" for k, v in b.items()) + ".",
+                "",
+                "Read with care: the first token a stream receives after the kill can be one the dead engine "
+                "had committed but not yet sent (the new engine re-sends committed tokens at hello, after "
+                f"`down` = {b.get('down_s', float('nan')):.3f} s). The first token *generated* by the new engine "
+                f"comes after its first step ({b.get('first_step_s', float('nan')):.3f} s, which in a fresh "
+                "process includes loading the attention kernel), i.e. about "
+                f"{b.get('down_s', 0) + b.get('first_step_s', 0):.2f} s after the kill."]
+    return "\n".join(out)
