@@ -194,7 +194,7 @@ def render(result: dict) -> str:
     lines.append("| gpu-anchor (per-step protocol) | " + " | ".join(cells) + " |")
     ok = all(oks) if oks else None
     tail = (f"\n\nTarget: gpu-anchor per-step protocol blocking ≤ {result['target_s'] * 1e3:.0f} ms "
-            f"[paper: {PAPER}] — {verdict(ok)}. Baselines block once per checkpoint (every 100 steps in the "
+            f"[paper: {PAPER}]: " + ("not measured (see below)" if ok is None else verdict(ok)) + ". Baselines block once per checkpoint (every 100 steps in the "
             "end-to-end run), gpu-anchor on every step, so the figures measure different things, as the paper "
             "warns; the end-to-end table is the fair comparison. Ratios are best-baseline time / this time.\n\n"
             "| model | plain step (ms) | anchored step (ms) | undo copies / step (ms) | journal commits / step | chunks |\n"
@@ -208,12 +208,13 @@ def render(result: dict) -> str:
             tail += (f"\n| {m} | {_ms('plain_step_s')} | {_ms('anchored_step_s')} | {_ms('copy_per_step_s')} | "
                      f"{commits} ({_ms('commit_per_step_s')} ms) | {a.get('chunks', '—')} |")
         elif "gpu_anchor_unavailable" in result["models"][m]:
-            tail += f"\n| {m} | gpu-anchor unavailable: {result['models'][m]['gpu_anchor_unavailable']} | | | | |"
+            why = str(result["models"][m]["gpu_anchor_unavailable"]).strip().splitlines()[0]  # one table cell
+            tail += f"\n| {m} | gpu-anchor unavailable: {why} | | | | |"
     first = "; ".join(f"{r['method']} {fmt_s(r['first_s'])}" for r in result["models"][ms[0]]["baselines"])
     notes = "; ".join(f"{r['method']}: " + ", ".join(f"{k}={_fmt_note(v)}" for k, v in r["notes"].items())
                       for r in result["models"][ms[0]]["baselines"] if r.get("notes"))
     if notes:
-        first += f" Method notes ({ms[0]}): {notes}"
+        first += f". Method notes ({ms[0]}): {notes}"
     for m in ms:
         for n, err in result["models"][m].get("failed", {}).items():
             tail += f"\n\n{m}: {n} FAILED — {err}"

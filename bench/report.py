@@ -84,6 +84,43 @@ def _test_table(r: dict) -> str:
     return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 
 
+def _ddp_table(r: dict) -> str:
+    """gpu_anchor/train/ddp_gpu.py's JSON: DDP ranks SIGKILLed, the group restarted, compared per rank."""
+    ranks = sorted({int(k[4:].split("_")[0]) for k in r if k.startswith("rank") and k.endswith("_losses_identical")})
+    rows = [("Devices", ", ".join(r.get("devices", [])) + f"; campaign MLP width {r.get('width', '?')} (fp32), "
+                                                            f"{r.get('steps', '?')} steps", ""),
+            ("SIGKILLs", f"{r.get('kills', '?')}: " + ", ".join(f"rank {k} {s}" for k, s in r.get("specs", [])),
+             ""),
+            ("Worker generations (group restarts + 1)", str(r.get("generations", "?")), "")]
+    for k in ranks:
+        same = r.get(f"rank{k}_losses_identical") and r.get(f"rank{k}_state_digest_identical")
+        rows.append((f"Rank {k}: losses and final state (sha256) identical to the fault-free group",
+                     "yes" if same else "**no**", "yes"))
+    rows += [("Wall time, fault-free vs with the kills",
+              f"{r.get('ref_wall_s', 0):.1f} s vs {r.get('faulted_wall_s', 0):.1f} s", ""),
+             ("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", "")]
+    return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
+
+
+def _demo_table(r: dict) -> str:
+    """examples/demo.py's JSON: a supervised job, workers then a daemon SIGKILLed, vs a fault-free run."""
+    out = [f"{r.get('nproc')} rank(s) on {r.get('device_type')}, {r.get('steps')} steps under `gpu-anchor run`; each "
+           f"run's final parameters compared bit for bit with a fault-free run.", "",
+           "| run | recoveries (kill → first step again) | final state identical | wall |", "| --- | --- | --- | --- |"]
+    for name, run in r.get("runs", {}).items():
+        recs = "; ".join(("daemon" if name == "daemon" else " ".join((x.get("reason") or "").split()[:2]))
+                         + f" killed → {x['action']}, {x['kind']}, "
+                         f"{x.get('how') or '?'}"
+                         + (f", checkpoint step {x['restore_step']}" if x.get("restore_step") else "")
+                         + f": {x['recovery_s']:.2f} s" for x in run.get("restarts", []))
+        out.append(f"| {name} | {recs or '—'} | {'yes' if run.get('identical') else '**no**'} | {run.get('seconds')} s |")
+    out += ["", "Verdict: " + ("**passed**" if r.get("ok") else "**FAILED**")]
+    return "\n".join(out)
+
+
+TESTS = {"train_gpu_ddp": _ddp_table, "two_gpu": _demo_table}
+
+
 def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: str | None = None) -> str:
     """Markdown for every result in ``results_dir`` (``*_tiny`` only with ``include_tiny``).
 
@@ -99,9 +136,10 @@ def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: 
         with open(path) as f:
             result = json.load(f)
         name = result.get("benchmark", os.path.basename(path)[:-5])
-        mod = None if "test" in result else _module(name)
+        test = result.get("test")
+        mod = None if test else _module(name)
         render, title = getattr(mod, "render", None), getattr(mod, "title", None)
-        body = _test_table(result) if "test" in result else render(result) if render else _generic(result)
+        body = (TESTS.get(test, _test_table)(result) if test else render(result) if render else _generic(result))
         heading = result.get("title") or (title(result) if title else None) or name
         parts.append(f"## {heading}\n\n"
                      f"Machine: {_machine_line(result.get('machine', {}))}. Measured {result.get('date', '?')}.  \n"
