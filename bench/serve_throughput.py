@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         args.device = args.device or "cpu"
         args.dtype = args.dtype or "float32"
         args.requests = args.streams = min(args.requests, 8)
-        args.prompt_len, args.max_tokens, args.rounds = min(args.prompt_len, 32), min(args.max_tokens, 12), 1
+        args.prompt_len, args.max_tokens, args.rounds = min(args.prompt_len, 32), min(args.max_tokens, 40), 1
     args.device = args.device or "cuda:0"
     args.dtype = args.dtype or "bfloat16"
     from gpu_anchor.daemon import control
@@ -262,12 +262,15 @@ def main(argv=None) -> int:
         control.stop(args.device, args.socket)
         daemon.wait(30)
     out = args.out or (os.path.join(os.environ["OUT"], "serve_throughput.json") if os.environ.get("OUT") else None)
-    if out and os.path.isdir(out):
-        out = os.path.join(out, "serve_throughput_tiny.json" if args.tiny else "serve_throughput.json")
-    text = json.dumps(res, indent=2)
     if out:
-        with open(out, "w") as f:
-            f.write(text)
+        # --out names a results directory (as every scenario takes) or a .json file
+        out_dir, name = (os.path.dirname(out) or ".", os.path.basename(out)[:-5]) if out.endswith(".json") else \
+            (out, "serve_throughput_tiny" if args.tiny else "serve_throughput")
+        res["title"] = "Serving: throughput with and without anchoring, and recovery"
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+        from bench.common import write_result
+        write_result(name, res, out_dir)
+    text = json.dumps(res, indent=2)
     print(text)
     return 0
 
