@@ -134,3 +134,14 @@ def plot_path(filename: str) -> tuple[str, str] | None:
     d = IMG_DIR
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, filename), f"img/{filename}"
+
+
+def median_by_mode(trials: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per mode: the median of every numeric field that all trials have, plus the trials themselves."""
+    out = {}
+    for mode, ts in trials.items():
+        out[mode] = {k: statistics.median(t[k] for t in ts) for k in ts[0]
+                     if isinstance(ts[0][k], (int, float)) and not isinstance(ts[0][k], bool)
+                     and all(t.get(k) is not None for t in ts)}
+        out[mode]["trials"] = ts
+    return out

@@ -22,11 +22,10 @@ import argparse
 import glob
 import os
 import shutil
-import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, speedup, verdict, write_result
+from bench.common import default_device, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
 
 TARGET_X = 10.0  # issue 7: gpu-anchor >= 10x faster than KV-memory, 8B model
 PAPER = "60.7 % faster on average, 5.16× for 235B"
@@ -117,12 +116,7 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
             launcher.kill(pid)
         finally:
             shutil.rmtree(state, ignore_errors=True)
-    out = {"method": method, "modes": {}}
-    for mode, ts in trials.items():
-        out["modes"][mode] = {k: statistics.median(t[k] for t in ts) for k in ts[0]
-                              if isinstance(ts[0][k], (int, float)) and not isinstance(ts[0][k], bool)
-                              and all(t[k] is not None for t in ts)}
-        out["modes"][mode]["trials"] = ts
+    out = {"method": method, "modes": median_by_mode(trials)}
     return out
 
 

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, speedup, verdict, write_result
+from bench.common import default_device, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
 
 TARGET_X = 5.0  # issue 7: >= 5x faster than the in-memory checkpoint, 1B model
 PAPER = "26.6 % faster"
@@ -101,11 +101,7 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
             launcher.kill(pid)
         finally:
             shutil.rmtree(d, ignore_errors=True)
-    out = {"method": method, "modes": {}}
-    for mode, ts in trials.items():
-        out["modes"][mode] = {k: statistics.median(t[k] for t in ts) for k in ts[0]
-                              if isinstance(ts[0][k], (int, float)) and not isinstance(ts[0][k], bool)}
-        out["modes"][mode]["trials"] = ts
+    out = {"method": method, "modes": median_by_mode(trials)}
     return out
 
 
