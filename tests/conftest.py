@@ -1,6 +1,7 @@
 """Shared fixtures: real daemons in a private socket directory per test."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -15,7 +16,16 @@ try:
     # torch 2.13's GNU OpenMP).  Kill campaigns fork from this interpreter, so every forked
     # child runs intra-op work on one thread.  Production workers fork from a zygote that
     # never ran an op, and are not affected.
-    os.register_at_fork(after_in_child=lambda: torch.set_num_threads(1))
+    #
+    # Objects a forked child inherits are frozen out of its garbage collector: finalizers of
+    # the parent's garbage (event loops, tokenizers, thread pools left by earlier tests) must
+    # not run in a child that lacks the parent's threads — seen hanging a forked DDP rank
+    # before its first instruction when the serve tests ran earlier in the same session.
+    def _after_fork_in_child() -> None:
+        gc.freeze()
+        torch.set_num_threads(1)
+
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 except ImportError:
     pass
 
