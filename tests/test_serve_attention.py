@@ -58,7 +58,10 @@ I._patch_lang_tensor = _patched
 
 
 def test_triton_kernel_matches_reference_interpreted():
-    pytest.importorskip("triton")
+    # Triton is not a test dependency on CPU machines (CI): it would add a large wheel for one
+    # test. The same kernel runs natively in tests/test_serve_gpu.py on the H200.
+    pytest.importorskip("triton", reason="triton is not installed on this CPU machine; the kernel is "
+                                         "tested natively by the GPU tests")
     code = INTERP + CASE + "\nprint(max(case('cpu', torch.float32, s) for s in range(2)))\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, TRITON_INTERPRET="1"))
