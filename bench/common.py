@@ -52,6 +52,8 @@ def write_result(name: str, result: dict, out_dir: str | None = None) -> str:
         argv[0] = "python -m bench"
     payload = {"benchmark": name, "command": " ".join(argv), "machine": machine(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **result}
+    if os.environ.get("GPU_ANCHOR_BENCH_CONCURRENT"):  # set by bench/h200_all.sh: shared host, other GPU busy
+        payload["concurrent"] = os.environ["GPU_ANCHOR_BENCH_CONCURRENT"]
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
@@ -145,3 +147,58 @@ def median_by_mode(trials: dict[str, list[dict]]) -> dict[str, dict]:
                      and all(t.get(k) is not None for t in ts)}
         out[mode]["trials"] = ts
     return out
+
+
+# ---------------------------------------------------------------- one method, one process
+
+FORKSERVER_PRELOAD = ["torch", "transformers", "bench.models", "bench.baselines.trainer"]
+
+
+def _isolated_child(conn, env, fn, args):
+    os.environ.clear()
+    os.environ.update(env)  # the fork server's environment is from when it started, not from now
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent as text
+        import traceback
+        conn.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(fn, *args, timeout: float = 600.0):
+    """``fn(*args)`` in a fresh child process; returns its (picklable) result.
+
+    Several methods measured in one process contaminate each other on a GPU (a baseline's
+    ``cudaHostRegister`` makes the next one's fail, caches and pools carry over), so each
+    runs in a child of a ``forkserver`` that imported torch and transformers and never
+    touched CUDA: a clean CUDA context per method, without paying the imports again.  The
+    child sees the caller's current environment.  Raises RuntimeError with the child's
+    error (or exit code), TimeoutError after ``timeout`` seconds (the child is killed).
+    """
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_isolated_child, args=(send, dict(os.environ), fn, args))
+    p.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            p.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} ran over {timeout:.0f} s; child killed")
+        try:
+            ok, value = recv.recv()
+        except EOFError:
+            p.join(5)
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)}: child died (exit code {p.exitcode})") from None
+    finally:
+        if p.is_alive():
+            p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        recv.close()
+    if not ok:
+        raise RuntimeError(value)
+    return value

@@ -143,7 +143,9 @@ def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: 
         heading = result.get("title") or (title(result) if title else None) or name
         parts.append(f"## {heading}\n\n"
                      f"Machine: {_machine_line(result.get('machine', {}))}. Measured {result.get('date', '?')}.  \n"
-                     f"Command: `{str(result.get('command', '?')).strip()}`\n\n{body}\n")
+                     f"Command: `{str(result.get('command', '?')).strip()}`"
+                     + (f"  \nRan at the same time as `{result['concurrent']}` on the host's other GPU (shared host "
+                        "CPUs, memory bandwidth and disk)." if result.get("concurrent") else "") + f"\n\n{body}\n")
     return "\n".join(parts)
 
 

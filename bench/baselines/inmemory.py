@@ -55,6 +55,13 @@ class InMemory(TrainCheckpoint):
             self._slots[k] = (buf, state.views(buf, entries))
         return self._slots[k][1]
 
+    def close(self) -> None:
+        super().close()
+        if torch.device(self.device).type == "cuda" and self.notes.get("pinned"):
+            for buf, _ in self._slots.values():  # a registration outliving us breaks the next registrant
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._slots.clear()
+
     def save(self, model, opt, step: int) -> None:
         named = state.named_state(model, opt)
         idx = rawfile.latest(self.directory)
