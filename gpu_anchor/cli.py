@@ -132,6 +132,31 @@ def cmd_stop(args) -> int:
     return 0
 
 
+def cmd_migrate(args) -> int:
+    """Ask a running ``gpu-anchor serve`` to move its engine; prints the cut-over report."""
+    import urllib.error
+    import urllib.request
+    device = "cpu" if args.to == "cpu" else normalize_device(args.to)
+    path = args.socket or default_socket(device)
+    if control.ping(device, path) is None:   # the destination daemon must outlive the engine: start it here
+        control.start(device, path)
+    req = urllib.request.Request(args.url.rstrip("/") + "/admin/migrate", method="POST",
+                                 data=json.dumps({"device": device, "socket": path}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            report = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+        print(f"gpu-anchor migrate: the server refused ({e.code}): {body}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"gpu-anchor migrate: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpu-anchor", description="Keep PyTorch jobs' GPU state alive across crashes.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -160,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--device")
     st.add_argument("--socket")
     st.set_defaults(func=cmd_stop)
+
+    mg = sub.add_parser("migrate", help="move a running gpu-anchor serve engine to another GPU or daemon",
+                        description="Pre-copies the engine's weights and KV cache while it serves, cuts over "
+                                    "between two steps and resumes every in-flight request on the destination "
+                                    "(state streams in on demand); client streams stay open.")
+    mg.add_argument("--to", required=True, help="destination device: cuda:N or cpu")
+    mg.add_argument("--socket", help="destination daemon socket (default: the device's standard one; another "
+                                     "path = another host daemon)")
+    mg.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
+    mg.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cut-over")
+    mg.set_defaults(func=cmd_migrate)
 
     from gpu_anchor.launch.cli import add_run_parser, add_torchrun_parser
     add_run_parser(sub)

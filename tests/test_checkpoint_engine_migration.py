@@ -92,3 +92,104 @@ def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemo
     assert [out[f"r{i}"] for i in range(len(jobs))] == ref
     import gpu_anchor
     assert gpu_anchor.connect("cpu", namespace="srv", socket=src).names() == [], "the source was dropped"
+
+
+SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
+         "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
+
+
+def _get(url):
+    import json
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_gpu_anchor_migrate_keeps_open_streams(tmp_path, two_daemons):
+    """``gpu-anchor migrate`` with 10 streams open: every stream's text equals the
+    fault-free run; then the migrated engine is SIGKILLed and the supervisor restarts it
+    on the destination daemon (the placement moved), with the source namespace gone."""
+    import json
+    import signal
+
+    import openai
+
+    import gpu_anchor
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    from gpu_anchor.serve.tokenizer import Codec
+    src, dst = two_daemons
+    model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
+    rng = random.Random(5)
+    words = "fox dog engine block cache hello world numbers journal daemon".split()
+    jobs = [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(2, 10))),
+             "max_tokens": rng.randint(150, 200), "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": 100 + i}
+            for i in range(10)]
+    codec = Codec(model, 384)
+    eng = Engine(EngineConfig(model=model, anchor=False, **CFG))
+    ref = [codec.decode(o) for o in eng.generate(
+        [codec.encode(j["prompt"]) for j in jobs],
+        [SamplingParams(max_tokens=j["max_tokens"], temperature=j["temperature"], seed=j["seed"]) for j in jobs])]
+
+    port_file = tmp_path / "port"
+    log = open(tmp_path / "serve.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                             str(port_file), "--socket", src, "--namespace", "mig", *SERVE],
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.time() + 120
+        while not port_file.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{port_file.read_text()}"
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=2)
+        got, started = [None] * len(jobs), [0] * len(jobs)
+
+        def run(i):
+            text = ""
+            for ch in c.completions.create(model="tiny-qwen3", stream=True, **jobs[i]):
+                text += ch.choices[0].text
+                started[i] += 1
+            got[i] = text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        while sum(1 for n in started if n > 0) < len(jobs):
+            assert any(t.is_alive() for t in threads)
+            time.sleep(0.01)
+        pid = _get(base + "/health")["engine_pid"]
+        out = subprocess.run([sys.executable, "-m", "gpu_anchor.cli", "migrate", "--to", "cpu", "--socket", dst,
+                              "--url", base], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        print("migration report", report)
+        assert report["restored"] + report["carried"] >= 8, "at least 8 requests were in flight at the cut-over"
+        assert report["downtime_s"] is not None and report["device"] == "cpu"
+        for t in threads:
+            t.join(300)
+        assert got == ref
+        health = _get(base + "/health")
+        assert health["engine_pid"] == pid and health["token_mismatches"] == 0, "same process, no restart"
+        deadline = time.time() + 60
+        while _get(base + "/health")["last_migration"].get("phase") != "migrate_done":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert gpu_anchor.connect("cpu", namespace="mig", socket=src).names() == [], "the source was dropped"
+        assert gpu_anchor.connect("cpu", namespace="mig", socket=dst).names(), "the state lives at the destination"
+
+        os.kill(pid, signal.SIGKILL)       # the supervisor must restart it where it migrated to
+        r = c.completions.create(model="tiny-qwen3", **jobs[0])
+        assert r.choices[0].text == ref[0]
+        health = _get(base + "/health")
+        assert health["engine_pid"] != pid
+        assert gpu_anchor.connect("cpu", namespace="mig", socket=src).names() == []
+        with pytest.raises(subprocess.CalledProcessError):
+            subprocess.run([sys.executable, "-m", "gpu_anchor.cli", "migrate", "--to", "cpu", "--socket", dst,
+                            "--url", base], capture_output=True, text=True, timeout=120, check=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -15,6 +15,7 @@ the frontend re-sends every open request).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -73,6 +74,18 @@ def _fault_for(plan: str | None, incarnation: int):
         return None
     rng = random.Random(seed * 1_000_003 + incarnation)
     return (rng.randint(0, maxstep), rng.choice(PHASES))
+
+
+def _follow_migration(cfg, path: str) -> None:
+    """A finished ``gpu-anchor migrate`` moved the engine: the next one starts where it went."""
+    try:
+        with open(path) as f:
+            p = json.load(f)
+    except FileNotFoundError:
+        return
+    if (p["device"], p["socket"]) != (cfg.device, cfg.socket):
+        log.info("engine placement: %s (daemon %s), after a migration", p["device"], p["socket"])
+        cfg.device, cfg.socket = p["device"], p["socket"]
 
 
 def engine_config(args, mc):
@@ -152,6 +165,7 @@ def main(args) -> int:
                 break
             if engine is None:
                 cfg.fault = _fault_for(args.fault_plan, incarnation)
+                _follow_migration(cfg, worker.placement_path(esock))
                 started = time.time()
                 engine = os.fork()
                 if engine == 0:

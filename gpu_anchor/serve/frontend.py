@@ -3,7 +3,7 @@
     python -m gpu_anchor.serve.frontend --engine-socket PATH --model-dir DIR [--port 8000]
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE streams), ``/v1/models``,
-``/health``, ``/metrics`` (Prometheus text).  The engine process connects to
+``/health``, ``/metrics`` (Prometheus text), ``POST /admin/migrate`` (``gpu-anchor migrate``).  The engine process connects to
 ``--engine-socket``; when it dies, open streams stay open and new requests queue.  When an
 engine (re)connects, its ``hello`` lists the requests it restored; every other open request
 is re-sent with the tokens its client already has.  Tokens carry their index, so
@@ -51,6 +51,8 @@ class Frontend:
         self.m = dict(requests=0, finished=0, tokens=0, connects=0, mismatch=0, dup=0, errors=0)
         self.last_timings: dict = {}
         self.down_since = time.monotonic()
+        self.migrations: dict[str, asyncio.Future] = {}   # mid -> cut-over report
+        self.last_migration: dict = {}
 
     # ------------------------------------------------------------- engine side
     def _send(self, obj) -> None:
@@ -99,10 +101,20 @@ class Frontend:
                         r.resyncing = False
                 elif msg["t"] == "stats":
                     self.last_timings.update({k: v for k, v in msg.items() if k != "t"})
+                elif msg["t"] in ("migrated", "migrate_done"):
+                    self.last_migration = dict(msg, phase=msg["t"])
+                    fut = self.migrations.pop(msg.get("mid"), None) if msg["t"] == "migrated" else None
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             if self.writer is writer:
+                for fut in self.migrations.values():
+                    if not fut.done():
+                        fut.set_result({"error": "the engine died during the migration; it restarts where "
+                                                 "its state was last complete"})
+                self.migrations.clear()
                 self.writer = None
                 self.engine_pid = None
                 self.down_since = time.monotonic()
@@ -287,6 +299,21 @@ class Frontend:
         finally:
             self.drop(r)
 
+    async def migrate(self, request):
+        """``POST /admin/migrate {"device", "socket"?}``: move the live engine there (see
+        ``gpu-anchor migrate``).  Answers after the cut-over, with its timings."""
+        body = await self._body(request)
+        if not isinstance(body.get("device"), str):
+            raise web.HTTPBadRequest(text=_err("give the destination device, e.g. cuda:1 or cpu"),
+                                     content_type="application/json")
+        if self.writer is None:
+            return web.json_response({"error": {"message": "no engine is connected"}}, status=503)
+        mid = uuid.uuid4().hex
+        fut = self.migrations[mid] = asyncio.get_running_loop().create_future()
+        self._send({"t": "migrate", "mid": mid, "device": body["device"], "socket": body.get("socket")})
+        res = await fut
+        return web.json_response(res, status=400 if res.get("error") else 200)
+
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                               "created": 0, "owned_by": "gpu-anchor"}]})
@@ -295,7 +322,8 @@ class Frontend:
         up = self.writer is not None
         return web.json_response({"status": "ok" if up else "engine_down", "engine_pid": self.engine_pid,
                                   "engine_restarts": max(0, self.m["connects"] - 1), "open_requests": len(self.reqs),
-                                  "last_recovery": self.last_timings, "token_mismatches": self.m["mismatch"]},
+                                  "last_recovery": self.last_timings, "token_mismatches": self.m["mismatch"],
+                                  "last_migration": self.last_migration},
                                  status=200 if up else 503)
 
     async def metrics(self, request):
@@ -331,6 +359,7 @@ def make_app(fe: Frontend) -> web.Application:
     app.router.add_get("/v1/models", fe.models)
     app.router.add_get("/health", fe.health)
     app.router.add_get("/metrics", fe.metrics)
+    app.router.add_post("/admin/migrate", fe.migrate)
     return app
 
 

@@ -7,6 +7,7 @@ request the engine does not know, with the tokens its client already received.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -34,6 +35,31 @@ def _connect(path: str, timeout: float = 120.0) -> socket.socket:
             time.sleep(0.05)
 
 
+def placement_path(frontend_socket: str) -> str:
+    """Where a migrated engine records its device and daemon for the supervisor's next fork."""
+    return os.path.join(os.path.dirname(frontend_socket), "placement.json")
+
+
+def _write_placement(path: str, placement: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(placement, f)
+    os.replace(tmp, path)
+
+
+class _Migrating:
+    """One ``migrate`` request's progress inside the serve loop (see ``checkpoint.engine_migration``)."""
+
+    def __init__(self, eng, msg: dict) -> None:
+        from gpu_anchor.checkpoint.engine_migration import EngineMigration
+        self.mid = msg.get("mid")
+        self.mig = EngineMigration(eng, msg["device"], msg.get("socket"))
+        self.mig.start()
+        self.cut_at = None           # perf_counter of the cut-over's start
+        self.last_old = None         # perf_counter of the old engine's last token batch
+        self.reported = False
+
+
 def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown)."""
@@ -50,8 +76,10 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
         sock.sendall(wire.encode({"t": "toks", "ev": [[s.rid, 0, s.output_ids, None] for s in eng.restored]}))
     dec = wire.Decoder()
     first_step = True
+    mg: _Migrating | None = None
+    last_sent = None
     while True:
-        timeout = 0.0 if eng.has_work() else 0.5
+        timeout = 0.0 if eng.has_work() else (0.01 if mg is not None else 0.5)
         r, _, _ = select.select([sock], [], [], timeout)
         if r:
             data = sock.recv(1 << 20)
@@ -76,14 +104,42 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                     sock.sendall(wire.encode({"t": "readd_ok", "rid": msg["rid"]}))
                 elif msg["t"] == "abort":
                     eng.abort(msg["rid"])
+                elif msg["t"] == "migrate":
+                    try:
+                        if mg is not None:
+                            raise ValueError("a migration is already in progress")
+                        mg = _Migrating(eng, msg)
+                    except Exception as e:
+                        log.exception("migration refused")
+                        sock.sendall(wire.encode({"t": "migrated", "mid": msg.get("mid"), "error": str(e)}))
             if out:
                 sock.sendall(wire.encode({"t": "toks", "ev": out}))
+        if mg is not None and mg.cut_at is None and mg.mig.ready():
+            mg.cut_at, mg.last_old = time.perf_counter(), last_sent
+            eng, events = mg.mig.cutover()
+            if events:
+                sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
+                mg.last_old = time.perf_counter()
         if eng.has_work():
             ts = time.perf_counter()
             events = eng.step()
             if events:
                 sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
+                last_sent = time.perf_counter()
             if first_step:
                 first_step = False
                 sock.sendall(wire.encode({"t": "stats", "first_step_s": time.perf_counter() - ts,
                                           "ready_s": time.time() - t0}))
+        if mg is not None and mg.cut_at is not None:
+            if not mg.reported and (last_sent and last_sent > mg.cut_at or not eng.has_work()):
+                # downtime as a client sees it: last token from the old engine -> first from the new
+                mg.reported = True
+                first_new = last_sent if last_sent and last_sent > mg.cut_at else None
+                sock.sendall(wire.encode({"t": "migrated", "mid": mg.mid, **mg.mig.stats,
+                                          "downtime_s": (first_new - (mg.last_old or mg.cut_at)) if first_new
+                                          else None, "device": mg.mig.device}))
+            if mg.reported and mg.mig.poll():
+                _write_placement(placement_path(frontend_socket), mg.mig.placement)
+                sock.sendall(wire.encode({"t": "migrate_done", "mid": mg.mid, **mg.mig.stats,
+                                          **mg.mig.placement}))
+                mg = None
