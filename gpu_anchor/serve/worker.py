@@ -116,10 +116,13 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                 sock.sendall(wire.encode({"t": "toks", "ev": out}))
         if mg is not None and mg.cut_at is None and mg.mig.ready():
             mg.cut_at, mg.last_old = time.perf_counter(), last_sent
-            eng, events = mg.mig.cutover()
+            events = eng.flush()        # the old engine's last tokens go out before the cut-over
             if events:
                 sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
                 mg.last_old = time.perf_counter()
+            eng, events = mg.mig.cutover()
+            if events:
+                sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
         if eng.has_work():
             ts = time.perf_counter()
             events = eng.step()
