@@ -39,6 +39,7 @@ class RunConfig:
     seed: int = 1234
     progress: str = "journal"       # journal | device (where the per-chunk cursor lives)
     scope: bool = False             # build model + optimizer inside gpu_anchor.managed_scope
+    amp: bool = False               # GradScaler (``make_scaler``); the log carries the scale too
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -74,20 +75,38 @@ def batch(step: int, seed: int):
     return x, torch.sin(x[:, :D_OUT] * 2.0) + 0.1 * torch.randn(BATCH, D_OUT, generator=g)
 
 
-def _log(fd: int, step: int, loss: torch.Tensor) -> None:
-    os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}\n".encode())
+def make_scaler() -> torch.amp.GradScaler:
+    """A scaler that overflows now and then on this model under fp16 autocast (fp16 gradients
+    overflow from a scale of about 2**20): skipped and applied steps mix."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 22, growth_factor=2.0 ** 3,
+                                backoff_factor=2.0 ** -4, growth_interval=2)
+
+
+def forward_loss(model, x, y, amp: bool) -> torch.Tensor:
+    """The campaign's loss; ``amp``: the model runs under fp16 autocast (loss in fp32)."""
+    if not amp:
+        return torch.nn.functional.mse_loss(model(x), y)
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def _log(fd: int, step: int, loss: torch.Tensor, scaler=None) -> None:
+    extra = f" {scaler.get_scale():.6e}" if scaler is not None else ""
+    os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}{extra}\n".encode())
 
 
 def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = None) -> int:
     """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
     faults.arm(fault)
+    scaler = make_scaler() if cfg.amp else None
     if cfg.scope:
         with gpu_anchor.managed_scope(namespace=namespace):
             model = build_model(cfg.seed)
             inner = build_optimizer(model, cfg)
             sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
             opt = AnchoredOptimizer(inner, model=model, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
-                                    progress=cfg.progress)
+                                    progress=cfg.progress, scaler=scaler)
     else:
         client = gpu_anchor.connect("cpu", namespace=namespace)
         model = build_model(cfg.seed)
@@ -95,16 +114,16 @@ def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = Non
         inner = build_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
         opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
-                                progress=cfg.progress)
+                                progress=cfg.progress, scaler=scaler)
     start = opt.completed_steps
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         for step in range(start, cfg.steps):
             x, y = batch(step, cfg.seed)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            loss = forward_loss(model, x, y, cfg.amp)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             opt.loop_state["samples"] = opt.loop_state.get("samples", 0) + BATCH
-            _log(fd, step, loss)
+            _log(fd, step, loss, scaler)
             opt.step()
             opt.zero_grad()
         os.write(fd, f"done {opt.loop_state.get('samples', 0)} {opt.completed_steps}\n".encode())

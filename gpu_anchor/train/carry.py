@@ -10,20 +10,27 @@ import pickle
 
 import torch
 
+from . import amp
 
-def capture(loop_state: dict, device) -> bytes:
-    """``device=None``: do not track RNG; else the CPU generator and, for CUDA, that device's."""
+
+def capture(loop_state: dict, device, scaler=None) -> bytes:
+    """``device=None``: do not track RNG; else the CPU generator and, for CUDA, that device's.
+    ``scaler``: a GradScaler whose state (scale, growth tracker) rides along."""
     rng = {}
     if device is not None:
         rng["cpu"] = torch.get_rng_state().numpy().tobytes()
         if device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(device).numpy().tobytes()
-    return pickle.dumps({"rng": rng, "loop": loop_state})
+    out = {"rng": rng, "loop": loop_state}
+    if scaler is not None:
+        out["scaler"] = amp.state(scaler)
+    return pickle.dumps(out)
 
 
-def restore(raw: bytes, device) -> dict:
-    """Restore the RNG state; returns the loop data."""
+def restore(raw: bytes, device, scaler=None) -> dict:
+    """Restore the RNG state (and ``scaler``'s); returns the loop data."""
     carry = pickle.loads(raw)
+    amp.restore(scaler, carry.get("scaler"))
     rng = carry["rng"]
     if "cpu" in rng:
         torch.set_rng_state(torch.frombuffer(bytearray(rng["cpu"]), dtype=torch.uint8))

@@ -58,7 +58,7 @@ class ChunkExecutor:
         from torch.optim.optimizer import _get_scalar_dtype
         t = torch.tensor([float(counts[s.param]) for c in self._chunks for s in c], dtype=_get_scalar_dtype())
         if any(hp.get("fused") or hp.get("capturable") for hp in hps):
-            t = t.to(self._params[0].p.device)
+            t = t.to(self._params[0].flat.device)
         out, k = [], 0
         for c in self._chunks:
             out.append([t[k + j] for j in range(len(c))])

@@ -1,4 +1,4 @@
-"""Multi-rank kill campaigns: DDP training where one rank is SIGKILLed and the group restarts.
+"""Multi-rank kill campaigns: DDP or FSDP2 training where a rank is SIGKILLed and the group restarts.
 
 Torchrun-style: when any rank dies the others are killed too and the whole group is
 started again (fresh file rendezvous, so no port can be taken by
@@ -27,7 +27,10 @@ from . import campaign as C
 
 
 def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConfig, log_path: str,
-               fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0) -> None:
+               fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0,
+               parallel: str = "ddp") -> None:
+    """One rank's life.  ``parallel``: ``"ddp"`` (replicas) or ``"fsdp"`` (FSDP2 ``fully_shard``
+    per Linear plus the root, each rank anchoring its own shards with ``anchor_fsdp``)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,6 +39,7 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
 
     from . import faults
     from .anchor import anchor_module
+    from .fsdp import anchor_fsdp
     from .optimizer import AnchoredOptimizer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -46,17 +50,22 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model = C.build_model(cfg.seed, width).to(dev)
+    if parallel == "fsdp":
+        shard(model, dev, world)
     inner = C.build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
     if plain:
         opt, start = inner, 0
     else:
         client = gpu_anchor.connect(device, namespace=namespace)
-        anchor_module(model, client)
+        if parallel == "fsdp":
+            anchor_fsdp(model, client)
+        else:
+            anchor_module(model, client)
         opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
                                 progress=cfg.progress)
         start = opt.completed_steps
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ddp = model if parallel == "fsdp" else DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     for step in range(start, cfg.steps):
         x, y = C.batch(step * world + rank, cfg.seed)
@@ -74,14 +83,28 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
     dist.destroy_process_group()
 
 
+def shard(model, dev, world: int) -> None:
+    """FSDP2 over all ranks: each Linear its own group, the rest (LayerNorm) with the root."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(dev.type, (world,))
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def state_digest(model, opt) -> str:
     """sha256 over the parameters and optimizer state, for comparing runs across processes."""
     import hashlib
 
     import torch
+
+    from .fsdp import local
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(local(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         for k in sorted(opt.optimizer.state.get(p, {})):
             t = opt.optimizer.state[p][k]
             if torch.is_tensor(t) and k != "step":
@@ -100,10 +123,11 @@ def _to_file(fn, path):
     return run
 
 
-def _start(rank, world, store, namespace, cfg, log_path, fault, device, plain, width):
+def _start(rank, world, store, namespace, cfg, log_path, fault, device, plain, width, parallel):
     if device == "cpu":
-        return C._child(_to_file(rank_train, log_path + ".err"), rank, world, store, namespace, cfg, log_path, fault, device, plain, width)
-    args = json.dumps([rank, world, store, namespace, cfg.__dict__, log_path, fault, device, plain, width])
+        return C._child(_to_file(rank_train, log_path + ".err"), rank, world, store, namespace, cfg, log_path, fault,
+                        device, plain, width, parallel)
+    args = json.dumps([rank, world, store, namespace, cfg.__dict__, log_path, fault, device, plain, width, parallel])
     return subprocess.Popen([sys.executable, "-m", "gpu_anchor.train.ddp_campaign", args])
 
 
@@ -125,8 +149,10 @@ def _kill(h):
 
 def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, faults_seq=(),
               random_kills: int = 0, max_delay_s: float = 1.0, rng=None, devices=None, plain=False,
-              width: int = 0, timeout_s: float = 150) -> dict:
-    """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``.  Returns counts and logs."""
+              width: int = 0, timeout_s: float = 150, parallel: str = "ddp", kill_all: bool = False) -> dict:
+    """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``.  Returns counts and logs.
+
+    A random kill SIGKILLs one random rank (``kill_all``: every rank at the same instant)."""
     rng = rng or random.Random(0)
     devices = devices or ["cpu"] * world
     if devices[0] == "cpu":
@@ -139,7 +165,8 @@ def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, fa
         store = os.path.join(log_dir, f".rendezvous-{os.getpid()}-{time.time_ns()}")
         spec = fixed.pop(0) if fixed else None
         procs = [_start(r, world, store, namespace, cfg, os.path.join(log_dir, f"rank{r}.log"),
-                        spec[1] if spec and spec[0] == r else None, devices[r], plain, width) for r in range(world)]
+                        spec[1] if spec and spec[0] == r else None, devices[r], plain, width, parallel)
+                 for r in range(world)]
         generations += 1
         deadline = time.monotonic() + timeout_s
         kill_at = time.monotonic() + rng.uniform(0, max_delay_s) if spec is None and left > 0 else None
@@ -151,7 +178,8 @@ def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, fa
                     _kill(h)
                 raise TimeoutError(f"group generation {generations} hung")
             if kill_at is not None and time.monotonic() >= kill_at:
-                _kill(procs[victim])
+                for h in procs if kill_all else [procs[victim]]:
+                    _kill(h)
                 kill_at = None
             for r, h in enumerate(procs):
                 if codes[r] is None:
@@ -180,7 +208,7 @@ def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, fa
 
 def main() -> None:  # pragma: no cover - entry point of a GPU rank
     a = json.loads(sys.argv[1])
-    rank_train(a[0], a[1], a[2], a[3], C.RunConfig(**a[4]), a[5], a[6], a[7], a[8], a[9])
+    rank_train(a[0], a[1], a[2], a[3], C.RunConfig(**a[4]), a[5], a[6], a[7], a[8], a[9], a[10])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import torch
 from . import carry as carry_mod
 from . import chunking, distributed, faults, protocol
 from .chunk_exec import ChunkExecutor
+from .fsdp import as_grad, local as _local
+from . import amp
 from .hparams import hparams as _hparams
 from .hparams import set_hparams as _set_hparams
 from .state_dict import StateDictMixin
@@ -45,7 +47,9 @@ def _open_scope():
 
 
 class _Param:
-    __slots__ = ("index", "name", "group", "p", "grad", "states", "flat", "gflat", "sflat")
+    # ``local``: the memory this rank owns (an FSDP2 DTensor's shard, else ``p``); ``gview``: what
+    # ``p.grad`` is set to (a DTensor over ``grad`` for DTensor parameters, else ``grad``)
+    __slots__ = ("index", "name", "group", "p", "local", "grad", "gview", "states", "flat", "gflat", "sflat")
 
 
 class AnchoredOptimizer(StateDictMixin):
@@ -55,6 +59,9 @@ class AnchoredOptimizer(StateDictMixin):
     ``chunk_bytes``: undo bytes per chunk (default: both slots <= 2 % of the anchored state).
     ``schedulers``: LR schedulers built on ``optimizer``; they step inside ``step()``
     and their state commits with it — do not call their ``step()`` yourself.
+    ``scaler``: a ``torch.amp.GradScaler`` for fp16 AMP: ``step()`` unscales (skipping the update
+    on inf/NaN, all ranks alike) and updates it; its state commits with the step.  Use
+    ``scaler.scale(loss).backward(); opt.step()``, never ``scaler.step`` / ``unscale_`` / ``update``.
     ``track_rng``: journal torch's CPU (and this device's CUDA) RNG state at each step.
     ``progress``: where the per-chunk cursor lives — ``"journal"`` (one journal commit
     and one device wait per chunk) or ``"device"`` (an anchored int64 written by the
@@ -64,7 +71,7 @@ class AnchoredOptimizer(StateDictMixin):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,
                  client=None, prefix: str = "train", chunk_bytes: int | None = None,
-                 schedulers=(), track_rng: bool = True, progress: str | None = None) -> None:
+                 schedulers=(), track_rng: bool = True, progress: str | None = None, scaler=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("AnchoredOptimizer wraps a torch.optim.Optimizer")
         if any(len(s) for s in optimizer.state.values()):
@@ -72,6 +79,7 @@ class AnchoredOptimizer(StateDictMixin):
         self.optimizer = optimizer
         self.kind = kind_of(optimizer)
         self.schedulers = list(schedulers)
+        self.scaler = amp.check(scaler)
         self.track_rng = track_rng
         self.prefix = prefix
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
@@ -97,18 +105,15 @@ class AnchoredOptimizer(StateDictMixin):
             for j, p in enumerate(group["params"]):
                 if any(q.p is p for q in self._params):
                     raise ValueError("a parameter appears twice in the optimizer")
-                if hasattr(p, "_local_tensor") or hasattr(p, "device_mesh"):
-                    raise NotImplementedError("DTensor / FSDP2 sharded parameters are not supported yet; "
-                                              "DDP and single-device training are")
-                if not p.is_contiguous():
+                if not _local(p).is_contiguous():
                     raise ValueError("AnchoredOptimizer needs contiguous parameters")
                 e = _Param()
-                e.index, e.group, e.p = len(self._params), gi, p
+                e.index, e.group, e.p, e.local = len(self._params), gi, p, _local(p)
                 e.name = names.get(id(p), f"g{gi}.p{j}")
                 self._params.append(e)
         if not self._params:
             raise ValueError("the optimizer has no parameters")
-        devices = {q.p.device for q in self._params}
+        devices = {q.local.device for q in self._params}
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
@@ -123,8 +128,8 @@ class AnchoredOptimizer(StateDictMixin):
         self._state = StepState.decode(vals.get(key(prefix, "state")))
         meta = json.loads(vals[key(prefix, "meta")]) if key(prefix, "meta") in vals else None
         keys_of = [self.kind.state_keys(optimizer.param_groups[q.group]) for q in self._params]
-        sizes = [[q.p.element_size()] * (1 + len(k)) for q, k in zip(self._params, keys_of)]
-        total = sum(q.p.numel() * (sum(s) + q.p.element_size()) for q, s in zip(self._params, sizes))
+        sizes = [[q.local.element_size()] * (1 + len(k)) for q, k in zip(self._params, keys_of)]
+        total = sum(q.local.numel() * (sum(s) + q.local.element_size()) for q, s in zip(self._params, sizes))
         if self._state.in_flight:
             if meta is None:
                 raise RuntimeError("journal shows a step in flight but no protocol metadata")
@@ -140,7 +145,7 @@ class AnchoredOptimizer(StateDictMixin):
         if self.progress not in ("journal", "device"):
             raise ValueError(f"progress must be 'journal' or 'device', not {progress!r}")
         self._elem_sizes = sizes
-        self._chunks = chunking.plan([q.p.numel() for q in self._params], sizes, self.chunk_bytes)
+        self._chunks = chunking.plan([q.local.numel() for q in self._params], sizes, self.chunk_bytes)
         if self._state.in_flight and len(self._chunks) != self._state.chunks:
             raise RuntimeError(f"in-flight step has {self._state.chunks} chunks, the plan now {len(self._chunks)}")
         slot_bytes = max(chunking.chunk_bytes_used(c, sizes) for c in self._chunks)
@@ -149,8 +154,8 @@ class AnchoredOptimizer(StateDictMixin):
         # ------------------------------------------------------------ bind everything at once
         specs = []
         for q, ks in zip(self._params, keys_of):
-            specs.append((f"{prefix}.grad.{q.name}", tuple(q.p.shape), q.p.dtype))
-            specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.p.shape), q.p.dtype) for k in ks]
+            specs.append((f"{prefix}.grad.{q.name}", tuple(q.local.shape), q.local.dtype))
+            specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.local.shape), q.local.dtype) for k in ks]
         bound = client.bind(specs)
         resuming = self._state.step > 0 or self._state.in_flight
         lost = [b.name for b in bound if b.status == "created"]
@@ -169,8 +174,9 @@ class AnchoredOptimizer(StateDictMixin):
         it = iter(bound)
         for q, ks in zip(self._params, keys_of):
             q.grad = next(it).tensor
+            q.gview = as_grad(q.p, q.grad)
             q.states = {k: next(it).tensor for k in ks}
-            q.flat = q.p.detach().view(-1)
+            q.flat = q.local.detach().view(-1)
             q.gflat = q.grad.view(-1)
             q.sflat = {k: t.view(-1) for k, t in q.states.items()}
             optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
@@ -373,21 +379,24 @@ class AnchoredOptimizer(StateDictMixin):
         for q in self._params:
             g = q.p.grad
             if g is None:
-                q.p.grad = q.grad
+                q.p.grad = q.gview
                 mask.append(False)
-            elif g.data_ptr() != q.grad.data_ptr():
-                q.grad.copy_(g)              # someone replaced p.grad: bring it home
-                q.p.grad = q.grad
+            elif _local(g).data_ptr() != q.grad.data_ptr():
+                q.grad.copy_(_local(g))      # someone replaced p.grad: bring it home
+                q.p.grad = q.gview
                 mask.append(True)
             else:
                 mask.append(not self._cleared[q.index])
+        if self.scaler is not None and amp.unscale(self.scaler, [q.grad for q, m in zip(self._params, mask) if m],
+                                                   self.device, self._world > 1):
+            mask = [False] * len(mask)       # inf/NaN: skip the update, as GradScaler.step does
         return mask
 
     def _zero_grads(self, cleared: bool = True) -> None:
         torch._foreach_zero_([q.grad for q in self._params])
         for q in self._params:
-            if q.p.grad is None or q.p.grad.data_ptr() != q.grad.data_ptr():
-                q.p.grad = q.grad
+            if q.p.grad is None or _local(q.p.grad).data_ptr() != q.grad.data_ptr():
+                q.p.grad = q.gview
         self._cleared = [cleared] * len(self._params)
 
     def _make_hook(self, idx):
@@ -396,10 +405,10 @@ class AnchoredOptimizer(StateDictMixin):
         return hook
 
     def _capture_carry(self) -> bytes:
-        return carry_mod.capture(self.loop_state, self.device if self.track_rng else None)
+        return carry_mod.capture(self.loop_state, self.device if self.track_rng else None, self.scaler)
 
     def _restore_carry(self, raw: bytes) -> None:
-        self.loop_state = carry_mod.restore(raw, self.device)
+        self.loop_state = carry_mod.restore(raw, self.device, self.scaler)
 
     def _wait(self) -> None:
         if self.device.type == "cuda":
@@ -414,7 +423,7 @@ class AnchoredOptimizer(StateDictMixin):
         self.stats["commits"] += 1
 
     def _signature(self) -> list:
-        return [[q.name, list(q.p.shape), str(q.p.dtype)] for q in self._params]
+        return [[q.name, list(q.local.shape), str(q.local.dtype)] for q in self._params]
 
     def _meta(self) -> bytes:
         return json.dumps({"params": self._signature(), "chunk_bytes": self.chunk_bytes, "progress": self.progress,

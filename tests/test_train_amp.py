@@ -1,0 +1,75 @@
+"""GradScaler under the protocol: scale and growth tracker resume exactly after SIGKILL.
+
+The campaign runs the tiny MLP under fp16 autocast with a scaler that starts at
+2**22 (fp16 gradients overflow from about 2**20), backs off by 2**-4 and grows by 2**3
+every 2 good steps, so the run mixes overflowing (skipped) and applied steps.  Every worker logs ``step loss scale``; a kill anywhere must give the
+fault-free run's losses, scales and anchored state bit for bit, and the fault-free
+anchored run must equal plain torch driven by ``GradScaler.step`` / ``update``.
+"""
+import random
+
+import torch
+
+import gpu_anchor
+from gpu_anchor.train import campaign as C
+
+CFG = C.RunConfig(steps=10, amp=True)
+
+
+def _plain():
+    """Plain PyTorch with the same scaler; ``{step: "loss scale"}`` in the campaign's log format."""
+    import os
+    import tempfile
+    C.prewarm(CFG)
+    model = C.build_model(CFG.seed)
+    opt = C.build_optimizer(model, CFG)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, C.warmup)
+    scaler = C.make_scaler()
+    fd, path = tempfile.mkstemp()
+    skipped = 0
+    for step in range(CFG.steps):
+        x, y = C.batch(step, CFG.seed)
+        loss = C.forward_loss(model, x, y, amp=True)
+        scaler.scale(loss).backward()
+        C._log(fd, step, loss, scaler)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        sched.step()
+        opt.zero_grad()
+    os.close(fd)
+    with open(path) as f:
+        log = f.read()
+    os.unlink(path)
+    return C.trajectory(log)[0], skipped
+
+
+def test_amp_reference_equals_plain_gradscaler(host_daemon, tmp_path):
+    ref = C.run("amp-ref", CFG, str(tmp_path / "ref.log"))
+    losses = C.trajectory(ref.log)[0]
+    plain, skipped = _plain()
+    assert losses == plain
+    assert 0 < skipped < CFG.steps - 2            # both kinds of step happen
+    assert len({v.split()[1] for v in losses.values()}) >= 3    # the scale moves both ways
+
+
+def test_amp_kills_at_phases_and_random(host_daemon, tmp_path):
+    ref = C.run("amp-ref", CFG, str(tmp_path / "ref.log"))
+    ref_losses, ref_done = C.trajectory(ref.log)
+    ref_client = gpu_anchor.connect("cpu", namespace="amp-ref")
+    specs = ["before_boundary@1", "mid_chunk@2:1", "after_update@3:0", "after_commit@4:0", "between_steps@5",
+             "before_update@7:1"]
+    runs = [("amp-phase", dict(faults_seq=specs))]
+    runs += [(f"amp-rand{i}", dict(random_kills=6, max_delay_s=ref.wall_s, rng=random.Random(i))) for i in range(30)]
+    kills = 0
+    for ns, kw in runs:
+        if kills >= len(specs) + 20:
+            break
+        res = C.run(ns, CFG, str(tmp_path / f"{ns}.log"), **kw)
+        kills += res.kills
+        losses, done = C.trajectory(res.log)
+        assert losses == ref_losses, ns
+        assert done == ref_done, ns
+        assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace=ns)) == [], ns
+    assert kills >= len(specs) + 20
