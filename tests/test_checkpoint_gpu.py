@@ -160,3 +160,56 @@ def test_gpu_migration_cuda0_to_cuda1(cuda_daemon, tmp_path):
     finally:
         control.stop("cuda:1", path)
         proc.wait(timeout=30)
+
+
+def test_gpu_serving_engine_migrates_cuda0_to_cuda1(cuda_daemon, tmp_path):
+    """A serving engine (CUDA graphs on) moves to cuda:1 with 12 requests mid-generation;
+    every request's tokens equal a fault-free run on cuda:0."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import random
+
+    from gpu_anchor.checkpoint.engine_migration import EngineMigration
+    from gpu_anchor.daemon import control
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    from gpu_anchor.serve.tiny import make_tiny_model
+    model = make_tiny_model(str(tmp_path / "tiny"), "qwen3", seed=3)
+    path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
+    proc = control.start("cuda:1", path)
+    rng = random.Random(0)
+    jobs = [([rng.randrange(3, 380) for _ in range(rng.randint(5, 40))],
+             SamplingParams(max_tokens=rng.randint(40, 80), temperature=0.0 if i % 2 else 0.8, seed=i))
+            for i in range(12)]
+    cfg = dict(model=model, dtype="float32", block_size=16, num_blocks=256, max_model_len=256)
+    try:
+        ref = Engine(EngineConfig(anchor=False, device="cuda:0", **cfg)).generate(
+            [p for p, _ in jobs], [SamplingParams(**sp.to_dict()) for _, sp in jobs])
+        eng = Engine(EngineConfig(device="cuda:0", namespace="srv", **cfg))
+        out = {f"r{i}": [] for i in range(len(jobs))}
+
+        def publish(events):
+            for rid, i, ids, _ in events:
+                out[rid][i:] = ids
+        for i, (p, sp) in enumerate(jobs):
+            eng.add_request(f"r{i}", p, SamplingParams(**sp.to_dict()))
+        for _ in range(8):
+            publish(eng.step())
+        mig = EngineMigration(eng, "cuda:1", socket=path)
+        mig.start()
+        while not mig.ready():
+            publish(eng.step())
+        publish(eng.flush())
+        eng = None
+        new, events = mig.cutover()
+        publish(events)
+        assert new.device == torch.device("cuda:1") and mig.stats["restored"] == 12
+        while new.has_work():
+            publish(new.step())
+            mig.poll()
+        mig.finish()
+        assert mig.placement == {"device": "cuda:1", "socket": path}
+        assert [out[f"r{i}"] for i in range(len(jobs))] == ref
+    finally:
+        control.stop("cuda:1", path)
+        proc.wait(timeout=30)

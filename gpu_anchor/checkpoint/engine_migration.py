@@ -15,7 +15,9 @@ same names at the destination daemon, finds them "matched" with the journal's we
 fingerprint and KV layout, and restores every committed sequence with its KV — no
 prefill is recomputed.  A request the old engine held but had not committed yet (added
 after its last step) is re-added from the old engine's memory; aborts still pending
-are passed on.
+are passed on.  CUDA graphs: their replays bypass the dispatcher (the tracker would miss
+their KV writes, and a capture would record on-demand loads instead of running them),
+so the old engine decodes eagerly from ``start`` and the new one until ``poll`` is done.
 
 Consistency: ``cutover`` first lands the old engine's in-flight commit (``flush``), so
 the journal, the KV and the published tokens agree; the recopy then captures exactly
@@ -54,10 +56,14 @@ class EngineMigration:
         self.stats: dict = {}
         self._entered = False
         self._t0 = None
+        self._graphs = None
 
     def start(self) -> None:
         """Begin the pre-copy (the engine keeps stepping; the tracker marks KV it dirties)."""
         self._t0 = time.perf_counter()
+        # CUDA-graph replays bypass the dispatcher, so the tracker would miss their KV writes
+        # (a stale recopy): the old engine decodes eagerly until the cut-over.
+        self.old.graphs = None
         self.m.start(self.old.steps)
 
     def ready(self) -> bool:
@@ -78,6 +84,9 @@ class EngineMigration:
         cfg = dataclasses.replace(old.cfg, device=self.device, socket=self.socket or
                                   (self.src_socket if self.device == self.src_device else None), fault=None)
         new = Engine(cfg)
+        # A CUDA graph captured now would record the on-demand loads instead of running them:
+        # decode runs eagerly until every object is in (``poll`` hands the graphs back).
+        self._graphs, new.graphs = getattr(new, "graphs", None), None
         restored = {s.rid for s in new.restored}
         carried = 0
         for rid, s in list(old.scheduler.seqs.items()):
@@ -102,6 +111,7 @@ class EngineMigration:
             self.restore.wait()
             self.tracker.__exit__(None, None, None)
             self._entered = False
+            self.new.graphs = self._graphs
             self.stats["stream_s"] = self.restore.stats.get("seconds")
             self.stats["on_demand_objects"] = len(self.restore.stats.get("on_demand", []))
             client = self.old.anchor.client
