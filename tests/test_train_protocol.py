@@ -122,6 +122,25 @@ def test_rank_agreement_refuses_impossible_states(states):
             distributed.decide(states, r)
 
 
+@pytest.mark.parametrize("states,expect", [
+    ([(3, None, False), (3, None, False)], ["none", "none"]),
+    ([(3, 3, True), (3, 3, False)], ["finish", "finish"]),     # one device passed the barrier: all did backward
+    ([(3, 3, False), (4, None, False)], ["finish", "none"]),   # one rank already landed step 3
+    ([(3, 3, False), (3, 3, False)], ["discard", "discard"]),  # no device reached the boundary
+    ([(3, 3, False), (3, None, False)], ["discard", "none"]),  # one rank never committed the boundary
+])
+def test_rank_agreement_device_progress(states, expect):
+    assert [distributed.decide_device(states, r) for r in range(len(states))] == expect
+
+
+@pytest.mark.parametrize("states", [[(4, None, False), (3, None, False)], [(3, 3, True), (3, None, False)],
+                                    [(3, 2, False), (3, 3, False)], [(5, None, False), (3, 3, False)]])
+def test_rank_agreement_device_progress_refuses_impossible_states(states):
+    with pytest.raises(distributed.DisagreementError):
+        for r in range(len(states)):
+            distributed.decide_device(states, r)
+
+
 def test_fault_specs():
     assert faults.parse("mid_chunk@3:1") == ("mid_chunk", 3, 1)
     assert faults.parse("between_steps@4") == ("between_steps", 4, None)
@@ -142,9 +161,10 @@ def test_device_progress_word():
     assert decode_progress(-1) == (-1, 0)
     st = StepState(9).begin(4, device_progress=True)
     assert st.undo == -1 and st.rollback_chunk() is None
-    assert device_resume_point(st, -1) == (0, False)                       # never started
-    assert device_resume_point(st, encode_progress(8, 3)) == (0, False)    # last step's word
-    assert device_resume_point(st, encode_progress(9, 2)) == (2, True)     # chunk 2 maybe half written
+    assert device_resume_point(st, -1) is None                              # never began: discard
+    assert device_resume_point(st, encode_progress(8, 4)) is None           # last step's word
+    assert device_resume_point(st, encode_progress(9, 2)) == 2              # chunk 2 maybe half written
+    assert device_resume_point(st, encode_progress(9, 4)) == 4              # written; commit missing
     with pytest.raises(ValueError):
         device_resume_point(st, encode_progress(9, 7))
     with pytest.raises(RuntimeError):

@@ -41,6 +41,30 @@ def decide(states: list[tuple[int, int | None]], rank: int) -> str:
     return "discard" if in_flight is not None else "none"
 
 
+def decide_device(states: list[tuple[int, int | None, bool]], rank: int) -> str:
+    """The device-progress variant: ``states[r] = (committed, in_flight, started)``.
+
+    ``started``: rank r's device word shows its in-flight step (the word moves only after
+    backward and the boundary barrier on that rank's stream, and the barrier completes
+    only once every rank's backward has).  So if any rank started step ``s``, or already
+    committed it, every rank holds its final gradients and finishes it; otherwise no rank
+    wrote a chunk of it and every rank discards it.
+    """
+    for c, f, _ in states:
+        if f is not None and f != c:
+            raise DisagreementError(f"corrupt state {states}")
+    lo = min(c for c, _, _ in states)
+    hi = max(c + (1 if f is not None else 0) for c, f, _ in states)
+    if hi - lo > 1:
+        raise DisagreementError(f"ranks are more than one step apart: {states}")
+    went = hi > lo and any(c == hi or (f is not None and st) for c, f, st in states)
+    if went and any(c == lo and f is None for c, f, _ in states):
+        raise DisagreementError(f"step {lo} went ahead on one rank while another never finalized it: {states}")
+    if states[rank][1] is None:
+        return "none"
+    return "finish" if went else "discard"
+
+
 def world():
     """``(rank, world_size)`` of the default process group, or ``(0, 1)`` without one."""
     try:

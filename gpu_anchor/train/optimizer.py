@@ -35,7 +35,7 @@ from .hparams import set_hparams as _set_hparams
 from .state_dict import StateDictMixin
 from .kinds import kind_of
 from .protocol import StepState, key
-from gpu_anchor.launch import STEP_KEY, step_boundary
+from gpu_anchor.launch import STEP_KEY, checkpoint_due, step_boundary
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -65,8 +65,8 @@ class AnchoredOptimizer(StateDictMixin):
     ``track_rng``: journal torch's CPU (and this device's CUDA) RNG state at each step.
     ``progress``: where the per-chunk cursor lives — ``"journal"`` (one journal commit
     and one device wait per chunk) or ``"device"`` (an anchored int64 written by the
-    device stream between chunks: two commits and two waits per step, whatever the
-    chunk count).  Default: ``"device"`` on CUDA, ``"journal"`` on the host.
+    device stream between chunks: one journal commit per step and no device wait in
+    steady state; see ``protocol``).  Default: ``"device"`` on CUDA, ``"journal"`` on the host.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,
@@ -86,6 +86,8 @@ class AnchoredOptimizer(StateDictMixin):
         self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0}
         faults.arm_from_env()
         self._state = None
+        self._pending = None          # device mode: (journal puts, step, done event) not yet landed
+        self._landed_one = False
         scope = _open_scope()
         args = (model, client, prefix, chunk_bytes, progress, scope.namespace if scope is not None else None)
         if scope is not None:
@@ -232,8 +234,12 @@ class AnchoredOptimizer(StateDictMixin):
     def step(self, closure=None) -> None:
         """Finalize gradients, then apply the update chunk by chunk under the protocol.
 
-        Call after backward (and any all-reduce), on every rank.  Returns when the step
-        is committed in the journal.
+        Call after backward (and any all-reduce), on every rank.  With ``progress="journal"``
+        it returns when the step is committed in the journal.  With ``progress="device"`` it
+        returns once the step is enqueued: the device stream records its own progress, and
+        the step's journal commit lands with the next step's (or at ``flush()``, on the
+        first step of a worker and when a checkpoint is due).  A kill at any instant after
+        ``step()`` returns still resumes after this step.
         """
         if closure is not None:
             raise ValueError("AnchoredOptimizer.step does not take a closure")
@@ -248,18 +254,48 @@ class AnchoredOptimizer(StateDictMixin):
             device = self.progress == "device"
             if not device:
                 self._copy_to_undo(0)
-            self._wait()     # the gradients (and chunk 0's undo image) are in memory
+                self._wait()     # the gradients (and chunk 0's undo image) are in memory
+            # Device mode: no wait — the device word, not this commit, marks the gradients
+            # final.  The previous step's pending commit rides along (device past it first).
+            puts, landed = self._take_pending()
             boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask),
                                    "counts": counts, "hparams": hps}).encode()
             new = st.begin(len(self._chunks), device_progress=device)
-            self._commit({key(self.prefix, "state"): new.encode(), key(self.prefix, "boundary"): boundary,
-                          key(self.prefix, "carry_inflight"): carry})
+            puts.update({key(self.prefix, "state"): new.encode(), key(self.prefix, "boundary"): boundary,
+                         key(self.prefix, "carry_inflight"): carry})
+            self._commit(puts)
             self._state = new
+            if landed is not None:
+                step_boundary(landed, self.client)
             if self._barrier is not None:
                 self._barrier()
             if device:
                 self._publish(0)
             self._run_from(0, mask, counts, hps, carry)
+
+    def flush(self) -> None:
+        """Land the last step's journal commit now (waits for the device to finish it).
+
+        Only ``progress="device"`` leaves one pending; without ``flush`` it lands with the
+        next ``step()``.  Durability does not need it (a killed worker's successor lands it
+        from the device word); call it before reading the journal from another process.
+        """
+        puts, landed = self._take_pending()
+        if landed is not None:
+            self._commit(puts)
+            step_boundary(landed, self.client)
+
+    def _take_pending(self) -> tuple[dict, int | None]:
+        """The pending step commit ``(puts, step)`` once the device has finished that step."""
+        if self._pending is None:
+            return {}, None
+        puts, landed, done = self._pending
+        self._pending = None
+        if done is not None:
+            t0 = time.perf_counter()
+            done.synchronize()
+            self.stats["wait_s"] += time.perf_counter() - t0
+        return puts, landed
 
     # ------------------------------------------------------------------ protocol
     def _run_from(self, c0: int, mask, counts, hps, carry) -> None:
@@ -300,17 +336,33 @@ class AnchoredOptimizer(StateDictMixin):
         committed = json.dumps({"counts": new_counts,
                                 "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
         sched = pickle.dumps([sch.state_dict() for sch in self.schedulers])
-        self._wait()
         new = self._state.finish()
         p = self.prefix
         # STEP_KEY in the same commit: the supervisor's contract (docs/supervisor.md) — crash-loop
         # detection, status, and checkpoints only at committed step boundaries.
-        self._commit({key(p, "state"): new.encode(), key(p, "committed"): committed, key(p, "sched"): sched,
-                      key(p, "carry"): carry, STEP_KEY: b"%d" % new.step},
-                     deletes=[key(p, "boundary"), key(p, "carry_inflight")])
+        puts = {key(p, "state"): new.encode(), key(p, "committed"): committed, key(p, "sched"): sched,
+                key(p, "carry"): carry, STEP_KEY: b"%d" % new.step}
         self._state = new
         self._counts = new_counts
+        if self.progress == "device":
+            self._word.fill_(protocol.encode_progress(new.step - 1, len(self._chunks)))
+            self._pending = (puts, new.step, self._record_done())
+            # The first step of a worker lands at once (the supervisor times recovery by it),
+            # and so does one a checkpoint is due at (the snapshot must see it committed).
+            if not self._landed_one or checkpoint_due(new.step):
+                self._landed_one = True
+                self.flush()
+            return
+        self._wait()
+        self._commit(puts, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
         step_boundary(new.step, self.client)  # checkpoints when `gpu-anchor run --checkpoint-every` asks
+
+    def _record_done(self):
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def _resume(self, vals: dict) -> None:
         p = self.prefix
@@ -321,13 +373,21 @@ class AnchoredOptimizer(StateDictMixin):
                 _set_hparams(g, hp)
             for sch, sd in zip(self.schedulers, pickle.loads(vals[key(p, "sched")])):
                 sch.load_state_dict(sd)
-        action = "finish" if self._state.in_flight else "none"
+        st = self._state
+        device = self.progress == "device"
+        cursor = None     # device mode: where the device left the in-flight step (None: never began)
+        if st.in_flight and device:
+            cursor = protocol.device_resume_point(st, int(self._word.item()))
         if self._world > 1:
-            st = self._state
-            action = distributed.decide(distributed.gather_states(
-                (st.step, st.step if st.in_flight else None)), self._rank)
+            mine = (st.step, st.step if st.in_flight else None)
+            action = (distributed.decide_device(distributed.gather_states(mine + (cursor is not None,)), self._rank)
+                      if device else distributed.decide(distributed.gather_states(mine), self._rank))
+        elif not st.in_flight:
+            action = "none"
+        else:
+            action = "discard" if device and cursor is None else "finish"
         if action == "discard":
-            # Every rank stopped before the boundary barrier: no chunk was written.
+            # No device (of any rank) got past the boundary: no chunk was written.
             new = self._state.discard()
             self._commit({key(p, "state"): new.encode()})
             self._state = new
@@ -337,12 +397,12 @@ class AnchoredOptimizer(StateDictMixin):
             for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
                 _set_hparams(g, hp)
             carry = vals[key(p, "carry_inflight")]
-            if self.progress == "device":
-                cursor, rollback = protocol.device_resume_point(self._state, int(self._word.item()))
-                if rollback:
-                    self._copy_from_undo(cursor)
-                elif cursor == 0:
+            if device:
+                if cursor is None:      # another rank's device began it: ours has the final gradients
+                    cursor = 0
                     self._publish(0)
+                elif cursor < len(self._chunks):
+                    self._copy_from_undo(cursor)
             else:
                 cursor = self._state.cursor
                 if self._state.rollback_chunk() is not None:

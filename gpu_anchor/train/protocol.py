@@ -155,16 +155,24 @@ def describe(values: dict[str, bytes], prefix: str = "train") -> dict:
 
 
 # ---------------------------------------------------------------------- device progress word
-# ``progress="device"``: the per-chunk cursor is not a journal commit but one int64 in
-# anchored device memory, written by the device stream itself between the kernels:
+# ``progress="device"`` (the default on CUDA): the per-chunk cursor is not a journal
+# commit but one int64 in anchored device memory, written by the device stream itself
+# between the kernels, and the host never waits for the device inside a step:
 #
-#     copy chunk i -> slot i%2 ; word <- (s, i) ; apply chunk i ; copy chunk i+1 ; word <- (s, i+1) ...
+#     host:   commit {applying s, boundary s}        (lands the pending commit of step s-1 too)
+#     stream: [backward s] [barrier] copy chunk 0 -> slot 0 ; word <- (s, 0) ; apply chunk 0 ;
+#             copy chunk 1 -> slot 1 ; word <- (s, 1) ; apply chunk 1 ; ... ; word <- (s, N)
+#     host:   keeps {idle s+1, committed, ...} pending; it lands with the boundary of step
+#             s+1, after the device has passed word (s, N) — by then it always has.
 #
-# Stream order makes ``word == (s, i)`` imply "chunks < i written, slot i%2 holds chunk
-# i's complete pre-image, chunk i maybe half written" — the journal invariant with
-# ``cursor = undo = i`` — without a host round trip per chunk.  A single aligned 8-byte
-# store is atomic, so a kill never leaves a torn word.  The journal still carries the
-# step, the phase and the boundary record (two commits per step).
+# Stream order makes ``word == (s, i)`` imply "backward of step s (and the multi-rank
+# boundary barrier) finished, chunks < i written, slot i%2 holds chunk i's complete
+# pre-image, chunk i maybe half written"; ``(s, N)``: the whole step is written.  A word
+# of an earlier step means the device never reached the boundary of step s, so the
+# gradients may be incomplete and step s is discarded (its iteration is redone).  A
+# single aligned 8-byte store is atomic: a kill never leaves a torn word.  The journal
+# is never ahead of the device (the boundary commit only promises that the redo log
+# will be final when the word moves) and at most one step behind it.
 _CURSOR_BITS = 20
 
 
@@ -180,18 +188,15 @@ def decode_progress(word: int) -> tuple[int, int]:
     return word >> _CURSOR_BITS, word & ((1 << _CURSOR_BITS) - 1)
 
 
-def device_resume_point(state: StepState, word: int) -> tuple[int, bool]:
-    """Where to continue an in-flight step from the device word: ``(cursor, rollback)``.
-
-    A word of another step means chunk 0 was never touched: start over at 0 without a
-    rollback (its undo copy may be missing).  ``cursor == chunks`` means every chunk is
-    written and only the commit is missing.
-    """
+def device_resume_point(state: StepState, word: int) -> int | None:
+    """Where the device left the in-flight step: ``None`` if it never reached its boundary
+    (discard the step), else the cursor ``c``: chunk ``c`` is rolled back from its slot
+    and chunks ``c..N-1`` redone; ``c == N`` means only the commit is missing."""
     if not state.in_flight:
         raise RuntimeError("no step in flight")
     step, cursor = decode_progress(word)
-    if step != state.step:
-        return 0, False
-    if cursor > state.chunks:
-        raise ValueError(f"device progress word {word:#x} past the last chunk of {state}")
-    return cursor, cursor < state.chunks
+    if step < state.step:
+        return None
+    if step > state.step or cursor > state.chunks:
+        raise ValueError(f"device progress word {word:#x} (step {step}, cursor {cursor}) does not fit {state}")
+    return cursor

@@ -28,6 +28,7 @@ class StateDictMixin:
         """
         if self._state.in_flight:
             raise RuntimeError("load_state_dict during an optimizer step")
+        self.flush()     # a pending step commit must not land over what this commits
         self.optimizer.load_state_dict(state_dict)     # torch casts into fresh tensors ...
         with torch.no_grad():
             for q in self._params:
