@@ -2,7 +2,8 @@
 
 The campaign runs the tiny MLP under fp16 autocast with a scaler that starts at
 2**22 (fp16 gradients overflow from about 2**20), backs off by 2**-4 and grows by 2**3
-every 2 good steps, so the run mixes overflowing (skipped) and applied steps.  Every worker logs ``step loss scale``; a kill anywhere must give the
+every 2 good steps, so the run mixes overflowing (skipped) and applied steps.
+Every worker logs ``step loss scale``; a kill anywhere must give the
 fault-free run's losses, scales and anchored state bit for bit, and the fault-free
 anchored run must equal plain torch driven by ``GradScaler.step`` / ``update``.
 """

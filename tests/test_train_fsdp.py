@@ -5,7 +5,6 @@ state in its own namespace of the host daemon.  After every campaign each rank's
 anchored state equals the fault-free run's bit for bit, and so do the per-rank loss
 trajectories; the fault-free anchored run gives plain FSDP2's losses.
 """
-import os
 import random
 from datetime import timedelta
 
@@ -113,3 +112,24 @@ def test_anchor_fsdp_refuses_an_unsharded_model(host_daemon):
     from gpu_anchor.train.fsdp import anchor_fsdp
     with pytest.raises(ValueError, match="fully_shard"):
         anchor_fsdp(C.build_model(1), gpu_anchor.connect("cpu", namespace="x"))
+
+
+def test_fsdp_with_gradscaler(host_daemon, tmp_path):
+    """fp16 autocast + GradScaler on FSDP2: the inf/NaN flag is agreed over the ranks, the
+    scale resumes with the step; kills give the fault-free run, which gives plain FSDP2 +
+    ``GradScaler.step``."""
+    cfg = C.RunConfig(steps=8, amp=True)
+    runs = {}
+    for name, kw in [("fa-ref", {}), ("fa-plain", {"plain": True}),
+                     ("fa-k", {"faults_seq": [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "before_boundary@4"),
+                                              (0, "after_commit@5:1")]})]:
+        d = tmp_path / name
+        d.mkdir()
+        runs[name] = D.run_group(name, cfg, str(d), parallel="fsdp", **kw)
+    for r in range(2):
+        ref = C.trajectory(runs["fa-ref"]["logs"][r])[0]
+        assert ref == C.trajectory(runs["fa-plain"]["logs"][r])[0] == C.trajectory(runs["fa-k"]["logs"][r])[0]
+        assert len({v.split()[1] for v in ref.values()}) >= 3          # the scale moved
+        assert C.compare(gpu_anchor.connect("cpu", namespace=f"fa-ref/rank{r}"),
+                         gpu_anchor.connect("cpu", namespace=f"fa-k/rank{r}")) == []
+    assert runs["fa-k"]["kills"] == 4

@@ -1,4 +1,4 @@
-"""GPU: the step protocol on a ~1B Llama (bf16, AdamW) and 2-GPU DDP, each under SIGKILL.
+"""GPU: the step protocol on a ~1B Llama (bf16, AdamW), 2-GPU DDP and 2-GPU FSDP2, each under SIGKILL.
 
 Run on the H200 (writes JSON to $OUT when set):
     PYTHONPATH=. python -m pytest -q -s -m gpu tests/test_train_gpu.py
@@ -60,3 +60,34 @@ def test_gpu_campaign_driver_on_cpu_tiny(tmp_path):
     r = json.load(open(path))
     assert proc.returncode == 0 and r["ok"] and r["kills"] == 10
     assert r["losses_bit_identical"] and r["state_compare"]["bit_identical"]
+
+
+@pytest.mark.gpu
+def test_fsdp2_two_gpus_one_rank_killed(tmp_path):
+    """FSDP2 (NCCL) on a ~150M bf16 Llama, each rank anchoring its shards; 5 kills of one rank."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path = _out("train_gpu_fsdp.json", tmp_path)
+    proc = _run(["-m", "gpu_anchor.train.ddp_gpu", "--parallel", "fsdp:small", "--out", path], timeout=290)
+    r = json.load(open(path))
+    print(json.dumps({k: v for k, v in r.items() if not k.startswith("rank")}, default=list))
+    for k in ("rank0", "rank1"):
+        if k in r:
+            print(k, {x: r[k][x] for x in ("max_step_loss_diff", "resumed_at", "replayed_iterations_bit_identical",
+                                            "losses_bit_identical", "state_digest_identical")})
+    assert proc.returncode == 0 and r["ok"]
+    assert r["kills"] == 5 and r["all_ranks_resumed_at_same_step"]
+
+
+def test_fsdp2_driver_on_cpu_tiny(tmp_path):
+    """The FSDP2 GPU driver (fresh group per kill, per-rank comparison) on a toy Llama, gloo on CPU."""
+    path = str(tmp_path / "fsdp.json")
+    proc = _run(["-m", "gpu_anchor.train.ddp_gpu", "--parallel", "fsdp:tiny", "--devices", "cpu,cpu", "--width", "64",
+                 "--chunk-bytes", "32768", "--out", path], timeout=300)
+    r = json.load(open(path))
+    assert proc.returncode == 0 and r["ok"] and r["kills"] == 5
+    assert r["all_ranks_resumed_at_same_step"] and r["max_step_loss_diff"] == 0.0
+    for k in ("rank0", "rank1"):
+        assert r[k]["losses_bit_identical"] and r[k]["state_digest_identical"]
+        assert len(r[k]["resumed_at"]) == 6 and r[k]["resumed_at"][0] == 0

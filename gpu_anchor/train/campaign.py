@@ -239,7 +239,7 @@ def trajectory(log: str) -> tuple[dict[int, str], str | None]:
         if a == "done":
             done = b
             continue
-        if a == "digest":
+        if not a.isdigit():     # digest / resume / stats lines of multi-rank logs
             continue
         s = int(a)
         if s in out and out[s] != b:

@@ -29,8 +29,15 @@ from . import campaign as C
 def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConfig, log_path: str,
                fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0,
                parallel: str = "ddp") -> None:
-    """One rank's life.  ``parallel``: ``"ddp"`` (replicas) or ``"fsdp"`` (FSDP2 ``fully_shard``
-    per Linear plus the root, each rank anchoring its own shards with ``anchor_fsdp``)."""
+    """One rank's life.  ``parallel``: ``"ddp"`` (replicas), ``"fsdp"`` (FSDP2 ``fully_shard``
+    per Linear plus the root, each rank anchoring its own shards with ``anchor_fsdp``) or
+    ``"fsdp:<shape>"`` (``fsdp_llama``'s transformer; ``width`` is then the sequence length)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if parallel.startswith("fsdp:"):
+        from . import fsdp_llama
+        fsdp_llama.rank_train(rank, world, f"file://{store}", namespace, parallel[5:], cfg.steps, log_path, device,
+                              seq=width or 256, seed=cfg.seed, fault=fault, plain=plain, chunk_bytes=cfg.chunk_bytes)
+        return
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,7 +49,6 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
     from .fsdp import anchor_fsdp
     from .optimizer import AnchoredOptimizer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     faults.arm(fault)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -54,6 +60,7 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
         shard(model, dev, world)
     inner = C.build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
+    scaler = C.make_scaler() if cfg.amp else None
     if plain:
         opt, start = inner, 0
     else:
@@ -63,16 +70,20 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
         else:
             anchor_module(model, client)
         opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
-                                progress=cfg.progress)
+                                progress=cfg.progress, scaler=scaler)
         start = opt.completed_steps
     ddp = model if parallel == "fsdp" else DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     for step in range(start, cfg.steps):
         x, y = C.batch(step * world + rank, cfg.seed)
-        loss = torch.nn.functional.mse_loss(ddp(x.to(dev)), y.to(dev))
-        loss.backward()
-        C._log(fd, step, loss)
-        opt.step()
+        loss = C.forward_loss(ddp, x.to(dev), y.to(dev), cfg.amp)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        C._log(fd, step, loss, scaler)
+        if plain and scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         if plain:
             sched.step()
         opt.zero_grad()
