@@ -22,6 +22,12 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-dir")
     r.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)")
     r.add_argument("--checkpoint-keep", type=int, default=2)
+    r.add_argument("--checkpoint-mode", default="concurrent", choices=["concurrent", "stop-the-world"],
+                   help="concurrent: copy while the job runs on (soft copy-on-write); stop-the-world: copy to "
+                        "host at the step boundary before the job continues")
+    r.add_argument("--restore-mode", default="full", choices=["full", "on_demand"],
+                   help="after a destructive failure: load the checkpoint before the job starts (full), or start "
+                        "at once and load each object when first touched (on_demand; GPU_ANCHOR_RESTORE_MODE)")
     r.add_argument("--no-resume", dest="resume", action="store_false",
                    help="do not restore the newest checkpoint when the daemons hold nothing of this job")
     r.add_argument("--device-type", default="auto", choices=["auto", "cuda", "cpu"])
@@ -55,6 +61,7 @@ def cmd_run(args) -> int:
     cfg = RunConfig(command=command, nproc=args.nproc, namespace=args.namespace, max_restarts=args.max_restarts,
                     backoff=args.backoff, crash_loop=args.crash_loop, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
+                    checkpoint_mode=args.checkpoint_mode, restore_mode=args.restore_mode,
                     device_type=args.device_type, warm=args.warm,
                     preload=[m for m in args.preload.split(",") if m], keep_daemons=args.keep_daemons,
                     resume=args.resume, chaos_kills=args.chaos_kills, chaos_every=args.chaos_every,

@@ -23,6 +23,8 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     checkpoint_keep: int = 2
+    checkpoint_mode: str = "concurrent"
+    restore_mode: str = "full"
     device_type: str = "auto"
     warm: bool = True
     preload: list[str] = field(default_factory=lambda: ["torch"])

@@ -9,6 +9,9 @@ import shutil
 
 DIR_ENV, EVERY_ENV, KEEP_ENV = "GPU_ANCHOR_CHECKPOINT_DIR", "GPU_ANCHOR_CHECKPOINT_EVERY", "GPU_ANCHOR_CHECKPOINT_KEEP"
 RESTORE_ENV = "GPU_ANCHOR_RESTORE"
+MODE_ENV = "GPU_ANCHOR_CHECKPOINT_MODE"          # concurrent (default) | stop-the-world
+RESTORE_MODE_ENV = "GPU_ANCHOR_RESTORE_MODE"     # full (default) | on_demand
+CHECKPOINT_MODES, RESTORE_MODES = ("concurrent", "stop-the-world"), ("full", "on_demand")
 _STEP_RE = re.compile(r"^step-(\d{9})$")
 
 

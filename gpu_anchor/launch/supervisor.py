@@ -164,6 +164,8 @@ class Supervisor:
             env[snapshot_paths.DIR_ENV] = os.path.abspath(self.cfg.checkpoint_dir)
             env[snapshot_paths.EVERY_ENV] = str(self.cfg.checkpoint_every)
             env[snapshot_paths.KEEP_ENV] = str(self.cfg.checkpoint_keep)
+            env[snapshot_paths.MODE_ENV] = self.cfg.checkpoint_mode
+        env[snapshot_paths.RESTORE_MODE_ENV] = self.cfg.restore_mode
         env.pop(snapshot_paths.RESTORE_ENV, None)
         if self.pending_restore is not None:
             env[snapshot_paths.RESTORE_ENV] = f"{os.path.abspath(self.cfg.checkpoint_dir)}:{self.pending_restore}"

@@ -5,7 +5,9 @@ Shared by the warm path (a child forked from the zygote) and the cold path
 
 1. if the supervisor asked for a restore (``GPU_ANCHOR_RESTORE=DIR:STEP``), fill this
    rank's daemons from that checkpoint step — the user's code then binds
-   exactly as after a shallow failure;
+   exactly as after a shallow failure (``GPU_ANCHOR_RESTORE_MODE=on_demand``: the
+   objects are bound at once and filled as the user's ops first touch them, see
+   ``gpu_anchor.checkpoint.supervised``);
 2. run the target like ``python script.py args`` / ``python -m module args``.
 
 TARGET is ``script.py args...``, ``-m module args...`` or ``-c code args...``.
@@ -42,7 +44,13 @@ def restore_if_asked() -> None:
     device_map = {d: here for d in man_devices if d.startswith("cuda")}
     if device_map and not torch.cuda.is_available():
         raise RuntimeError(f"checkpoint step {step} of rank {rank} holds GPU state but no GPU is visible")
-    stats = snapshot.restore(directory, int(step), rank, device_map)
+    from .snapshot_paths import RESTORE_MODE_ENV
+    if os.environ.get(RESTORE_MODE_ENV) == "on_demand":
+        # objects bound, journal back (marked restoring); each loads when first touched
+        from gpu_anchor.checkpoint import supervised
+        stats = supervised.restore_on_demand(directory, int(step), rank, device_map)
+    else:
+        stats = snapshot.restore(directory, int(step), rank, device_map)
     events.mark("restored", step=int(step), seconds=time.time() - t0, files=stats)
 
 
@@ -104,7 +112,8 @@ def debug_hooks() -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug_hooks()
-    if argv[:1] == ["--restore-only"]:
+    if argv[:1] == ["--restore-only"]:   # for a non-Python job: nothing of ours runs its ops
+        os.environ["GPU_ANCHOR_RESTORE_MODE"] = "full"
         restore_if_asked()
         return
     events.mark("user_code", how="cold")
