@@ -37,7 +37,7 @@ import torch
 from gpu_anchor.client.client import Client
 from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.health import INCONSISTENT_KEY, STEP_KEY
-from gpu_anchor.launch.snapshot_paths import _manifest, latest_complete, step_dir
+from gpu_anchor.launch.snapshot_paths import latest_complete, read_manifest, step_dir
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .concurrent import TOUCH_KEY
@@ -73,7 +73,7 @@ def _specs(source) -> list[tuple]:
         return [(n, tuple(t.shape), t.dtype) for n, t in source.items()]
     from safetensors import safe_open
     with safe_open(source, framework="pt") as f:
-        return [(n, tuple(f.get_slice(n).get_shape()), snapshot._torch_dtype(f.get_slice(n).get_dtype()))
+        return [(n, tuple(f.get_slice(n).get_shape()), snapshot.torch_dtype_of(f.get_slice(n).get_dtype()))
                 for n in f.keys()]
 
 
@@ -95,7 +95,7 @@ class OnDemandRestore:
             if self.step is None:
                 raise FileNotFoundError(f"no complete checkpoint in {directory}")
             rdir = os.path.join(step_dir(directory, self.step), f"rank{self.rank}")
-            man = _manifest(rdir)
+            man = read_manifest(rdir)
             if man is None:
                 raise FileNotFoundError(f"{rdir} is not a complete checkpoint")
             self._entries = [(e["device"], e["namespace"],
@@ -132,7 +132,7 @@ class OnDemandRestore:
                 key = f"{device}/{b.name}" if many else b.name
                 keys[b.name] = key
                 self.targets[key] = (source, b.name, b.tensor)
-                snapshot._held[(device, namespace, b.name)] = b.tensor  # keep until the job holds them
+                snapshot.HELD[(device, namespace, b.name)] = b.tensor  # keep until the job holds them
                 if b.tensor.numel():
                     self.tracker.register(key, b.tensor)
             first = [keys[n] for n in dict.fromkeys(touch) if n in keys]

@@ -42,7 +42,7 @@ from gpu_anchor.client import mapping
 from gpu_anchor.client.client import Client
 
 from .health import STEP_KEY
-from .snapshot_paths import (DIR_ENV, EVERY_ENV, KEEP_ENV, _manifest, complete_ranks, latest_complete,  # noqa: F401
+from .snapshot_paths import (DIR_ENV, EVERY_ENV, KEEP_ENV, complete_ranks, latest_complete, read_manifest,  # noqa: F401
                              list_steps, prune, step_dir)
 
 RESTORED_KEY = "gpu_anchor/restored_from"
@@ -55,7 +55,7 @@ _writer: threading.Thread | None = None
 # Tensors this module bound that the program itself did not hold: dropping them
 # would free the objects in the daemon (last reference gone), so they are kept
 # until the process ends, when anchored objects stay for the next worker.
-_held: dict[tuple, torch.Tensor] = {}
+HELD: dict[tuple, torch.Tensor] = {}
 _writer_error: list[BaseException] = []
 
 
@@ -95,7 +95,7 @@ def capture(client: Client, step: int | None = None) -> dict:
     tensors = {b.name: b.tensor.detach().to("cpu", copy=True) for b in bound if b.tensor is not None}
     for b in bound:
         if b.tensor is not None and b.name not in already:
-            _held[(client.device, client.namespace, b.name)] = b.tensor
+            HELD[(client.device, client.namespace, b.name)] = b.tensor
     return {"device": client.device, "namespace": client.namespace, "tensors": tensors, "journal": journal}
 
 
@@ -213,7 +213,7 @@ def restore(directory: str, step: int, rank: int, device_map: dict[str, str] | N
     """
     from safetensors import safe_open
     rdir = os.path.join(step_dir(directory, step), f"rank{rank}")
-    man = _manifest(rdir)
+    man = read_manifest(rdir)
     if man is None:
         raise FileNotFoundError(f"{rdir} is not a complete snapshot")
     stats = {}
@@ -227,11 +227,11 @@ def restore(directory: str, step: int, rank: int, device_map: dict[str, str] | N
             specs = []
             for n in names:
                 sl = f.get_slice(n)
-                specs.append((n, tuple(sl.get_shape()), _torch_dtype(sl.get_dtype())))
+                specs.append((n, tuple(sl.get_shape()), torch_dtype_of(sl.get_dtype())))
             bound = client.bind(specs, "replace")
             for b in bound:
                 b.tensor.copy_(f.get_tensor(b.name))
-                _held[(device, entry["namespace"], b.name)] = b.tensor
+                HELD[(device, entry["namespace"], b.name)] = b.tensor
         if device.startswith("cuda"):
             torch.cuda.synchronize(torch.device(device))
         journal = {k: base64.b64decode(v) for k, v in entry["journal"].items()}
@@ -241,7 +241,8 @@ def restore(directory: str, step: int, rank: int, device_map: dict[str, str] | N
     return stats
 
 
-def _torch_dtype(code: str) -> torch.dtype:
+def torch_dtype_of(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``"BF16"``)."""
     for name, c in _ST_DTYPES.items():
         if c == code:
             return mapping.torch_dtype(name)

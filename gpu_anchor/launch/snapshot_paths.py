@@ -19,7 +19,7 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}")
 
 
-def _manifest(rdir: str) -> dict | None:
+def read_manifest(rdir: str) -> dict | None:
     """The manifest of a committed rank directory whose files are whole, else None."""
     try:
         with open(os.path.join(rdir, "COMMITTED")) as f:
@@ -40,7 +40,7 @@ def _manifest(rdir: str) -> dict | None:
 
 
 def complete_ranks(sdir: str, world: int) -> dict[int, bool]:
-    return {r: _manifest(os.path.join(sdir, f"rank{r}")) is not None for r in range(world)}
+    return {r: read_manifest(os.path.join(sdir, f"rank{r}")) is not None for r in range(world)}
 
 
 def list_steps(directory: str) -> list[int]:
@@ -53,7 +53,7 @@ def latest_complete(directory: str, world: int) -> int | None:
     """The newest step every rank committed (torn or partial steps are skipped)."""
     for step in reversed(list_steps(directory)):
         sdir = step_dir(directory, step)
-        mans = [_manifest(os.path.join(sdir, f"rank{r}")) for r in range(world)]
+        mans = [read_manifest(os.path.join(sdir, f"rank{r}")) for r in range(world)]
         if all(m is not None and m["world_size"] == world for m in mans):
             return step
     return None

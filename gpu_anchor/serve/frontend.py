@@ -3,7 +3,8 @@
     python -m gpu_anchor.serve.frontend --engine-socket PATH --model-dir DIR [--port 8000]
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE streams), ``/v1/models``,
-``/health``, ``/metrics`` (Prometheus text), ``POST /admin/migrate`` (``gpu-anchor migrate``).  The engine process connects to
+``/health``, ``/metrics`` (Prometheus text), ``POST /admin/migrate`` (``gpu-anchor migrate``:
+the engine moves in place, the connection stays).  The engine process connects to
 ``--engine-socket``; when it dies, open streams stay open and new requests queue.  When an
 engine (re)connects, its ``hello`` lists the requests it restored; every other open request
 is re-sent with the tokens its client already has.  Tokens carry their index, so
