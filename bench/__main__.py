@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -20,6 +21,8 @@ def main(argv=None) -> int:
         print("usage: python -m bench NAME [args]   (NAME: " + ", ".join(scenarios() + ["report"]) + ")")
         return 0
     name, rest = argv[0], argv[1:]
+    # `timeout` sends SIGTERM: unwind, so every scenario's finally stops its daemons and workers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if name != "report" and name not in scenarios():
         print(f"unknown benchmark {name!r}; known: {', '.join(scenarios())}", file=sys.stderr)
         return 2

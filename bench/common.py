@@ -13,22 +13,25 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def machine() -> dict:
+    """Python, torch, GPU and driver.  Asks nvidia-smi, not torch.cuda, about the GPU: a driver
+    process that writes results must not create a CUDA context next to the workers it measures."""
     info = {"python": platform.python_version(), "host_cpus": os.cpu_count(), "platform": platform.platform()}
     try:
         import torch
         info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["gpu_count"] = torch.cuda.device_count()
     except ImportError:
         pass
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            info["driver"] = out.stdout.strip().splitlines()[0]
+        rows = [[x.strip() for x in line.split(",")] for line in out.stdout.strip().splitlines() if "," in line]
+        if out.returncode == 0 and rows:
+            info["gpu"], info["driver"] = rows[0][0], rows[0][1]
+            info["gpu_count"] = len(rows)
     except (OSError, subprocess.TimeoutExpired):
         pass
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        info["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
     return info
 
 
@@ -185,20 +188,48 @@ def run_isolated(fn, *args, timeout: float = 600.0):
     send.close()
     try:
         if not recv.poll(timeout):
-            p.kill()
             raise TimeoutError(f"{getattr(fn, '__name__', fn)} ran over {timeout:.0f} s; child killed")
         try:
             ok, value = recv.recv()
         except EOFError:
             p.join(5)
             raise RuntimeError(f"{getattr(fn, '__name__', fn)}: child died (exit code {p.exitcode})") from None
+        p.join(30)  # it has sent its result; let it release the GPU before the next method starts
     finally:
-        if p.is_alive():
-            p.join(30)
-        if p.is_alive():
+        if p.is_alive():  # timed out, or we are being stopped (SIGTERM -> SystemExit)
             p.kill()
             p.join()
         recv.close()
     if not ok:
         raise RuntimeError(value)
     return value
+
+
+def plot_breakdown(rows: list[dict], labels: dict, parts, title: str, path: str) -> bool:
+    """Stacked bars, one per (method, mode) of ``rows`` (``{"method", "modes": {mode: {key: s}}}``),
+    one segment per ``(key, legend)`` in ``parts``; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names, vals = [], {k: [] for k, _ in parts}
+    for r in rows:
+        for mode, x in r["modes"].items():
+            names.append(f"{labels.get(r['method'], r['method'])}\n{mode}")
+            for k, _ in parts:
+                vals[k].append(x.get(k) or 0.0)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
+    bottom = [0.0] * len(names)
+    for k, legend in parts:
+        ax.bar(names, vals[k], bottom=bottom, label=legend)
+        bottom = [b + v for b, v in zip(bottom, vals[k])]
+    ax.set_ylabel("seconds (kill → recovered)")
+    ax.set_title(title)
+    ax.legend()
+    plt.xticks(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, write_result
+from bench.common import default_device, fmt_s, private_daemon, verdict, write_result
 from bench.e2e_faults import fault_times
 from bench.recovery_serve import LABELS, METHODS, _args, make_model_dir, next_request
 
@@ -47,7 +47,8 @@ def run_one(method, rate, a, model_dir, device, work, launcher) -> dict:
         while True:
             if any(e["ev"] == "done" for e in log.poll()):
                 break
-            if fi < len(faults) and time.time() - t0 >= faults[fi]:
+            if fi < len(faults) and time.time() - t0 >= faults[fi] and \
+                    (not a.max_faults or len(kills) < a.max_faults):
                 fi += 1
                 launcher.kill(pid)
                 kills.append(time.time())
@@ -65,11 +66,12 @@ def run_one(method, rate, a, model_dir, device, work, launcher) -> dict:
         if launcher.alive(pid):
             launcher.kill(pid)
         shutil.rmtree(state, ignore_errors=True)
-    start, end, tokens = {}, {}, 0
+    start, end, tokens, progress = {}, {}, 0, []
     for e in log.events:
         if e["ev"] != "step":
             continue
         tokens += e["n"]
+        progress.append((round(e["t"] - t0, 3), tokens))
         for i in e.get("adm", ()):
             start.setdefault(i, e["adm_t"])
         for i in e.get("fin", ()):
@@ -80,7 +82,8 @@ def run_one(method, rate, a, model_dir, device, work, launcher) -> dict:
     return {"method": method, "rate": rate, "faults": len(kills), "requests_done": len(lat),
             "wall_s": t_end - t0, "p50_s": _pct(lat, 0.5) if lat else None, "p99_s": _pct(lat, 0.99) if lat else None,
             "mean_s": statistics.mean(lat) if lat else None, "tokens_per_s": tokens / max(1e-9, t_end - t0),
-            "recovery_each_s": [r - k for r, k in zip(resumed, kills) if r is not None]}
+            "recovery_each_s": [r - k for r, k in zip(resumed, kills) if r is not None],
+            "kills_s": [round(k - t0, 3) for k in kills], "progress": progress[::max(1, len(progress) // 1500)]}
 
 
 def main(argv=None) -> int:
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench e2e_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(reversed(METHODS)))  # gpu-anchor first: survives a time limit
     p.add_argument("--rates", default="0.01")
     p.add_argument("--mode", default="warm", choices=("warm", "cold"))
     p.add_argument("--device", default=None)
@@ -99,20 +102,22 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-root", default=None)
+    p.add_argument("--max-faults", type=int, default=0, help="stop injecting after this many (0: no limit)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = default_device(args.device)
     args.dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if args.tiny:
-        args.concurrency, args.requests, args.num_blocks, args.max_batched_tokens = 3, 6, 128, 512
-        args.rates, args.methods = "0.3", "kv_memory,gpu_anchor"
+        args.concurrency, args.requests, args.num_blocks, args.max_batched_tokens = 3, 40, 128, 512
+        args.rates, args.methods = "2.0", "kv_memory,gpu_anchor"  # seed 0: the first fault at 0.93 s
+        args.max_faults = 1  # one kill and restart per method: the path is exercised, the run stays short
     work = tempfile.mkdtemp(prefix="e2e-serve-")
     root = args.model_root or os.path.join(work, "models")
     name = "e2e_serve_tiny" if args.tiny else "e2e_serve"
     result = {"title": f"Inference end to end under injected faults ({args.model})", "device": device,
               "model": args.model, "concurrency": args.concurrency, "requests": args.requests, "mode": args.mode,
-              "dtype": args.dtype, "seed": args.seed, "runs": {}}
+              "dtype": args.dtype, "seed": args.seed, "max_faults": args.max_faults, "runs": {}}
     launcher = None
     try:
         with private_daemon(device):
@@ -142,6 +147,7 @@ def main(argv=None) -> int:
 
 
 def render(result: dict) -> str:
+    from bench.common import plot_path
     out = []
     for rate, rows in result["runs"].items():
         base = [r for r in rows if r["method"] != "gpu_anchor" and r["p50_s"]]
@@ -157,9 +163,56 @@ def render(result: dict) -> str:
             r99 = f"{b99 / r['p99_s']:.3g}×" if b99 and r["p99_s"] else "—"
             lines.append(f"| {LABELS.get(r['method'], r['method'])} | {r['faults']} | {fmt_s(r['p50_s'])} | {r50} | "
                          f"{fmt_s(r['p99_s'])} | {r99} | {r['tokens_per_s']:.0f} | {fmt_s(rec)} |")
+        png = plot_path(f"e2e_serve_{result['model']}_{rate}.png")
+        if png and _plot(rows, float(rate), png[0]):
+            lines.append(f"\n![tokens over time under faults at {rate}/s]({png[1]})")
         out.append("\n".join(lines))
-    note = ("\n\nRatios: the best baseline's latency / this latency (higher is better). Paper (for the reader): "
-            "end-to-end latency 17.0 % lower than the strongest baseline.")
+    verdicts = []
+    for rate, rows in result["runs"].items():
+        anc = next((r for r in rows if r["method"] == "gpu_anchor" and r["p99_s"]), None)
+        b99 = min((r["p99_s"] for r in rows if r["method"] != "gpu_anchor" and r["p99_s"]), default=None)
+        if anc and b99:
+            verdicts.append(f"{float(rate) * 100:g} %/s: gpu-anchor p99 {fmt_s(anc['p99_s'])} vs the best baseline's "
+                            f"{fmt_s(b99)} ({b99 / anc['p99_s']:.3g}×) — {verdict(anc['p99_s'] <= b99)}")
+    note = ("\n\nVerdict (no issue target; p99 latency at most the best baseline's): "
+            + ("; ".join(verdicts) if verdicts else "not measured") + ". Ratios: the best baseline's latency / this "
+            "latency (higher is better). Paper (for the reader): end-to-end latency 17.0 % lower than the strongest "
+            "baseline.")
+    if result["requests"] < 1000:
+        note += (f" Scaled down to {result['requests']} requests to fit the device-time budget; the fault rate is "
+                 "raised above the issue's 1 %/s where needed so that each run meets faults at all.")
+    if result.get("max_faults"):
+        note += f" At most {result['max_faults']} faults injected per run."
+    if any(not r.get("faults") for rows in result["runs"].values() for r in rows):
+        note += " A run with 0 faults measured no recovery: its latencies are fault-free ones."
     for k, err in result.get("failed", {}).items():
         note += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(out) + note
+
+
+def _plot(rows, rate, path) -> bool:
+    """Generated tokens over wall time per method, kills marked (runs without ``progress``: no plot)."""
+    if not any(r.get("progress") for r in rows):
+        return False
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in rows:
+        if not r.get("progress"):
+            continue
+        line, = ax.plot([x[0] for x in r["progress"]], [x[1] for x in r["progress"]], lw=1,
+                        label=LABELS.get(r["method"], r["method"]))
+        for k in r.get("kills_s", ()):
+            ax.axvline(k, color=line.get_color(), ls=":", lw=0.8)
+    ax.set_xlabel("wall time (s); dotted: SIGKILL of the engine")
+    ax.set_ylabel("tokens generated")
+    ax.set_title(f"Serving under faults at {rate * 100:g} %/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

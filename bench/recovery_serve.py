@@ -25,7 +25,8 @@ import shutil
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
+from bench.common import (default_device, fmt_s, median_by_mode, private_daemon, run_isolated, speedup, verdict,
+                          write_result)
 
 TARGET_X = 10.0  # issue 7: gpu-anchor >= 10x faster than KV-memory, 8B model
 PAPER = "60.7 % faster on average, 5.16× for 235B"
@@ -33,17 +34,20 @@ METHODS = ("replay", "kv_memory", "gpu_anchor")
 LABELS = {"replay": "Replay (page cache warm)", "kv_memory": "KV-memory", "gpu_anchor": "gpu-anchor"}
 
 
-def make_model_dir(name: str, device: str, tiny: bool, root: str) -> str:
-    """Random-weight safetensors checkpoint of shape ``name``; then read once (page cache)."""
+def _write_model(name: str, device: str, tiny: bool, d: str) -> None:
     from bench import models
+    models.build(name, device, tiny=tiny).save_pretrained(d)
+
+
+def make_model_dir(name: str, device: str, tiny: bool, root: str) -> str:
+    """Random-weight safetensors checkpoint of shape ``name``; then read once (page cache).
+
+    The weights are made in a child process (``run_isolated``), so the driver never holds
+    a CUDA context or GPU memory the engines it measures would compete with.
+    """
     d = os.path.join(root, f"{name}{'-tiny' if tiny else ''}")
     if not glob.glob(os.path.join(d, "*.safetensors")):
-        m = models.build(name, device, tiny=tiny)
-        m.save_pretrained(d)
-        del m
-        if device.startswith("cuda"):
-            import torch
-            torch.cuda.empty_cache()  # the driver must not sit on the GPU memory the engines need
+        run_isolated(_write_model, name, device, tiny, d, timeout=900)
     for f in glob.glob(os.path.join(d, "*.safetensors")):
         with open(f, "rb") as fh:
             while fh.read(64 << 20):
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
 
 
 def render(result: dict) -> str:
+    from bench.common import plot_breakdown, plot_path
     parts, verdicts = [], []
     for model, rows in result["models"].items():
         modes = list(dict.fromkeys(m for r in rows for m in r["modes"]))
@@ -205,6 +210,11 @@ def render(result: dict) -> str:
             if kv and anc and model == "qwen3-8b":
                 verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs KV-memory {fmt_s(kv)} = {kv / anc:.2f}× — "
                                 f"{verdict(kv / anc >= result['target_x'])}")
+        png = plot_path(f"recovery_serve_{model}.png")
+        if png and plot_breakdown(rows, LABELS, (("startup_s", "start-up"), ("engine_s", "engine"),
+                                                 ("resume_s", "resume")), f"Inference recovery breakdown, {model}",
+                                  png[0]):
+            lines.append(f"\n![recovery breakdown {model}]({png[1]})")
         parts.append("\n".join(lines))
     tail = (f"\n\nTarget: inference recovery of the 8B model ≥ {result['target_x']:.0f}× faster than KV-memory "
             f"[paper: {PAPER}]. " + ("; ".join(verdicts) if verdicts else "not measured") + ".\n\n"

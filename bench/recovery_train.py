@@ -234,7 +234,7 @@ def main(argv=None) -> int:
 
 
 def render(result: dict) -> str:
-    from bench.common import plot_path
+    from bench.common import plot_breakdown, plot_path
     parts = []
     labels = {"torch_save": "torch.save", "checkfreq": "CheckFreq", "inmemory": "in-memory (/dev/shm)",
               "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor",
@@ -265,7 +265,9 @@ def render(result: dict) -> str:
                 verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs in-memory {fmt_s(inmem)} = "
                                 f"{inmem / anc:.2f}× — {verdict(inmem / anc >= result['target_x'])}")
         png = plot_path(f"recovery_train_{model}.png")
-        if png and _plot(rows, labels, model, png[0]):
+        if png and plot_breakdown(rows, labels, (("startup_s", "start-up"), ("restore_s", "restore"),
+                                                 ("first_step_s", "first step")),
+                                  f"Training recovery breakdown, {model}", png[0]):
             lines.append(f"\n![recovery breakdown {model}]({png[1]})")
         parts.append("\n".join(lines))
     tail = (f"\n\nTarget: training recovery ≥ {result['target_x']:.0f}× faster than the in-memory checkpoint, "
@@ -284,31 +286,3 @@ def render(result: dict) -> str:
     for k, err in result.get("failed", {}).items():
         tail += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(parts) + tail
-
-
-def _plot(rows, labels, model, path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names, parts = [], {k: [] for k in ("startup_s", "restore_s", "first_step_s")}
-    for r in rows:
-        for mode, x in r["modes"].items():
-            names.append(f"{labels.get(r['method'], r['method'])}\n{mode}")
-            for k in parts:
-                parts[k].append(x[k])
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
-    bottom = [0.0] * len(names)
-    for k, lab in (("startup_s", "start-up"), ("restore_s", "restore"), ("first_step_s", "first step")):
-        ax.bar(names, parts[k], bottom=bottom, label=lab)
-        bottom = [b + v for b, v in zip(bottom, parts[k])]
-    ax.set_ylabel("seconds (kill → next step completed)")
-    ax.set_title(f"Training recovery breakdown, {model}")
-    ax.legend()
-    plt.xticks(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

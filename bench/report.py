@@ -34,6 +34,8 @@ def _fmt(v) -> str:
 
 def _machine_line(m: dict) -> str:
     gpu = f"{m.get('gpu_count', 1)}× {m['gpu']}, driver {m.get('driver', '?')}" if "gpu" in m else "CPU only"
+    if m.get("cuda_visible_devices"):
+        gpu += f" (this run: GPU {m['cuda_visible_devices']})"
     return f"{gpu}; torch {m.get('torch', '?')}; Python {m.get('python', '?')}; {m.get('host_cpus', '?')} host CPUs"
 
 

@@ -171,8 +171,9 @@ def test_goodput_accounting():
              "ckpt_blocking_s": 5.0, "recovery_s": 10.0},
             {"method": "gpu_anchor", "wall_s": 110.0, "step_dts": [0.102] * 1000, "lost_steps": 0,
              "ckpt_blocking_s": 0.0, "recovery_s": 6.0}]
-    summarise(rows, 1000)
-    base, anc = rows
+    out = summarise(rows, 1000)
+    assert "step_dts" in rows[0]                              # the raw rows stay usable for the next summary
+    base, anc = rows = out
     assert base["ref_step_s"] == anc["ref_step_s"] == 0.1   # the plain optimizer's step, from baselines only
     assert abs(base["goodput"] - 100 / 130) < 1e-12 and abs(anc["goodput"] - 100 / 110) < 1e-12
     assert abs(base["recompute_s"] - 5.0) < 1e-9 and abs(anc["slower_steps_s"] - 2.0) < 1e-9

@@ -44,6 +44,9 @@ def test_scenario_runs_tiny(name, tmp_path):
             result = json.load(f)
         assert result.get("machine") and result.get("command"), path
         assert path.endswith("_tiny.json"), f"{path}: smoke-size results must be named *_tiny.json"
+        for rate, rows in result.get("runs", {}).items():  # end-to-end runs: the fault path must be exercised
+            assert rows and all(r["faults"] >= 1 for r in rows), f"{path}: a run at rate {rate} met no fault"
+        assert not result.get("failed"), f"{path}: {result['failed']}"
     # the renderer must accept the tiny results (published names are rendered the same way)
     text = report.render_all(str(out), include_tiny=True, img_dir=str(tmp_path / "img"))
     assert "## " in text

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Issue 7's missing H200 tables in two device calls of <= 9 min each, on nvidia-h200-x2:
+#   OUT=/some/dir PYTHONPATH=. bash bench/h200_all.sh 1   # persist_blocking (1B, 1.7B, 3B) | recovery_serve (8B)
+#   OUT=/some/dir PYTHONPATH=. bash bench/h200_all.sh 2   # e2e_faults (1B)               | e2e_serve (8B)
+#   BENCH_EXTRA=--tiny OUT=/tmp/x bash bench/h200_all.sh 1   # CPU dry run (smoke sizes, *_tiny.json)
+# Each call runs two independent scenarios at once, one per GPU (CUDA_VISIBLE_DEVICES=0 and 1;
+# every scenario sees its GPU as cuda:0).  Each lane has its own time limit (LANE_S) and writes
+# its JSON under $OUT after every method, so a lane that runs over keeps what it measured and
+# the other lane is unaffected.  Then the report renders $OUT/benchmarks.md and $OUT/img/*.png.
+# Results that shared the host with the other lane say so (GPU_ANCHOR_BENCH_CONCURRENT).
+#
+# Time plan (from the earlier H200 runs: 1B step 0.33 s, torch.save of 1B state 16.6 s, cold
+# worker 13 s, 8B engine cold start 15 s, 8B decode ~1 500 tokens/s at 64 streams):
+#   call 1, GPU0: persist_blocking, every method in its own process: 1B all methods (~160 s),
+#                 1.7B and 3B without torch.save (disk-bound, ~45 s per 3B save; ~140 s + ~200 s)
+#           GPU1: recovery_serve Qwen3-8B: model written once (~60 s), 3 methods x cold+warm (~4 min)
+#   call 2, GPU0: e2e_faults 1B, 120 steps, checkpoint every 40, 2 %/s, 4 methods (~5-6 min)
+#           GPU1: e2e_serve Qwen3-8B, 400 requests, 5 %/s, 3 methods (~5-6 min)
+set -u
+PART=${1:-}
+OUT=${OUT:-bench/results}
+X=${BENCH_EXTRA:-}
+LANE_S=${LANE_S:-470}        # per lane; + <= 20 s to stop + ~20 s report: a call stays under 9 min
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT/logs"
+t0=$(date +%s)
+
+case "$PART" in
+  1) A="persist_blocking --models llama3.2-1b,qwen3-1.7b,llama3.2-3b --repeat 2
+        --skip qwen3-1.7b:torch_save,llama3.2-3b:torch_save --timeout 240"
+     B="recovery_serve --models qwen3-8b --repeat 1" ;;
+  2) A="e2e_faults --steps 120 --ckpt-every 40 --rates 0.02 --methods gpu_anchor,inmemory,checkfreq,torch_save"
+     B="e2e_serve --requests 400 --rates 0.05" ;;
+  *) echo "usage: OUT=DIR PYTHONPATH=. bash bench/h200_all.sh 1|2" >&2; exit 2 ;;
+esac
+A=$(echo $A); B=$(echo $B)   # one line each (they are recorded in the results)
+
+echo "== machine (call $PART)"
+nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null \
+  || echo "no nvidia-smi (CPU dry run)"
+df -h /dev/shm /tmp | tail -n +2; free -g | head -2
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+lane() {  # lane GPU OTHER_CMD CMD...: one scenario on one GPU, its output in $OUT/logs/<scenario>.log
+  local gpu=$1 other=$2; shift 2
+  local log="$OUT/logs/$1.log"
+  CUDA_VISIBLE_DEVICES=$gpu GPU_ANCHOR_BENCH_CONCURRENT="python -m bench $other" \
+    timeout -k 20 "$LANE_S" python -m bench "$@" --out "$OUT" $X > "$log" 2>&1
+  echo "== $1 on GPU $gpu: rc=$? after $(( $(date +%s) - t0 )) s"
+  grep -v "Warning\|return func\|warnings.warn" "$log" | tail -n 25
+}
+
+lane 0 "$B" $A > "$OUT/logs/lane0.txt" 2>&1 &
+p0=$!
+lane 1 "$A" $B > "$OUT/logs/lane1.txt" 2>&1 &
+p1=$!
+wait $p0; wait $p1
+cat "$OUT/logs/lane0.txt" "$OUT/logs/lane1.txt"
+
+echo "== report after $(( $(date +%s) - t0 )) s"
+# the report renders every result under $OUT (tiny ones too on a dry run)
+if [ -n "$X" ]; then
+  python -c "import sys; from bench import report; open(sys.argv[1] + '/benchmarks.md', 'w').write(
+report.render_all(sys.argv[1], include_tiny=True, img_dir=sys.argv[1] + '/img'))" "$OUT"
+else
+  python -m bench report --results "$OUT" --out "$OUT/benchmarks.md"
+fi
+grep -n "MISSED\|met\b\|FAILED" "$OUT/benchmarks.md" | head -30
+ls -la "$OUT" "$OUT/img" 2>/dev/null
+echo "== done after $(( $(date +%s) - t0 )) s"
