@@ -9,6 +9,7 @@ anchored run must equal plain torch driven by ``GradScaler.step`` / ``update``.
 """
 import random
 
+import pytest
 import torch
 
 import gpu_anchor
@@ -46,6 +47,7 @@ def _plain():
     return C.trajectory(log)[0], skipped
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_amp_reference_equals_plain_gradscaler(host_daemon, tmp_path):
     ref = C.run("amp-ref", CFG, str(tmp_path / "ref.log"))
     losses = C.trajectory(ref.log)[0]

@@ -14,6 +14,7 @@ import torch
 import gpu_anchor
 from gpu_anchor.train import campaign as C
 from gpu_anchor.train import ddp_campaign as D
+from test_train_ddp import _same_as_reference as ddp_check   # same per-rank comparison
 
 
 @pytest.fixture
@@ -25,12 +26,7 @@ def fsdp_reference(host_daemon, tmp_path):
 
 
 def _same_as_reference(ns, res, ref):
-    for r in range(2):
-        assert C.trajectory(res["logs"][r])[0] == C.trajectory(ref["logs"][r])[0], f"rank {r} losses"
-        a = gpu_anchor.connect("cpu", namespace=f"fref/rank{r}")
-        b = gpu_anchor.connect("cpu", namespace=f"{ns}/rank{r}")
-        assert C.compare(a, b) == [], f"rank {r} state"
-        assert set(C.digests(res["logs"][r])) == set(C.digests(ref["logs"][r])) != set()
+    ddp_check(ns, "fref", res, ref)
 
 
 def test_reference_matches_plain_fsdp_and_shards_differ(fsdp_reference, tmp_path):

@@ -53,8 +53,13 @@ def fsdp_params(model: torch.nn.Module) -> list:
     names = {id(m): n for n, m in model.named_modules()}
     out, seen = [], set()
     for mod in model.modules():
-        group = mod._get_fsdp_state()._fsdp_param_group if isinstance(mod, FSDPModule) else None
-        for fp in group.fsdp_params if group is not None else ():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)    # newer torch: a list per module
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for fp in (fp for g in groups for fp in g.fsdp_params):
             if id(fp) not in seen:
                 seen.add(id(fp))
                 owner = names[id(fp._module_info.module)]
