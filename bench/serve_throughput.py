@@ -64,37 +64,86 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+PHASES = ("schedule", "prepare_inputs", "forward", "commit_build", "sample", "finish", "commit_prepare",
+          "commit_wait")
+
+
+def _timed_run(eng, prompts, sp, device) -> dict:
+    """One full batch; the engine's per-phase host seconds over it, per step in ms."""
+    c0, b0, s0 = eng.committer.commits, eng.committer.bytes, eng.steps
+    t0, n0 = dict(eng.step_times), dict(eng.step_counts)
+    _sync(device)
+    t = time.perf_counter()
+    out = eng.generate(prompts, sp)
+    _sync(device)
+    dt = time.perf_counter() - t
+    n = sum(map(len, out))
+    steps = eng.steps - s0
+    return {"seconds": dt, "tokens": n, "tokens_per_s": n / dt, "steps": steps,
+            "graph_steps": eng.step_counts["graph"] - n0["graph"], "eager_steps": eng.step_counts["eager"] - n0["eager"],
+            "commits": eng.committer.commits - c0, "commit_bytes": eng.committer.bytes - b0,
+            "step_ms": {k: (eng.step_times[k] - t0[k]) * 1e3 / max(steps, 1) for k in PHASES}}
+
+
+def _summary(runs: list[dict]) -> dict:
+    tps = [r["tokens_per_s"] for r in runs]
+    return {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "n": len(tps),
+            "step_ms": {k: statistics.median(r["step_ms"][k] for r in runs) for k in PHASES},
+            "wall_ms_per_step": statistics.median(r["seconds"] * 1e3 / max(r["steps"], 1) for r in runs)}
+
+
 def throughput(args, config_path) -> dict:
+    """Warm both engines up (every graph size captured), then alternate anchored and plain
+    runs of the same requests (the order flips every round) and compare medians."""
     from gpu_anchor.serve.engine import Engine
     from gpu_anchor.serve.sequence import SamplingParams
     vocab = json.load(open(config_path))["vocab_size"]
     prompts = _prompts(args.requests, args.prompt_len, vocab)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    engines = {}
+    engines, graphs = {}, {}
     for name, anchor in (("anchored", True), ("plain", False)):
         t = time.perf_counter()
-        engines[name] = Engine(_engine_cfg(args, config_path, anchor, "bench-throughput"))
-        engines[name].generate(_prompts(2, 16, vocab, seed=1), SamplingParams(max_tokens=4))   # compile, warm
+        cfg = _engine_cfg(args, config_path, anchor, "bench-throughput")
+        cfg.cuda_graphs = not args.no_cuda_graphs
+        eng = engines[name] = Engine(cfg)
+        eng.generate(_prompts(2, 16, vocab, seed=1), SamplingParams(max_tokens=4))   # compile kernels
+        graphs[name] = eng.capture_graphs()
+        eng.generate(prompts, SamplingParams(max_tokens=min(8, args.max_tokens), ignore_eos=True))  # full width
         _sync(args.device)
-        print(f"[bench] {name} engine ready in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"[bench] {name} engine ready in {time.perf_counter() - t:.1f} s; graphs {graphs[name]}", flush=True)
     runs = {k: [] for k in engines}
+    order = list(engines)
     for r in range(args.rounds):
-        for name, eng in engines.items():
-            c0, b0 = eng.committer.commits, eng.committer.bytes
-            _sync(args.device)
-            t = time.perf_counter()
-            out = eng.generate(prompts, sp)
-            _sync(args.device)
-            dt = time.perf_counter() - t
-            n = sum(map(len, out))
-            runs[name].append({"seconds": dt, "tokens": n, "tokens_per_s": n / dt,
-                               "commits": eng.committer.commits - c0, "commit_bytes": eng.committer.bytes - b0})
-            print(f"[bench] round {r} {name}: {n / dt:.0f} tok/s", flush=True)
-    best = {k: max(x["tokens_per_s"] for x in v) for k, v in runs.items()}
-    same = engines["anchored"].generate(prompts[:4], SamplingParams(max_tokens=16, ignore_eos=True)) == \
-        engines["plain"].generate(prompts[:4], SamplingParams(max_tokens=16, ignore_eos=True))
-    res = {"runs": runs, "best_tokens_per_s": best, "anchored_over_plain": best["anchored"] / best["plain"],
-           "anchored_and_plain_outputs_equal": same}
+        for name in (order if r % 2 == 0 else order[::-1]):
+            runs[name].append(_timed_run(engines[name], prompts, sp, args.device))
+            print(f"[bench] round {r} {name}: {runs[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
+    summary = {k: _summary(v) for k, v in runs.items()}
+    res = {"runs": runs, "summary": summary, "graphs": graphs, "cuda_graphs": not args.no_cuda_graphs,
+           "median_tokens_per_s": {k: v["median"] for k, v in summary.items()},
+           "anchored_over_plain": summary["anchored"]["median"] / summary["plain"]["median"]}
+    few = SamplingParams(max_tokens=16, ignore_eos=True)
+    res["anchored_and_plain_outputs_equal"] = engines["anchored"].generate(prompts[:4], few) == \
+        engines["plain"].generate(prompts[:4], few)
+    if engines["plain"].graphs is not None and args.eager_rounds:
+        # the same engines with the graphs set aside: what the eager forward gives, and whether
+        # graph and eager decode pick the same tokens (bf16: a padded GEMM may flip a near-tie)
+        kept = {k: e.graphs for k, e in engines.items()}
+        ref = engines["plain"].generate(prompts[:8], SamplingParams(max_tokens=32, ignore_eos=True))
+        for e in engines.values():
+            e.graphs = None
+        eager = {k: [] for k in engines}
+        for r in range(args.eager_rounds):
+            for name in order:
+                eager[name].append(_timed_run(engines[name], prompts, sp, args.device))
+                print(f"[bench] eager round {r} {name}: {eager[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
+        alt = engines["plain"].generate(prompts[:8], SamplingParams(max_tokens=32, ignore_eos=True))
+        for k, e in engines.items():
+            e.graphs = kept[k]
+        es = {k: _summary(v) for k, v in eager.items()}
+        res["eager"] = {"runs": eager, "summary": es,
+                        "anchored_over_plain": es["anchored"]["median"] / es["plain"]["median"],
+                        "graph_tokens_equal_to_eager": sum(a == b for x, y in zip(ref, alt) for a, b in zip(x, y))
+                        / sum(map(len, ref))}
     for eng in engines.values():
         if eng.anchor.client is not None:
             eng.anchor.client.drop_namespace()
@@ -104,6 +153,43 @@ def throughput(args, config_path) -> dict:
         import torch
         torch.cuda.empty_cache()
     return res
+
+
+def commit_microbench(n_seqs: int = 64, steps: int = 256, prompt_len: int = 256, block_size: int = 16) -> dict:
+    """Host cost of the per-step commit for ``n_seqs`` decoding sequences (CPU only): the
+    snapshot at the end of a step (on the critical path) and its encoding (done while the
+    next forward runs on the GPU), and the bytes each commit carries."""
+    from gpu_anchor.serve.commit import Committer
+    from gpu_anchor.serve.sequence import SamplingParams, Sequence, Status
+
+    class _Sink:
+        def commit(self, puts, deletes=()):
+            pass
+    c = Committer(_Sink())
+    seqs = []
+    for i in range(n_seqs):
+        s = Sequence(f"gen-{i}", list(range(prompt_len)), SamplingParams(max_tokens=steps))
+        s.status, s.num_computed = Status.RUNNING, prompt_len
+        s.block_table = list(range(i * 64, i * 64 + prompt_len // block_size + 1))
+        seqs.append(s)
+    c.commit(seqs)
+    snap_s = build_s = 0.0
+    nbytes = 0
+    for step in range(steps):
+        for s in seqs:
+            s.output_ids.append(step)
+            s.num_computed += 1
+            if s.num_computed % block_size == 0:
+                s.block_table.append(100000 + len(s.block_table))
+        t0 = time.perf_counter()
+        snap = c.snapshot(seqs)
+        t1 = time.perf_counter()
+        puts, _ = c.build(snap)
+        build_s += time.perf_counter() - t1
+        snap_s += t1 - t0
+        nbytes += sum(len(k) + len(v) for k, v in puts.items())
+    return {"sequences": n_seqs, "steps": steps, "snapshot_us_per_step": snap_s / steps * 1e6,
+            "build_us_per_step": build_s / steps * 1e6, "bytes_per_commit": nbytes / steps}
 
 
 def hf_generate_batch(args, config_path) -> dict:
@@ -222,7 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="timed runs of each mode, alternating")
+    ap.add_argument("--eager-rounds", type=int, default=1, help="runs of each mode with the graphs set aside")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="eager decode in both modes")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-recovery-baseline", action="store_true")
@@ -232,7 +320,8 @@ def main(argv=None) -> int:
         args.device = args.device or "cpu"
         args.dtype = args.dtype or "float32"
         args.requests = args.streams = min(args.requests, 8)
-        args.prompt_len, args.max_tokens, args.rounds = min(args.prompt_len, 32), min(args.max_tokens, 40), 1
+        args.prompt_len, args.max_tokens = min(args.prompt_len, 32), min(args.max_tokens, 40)
+        args.rounds, args.eager_rounds = min(args.rounds, 1), min(args.eager_rounds, 1)
     args.device = args.device or "cuda:0"
     args.dtype = args.dtype or "bfloat16"
     from gpu_anchor.daemon import control
@@ -245,31 +334,45 @@ def main(argv=None) -> int:
     res = {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B-shaped random bf16", "device": args.device,
            "dtype": args.dtype, "requests": args.requests, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens}
+    out = args.out or (os.path.join(os.environ["OUT"], "serve_throughput.json") if os.environ.get("OUT") else None)
+
+    def save():   # after every part: a later failure or timeout keeps what was measured
+        if out:
+            # --out names a results directory (as every scenario takes) or a .json file
+            out_dir, name = (os.path.dirname(out) or ".", os.path.basename(out)[:-5]) if out.endswith(".json") \
+                else (out, "serve_throughput_tiny" if args.tiny else "serve_throughput")
+            res["title"] = "Serving: throughput with and without anchoring, and recovery"
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+            from bench.common import write_result
+            write_result(name, res, out_dir)
+
+    def part(key, fn, *a):
+        t = time.perf_counter()
+        try:
+            res[key] = fn(*a)
+        except Exception as e:   # report, do not hide: the other numbers still stand
+            import traceback
+            traceback.print_exc()
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        res.setdefault("part_seconds", {})[key] = time.perf_counter() - t
+        save()
+
+    part("commit_microbench", commit_microbench)
     try:
-        res["throughput"] = throughput(args, config_path)
+        part("throughput", throughput, args, config_path)
         if not args.skip_hf:
-            try:
-                res["hf_generate_batch"] = hf_generate_batch(args, config_path)
-                res["anchored_over_generate_batch"] = (res["throughput"]["best_tokens_per_s"]["anchored"]
+            part("hf_generate_batch", hf_generate_batch, args, config_path)
+            if "tokens_per_s" in res["hf_generate_batch"] and "median_tokens_per_s" in res["throughput"]:
+                res["anchored_over_generate_batch"] = (res["throughput"]["median_tokens_per_s"]["anchored"]
                                                        / res["hf_generate_batch"]["tokens_per_s"])
-            except Exception as e:   # report, do not hide: the other numbers still stand
-                res["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         if not args.skip_recovery:
-            res["recovery_anchored"] = recovery(args, config_path, True)
+            part("recovery_anchored", recovery, args, config_path, True)
             if not args.skip_recovery_baseline:
-                res["recovery_no_anchor"] = recovery(args, config_path, False)
+                part("recovery_no_anchor", recovery, args, config_path, False)
     finally:
         control.stop(args.device, args.socket)
         daemon.wait(30)
-    out = args.out or (os.path.join(os.environ["OUT"], "serve_throughput.json") if os.environ.get("OUT") else None)
-    if out:
-        # --out names a results directory (as every scenario takes) or a .json file
-        out_dir, name = (os.path.dirname(out) or ".", os.path.basename(out)[:-5]) if out.endswith(".json") else \
-            (out, "serve_throughput_tiny" if args.tiny else "serve_throughput")
-        res["title"] = "Serving: throughput with and without anchoring, and recovery"
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
-        from bench.common import write_result
-        write_result(name, res, out_dir)
+    save()
     text = json.dumps(res, indent=2)
     print(text)
     return 0
@@ -281,12 +384,51 @@ if __name__ == "__main__":
 
 def render(r: dict) -> str:
     """Markdown for docs/benchmarks.md (``python -m bench report``)."""
-    t = r["throughput"]["best_tokens_per_s"]
-    ratio = r["throughput"]["anchored_over_plain"]
-    rows = [("Throughput, anchored vs the same engine without anchoring",
-             f"{t['anchored']:.0f} vs {t['plain']:.0f} tokens/s ({ratio:.3f}); outputs equal: "
-             f"{r['throughput']['anchored_and_plain_outputs_equal']}",
-             f"≥ 0.99 [paper 0.98]: {'met' if ratio >= 0.99 else 'MISSED'}")]
+    tp = r.get("throughput", {})
+    rows, extra = [], []
+    if "summary" in tp:     # medians of alternating runs (this module's current format)
+        sm, ratio = tp["summary"], tp["anchored_over_plain"]
+        an, pl = sm["anchored"], sm["plain"]
+        rows.append((f"Throughput, anchored vs the same engine without anchoring "
+                     f"({'CUDA-graph decode' if tp.get('cuda_graphs') else 'eager'}; median of {an['n']} "
+                     "alternating runs each)",
+                     f"{an['median']:.0f} [{an['min']:.0f}–{an['max']:.0f}] vs {pl['median']:.0f} "
+                     f"[{pl['min']:.0f}–{pl['max']:.0f}] tokens/s ({ratio:.3f}); outputs equal: "
+                     f"{tp['anchored_and_plain_outputs_equal']}",
+                     f"≥ 0.99 [paper 0.98]: {'met' if ratio >= 0.99 else 'MISSED'}"))
+        eg = tp.get("eager")
+        if eg:
+            e = eg["summary"]
+            rows.append(("Same engines, eager decode (graphs set aside)",
+                         f"{e['anchored']['median']:.0f} vs {e['plain']['median']:.0f} tokens/s "
+                         f"({eg['anchored_over_plain']:.3f}); graph decode {pl['median'] / e['plain']['median']:.2f}× "
+                         f"eager; graph tokens equal to eager: {eg['graph_tokens_equal_to_eager']:.1%}", ""))
+        names = [("anchored", an), ("plain", pl)] + ([(f"{k}, eager", v) for k, v in eg["summary"].items()]
+                                                       if eg else [])
+        extra += ["", "Host time per step (ms, median over runs; `sample` includes waiting for the GPU, "
+                  "`commit build` runs while the forward is on the GPU):", "",
+                  "| engine | wall | " + " | ".join(k.replace("_", " ") for k in PHASES) + " |",
+                  "| --- | --- |" + " --- |" * len(PHASES)]
+        extra += [f"| {n} | {v['wall_ms_per_step']:.2f} | " + " | ".join(f"{v['step_ms'][k]:.3f}" for k in PHASES)
+                  + " |" for n, v in names]
+        g = (tp.get("graphs") or {}).get("anchored")
+        if g and g.get("graphs"):
+            extra += ["", f"CUDA graphs (anchored engine): {g['graphs']} captured in {g['capture_s']:.2f} s; "
+                      f"pool {g['pool_bytes'] / 2**20:.0f} MiB, static buffers {g['static_bytes'] / 2**10:.0f} KiB."]
+    elif "best_tokens_per_s" in tp:   # results of the earlier best-of format
+        t, ratio = tp["best_tokens_per_s"], tp["anchored_over_plain"]
+        rows.append(("Throughput, anchored vs the same engine without anchoring (best of runs)",
+                     f"{t['anchored']:.0f} vs {t['plain']:.0f} tokens/s ({ratio:.3f}); outputs equal: "
+                     f"{tp['anchored_and_plain_outputs_equal']}",
+                     f"≥ 0.99 [paper 0.98]: {'met' if ratio >= 0.99 else 'MISSED'}"))
+    elif "error" in tp:
+        rows.append(("Throughput", "failed: " + tp["error"].replace("|", "/").replace("\n", " "), ""))
+    mb = r.get("commit_microbench")
+    if mb and "snapshot_us_per_step" in mb:
+        extra += ["", f"Commit host cost for {mb['sequences']} decoding sequences (CPU micro-benchmark): snapshot "
+                  f"{mb['snapshot_us_per_step']:.0f} µs per step on the critical path, encoding "
+                  f"{mb['build_us_per_step']:.0f} µs overlapped with the forward, {mb['bytes_per_commit']:.0f} bytes "
+                  "per commit."]
     hf = r.get("hf_generate_batch", {})
     if "tokens_per_s" in hf:
         rows.append(("vs transformers `generate_batch` (continuous batching), same requests",
@@ -294,7 +436,7 @@ def render(r: dict) -> str:
     for key, label in (("recovery_anchored", "gpu-anchor"), ("recovery_no_anchor", "same engine, no anchoring "
                                                                                     "(re-prefill)")):
         rec = r.get(key)
-        if rec:
+        if rec and rec.get("kill_to_first_resumed_token_s"):
             k = rec["kill_to_first_resumed_token_s"]
             rows.append((f"SIGKILL → first resumed token on every open stream, {label}",
                          f"median {k['median']:.3f} s (min {k['min']:.3f}, max {k['max']:.3f}); "
@@ -303,6 +445,7 @@ def render(r: dict) -> str:
     out = [f"Model: {r['model']}, {r['dtype']}; {r['requests']} concurrent requests, prompt {r['prompt_len']}, "
            f"max tokens {r['max_tokens']}.", "", "| figure | measured | target |", "| --- | --- | --- |"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    out += extra
     b = r.get("recovery_anchored", {}).get("engine_breakdown_s")
     if b:
         out += ["", "Restarted engine, gpu-anchor (seconds): " + ", ".join(

@@ -16,6 +16,13 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     assert t["anchored_and_plain_outputs_equal"]
     assert t["runs"]["anchored"][0]["tokens"] == 32 and t["runs"]["anchored"][0]["commits"] > 0
     assert t["runs"]["plain"][0]["commits"] == 0
+    # the padded static-buffer decode path ran (emulated on the CPU), and the eager runs too
+    assert t["runs"]["anchored"][0]["graph_steps"] > 0 and t["eager"]["runs"]["plain"][0]["graph_steps"] == 0
+    assert t["eager"]["graph_tokens_equal_to_eager"] == 1.0
+    assert set(t["summary"]["anchored"]["step_ms"]) >= {"schedule", "forward", "sample", "commit_wait"}
+    assert res["commit_microbench"]["snapshot_us_per_step"] > 0
+    from serve_throughput import render
+    assert "alternating runs" in render(res)
 
 
 @pytest.mark.slow

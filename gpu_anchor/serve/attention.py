@@ -10,6 +10,11 @@ where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
 - CUDA: a Triton kernel; one program per (query token, KV head) walks the block table
   and keeps an online softmax over the GQA group (no gather of the whole context).
 - CPU (and the reference for tests): per sequence, gather its blocks and run SDPA.
+
+CUDA-graph capture (``cuda_graphs.py``): both kernels' grids depend only on the number of
+query tokens (fixed per captured batch size) and the KV head count; everything per step
+(positions, slots, block tables) is read from device buffers, and the block table has a
+fixed width, so a captured launch stays valid for every step of that batch size.
 """
 from __future__ import annotations
 
@@ -39,8 +44,19 @@ class AttnMeta:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store this step's K/V ([T, Hkv, D]) into their slots (overwrites: replay-safe)."""
+    """Store this step's K/V ([T, Hkv, D]) into their slots (overwrites: replay-safe).
+    A negative slot writes nothing: the padding rows of a CUDA-graph batch use -1, so they
+    never touch a block that a committed sequence owns (an index_put would wrap -1 around)."""
     _, nb, bs, h, d = cache.shape
+    if cache.is_cuda and triton is not None and cache.is_contiguous():
+        k, v = k.contiguous(), v.contiguous()
+        n = h * d
+        _store_kv_kernel[(k.shape[0],)](k, v, cache, slots, k.stride(0), v.stride(0), cache.stride(0),
+                                        N=n, BLOCK=triton.next_power_of_2(n))
+        return
+    if slots.numel() and int(slots.min()) < 0:      # CPU only (the emulated graph path)
+        keep = slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
     cache[0].view(nb * bs, h, d)[slots] = k.to(cache.dtype)
     cache[1].view(nb * bs, h, d)[slots] = v.to(cache.dtype)
 
@@ -73,6 +89,19 @@ def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale
 
 
 if triton is not None:
+    @triton.jit
+    def _store_kv_kernel(K, V, C, SLOTS, sk_t, sv_t, sc_kv, N: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per token; the cache is contiguous, so a slot's [Hkv, D] row is N values
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK)
+            m = offs < N
+            k = tl.load(K + t * sk_t + offs, mask=m)
+            v = tl.load(V + t * sv_t + offs, mask=m)
+            tl.store(C + slot * N + offs, k.to(C.dtype.element_ty), mask=m)
+            tl.store(C + sc_kv + slot * N + offs, v.to(C.dtype.element_ty), mask=m)
+
     @triton.jit
     def _paged_attn_kernel(Q, C, O, BT, TSEQ, TPOS, scale,
                            sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, so_t, so_h, s_bt,

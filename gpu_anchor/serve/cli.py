@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", default=None, help="daemon socket (default: the device's standard one)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the engine on the CPU")
     p.add_argument("--no-anchor", action="store_true", help="plain allocations, no journal (baseline)")
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", action="store_true",
+                   help="decode steps run the eager forward (default on CUDA: replayed CUDA graphs)")
+    p.add_argument("--warm-pool", action="store_true",
+                   help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
+                        "at once when the engine dies, instead of a fork + CUDA init")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
                         "for the first LIMIT engines (default: all)")
@@ -74,6 +79,22 @@ def _fault_for(plan: str | None, incarnation: int):
         return None
     rng = random.Random(seed * 1_000_003 + incarnation)
     return (rng.randint(0, maxstep), rng.choice(PHASES))
+
+
+STANDBY_AFTER_S = 2.0
+
+
+def _dtype(name: str):
+    from .engine import DTYPES
+    return DTYPES.get(name)
+
+
+def _standby_run(cfg, esock: str, go: dict, worker) -> None:
+    """The standby takes over: what is only known now comes in ``go``."""
+    import dataclasses
+    c = dataclasses.replace(cfg, device=go["device"], socket=go["socket"],
+                            fault=tuple(go["fault"]) if go.get("fault") else None)
+    worker.run(c, esock, started_at=go["started"], standby=True)
 
 
 def _follow_migration(cfg, path: str) -> None:
@@ -108,7 +129,7 @@ def engine_config(args, mc):
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
                         namespace=args.namespace or f"serve-{name}", socket=args.socket,
-                        cpu_threads=args.cpu_threads)
+                        cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None)
 
 
 def main(args) -> int:
@@ -156,7 +177,9 @@ def main(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from gpu_anchor.launch.warm_pool import Standby, wait_exit, warm_cuda
     incarnation, engine, quick_failures = 0, None, 0
+    standby = None
     started = 0.0
     try:
         while not stopping:
@@ -167,23 +190,37 @@ def main(args) -> int:
                 cfg.fault = _fault_for(args.fault_plan, incarnation)
                 _follow_migration(cfg, worker.placement_path(esock))
                 started = time.time()
-                engine = os.fork()
-                if engine == 0:
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    signal.signal(signal.SIGINT, signal.SIG_DFL)
-                    code = 0
+                if standby is not None and standby.ready(timeout=10.0):
                     try:
-                        worker.run(cfg, esock, started_at=started)
-                    except BaseException:
-                        logging.getLogger("gpu_anchor.serve").exception("engine failed")
-                        code = 1
-                    finally:
-                        os._exit(code)
+                        engine = standby.go({"started": started, "device": cfg.device, "socket": cfg.socket,
+                                             "fault": cfg.fault})
+                    except OSError:              # the standby died meanwhile: start one the usual way
+                        log.warning("the warm standby is gone; forking an engine")
+                if engine is None:
+                    if standby is not None:
+                        standby.close()
+                    engine = os.fork()
+                    if engine == 0:
+                        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                        signal.signal(signal.SIGINT, signal.SIG_DFL)
+                        code = 0
+                        try:
+                            worker.run(cfg, esock, started_at=started)
+                        except BaseException:
+                            logging.getLogger("gpu_anchor.serve").exception("engine failed")
+                            code = 1
+                        finally:
+                            os._exit(code)
+                standby = None
                 incarnation += 1
-            pid, status = os.waitpid(engine, os.WNOHANG)
-            if pid == 0:
-                time.sleep(0.02)
+            if args.warm_pool and standby is None and time.time() - started > STANDBY_AFTER_S:
+                # made once the engine has started, so its CUDA init does not slow that one's
+                standby = Standby(lambda: warm_cuda(cfg.device, _dtype(cfg.dtype)),
+                                  lambda go: _standby_run(cfg, esock, go, worker))
+            r = wait_exit(engine, 0.25)      # a pidfd: the death is seen when it happens
+            if r is None:
                 continue
+            pid, status = r
             engine = None
             how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
             log.warning("engine %d died (%s) after %.2f s; restarting", pid, how, time.time() - started)
@@ -195,6 +232,8 @@ def main(args) -> int:
             else:
                 quick_failures = 0
     finally:
+        if standby is not None:
+            standby.close()
         if engine:
             os.kill(engine, signal.SIGKILL)
             os.waitpid(engine, 0)

@@ -5,7 +5,9 @@ Journal keys (namespace of the engine's anchored objects):
 - ``serve/layout``     KV layout + weights fingerprint the committed block tables refer to
 - ``serve/weights``    fingerprint of the weights whose load completed (absent: load again)
 - ``serve/req/<rid>``  prompt + sampling params, written once, in the step that admits it
-- ``serve/st/<rid>``   num_computed, #outputs, status, block table   (rewritten when changed)
+- ``serve/st/<rid>``   num_computed, #outputs, status (12 bytes)     (rewritten when changed)
+- ``serve/bt/<rid>``   the block table, int32s                       (rewritten when it changed:
+                       a decode step adds a block every ``block_size`` tokens)
 - ``serve/out/<rid>/<k>``  output tokens ``[64k, 64k+64)``           (only the last segment changes)
 
 One ``journal.commit`` per step carries every change of that step, so the journal always
@@ -18,8 +20,8 @@ import json
 import logging
 
 from .block_manager import BlockManager, InconsistentState
-from .sequence import (OUT_SEGMENT, Sequence, Status, pack_ints, parse_request, parse_state, request_record,
-                       segment_keys, state_record, unpack_ints)
+from .sequence import (OUT_SEGMENT, Sequence, Status, pack_ints, pack_state, parse_request, parse_state,
+                       request_record, segment_keys, unpack_ints)
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -35,6 +37,10 @@ def _st(rid):
     return f"{P}st/{rid}"
 
 
+def _bt(rid):
+    return f"{P}bt/{rid}"
+
+
 def _out(rid, k):
     return f"{P}out/{rid}/{k}"
 
@@ -44,57 +50,105 @@ class Committer:
 
     def __init__(self, journal) -> None:
         self.journal = journal
-        self._state: dict[str, bytes] = {}   # rid -> last committed state record
+        self._head: dict[str, tuple] = {}    # rid -> last committed (num_computed, #outputs, status)
+        self._table: dict[str, list] = {}    # rid -> last committed block table
         self._nout: dict[str, int] = {}      # rid -> #outputs committed
+        self._keys: dict[str, tuple] = {}    # rid -> its journal keys (st, bt, out prefix)
         self.commits = 0
         self.bytes = 0
 
     def adopt(self, seqs) -> None:
-        """After recovery: what the journal already holds for each sequence."""
+        """After recovery: what the journal already holds for each sequence (its state and
+        table records are rewritten the first time it changes: that also upgrades a record
+        of the older single-record format)."""
         for s in seqs:
-            self._state[s.rid] = state_record(s)
             self._nout[s.rid] = len(s.output_ids)
 
     def forget(self, rid: str) -> None:
         """The next commit writes this request from scratch (request, state, every segment)."""
-        self._state.pop(rid, None)
+        self._head.pop(rid, None)
+        self._table.pop(rid, None)
         self._nout.pop(rid, None)
 
     def commit(self, live, gone=()) -> None:
-        """``live``: every unfinished sequence; ``gone``: rids finished or aborted since the last commit."""
+        """``live``: every unfinished sequence that may have changed since the last commit;
+        ``gone``: rids finished or aborted since the last commit."""
         payload = self.prepare(live, gone)
         if payload is not None:
             self.apply(*payload)
 
     def prepare(self, live, gone=()):
         """Build the commit of the current state: ``(puts, deletes)``, or ``None`` if nothing
-        changed.  Updates the record caches as if it landed: apply it (in order) or die."""
+        changed (``build(snapshot(...))``)."""
+        return self.build(self.snapshot(live, gone))
+
+    def snapshot(self, live, gone=()):
+        """What changed since the last snapshot, cheaply (compares, no encoding): the part of
+        a commit that must run at the end of the step.  Updates the record caches as if the
+        commit landed: build and apply every snapshot, in order, or die.
+
+        ``live`` need only hold the sequences that may have changed (the engine passes the
+        step's scheduled, preempted and newly added ones); the others' records stand.  The
+        snapshot stays valid while the sequences move on: it copies the changed block table
+        (a later step may clear it) and keeps only a prefix length of the output ids, which
+        are append-only."""
         if self.journal is None:
             return None
-        puts: dict[str, bytes] = {}
-        deletes: list[str] = []
+        rows = []
+        heads, tables, nout = self._head, self._table, self._nout
         for seq in live:
             rid = seq.rid
-            if rid not in self._nout:
-                puts[_req(rid)] = request_record(seq)
+            n = len(seq.output_ids)
+            n0 = nout.get(rid)
+            new = n0 is None
+            if new:
                 n0 = 0
+            head = (seq.num_computed, n, seq.status)
+            if head == heads.get(rid):
+                head = None
             else:
-                n0 = self._nout[rid]
-            st = state_record(seq)
-            if st != self._state.get(rid):
-                puts[_st(rid)] = st
-                self._state[rid] = st
-            for k in segment_keys(n0, len(seq.output_ids)):
-                puts[_out(rid, k)] = pack_ints(seq.output_ids[k * OUT_SEGMENT:(k + 1) * OUT_SEGMENT])
-            self._nout[rid] = len(seq.output_ids)
+                heads[rid] = head
+            table = seq.block_table
+            if table == tables.get(rid):
+                table = None
+            else:
+                table = tables[rid] = table.copy()
+            nout[rid] = n
+            if new or head is not None or table is not None or n != n0:
+                rows.append((seq if new else None, rid, head, table, seq.output_ids, n0, n))
+        deletes: list[str] = []
         for rid in gone:
-            if rid not in self._nout:
+            if rid not in nout:
                 continue
-            deletes += [_req(rid), _st(rid)]
-            deletes += [_out(rid, k) for k in range(-(-self._nout.pop(rid) // OUT_SEGMENT))]
-            self._state.pop(rid, None)
-        if not puts and not deletes:
+            deletes += [_req(rid), _st(rid), _bt(rid)]
+            deletes += [_out(rid, k) for k in range(-(-nout.pop(rid) // OUT_SEGMENT))]
+            heads.pop(rid, None)
+            tables.pop(rid, None)
+            self._keys.pop(rid, None)
+        if not rows and not deletes:
             return None
+        return rows, deletes
+
+    def build(self, snap):
+        """Encode a snapshot into ``(puts, deletes)`` (the engine runs this while the next
+        step's forward is on the GPU); ``None`` for an empty snapshot."""
+        if snap is None:
+            return None
+        rows, deletes = snap
+        puts: dict[str, bytes] = {}
+        keys = self._keys
+        for seq, rid, head, table, out, n0, n in rows:
+            if seq is not None:
+                puts[_req(rid)] = request_record(seq)
+            kk = keys.get(rid)
+            if kk is None:
+                kk = keys[rid] = (_st(rid), _bt(rid), _out(rid, ""))
+            if head is not None:
+                puts[kk[0]] = pack_state(*head)
+            if table is not None:
+                puts[kk[1]] = pack_ints(table)
+            for k in segment_keys(n0, n):
+                puts[kk[2] + str(k)] = pack_ints(out[k * OUT_SEGMENT:min((k + 1) * OUT_SEGMENT, n)])
         return puts, deletes
 
     def apply(self, puts, deletes) -> None:
@@ -119,7 +173,7 @@ def read_sequences(journal) -> tuple[list[Sequence], list[str]]:
             st = raw.get(_st(rid))
             if st is None:
                 raise ValueError("no state record")
-            n_out = parse_state(seq, st)
+            n_out = parse_state(seq, st, raw.get(_bt(rid)))
             out: list[int] = []
             for k in range(-(-n_out // OUT_SEGMENT)):
                 out += unpack_ints(raw[_out(rid, k)])

@@ -5,6 +5,8 @@
     while eng.has_work(): events = eng.step()
 
 Step contract: ``schedule → forward (writes KV) → sample → commit → return events``.
+On CUDA, decode-only steps replay a captured CUDA graph (``cuda_graphs.py``; off with
+``cuda_graphs=False``); prefill and mixed steps run the eager forward.
 Tokens leave the engine only after the commit that contains them, so whatever a client
 has seen is durable, and a crash costs at most the one uncommitted step.
 Construction rebinds anchored memory and restores every committed sequence.
@@ -27,6 +29,7 @@ from . import commit as C
 from .anchor import Anchor
 from .attention import AttnMeta
 from .block_manager import BlockManager
+from .cuda_graphs import DecodeGraphs
 from .model_runner import Model, head_dim, init_random, load_config, load_weights, param_specs, weights_fingerprint
 from .sampling import sample
 from .scheduler import Scheduler, Work
@@ -66,6 +69,12 @@ class EngineConfig:
     socket: str | None = None        # daemon socket
     fault: tuple[int, str] | None = None   # (step, phase): SIGKILL self there (tests)
     cpu_threads: int | None = None   # torch intra-op threads on the CPU (None: torch's default)
+    # decode steps from CUDA graphs; None: on for CUDA.  True on the CPU runs the same padded
+    # static-buffer path without capture (tests its bookkeeping)
+    cuda_graphs: bool | None = None
+    # the first steps of an engine run eagerly: a restarted engine's first tokens are not
+    # held up by capturing a graph (each size is captured at its first use after these)
+    graph_after_steps: int = 2
     extra: dict = field(default_factory=dict)
 
 
@@ -121,7 +130,7 @@ class Engine:
         if any(status[n] == "created" for n, _, _ in kspecs):
             for t in kv:          # fresh CUDA memory is undefined: start from zeros (once, at creation)
                 t.zero_()
-        self.model = Model(self.mc, weights, kv, self.device)
+        self.model = Model(self.mc, weights, kv, self.device, max_positions=cfg.max_model_len)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -136,15 +145,34 @@ class Engine:
         self.steps = 0
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
-        # Step N's commit is sent from a helper thread while step N+1 runs; its tokens are
-        # returned (published) only once it landed, and blocks freed by step N become
-        # reusable only then (BlockManager epochs).
+        self._added: list[Sequence] = []     # admitted since the last commit (not yet scheduled)
+        # Step N's commit is snapshotted at its end (cheap compares), encoded by step N+1 right
+        # after launching its forward and sent from a helper thread while that forward runs;
+        # its tokens are returned (published) only once it landed, and blocks freed by step N
+        # become reusable only then (BlockManager epochs).
         self._inflight = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit") if journal is not None else \
             _Immediate()
-        self.model.mid_hook = self._mid_forward
+        if cfg.fault is not None:
+            self.model.mid_hook = self._mid_forward
         self._prefill_step = False
         self.tokens_generated = 0
+        self.graphs = None
+        use = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
+        if use and self.device.type == "cuda" and (self.dtype == torch.float64 or
+                                                   not hasattr(torch.cuda, "CUDAGraph")):
+            use = False       # float64 attention runs the (host-driven) reference path
+        if use:
+            from . import attention
+            if self.device.type == "cuda" and attention.triton is None:
+                log.warning("no Triton: decode steps run eagerly")
+            else:
+                self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size) + 1,
+                                           self.device, capture=self.device.type == "cuda")
+        # host seconds per phase, summed over steps (bench/serve_throughput.py reports them)
+        self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
+                                         "finish", "commit_prepare", "commit_wait"), 0.0)
+        self.step_counts = {"graph": 0, "eager": 0}
         self.timings["init_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ recovery
@@ -196,6 +224,7 @@ class Engine:
             if reason:
                 return [(rid, len(seq.output_ids), [], reason)]
         self.scheduler.add(seq)
+        self._added.append(seq)
         self._arrivals += 1
         return []
 
@@ -209,8 +238,7 @@ class Engine:
 
     def _drop_unpublished(self, rid: str) -> None:
         if self._inflight is not None:
-            fut, events, epoch = self._inflight
-            self._inflight = (fut, [e for e in events if e[0] != rid], epoch)
+            self._inflight[2] = [e for e in self._inflight[2] if e[0] != rid]
 
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:
@@ -232,6 +260,38 @@ class Engine:
         f = self.cfg.fault
         if f is not None and f[1] == "mid_prefill" and self.steps >= f[0] + 2:
             os.kill(os.getpid(), signal.SIGKILL)     # no prefill came: die mid-decode instead
+
+    def capture_graphs(self) -> dict | None:
+        """Capture every decode batch size now (otherwise each is captured at its first use);
+        returns the graphs' statistics (count, capture seconds, pool and buffer bytes)."""
+        if self.graphs is None:
+            return None
+        self.graphs.capture_all()
+        return dict(self.graphs.stats)
+
+    def _decode_graph(self, work: list[Work]):
+        """Logits of a decode-only step from the graph, or None (eager)."""
+        g = self.graphs
+        if g is None or self.steps < self.cfg.graph_after_steps or not all(w.n == 1 and w.sample for w in work):
+            return None
+        tables = [w.seq.block_table for w in work]
+        if not g.fits(len(work), max(map(len, tables))):
+            return None
+        bs = self.cfg.block_size
+        ids, pos, slots = [], [], []
+        for w in work:
+            p, t = w.start, w.seq.block_table
+            ids.append(w.seq.token(p))
+            pos.append(p)
+            slots.append(t[p // bs] * bs + p % bs)
+        t0 = time.perf_counter()
+        h = g.run(ids, pos, slots, tables)
+        logits = self.model.head(h)
+        self.step_times["prepare_inputs"] += t0 - self._t_mark
+        self._t_mark = time.perf_counter()
+        self.step_times["forward"] += self._t_mark - t0
+        self.step_counts["graph"] += 1
+        return logits
 
     def _prepare(self, work: list[Work]):
         bs, dev = self.cfg.block_size, self.device
@@ -262,39 +322,78 @@ class Engine:
     def step(self) -> list[tuple]:
         """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``."""
         self._fault("between_steps")
+        st, clock = self.step_times, time.perf_counter
+        t0 = clock()
         work = self.scheduler.schedule()
-        events = []
+        self._t_mark = t1 = clock()
+        st["schedule"] += t1 - t0
         sampled: dict[str, int] = {}
-        if work:
+        if not work:
+            self._send_commit()
+        else:
             self._prefill_step = any(w.n > 1 or not w.sample for w in work)
-            ids, meta, rows = self._prepare(work)
-            logits = self.model.forward(ids, meta, rows)
+            logits = self._decode_graph(work)
+            if logits is None:
+                ids, meta, rows = self._prepare(work)
+                t2 = clock()
+                logits = self.model.forward(ids, meta, rows)
+                self._t_mark = clock()
+                st["prepare_inputs"] += t2 - t1
+                st["forward"] += self._t_mark - t2
+                self.step_counts["eager"] += 1
+            self._send_commit()              # the previous step's, encoded while the GPU works
             sw = [w for w in work if w.sample]
             if sw:
                 toks = sample(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
                 sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
+        t3 = clock()
+        st["sample"] += t3 - self._t_mark       # includes waiting for the GPU (the .tolist())
         grown, finished = self.scheduler.finish_step(work, sampled)
         self._fault("before_commit")
-        payload = self.committer.prepare(self.scheduler.seqs.values(), self._gone + [s.rid for s in finished])
+        t4 = clock()
+        st["finish"] += t4 - t3
+        # only sequences this step touched can have changed (plus new and preempted ones)
+        live, seen = self.scheduler.seqs, set()
+        touched = [q for q in [w.seq for w in work] + self.scheduler.preempted + self._added
+                   if live.get(q.rid) is q and not (id(q) in seen or seen.add(id(q)))]
+        self._added = []
+        snap = self.committer.snapshot(touched, self._gone + [s.rid for s in finished])
         self._gone = []
         epoch = self.blocks.epoch
         self.blocks.epoch += 1
         events = [(s.rid, len(s.output_ids) - 1, [s.output_ids[-1]], s.finish_reason) for s in grown]
+        t5 = clock()
+        st["commit_prepare"] += t5 - t4
         published = self._await_commit()        # the previous step's commit ran during this forward
+        st["commit_wait"] += clock() - t5
         self._fault("after_commit")
-        fut = self._pool.submit(self.committer.apply, *payload) if payload is not None else None
-        self._inflight = (fut, events, epoch)
+        # [future, snapshot not yet sent, events it makes publishable, epoch]: sent by the
+        # next step right after its forward is launched, awaited at that step's end
+        self._inflight = [None, snap, events, epoch]
         if not self.scheduler.has_work():
             published += self._await_commit()   # nothing left to overlap with: land it now
         self.steps += 1
         self.tokens_generated += len(grown)
         return published
 
+    def _send_commit(self) -> None:
+        """Encode the pending step's snapshot and hand it to the commit thread."""
+        inf = self._inflight
+        if inf is None or inf[1] is None:
+            return
+        t = time.perf_counter()
+        payload = self.committer.build(inf[1])
+        inf[1] = None
+        if payload is not None:
+            inf[0] = self._pool.submit(self.committer.apply, *payload)
+        self.step_times["commit_build"] += time.perf_counter() - t
+
     def _await_commit(self) -> list[tuple]:
         """Wait for the in-flight commit; then its blocks may be reused and its tokens published."""
         if self._inflight is None:
             return []
-        fut, events, epoch = self._inflight
+        self._send_commit()
+        fut, _, events, epoch = self._inflight
         self._inflight = None
         if fut is not None:
             fut.result()             # a failed commit raises: the engine dies, nothing unsafe was published

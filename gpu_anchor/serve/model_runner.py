@@ -119,7 +119,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Model:
-    def __init__(self, cfg, weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], device) -> None:
+    """The forward in three pieces, so that ``cuda_graphs.py`` can capture the layers of a
+    decode step while the lm_head (and sampling) stay eager:
+    ``embed`` → ``layers(lo, hi)`` → ``head``.  ``forward`` chains them (the eager path)."""
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], device,
+                 max_positions: int | None = None) -> None:
         from transformers.activations import ACT2FN
         self.cfg = cfg
         self.w = weights
@@ -136,15 +141,32 @@ class Model:
         except TypeError:
             self.rotary = rot_cls(config=cfg)
         self.rotary.to(device)
+        # cos/sin of every position, computed once by HF's own module: a lookup is a single
+        # capturable gather, and the values equal a per-step call's (elementwise maths)
+        self._rope = None
+        self._max_positions = max(max_positions or 0, cfg.max_position_embeddings)
+        self.device = torch.device(device)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, sample_rows: torch.Tensor) -> torch.Tensor:
-        """Writes every token's K/V into the cache; returns logits [len(sample_rows), V]."""
-        w, T = self.w, input_ids.shape[0]
-        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
-        cos, sin = self.rotary(h[None], meta.positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
-        for i in range(self.L):
+    def _rope_table(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].dtype != dtype:
+            pos = torch.arange(self._max_positions, device=self.device)[None]
+            cos, sin = self.rotary(torch.empty(1, device=self.device, dtype=dtype), pos)
+            self._rope = (cos[0].contiguous(), sin[0].contiguous())
+        return self._rope
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Returns ``(h, cos, sin)``: the token embeddings and the rotary factors [T, 1, D]."""
+        h = F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+        cos_t, sin_t = self._rope_table(h.dtype)
+        return h, cos_t[positions][:, None, :], sin_t[positions][:, None, :]
+
+    @torch.no_grad()
+    def layers(self, h: torch.Tensor, cos, sin, meta: AttnMeta, lo: int, hi: int) -> torch.Tensor:
+        """Decoder layers ``lo..hi-1``; writes their K/V into the cache."""
+        w, T = self.w, h.shape[0]
+        for i in range(lo, hi):
             p = f"model.layers.{i}."
             x = _rms(h, w[p + "input_layernorm.weight"], self.eps)
             a = p + "self_attn."
@@ -157,15 +179,31 @@ class Model:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             write_kv(self.kv[i], k, v, meta.slots)
-            if i == self.L // 2 and self.mid_hook is not None:
-                self.mid_hook()
             o = attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
             h = h + F.linear(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
             x = _rms(h, w[p + "post_attention_layernorm.weight"], self.eps)
             m = p + "mlp."
             h = h + F.linear(self.act(F.linear(x, w[m + "gate_proj.weight"])) * F.linear(x, w[m + "up_proj.weight"]),
                              w[m + "down_proj.weight"])
-        h = _rms(h[sample_rows], w["model.norm.weight"], self.eps)
-        return F.linear(h, self.lm_head).float()
+        return h
+
+    @torch.no_grad()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head of the rows to sample: float32 logits [rows, V]."""
+        return F.linear(_rms(h, self.w["model.norm.weight"], self.eps), self.lm_head).float()
+
+    @property
+    def mid(self) -> int:
+        return self.L // 2
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, sample_rows: torch.Tensor) -> torch.Tensor:
+        """Writes every token's K/V into the cache; returns logits [len(sample_rows), V]."""
+        h, cos, sin = self.embed(input_ids, meta.positions)
+        h = self.layers(h, cos, sin, meta, 0, self.mid)
+        if self.mid_hook is not None:     # layers 0..mid-1 have written their K/V
+            self.mid_hook()
+        h = self.layers(h, cos, sin, meta, self.mid, self.L)
+        return self.head(h[sample_rows])
 
     mid_hook = None   # fault injection: called once per forward, halfway through the layers

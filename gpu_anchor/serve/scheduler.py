@@ -32,6 +32,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seqs: dict[str, Sequence] = {}     # every unfinished sequence
         self.preemptions = 0
+        self.preempted: list[Sequence] = []     # by the last schedule() (their KV state changed)
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -64,12 +65,14 @@ class Scheduler:
         self.blocks.release(v.block_table)
         v.reset_kv()
         self.preemptions += 1
+        self.preempted.append(v)
         return True
 
     # ------------------------------------------------------------------ stepping
     def schedule(self) -> list[Work]:
         budget = self.max_batched_tokens
         work: list[Work] = []
+        self.preempted = []
         running = self._ordered(Status.RUNNING)
         # 1. decodes, oldest first.  Out of blocks: preempt the youngest running sequence;
         #    its blocks are reusable only after this step's commit, so the step goes on

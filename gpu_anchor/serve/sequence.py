@@ -129,18 +129,29 @@ def parse_request(rid: str, blob: bytes) -> Sequence:
                     arrival=int(head["arrival"]))
 
 
+_STATUS = {Status.WAITING: 0, Status.RUNNING: 1, Status.FINISHED: 2}
+_STATUSES = [Status.WAITING, Status.RUNNING, Status.FINISHED]
+_HEAD = struct.Struct("<iii")
+
+
+def pack_state(num_computed: int, n_out: int, status: Status) -> bytes:
+    return _HEAD.pack(num_computed, n_out, _STATUS[status])
+
+
 def state_record(seq: Sequence) -> bytes:
-    """num_computed, #outputs, status, then the block table."""
-    status = {Status.WAITING: 0, Status.RUNNING: 1, Status.FINISHED: 2}[seq.status]
-    return struct.pack("<iii", seq.num_computed, len(seq.output_ids), status) + pack_ints(seq.block_table)
+    """num_computed, #outputs, status (12 bytes).  The block table has its own record
+    (``pack_ints(block_table)``), rewritten only when the table changes."""
+    return pack_state(seq.num_computed, len(seq.output_ids), seq.status)
 
 
-def parse_state(seq: Sequence, blob: bytes) -> int:
-    """Apply a state record; returns the number of output tokens it claims."""
-    num_computed, n_out, status = struct.unpack_from("<iii", blob)
+def parse_state(seq: Sequence, blob: bytes, table: bytes | None = None) -> int:
+    """Apply a state record and the block-table record; returns the number of output
+    tokens it claims.  (Journals written before the split carry the table after the
+    12-byte head of the state record and have no table record.)"""
+    num_computed, n_out, status = _HEAD.unpack_from(blob)
     seq.num_computed = num_computed
-    seq.status = [Status.WAITING, Status.RUNNING, Status.FINISHED][status]
-    seq.block_table = unpack_ints(blob[12:])
+    seq.status = _STATUSES[status]
+    seq.block_table = unpack_ints(table if table is not None else blob[12:])
     return n_out
 
 

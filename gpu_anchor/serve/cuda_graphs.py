@@ -1,0 +1,150 @@
+"""Decode steps replayed from CUDA graphs (the host launches one graph, not ~900 kernels).
+
+A decode step is ``n`` sequences × one token.  ``DecodeGraphs`` pads ``n`` up to the
+next captured batch size (1, 2, 4, 8, 16, 32, 48, …, ``max_num_seqs``) and replays the
+graph of that size over static input buffers:
+
+    ids, positions, slots   [max_bs]             padding rows: token 0, position 0, slot -1
+    token_seq               [max_bs]             arange (row b is sequence b)
+    block_tables            [max_bs, max_blocks] fixed width: ceil(max_model_len / block_size) + 1
+
+A padding row's slot is -1, so ``write_kv`` skips it: it never writes into a block that
+a committed sequence owns (the anchored KV invariant, docs/serving.md).  Its attention
+reads block ``block_tables[row][0]`` at position 0, a harmless read whose output is
+dropped.  What is captured is ``embed`` + the decoder layers; the final norm, lm_head and
+sampling run eagerly on the ``n`` real rows, so the logits of a row do not depend on the
+padding.  Prefill and mixed steps stay eager.
+
+Graphs are captured lazily (the first step of each size) or all at once with
+``capture_all``; they live in one memory pool, reported in ``stats``.  They hold raw
+pointers into the anchored weights and KV cache, whose addresses are fixed for the life
+of the process: a restarted engine is a new process and captures its own.  With fault
+injection on (``model.mid_hook``), each size is captured as two graphs, layers
+``0..mid-1`` and ``mid..L-1``, and the hook runs between their replays, exactly where the
+eager forward calls it.
+
+On the CPU (``capture=False``) the same padded static-buffer path runs eagerly: the tests
+check its bookkeeping there against the unpadded eager path.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .attention import AttnMeta
+
+
+def batch_sizes(max_bs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model, max_bs: int, max_blocks: int, device, capture: bool = True) -> None:
+        self.model = model
+        self.sizes = batch_sizes(max_bs)
+        self.max_bs, self.max_blocks = max_bs, max_blocks
+        self.device = torch.device(device)
+        self.capture = capture
+        dev = self.device
+        self.ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.slots = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
+        self.tseq = torch.arange(max_bs, dtype=torch.int32, device=dev)
+        self.bt = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
+        self._graphs: dict[int, tuple[list, torch.Tensor]] = {}   # bs -> (graphs, static output h)
+        self._pool = None
+        self.stats = {"graphs": 0, "capture_s": 0.0, "pool_bytes": 0,
+                      "static_bytes": sum(t.numel() * t.element_size() for t in
+                                          (self.ids, self.pos, self.slots, self.tseq, self.bt)),
+                      "replays": 0}
+
+    def size_for(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def fits(self, n: int, width: int) -> bool:
+        return 0 < n <= self.max_bs and width <= self.max_blocks
+
+    def _meta(self, bs: int, tables=None) -> AttnMeta:
+        n = len(tables) if tables is not None else 0
+        # host lists are read by the CPU reference attention only (the emulated path)
+        ctx = [int(p) + 1 for p in self.pos[:n].tolist()] if not self.capture else []
+        return AttnMeta(self.pos[:bs], self.slots[:bs], self.tseq[:bs], self.bt[:bs],
+                        list(range(n)) if not self.capture else [], [1] * n if not self.capture else [],
+                        ctx, tables if not self.capture else [])
+
+    def _segments(self) -> list[tuple[int, int]]:
+        m = self.model
+        return [(0, m.mid), (m.mid, m.L)] if m.mid_hook is not None else [(0, m.L)]
+
+    def _run_segments(self, bs: int, meta: AttnMeta, hook: bool) -> torch.Tensor:
+        m = self.model
+        h, cos, sin = m.embed(self.ids[:bs], self.pos[:bs])
+        segs = self._segments()
+        for j, (lo, hi) in enumerate(segs):
+            if j and hook:
+                m.mid_hook()
+            h = m.layers(h, cos, sin, meta, lo, hi)
+        return h
+
+    @torch.no_grad()
+    def _capture(self, bs: int) -> None:
+        m = self.model
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        self.ids[:bs].zero_()
+        self.pos[:bs].zero_()
+        self.slots[:bs].fill_(-1)          # warm-up and capture write no KV
+        meta = self._meta(bs)
+        self._run_segments(bs, meta, hook=False)    # compiles kernels, sets up cuBLAS, outside capture
+        torch.cuda.synchronize(self.device)
+        graphs = []
+        segs = self._segments()
+        state = {}
+        for lo, hi in segs:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                if lo == 0:
+                    state["h"], state["cos"], state["sin"] = m.embed(self.ids[:bs], self.pos[:bs])
+                state["h"] = m.layers(state["h"], state["cos"], state["sin"], meta, lo, hi)
+            if self._pool is None:
+                self._pool = g.pool()
+            graphs.append(g)
+        torch.cuda.synchronize(self.device)
+        self._graphs[bs] = (graphs, state["h"])
+        self.stats["graphs"] += len(graphs)
+        self.stats["pool_bytes"] += torch.cuda.memory_reserved(self.device) - before
+        self.stats["capture_s"] += time.perf_counter() - t0
+
+    def capture_all(self) -> None:
+        """Capture every size now, largest first (smaller graphs then reuse its pool memory)."""
+        if self.capture:
+            for bs in reversed(self.sizes):
+                if bs not in self._graphs:
+                    self._capture(bs)
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of ``n = len(ids)`` sequences; returns their hidden states [n, H]
+        after the last layer (to go through ``model.head``)."""
+        n = len(ids)
+        bs = self.size_for(n)
+        pad = bs - n
+        if self.capture and bs not in self._graphs:
+            self._capture(bs)          # before the inputs go in: capture clobbers the buffers
+        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.long)
+        self.ids[:bs].copy_(host[0], non_blocking=True)
+        self.pos[:bs].copy_(host[1], non_blocking=True)
+        self.slots[:bs].copy_(host[2], non_blocking=True)
+        width = max(map(len, tables))
+        self.bt[:n, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                                  non_blocking=True)
+        if not self.capture:
+            return self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
+        graphs, out = self._graphs[bs]
+        for j, g in enumerate(graphs):
+            if j and self.model.mid_hook is not None:
+                self.model.mid_hook()
+            g.replay()
+        self.stats["replays"] += 1
+        return out[:n]
