@@ -47,7 +47,7 @@ def _plain():
     return C.trajectory(log)[0], skipped
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_amp_reference_equals_plain_gradscaler(host_daemon, tmp_path):
     ref = C.run("amp-ref", CFG, str(tmp_path / "ref.log"))
     losses = C.trajectory(ref.log)[0]
