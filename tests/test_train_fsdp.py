@@ -129,3 +129,14 @@ def test_fsdp_with_gradscaler(host_daemon, tmp_path):
         assert C.compare(gpu_anchor.connect("cpu", namespace=f"fa-ref/rank{r}"),
                          gpu_anchor.connect("cpu", namespace=f"fa-k/rank{r}")) == []
     assert runs["fa-k"]["kills"] == 4
+
+
+def test_device_progress_mode_one_rank_killed(fsdp_reference, tmp_path):
+    """The device-progress protocol (the default on CUDA) on FSDP2 shards: same end state."""
+    cfg, ref = fsdp_reference
+    cfg = C.RunConfig(steps=cfg.steps, progress="device")
+    specs = [(1, "mid_chunk@1:1"), (0, "before_boundary@2"), (1, "after_update@3:0"), (0, "after_commit@4:1"),
+             (1, "between_steps@5")]
+    res = D.run_group("fdev", cfg, str(tmp_path), faults_seq=specs, parallel="fsdp")
+    assert res["kills"] == len(specs)
+    _same_as_reference("fdev", res, ref)
