@@ -11,12 +11,12 @@ from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
 
 
 @pytest.mark.parametrize("modes", [["--restore-mode", "on_demand"],
-                                   ["--checkpoint-mode", "stop-the-world"]], ids=["concurrent+on_demand", "stw+full"])
+                                   pytest.param(["--checkpoint-mode", "stop-the-world"], marks=pytest.mark.slow)],
+                         ids=["concurrent+on_demand", "stw+full"])
 def test_daemon_killed_restores_a_checkpoint_taken_in_each_mode(reference, clean_daemons, tmp_path, modes):
     run(str(tmp_path), ["--checkpoint-dir", "ckpt", "--checkpoint-every", "10", "--checkpoint-keep", "1000",
                         "--chaos-kills", "1", "--chaos-target", "daemon", "--chaos-kill-every", "0.6", *modes],
         ["--out", "r.pt", "--step-sleep", "0.01"])
     rs = job(clean_daemons)["restarts"]
     assert len(rs) == 1 and (rs[0]["action"], rs[0]["kind"]) == ("restore", "destructive")
-    print(rs[0])
     assert torch.equal(result(tmp_path / "r.pt"), reference[1])

@@ -60,12 +60,13 @@ class _Migrating:
         self.reported = False
 
 
-def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None) -> None:
+def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
-    decided to start this engine (for the recovery breakdown)."""
+    decided to start this engine (for the recovery breakdown); ``standby``: this process
+    is a warm standby taking over (``launch.warm_pool``)."""
     t0 = time.time()
     eng = Engine(cfg)
-    timings = dict(eng.timings)
+    timings = dict(eng.timings, warm_standby=int(standby))
     if started_at is not None:
         timings["process_start_s"] = t0 - started_at
     sock = _connect(frontend_socket)

@@ -1,0 +1,119 @@
+"""The warm standby (``launch.warm_pool``) with real processes, and ``gpu-anchor serve
+--warm-pool``: engines SIGKILLed mid-stream are replaced by the standby, every stream's
+text equal to the fault-free run."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from gpu_anchor.launch.warm_pool import Standby, wait_exit
+from gpu_anchor.serve.tiny import make_tiny_model
+
+SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
+         "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
+
+
+def test_standby_prepares_once_then_runs_the_handed_work(tmp_path):
+    out = tmp_path / "out.json"
+
+    def run(go):
+        out.write_text(json.dumps({"go": go, "pid": os.getpid()}))
+
+    sb = Standby(lambda: {"prepared": os.getpid()}, run)
+    assert sb.ready(timeout=30) and sb.info["prepared"] == sb.pid
+    assert not out.exists(), "nothing runs before go"
+    pid = sb.go({"x": 1})
+    status = wait_exit(pid, 30)
+    assert status is not None and os.WIFEXITED(status[1]) and os.WEXITSTATUS(status[1]) == 0
+    assert json.loads(out.read_text()) == {"go": {"x": 1}, "pid": pid}
+
+    idle = Standby(lambda: None, run)
+    assert idle.ready(timeout=30)
+    idle.close()                                   # dismissed: killed and reaped, never runs
+    assert json.loads(out.read_text())["pid"] == pid
+    failing = Standby(lambda: 1 / 0, run)
+    assert not failing.ready(timeout=30) and "failed" in failing.info
+    failing.close()
+
+
+def test_wait_exit_sees_a_sigkill_at_once():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    t0 = time.perf_counter()
+    assert wait_exit(pid, 0.05) is None
+    os.kill(pid, signal.SIGKILL)
+    r = wait_exit(pid, 10)
+    assert r is not None and os.WIFSIGNALED(r[1]) and time.perf_counter() - t0 < 5
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
+    import openai
+
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    from gpu_anchor.serve.tokenizer import Codec
+    model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
+    rng = random.Random(2)
+    words = "fox dog engine block cache hello world".split()
+    jobs = [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(2, 8))), "max_tokens": 80,
+             "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": i} for i in range(8)]
+    codec = Codec(model, 384)
+    ref = [codec.decode(o) for o in Engine(EngineConfig(model=model, anchor=False, dtype="float64", block_size=4,
+                                                        num_blocks=600)).generate(
+        [codec.encode(j["prompt"]) for j in jobs],
+        [SamplingParams(max_tokens=j["max_tokens"], temperature=j["temperature"], seed=j["seed"]) for j in jobs])]
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                             str(port_file), "--socket", host_daemon[0], "--warm-pool", *SERVE],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
+    try:
+        deadline = time.time() + 120
+        while not port_file.exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{port_file.read_text()}"
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=0)
+        while not _get(base + "/health").get("engine_pid"):
+            time.sleep(0.05)
+        time.sleep(3)                      # the standby is made once the first engine is up
+        got, kills = [None] * len(jobs), []
+
+        def run(i):
+            got[i] = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny-qwen3", stream=True,
+                                                                               **jobs[i]))
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for _ in range(2):
+            time.sleep(0.4)
+            h = _get(base + "/health")
+            if h.get("engine_pid"):
+                os.kill(h["engine_pid"], signal.SIGKILL)
+                kills.append(h["engine_pid"])
+            time.sleep(2.5)                # the next standby is made 2 s after a take-over
+        for t in threads:
+            t.join(300)
+        assert got == ref
+        h = _get(base + "/health")
+        assert h["engine_restarts"] == len(kills) >= 1 and h["token_mismatches"] == 0
+        assert h["last_recovery"]["warm_standby"] == 1, h["last_recovery"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
