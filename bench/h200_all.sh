@@ -13,7 +13,7 @@
 # worker 13 s, 8B engine cold start 15 s, 8B decode ~1 500 tokens/s at 64 streams):
 #   call 1, GPU0: persist_blocking, every method in its own process: 1B all methods (~160 s),
 #                 1.7B and 3B without torch.save (disk-bound, ~45 s per 3B save; ~140 s + ~200 s)
-#           GPU1: recovery_serve Qwen3-8B: model written once (~60 s), 3 methods x cold+warm (~4 min)
+#           GPU1: recovery_serve Qwen3-8B: model written once (~60 s), 3 methods x cold+warm x 2 kills (~5 min)
 #   call 2, GPU0: e2e_faults 1B, 120 steps, checkpoint every 40, 2 %/s, 4 methods (~5-6 min)
 #           GPU1: e2e_serve Qwen3-8B, 400 requests, 5 %/s, 3 methods (~5-6 min)
 set -u
@@ -28,7 +28,7 @@ t0=$(date +%s)
 case "$PART" in
   1) A="persist_blocking --models llama3.2-1b,qwen3-1.7b,llama3.2-3b --repeat 2
         --skip qwen3-1.7b:torch_save,llama3.2-3b:torch_save --timeout 240"
-     B="recovery_serve --models qwen3-8b --repeat 1" ;;
+     B="recovery_serve --models qwen3-8b --repeat 2 --methods gpu_anchor,kv_memory,replay" ;;
   2) A="e2e_faults --steps 120 --ckpt-every 40 --rates 0.02 --methods gpu_anchor,inmemory,checkfreq,torch_save"
      B="e2e_serve --requests 400 --rates 0.05" ;;
   *) echo "usage: OUT=DIR PYTHONPATH=. bash bench/h200_all.sh 1|2" >&2; exit 2 ;;

@@ -39,20 +39,23 @@ class InMemory(TrainCheckpoint):
         self._next = 1
 
     def _slot(self, k: int, named):
-        if k not in self._slots:
+        if not self._slots:
+            # both slots at once, as a careful user sets up the buffers: registering the second
+            # slot inside a later save would charge a one-off cost to a steady-state checkpoint
             entries, total = state.layout(named)
             free = shutil.disk_usage(self.directory).free
-            if total > free:
-                raise RuntimeError(f"in-memory checkpoint needs {total / 2**30:.1f} GiB in {self.directory}, "
+            if 2 * total > free:
+                raise RuntimeError(f"in-memory checkpoint needs 2 x {total / 2**30:.1f} GiB in {self.directory}, "
                                    f"{free / 2**30:.1f} GiB free (pass a bigger tmpfs with --shm-dir)")
             self._entries, self._total = entries, total
-            path = os.path.join(self.directory, f"gen{k}.bin")
-            buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-            t0 = time.perf_counter()
-            if torch.device(self.device).type == "cuda":
-                self.notes["pinned"] = _register(buf)
-                self.notes["register_s"] = self.notes.get("register_s", 0.0) + time.perf_counter() - t0
-            self._slots[k] = (buf, state.views(buf, entries))
+            for j in (1, 2):
+                path = os.path.join(self.directory, f"gen{j}.bin")
+                buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+                t0 = time.perf_counter()
+                if torch.device(self.device).type == "cuda":
+                    self.notes["pinned"] = _register(buf)
+                    self.notes["register_s"] = self.notes.get("register_s", 0.0) + time.perf_counter() - t0
+                self._slots[j] = (buf, state.views(buf, entries))
         return self._slots[k][1]
 
     def close(self) -> None:
