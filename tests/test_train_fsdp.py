@@ -95,6 +95,17 @@ def _zero_copy_worker(store):
     anchored = {b.name: b.tensor.data_ptr() for b in client.bind(
         [(f"model.{n}", tuple(local(p).shape), local(p).dtype) for n, p in model.named_parameters()], "lookup")}
     assert all(anchored[f"model.{n}"] == ptrs[n] for n in ptrs)
+    # state_dict: DTensors over the anchored shards (as FSDP2's own optimizer state is);
+    # loading it back goes through torch's casts and lands in the same anchored memory
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    p0 = next(model.parameters())
+    assert type(st["exp_avg"]) is type(p0) and st["exp_avg"].placements == p0.placements
+    assert local(st["exp_avg"]).data_ptr() == opt._params[0].states["exp_avg"].data_ptr()
+    before = {k: v.clone() for k, v in opt._params[0].states.items()}
+    opt.load_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in opt._params[0].states.items())
+    assert opt._params[0].states["exp_avg"].data_ptr() == local(st["exp_avg"]).data_ptr()
     dist.destroy_process_group()
 
 

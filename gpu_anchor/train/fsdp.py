@@ -37,8 +37,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
-def as_grad(p: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """What to assign to ``p.grad`` so that it lives in ``buf`` (a DTensor over it for DTensor ``p``)."""
+def like(p: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` (this rank's part) seen as ``p`` is: a DTensor over it with ``p``'s mesh and placements
+    for DTensor ``p``, else ``buf`` itself — what ``p.grad`` and ``state_dict()`` state are set to."""
     if not is_dtensor(p):
         return buf
     from torch.distributed.tensor import DTensor

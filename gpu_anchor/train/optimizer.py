@@ -29,7 +29,7 @@ import torch
 from . import carry as carry_mod
 from . import chunking, distributed, faults, protocol
 from .chunk_exec import ChunkExecutor
-from .fsdp import as_grad, local as _local
+from .fsdp import like as _like, local as _local
 from . import amp
 from .hparams import hparams as _hparams
 from .hparams import set_hparams as _set_hparams
@@ -177,7 +177,7 @@ class AnchoredOptimizer(StateDictMixin):
         it = iter(bound)
         for q, ks in zip(self._params, keys_of):
             q.grad = next(it).tensor
-            q.gview = as_grad(q.p, q.grad)
+            q.gview = _like(q.p, q.grad)
             q.states = {k: next(it).tensor for k in ks}
             q.flat = q.local.detach().view(-1)
             q.gflat = q.grad.view(-1)

@@ -6,6 +6,7 @@ import pickle
 
 import torch
 
+from .fsdp import like, local
 from .hparams import hparams as _hparams
 from .protocol import key
 
@@ -14,7 +15,7 @@ class StateDictMixin:
     def state_dict(self) -> dict:
         """The wrapped optimizer's ``state_dict`` (anchored tensors, current step counts)."""
         for q in self._params:
-            st = dict(q.states)
+            st = {k: like(q.p, t) for k, t in q.states.items()}     # DTensors for FSDP2 (DCP-ready)
             if self.kind.has_step:
                 st["step"] = torch.tensor(float(self._counts[q.index]))
             self.optimizer.state[q.p] = st
@@ -34,7 +35,7 @@ class StateDictMixin:
             for q in self._params:
                 st = self.optimizer.state.get(q.p, {})
                 for k, t in q.states.items():          # ... which we copy into anchored memory
-                    t.copy_(st[k]) if k in st else t.zero_()
+                    t.copy_(local(st[k])) if k in st else t.zero_()
                 if self.kind.has_step:
                     self._counts[q.index] = int(st["step"]) if "step" in st else 0
                 else:    # SGD: a loaded momentum buffer means "not the first step any more"
