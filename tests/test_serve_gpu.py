@@ -82,9 +82,10 @@ def test_graph_decode_equals_eager_on_cuda(models, dtype):
     assert stats["pool_bytes"] < 256 << 20, stats          # bounded: decode activations only
     if dtype == "float32":
         assert outs[True] == outs[False]
-    else:   # bf16: a padded GEMM may round a near-tie differently; count it, demand near-equality
-        same = sum(a == b for o, r in zip(outs[True], outs[False]) for a, b in zip(o, r))
-        assert same / sum(map(len, outs[False])) >= 0.97, (outs[True], outs[False])
+    else:   # bf16: a padded GEMM may round a near-tie differently, and greedy text diverges
+        # from there on; a broken graph would differ everywhere
+        same = sum(o[:10] == r[:10] for o, r in zip(outs[True], outs[False]))
+        assert same >= 10, (outs[True], outs[False])
     g.capture_graphs()
     assert g.graphs.stats["graphs"] == len(g.graphs.sizes)
 

@@ -92,13 +92,20 @@ class DecodeGraphs:
     def _capture(self, bs: int) -> None:
         m = self.model
         t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved(self.device)
         self.ids[:bs].zero_()
         self.pos[:bs].zero_()
         self.slots[:bs].fill_(-1)          # warm-up and capture write no KV
         meta = self._meta(bs)
-        self._run_segments(bs, meta, hook=False)    # compiles kernels, sets up cuBLAS, outside capture
+        # warm-up on a side stream, as torch.cuda.graph asks: compiles the Triton kernels and
+        # sets up cuBLAS outside the capture
+        side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self._run_segments(bs, meta, hook=False)
+        main.wait_stream(side)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()     # as torch.cuda.graph does on entry: the growth below is the pool's
+        before = torch.cuda.memory_reserved(self.device)
         graphs = []
         segs = self._segments()
         state = {}
@@ -114,7 +121,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         self._graphs[bs] = (graphs, state["h"])
         self.stats["graphs"] += len(graphs)
-        self.stats["pool_bytes"] += torch.cuda.memory_reserved(self.device) - before
+        self.stats["pool_bytes"] += max(0, torch.cuda.memory_reserved(self.device) - before)
         self.stats["capture_s"] += time.perf_counter() - t0
 
     def capture_all(self) -> None:

@@ -353,11 +353,13 @@ class Engine:
         t4 = clock()
         st["finish"] += t4 - t3
         # only sequences this step touched can have changed (plus new and preempted ones)
-        live, seen = self.scheduler.seqs, set()
-        touched = [q for q in [w.seq for w in work] + self.scheduler.preempted + self._added
-                   if live.get(q.rid) is q and not (id(q) in seen or seen.add(id(q)))]
+        snap = None
+        if self.committer.journal is not None:
+            live, seen = self.scheduler.seqs, set()
+            touched = [q for q in [w.seq for w in work] + self.scheduler.preempted + self._added
+                       if live.get(q.rid) is q and not (id(q) in seen or seen.add(id(q)))]
+            snap = self.committer.snapshot(touched, self._gone + [s.rid for s in finished])
         self._added = []
-        snap = self.committer.snapshot(touched, self._gone + [s.rid for s in finished])
         self._gone = []
         epoch = self.blocks.epoch
         self.blocks.epoch += 1
