@@ -7,8 +7,13 @@ SIGKILL -> first resumed token on every open stream.
 Model: Qwen3-8B-shaped (36 layers, hidden 4096, GQA 32/8, head_dim 128, vocab 151936) with
 seeded random bf16 weights; ``--tiny`` swaps in a 2-layer model on the CPU.
 1. throughput: the same engine code, anchored (daemon memory + one journal commit per step)
-   vs plain allocations without a journal; ``--rounds`` interleaved rounds, best of each.
-   Both engines live in this process (warm vs warm).
+   vs plain allocations without a journal, both with CUDA-graph decode (``--no-cuda-graphs``:
+   eager).  Both engines live in this process, warmed up (every graph size captured, one
+   full-width batch); then ``--rounds`` runs of each on the same requests, alternating (the
+   order flips every round): median, min, max of each and the ratio of medians, with each
+   engine's host time per step by phase.  ``--eager-rounds`` more runs with the graphs set
+   aside show what the eager forward gives (and whether its tokens equal the graphs').
+   Also a CPU micro-benchmark of the commit's host cost for 64 decoding sequences.
 2. ``generate_batch`` (transformers' continuous batching) on the same prompts, greedy.
 3. recovery: ``gpu-anchor serve --random-weights`` in its own processes; ``--streams``
    streaming requests; SIGKILL the engine once every stream has tokens; for each stream the
