@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--warm-tokens", type=int, default=8, help="tokens each request has before the migration")
     ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)

@@ -64,6 +64,9 @@ class EngineMigration:
         # CUDA-graph replays bypass the dispatcher, so the tracker would miss their KV writes
         # (a stale recopy): the old engine decodes eagerly until the cut-over.
         self.old.graphs = None
+        if self.device.startswith("cuda"):   # the destination's CUDA context: now, not in the downtime
+            import torch
+            torch.empty(1, device=self.device)
         self.m.start(self.old.steps)
 
     def ready(self) -> bool:
