@@ -8,8 +8,10 @@ request's output with a fault-free run.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -110,7 +112,6 @@ def test_gpu_anchor_migrate_keeps_open_streams(tmp_path, two_daemons):
     fault-free run; then the migrated engine is SIGKILLed and the supervisor restarts it
     on the destination daemon (the placement moved), with the source namespace gone."""
     import json
-    import signal
 
     import openai
 
@@ -131,17 +132,7 @@ def test_gpu_anchor_migrate_keeps_open_streams(tmp_path, two_daemons):
         [codec.encode(j["prompt"]) for j in jobs],
         [SamplingParams(max_tokens=j["max_tokens"], temperature=j["temperature"], seed=j["seed"]) for j in jobs])]
 
-    port_file = tmp_path / "port"
-    log = open(tmp_path / "serve.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                             str(port_file), "--socket", src, "--namespace", "mig", *SERVE],
-                            stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        deadline = time.time() + 120
-        while not port_file.exists():
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.1)
-        base = f"http://127.0.0.1:{port_file.read_text()}"
+    with serve_process(tmp_path, model, "--socket", src, "--namespace", "mig", *SERVE) as base:
         c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=2)
         got, started = [None] * len(jobs), [0] * len(jobs)
 
@@ -187,6 +178,22 @@ def test_gpu_anchor_migrate_keeps_open_streams(tmp_path, two_daemons):
         with pytest.raises(subprocess.CalledProcessError):
             subprocess.run([sys.executable, "-m", "gpu_anchor.cli", "migrate", "--to", "cpu", "--socket", dst,
                             "--url", base], capture_output=True, text=True, timeout=120, check=True)
+
+
+@contextlib.contextmanager
+def serve_process(tmp_path, model, *args):
+    """``gpu-anchor serve MODEL ARGS`` on a free port; yields its base URL, SIGTERMs it after."""
+    port_file = tmp_path / "port"
+    port_file.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                             str(port_file), *args], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "serve.log", "ab"))
+    try:
+        deadline = time.time() + 120
+        while not port_file.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port_file.read_text()}"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -7,17 +7,13 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 from gpu_anchor.launch.warm_pool import Standby, wait_exit
 from gpu_anchor.serve.tiny import make_tiny_model
-
-SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
-         "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
+from test_checkpoint_engine_migration import SERVE, serve_process
 
 
 def test_standby_prepares_once_then_runs_the_handed_work(tmp_path):
@@ -76,16 +72,7 @@ def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
                                                         num_blocks=600)).generate(
         [codec.encode(j["prompt"]) for j in jobs],
         [SamplingParams(max_tokens=j["max_tokens"], temperature=j["temperature"], seed=j["seed"]) for j in jobs])]
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                             str(port_file), "--socket", host_daemon[0], "--warm-pool", *SERVE],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
-    try:
-        deadline = time.time() + 120
-        while not port_file.exists():
-            assert proc.poll() is None and time.time() < deadline
-            time.sleep(0.1)
-        base = f"http://127.0.0.1:{port_file.read_text()}"
+    with serve_process(tmp_path, model, "--socket", host_daemon[0], "--warm-pool", *SERVE) as base:
         c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=0)
         while not _get(base + "/health").get("engine_pid"):
             time.sleep(0.05)
@@ -111,9 +98,3 @@ def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
         h = _get(base + "/health")
         assert h["engine_restarts"] == len(kills) >= 1 and h["token_mismatches"] == 0
         assert h["last_recovery"]["warm_standby"] == 1, h["last_recovery"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
