@@ -136,11 +136,27 @@ def cmd_migrate(args) -> int:
     """Ask a running ``gpu-anchor serve`` to move its engine; prints the cut-over report."""
     import urllib.error
     import urllib.request
-    device = "cpu" if args.to == "cpu" else normalize_device(args.to)
+    try:
+        device = "cpu" if args.to == "cpu" else normalize_device(args.to)
+    except ValueError as e:
+        print(f"gpu-anchor migrate: {e}", file=sys.stderr)
+        return 2
+    url = args.url.rstrip("/")
+    try:
+        urllib.request.urlopen(url + "/health", timeout=10).close()
+    except urllib.error.HTTPError:
+        pass                                  # 503: no engine right now; the server answers that below
+    except (urllib.error.URLError, OSError) as e:
+        print(f"gpu-anchor migrate: cannot reach {url}: {e}", file=sys.stderr)
+        return 1
     path = args.socket or default_socket(device)
     if control.ping(device, path) is None:   # the destination daemon must outlive the engine: start it here
-        control.start(device, path)
-    req = urllib.request.Request(args.url.rstrip("/") + "/admin/migrate", method="POST",
+        try:
+            control.start(device, path)
+        except RuntimeError as e:
+            print(f"gpu-anchor migrate: cannot start the daemon for {device}: {e}", file=sys.stderr)
+            return 1
+    req = urllib.request.Request(url + "/admin/migrate", method="POST",
                                  data=json.dumps({"device": device, "socket": path}).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
@@ -151,7 +167,7 @@ def cmd_migrate(args) -> int:
         print(f"gpu-anchor migrate: the server refused ({e.code}): {body}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as e:
-        print(f"gpu-anchor migrate: cannot reach {args.url}: {e}", file=sys.stderr)
+        print(f"gpu-anchor migrate: no answer from {url}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
