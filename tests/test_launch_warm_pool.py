@@ -13,7 +13,9 @@ import urllib.request
 
 from gpu_anchor.launch.warm_pool import Standby, wait_exit
 from gpu_anchor.serve.tiny import make_tiny_model
+from launch_reference import reference  # noqa: F401  (session fixture)
 from test_checkpoint_engine_migration import SERVE, serve_process
+from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
 
 
 def test_standby_prepares_once_then_runs_the_handed_work(tmp_path):
@@ -98,3 +100,17 @@ def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
         h = _get(base + "/health")
         assert h["engine_restarts"] == len(kills) >= 1 and h["token_mismatches"] == 0
         assert h["last_recovery"]["warm_standby"] == 1, h["last_recovery"]
+
+
+def test_run_warm_pool_standby_takes_over_after_worker_kills(reference, clean_daemons, tmp_path):
+    """``gpu-anchor run --warm-pool``: after each chaos SIGKILL a standby worker (made
+    before the kill) runs the rank; the run ends bit-identical to the fault-free one."""
+    import torch
+    run(str(tmp_path), ["--warm-pool", "--chaos-kills", "2", "--chaos-kill-every", "1.5", "--chaos-seed", "4",
+                        "--max-restarts", "3"], ["--out", "r.pt", "--step-sleep", "0.05"])
+    assert torch.equal(result(tmp_path / "r.pt"), reference[1])
+    rs = job(clean_daemons)["restarts"]
+    assert len(rs) == 2 and all(r["action"] == "restart" for r in rs)
+    # a kill sooner than STANDBY_AFTER_S after the last take-over finds no standby: a fork
+    hows = [r["how"] for r in rs]
+    assert "warm standby" in hows and set(hows) <= {"warm standby", "warm (forked)"}, rs

@@ -32,6 +32,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                    help="do not restore the newest checkpoint when the daemons hold nothing of this job")
     r.add_argument("--device-type", default="auto", choices=["auto", "cuda", "cpu"])
     r.add_argument("--cold", dest="warm", action="store_false", help="no warm-worker server: every start is cold")
+    r.add_argument("--warm-pool", action="store_true", default=None,
+                   help="keep a standby worker per rank (CUDA context created, kernels warmed) that takes over "
+                        "after a failure instead of a fork + CUDA init (env GPU_ANCHOR_WARM_POOL=1)")
     r.add_argument("--preload", default="torch",
                    help="comma-separated modules the warm-worker server imports (e.g. torch,transformers,mymodel)")
     r.add_argument("--keep-daemons", action="store_true", help="leave daemons and anchored state after success")
@@ -62,6 +65,7 @@ def cmd_run(args) -> int:
                     backoff=args.backoff, crash_loop=args.crash_loop, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
                     checkpoint_mode=args.checkpoint_mode, restore_mode=args.restore_mode,
+                    **({"warm_pool": True} if args.warm_pool else {}),
                     device_type=args.device_type, warm=args.warm,
                     preload=[m for m in args.preload.split(",") if m], keep_daemons=args.keep_daemons,
                     resume=args.resume, chaos_kills=args.chaos_kills, chaos_every=args.chaos_every,

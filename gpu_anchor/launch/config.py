@@ -27,6 +27,9 @@ class RunConfig:
     restore_mode: str = "full"
     device_type: str = "auto"
     warm: bool = True
+    # a standby worker per rank (CUDA context made) takes over after a failure; the env
+    # default lets benchmarks that drive `gpu-anchor run` compare both ways
+    warm_pool: bool = field(default_factory=lambda: os.environ.get("GPU_ANCHOR_WARM_POOL") == "1")
     preload: list[str] = field(default_factory=lambda: ["torch"])
     keep_daemons: bool = False
     resume: bool = True

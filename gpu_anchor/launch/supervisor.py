@@ -212,7 +212,8 @@ class Supervisor:
     def _start_zygote(self) -> None:
         if self.py and self.cfg.warm:
             from .zygote import start_server
-            self.zygote = start_server(self.py[0], self.cfg.preload, self.log)
+            self.zygote = start_server(self.py[0], self.cfg.preload, self.log,
+                                       standby=self.cfg.nproc if self.cfg.warm_pool else 0)
 
     def _collect_exits(self) -> None:
         now = time.time()
@@ -350,6 +351,8 @@ class Supervisor:
                 continue
             marks = self.current["marks"].setdefault(str(ev["rank"]), {})
             marks.setdefault(ev["event"], ev["t"])
+            if ev["event"] == "user_code" and ev.get("how") == "standby":
+                self.current["how"] = "warm standby"
             if ev["event"] == "first_step" and all(
                     "first_step" in self.current["marks"].get(str(r), {}) for r in range(self.cfg.nproc)):
                 t0 = self.current["t_kill"] or self.current["t_exit"] or self.current["t_detect"]

@@ -49,8 +49,8 @@ def os_threads() -> int:
         return 1
 
 
-def _child(sock: socket.socket, req: dict) -> None:
-    """In the forked worker: never returns."""
+def _child(sock: socket.socket, req: dict, how: str = "warm") -> None:
+    """In the forked worker (or a standby taking over): never returns."""
     code = 1
     # Held until os._exit: the script's globals and the frames of an exception.
     # Letting them die here would free their anchored objects (see worker.run_target).
@@ -68,7 +68,7 @@ def _child(sock: socket.socket, req: dict) -> None:
         os.chdir(req["cwd"])
         from . import events, worker
         worker.debug_hooks()
-        events.mark("user_code", how="warm")
+        events.mark("user_code", how=how)
         worker.restore_if_asked()
         keep = worker.run_target(req["target"])
         code = 0
@@ -101,7 +101,58 @@ def _child(sock: socket.socket, req: dict) -> None:
     os._exit(code)
 
 
-def serve(fd: int, preload: list[str]) -> None:
+STANDBY_AFTER_S = 2.0
+
+
+class _Pool:
+    """``--standby N``: one warm standby per local rank (``warm_pool.Standby``), its CUDA
+    context created for ``cuda:<rank>``; a spawn for that rank is handed to it instead of
+    a fork.  A standby is (re)made ``STANDBY_AFTER_S`` after the server starts or after its
+    slot was used, so its CUDA init does not compete with a starting worker."""
+
+    def __init__(self, n: int, sock: socket.socket) -> None:
+        self.n, self.sock, self.sb = n, sock, {}
+        self.due = {r: time.monotonic() + STANDBY_AFTER_S for r in range(n)}
+        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def refill(self) -> None:
+        from .warm_pool import Standby
+        now = time.monotonic()
+        for r in range(self.n):
+            if r not in self.sb and now >= self.due[r]:
+                self.sb[r] = Standby(lambda r=r: _prepare_rank(r), lambda req: _child(self.sock, req, "standby"))
+
+    def take(self, req: dict) -> int | None:
+        """The standby's pid, now running ``req``; None: fork as usual."""
+        env = req["env"]
+        r = int(env.get("LOCAL_RANK", "0"))
+        sb = self.sb.pop(r, None)
+        if sb is None:
+            return None
+        self.due[r] = time.monotonic() + STANDBY_AFTER_S
+        # its CUDA context was made under the server's device visibility
+        if env.get("CUDA_VISIBLE_DEVICES") == self.visible and sb.ready(timeout=10.0):
+            try:
+                return sb.go(req)
+            except OSError:
+                pass
+        sb.close()
+        return None
+
+    def close(self) -> None:
+        for sb in self.sb.values():
+            sb.close()
+
+
+def _prepare_rank(rank: int) -> dict:
+    import torch
+    from .warm_pool import warm_cuda
+    if torch.cuda.is_available() and rank < torch.cuda.device_count():
+        return warm_cuda(f"cuda:{rank}")
+    return {}
+
+
+def serve(fd: int, preload: list[str], standby: int = 0) -> None:
     set_pdeathsig(signal.SIGTERM)
     sock = socket.socket(fileno=fd)
     t0 = time.perf_counter()
@@ -128,8 +179,11 @@ def serve(fd: int, preload: list[str]) -> None:
     sel.register(sock, selectors.EVENT_READ, "ctl")
     sel.register(rfd, selectors.EVENT_READ, "chld")
     buf = b""
+    pool = _Pool(standby, sock) if standby else None
     while True:
-        for key, _ in sel.select(timeout=1.0):
+        if pool is not None:
+            pool.refill()
+        for key, _ in sel.select(timeout=0.5 if pool else 1.0):
             if key.data == "chld":
                 try:
                     os.read(rfd, 4096)
@@ -145,13 +199,17 @@ def serve(fd: int, preload: list[str]) -> None:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
             if req.get("op") == "quit":
+                if pool is not None:
+                    pool.close()
                 return
             if req.get("op") == "spawn":
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)  # threads: see module docstring
-                    pid = os.fork()
-                if pid == 0:
-                    _child(sock, req)
+                pid = pool.take(req) if pool is not None else None
+                if pid is None:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", DeprecationWarning)  # threads: see module docstring
+                        pid = os.fork()
+                    if pid == 0:
+                        _child(sock, req)
                 send({"op": "spawned", "id": req["id"], "pid": pid})
 
 
@@ -171,8 +229,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--preload", default="torch")
+    p.add_argument("--standby", type=int, default=0, help="warm standbys, one per local rank (0: none)")
     a = p.parse_args(argv)
-    serve(a.fd, [m for m in a.preload.split(",") if m])
+    serve(a.fd, [m for m in a.preload.split(",") if m], a.standby)
 
 
 if __name__ == "__main__":
@@ -182,14 +241,14 @@ if __name__ == "__main__":
 class Zygote:
     """The supervisor's handle on one fork server (see the module docstring)."""
 
-    def __init__(self, python: str, preload: list[str], env: dict, timeout: float = 300.0) -> None:
+    def __init__(self, python: str, preload: list[str], env: dict, timeout: float = 300.0, standby: int = 0) -> None:
         import subprocess
         ours, theirs = socket.socketpair()
         # A preload that asks torch.cuda.is_available() must not initialise the CUDA
         # runtime in the server (forked children could not use it): ask NVML instead.
         env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         self.proc = subprocess.Popen([python, "-m", "gpu_anchor.launch.zygote", "--fd", str(theirs.fileno()),
-                                      "--preload", ",".join(preload)],
+                                      "--preload", ",".join(preload), "--standby", str(standby)],
                                      pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock = ours
@@ -256,13 +315,13 @@ class Zygote:
             self.proc.kill()
 
 
-def start_server(python: str, preload: list[str], log) -> "Zygote | None":
+def start_server(python: str, preload: list[str], log, standby: int = 0) -> "Zygote | None":
     """A ready warm-worker server, or None (logged why) when the warm path is unusable."""
     env = dict(os.environ)
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        z = Zygote(python, preload, env)
+        z = Zygote(python, preload, env, standby=standby)
     except (RuntimeError, OSError) as e:
         log(f"warm-worker server did not start ({e}); cold starts")
         return None
