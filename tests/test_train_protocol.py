@@ -133,6 +133,20 @@ def test_rank_agreement_device_progress(states, expect):
     assert [distributed.decide_device(states, r) for r in range(len(states))] == expect
 
 
+def test_device_report_counts_a_fully_written_step_as_committed():
+    # killed between the device finishing step 2 and the host landing its commit, while the
+    # peer already landed it with its boundary of step 3 (seen on two H200s)
+    a = distributed.device_report(2, True, 4, chunks=4)
+    b = distributed.device_report(3, True, None, chunks=4)
+    assert a == (3, None, False) and b == (3, 3, False)
+    assert [distributed.decide_device([a, b], r) for r in (0, 1)] == ["none", "discard"]
+    # the same with rank 0's device still inside step 2: it finishes 2, rank 1 discards 3
+    a = distributed.device_report(2, True, 1, chunks=4)
+    assert [distributed.decide_device([a, b], r) for r in (0, 1)] == ["finish", "discard"]
+    assert distributed.device_report(3, True, 2, chunks=4) == (3, 3, True)
+    assert distributed.device_report(3, False, None, chunks=4) == (3, None, False)
+
+
 @pytest.mark.parametrize("states", [[(4, None, False), (3, None, False)], [(3, 3, True), (3, None, False)],
                                     [(3, 2, False), (3, 3, False)], [(5, None, False), (3, 3, False)]])
 def test_rank_agreement_device_progress_refuses_impossible_states(states):

@@ -41,28 +41,48 @@ def decide(states: list[tuple[int, int | None]], rank: int) -> str:
     return "discard" if in_flight is not None else "none"
 
 
-def decide_device(states: list[tuple[int, int | None, bool]], rank: int) -> str:
-    """The device-progress variant: ``states[r] = (committed, in_flight, started)``.
+def device_report(committed: int, in_flight: bool, cursor: int | None, chunks: int) -> tuple[int, int | None, bool]:
+    """What a device-progress rank reports to ``decide_device``: ``(committed, in_flight, started)``.
 
-    ``started``: rank r's device word shows its in-flight step (the word moves only after
-    backward and the boundary barrier on that rank's stream, and the barrier completes
-    only once every rank's backward has).  So if any rank started step ``s``, or already
-    committed it, every rank holds its final gradients and finishes it; otherwise no rank
-    wrote a chunk of it and every rank discards it.
+    ``cursor`` is ``device_resume_point``'s answer for the in-flight step.  A step whose
+    device word says it is fully written (``cursor == chunks``) only lacks its commit (the
+    journal lags the device by up to one step): the rank reports it as committed and lands
+    that commit itself — otherwise it would look a step behind a peer that landed it.
+    """
+    if not in_flight:
+        return committed, None, False
+    if cursor == chunks:
+        return committed + 1, None, False
+    return committed, committed, cursor is not None
+
+
+def decide_device(states: list[tuple[int, int | None, bool]], rank: int) -> str:
+    """The device-progress variant: ``states[r] = (committed, in_flight, started)`` (see
+    ``device_report``); ``started``: rank r's device word shows its in-flight step.
+
+    A word moves past the boundary only after backward and the boundary barrier on that
+    rank's stream, and the barrier completes only once every rank's backward has.  So a
+    step ``f`` went ahead — every rank holds its final gradients and must finish it — if
+    some rank started it or committed it; otherwise no device wrote a chunk of it and it
+    is discarded.  Each rank's journal lags its device by up to one step, so ranks may be
+    two steps apart here (one still finishing ``s``, another having announced ``s+1``);
+    after the decisions every rank must stand at the same step, else the states cannot
+    come from one job and ``DisagreementError`` is raised.
     """
     for c, f, _ in states:
         if f is not None and f != c:
             raise DisagreementError(f"corrupt state {states}")
-    lo = min(c for c, _, _ in states)
-    hi = max(c + (1 if f is not None else 0) for c, f, _ in states)
-    if hi - lo > 1:
-        raise DisagreementError(f"ranks are more than one step apart: {states}")
-    went = hi > lo and any(c == hi or (f is not None and st) for c, f, st in states)
-    if went and any(c == lo and f is None for c, f, _ in states):
-        raise DisagreementError(f"step {lo} went ahead on one rank while another never finalized it: {states}")
-    if states[rank][1] is None:
+
+    def went(f: int) -> bool:
+        return any(c > f or (g == f and st) for c, g, st in states)
+
+    ends = {c + (1 if f is not None and went(f) else 0) for c, f, _ in states}
+    if len(ends) != 1:
+        raise DisagreementError(f"ranks cannot agree on a step: {states}")
+    f = states[rank][1]
+    if f is None:
         return "none"
-    return "finish" if went else "discard"
+    return "finish" if went(f) else "discard"
 
 
 def world():

@@ -400,10 +400,14 @@ class AnchoredOptimizer(StateDictMixin):
         cursor = None     # device mode: where the device left the in-flight step (None: never began)
         if st.in_flight and device:
             cursor = protocol.device_resume_point(st, int(self._word.item()))
-        if self._world > 1:
-            mine = (st.step, st.step if st.in_flight else None)
-            action = (distributed.decide_device(distributed.gather_states(mine + (cursor is not None,)), self._rank)
-                      if device else distributed.decide(distributed.gather_states(mine), self._rank))
+        if self._world > 1 and device:
+            report = distributed.device_report(st.step, st.in_flight, cursor, len(self._chunks))
+            action = distributed.decide_device(distributed.gather_states(report), self._rank)
+            if st.in_flight and report[1] is None:
+                action = "finish"            # fully written on the device: land its commit
+        elif self._world > 1:
+            action = distributed.decide(distributed.gather_states((st.step, st.step if st.in_flight else None)),
+                                        self._rank)
         elif not st.in_flight:
             action = "none"
         else:
