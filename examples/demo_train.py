@@ -1,24 +1,19 @@
-"""A small training job whose whole state is anchored: run it under ``gpu-anchor run``.
+"""A small training job written with gpu-anchor's public API: run it under ``gpu-anchor run``.
 
     gpu-anchor run --chaos-kills 3 -- python examples/demo_train.py --steps 300 --out result.pt
 
-Model: a 2-layer MLP regression, SGD with momentum, written by hand so that the
-whole state is two flat tensors.  Consistency protocol (simple, correct, and
-all in this file so it can switch to ``gpu_anchor.train.AnchoredOptimizer``):
+The model and the optimizer are built inside ``gpu_anchor.managed_scope`` and the
+optimizer is wrapped in ``AnchoredOptimizer``: weights, momentum, gradients and the step
+protocol's cursor live in the device's daemon.  A worker SIGKILLed at any instant is
+replaced by one that binds the same memory (nothing is re-initialised), lets the
+optimizer finish or discard the interrupted step, and continues at
+``opt.completed_steps``.  With several ranks (``--nproc-per-node``) the model is wrapped
+in DDP *after* the optimizer, so recovery runs before DDP broadcasts anything, and the
+ranks agree on the step to resume.
 
-- state lives in two anchored buffers ``state.0``/``state.1`` = [params | momentum];
-- the journal names the live one (``demo/live``) and the committed step
-  (``gpu_anchor/step``); step s+1 reads the live buffer, writes the other, and one
-  atomic journal commit flips ``live`` and advances the step.  A worker killed at
-  any instant leaves the live buffer untouched, so a restarted worker resumes at
-  exactly the last committed step;
-- with several ranks, a kill can leave ranks one step apart (a rank commits only
-  after the all-reduce every rank joined); at start the ranks agree on the
-  minimum committed step, and a rank one ahead reads its other buffer, which
-  still holds that step (nobody can have started the next all-reduce).
-
-Every batch is a pure function of (seed, step, rank), so a run with failures
-ends bit-identical to a fault-free run.
+Every batch is a pure function of (seed, step, rank), so a run with failures ends
+bit-identical to a fault-free run.  ``--out``: rank 0 saves the final parameters and
+momentum buffers, flattened into one tensor.
 """
 from __future__ import annotations
 
@@ -30,31 +25,7 @@ import torch
 
 import gpu_anchor
 from gpu_anchor import launch
-
-STEP, LIVE = launch.STEP_KEY, "demo/live"
-
-
-def shapes(d_in: int, hidden: int, d_out: int) -> list[tuple[int, ...]]:
-    return [(d_in, hidden), (hidden,), (hidden, d_out), (d_out,)]
-
-
-def views(flat: torch.Tensor, shp) -> list[torch.Tensor]:
-    out, off = [], 0
-    for s in shp:
-        n = 1
-        for d in s:
-            n *= d
-        out.append(flat[off:off + n].view(s))
-        off += n
-    return out
-
-
-def init_params(flat: torch.Tensor, shp, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    cpu = torch.empty(flat.numel(), dtype=flat.dtype)
-    for v, s in zip(views(cpu, shp), shp):
-        v.copy_(torch.randn(s, generator=g) * (1.0 / s[0] ** 0.5 if len(s) == 2 else 0.0))
-    flat.copy_(cpu)
+from gpu_anchor.train import AnchoredOptimizer
 
 
 def batch(seed: int, step: int, rank: int, n: int, d_in: int, d_out: int, device) -> tuple:
@@ -85,78 +56,56 @@ def main(argv=None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    if device != "cpu":
+    if device == "cpu":
+        torch.set_num_threads(1)        # a toy model: intra-op threads only add contention
+    else:
         torch.cuda.set_device(local)
         torch.zeros(1, device=device)
         launch.mark("cuda_init")
-    pg = None
     if world > 1:
         import torch.distributed as dist
         dist.init_process_group("nccl" if device != "cpu" else "gloo")
-        pg = dist
 
-    shp = shapes(a.d_in, a.hidden, a.d_out)
-    n = sum(torch.Size(s).numel() for s in shp)
-    client = gpu_anchor.connect(device)
-    bufs = [b.tensor for b in client.bind([(f"state.{i}", (2 * n,), torch.float32) for i in range(2)])]
+    with gpu_anchor.managed_scope():
+        torch.manual_seed(a.seed)       # replayed only when the daemon creates the weights
+        model = torch.nn.Sequential(torch.nn.Linear(a.d_in, a.hidden), torch.nn.Tanh(),
+                                    torch.nn.Linear(a.hidden, a.d_out)).to(device)
+        opt = AnchoredOptimizer(torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum), model=model)
     launch.mark("bind")
+    start = opt.completed_steps         # recovery (finish or discard the interrupted step) is done
+    launch.mark("recovered", step=start)
+    if start and rank == 0:
+        print(f"[rank 0] resuming at step {start}", flush=True)
+    net = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        net = DDP(model)
 
-    j = client.journal.get_many([STEP, LIVE])
-    if STEP not in j:  # fresh job (or killed before the first commit): initialise buffer 0
-        init_params(bufs[0][:n], shp, a.seed)
-        bufs[0][n:].zero_()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        client.journal.commit({STEP: b"0", LIVE: b"0", "demo/buf_step.0": b"0"})
-        j = {STEP: b"0", LIVE: b"0"}
-    step, live = int(j[STEP]), int(j[LIVE])
-    if pg is not None:  # agree on the step (see the module docstring)
-        t = torch.tensor([step], dtype=torch.int64, device=device)
-        pg.all_reduce(t, op=pg.ReduceOp.MIN)
-        agreed = int(t.item())
-        if agreed != step:
-            other = int(client.journal.get(f"demo/buf_step.{1 - live}", b"-1"))
-            if step - agreed != 1 or other != agreed:
-                raise RuntimeError(f"rank {rank} at step {step} cannot roll back to {agreed} (other buffer {other})")
-            step, live = agreed, 1 - live
-    launch.mark("recovered", step=step)
-    if step and rank == 0:
-        print(f"[rank 0] resuming at step {step}", flush=True)
-
-    for s in range(step + 1, a.steps + 1):
-        if s == a.fail_at_step:
-            raise RuntimeError(f"--fail-at-step {s}")
-        if s == a.hang_at_step and os.environ.get("GPU_ANCHOR_RESTART_COUNT", "0") == "0":
+    for s in range(start, a.steps):
+        if s + 1 == a.fail_at_step:
+            raise RuntimeError(f"--fail-at-step {s + 1}")
+        if s + 1 == a.hang_at_step and os.environ.get("GPU_ANCHOR_RESTART_COUNT", "0") == "0":
             time.sleep(3600)
-        cur, nxt = bufs[live], bufs[1 - live]
-        params = [v.detach().requires_grad_() for v in views(cur[:n], shp)]
-        x, y = batch(a.seed, s, rank, a.batch, a.d_in, a.d_out, device)
-        w1, b1, w2, b2 = params
-        loss = ((torch.tanh(x @ w1 + b1) @ w2 + b2 - y) ** 2).mean()
-        grads = torch.autograd.grad(loss, params)
-        g = torch.cat([gr.reshape(-1) for gr in grads])
-        if pg is not None:
-            pg.all_reduce(g)
-            g /= world
-        torch.mul(cur[n:], a.momentum, out=nxt[n:])
-        nxt[n:].add_(g)
-        torch.add(cur[:n], nxt[n:], alpha=-a.lr, out=nxt[:n])
-        if device != "cpu":
-            torch.cuda.synchronize()
-        live = 1 - live
-        client.journal.commit({STEP: b"%d" % s, LIVE: b"%d" % live, f"demo/buf_step.{live}": b"%d" % s})
-        launch.step_boundary(s, client)
+        x, y = batch(a.seed, s + 1, rank, a.batch, a.d_in, a.d_out, device)
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()                 # DDP averages the gradients here
+        opt.step()                      # the crash-consistent step; commits step s + 1
+        opt.zero_grad()
         if a.step_sleep:
             time.sleep(a.step_sleep)
-        if rank == 0 and s % max(1, a.steps // 5) == 0:
-            print(f"[rank 0] step {s}/{a.steps} loss {loss.item():.6f}", flush=True)
+        if rank == 0 and (s + 1) % max(1, a.steps // 5) == 0:
+            print(f"[rank 0] step {s + 1}/{a.steps} loss {loss.item():.6f}", flush=True)
 
+    opt.flush()
     if a.out and rank == 0:
-        torch.save(bufs[live].detach().cpu().clone(), a.out + ".tmp")
+        state = opt.state_dict()["state"]
+        flat = [t.detach().reshape(-1) for t in model.state_dict().values()]
+        flat += [st["momentum_buffer"].reshape(-1) for _, st in sorted(state.items())]
+        torch.save(torch.cat(flat).cpu(), a.out + ".tmp")
         os.replace(a.out + ".tmp", a.out)
-    if pg is not None:
-        pg.barrier()
-        pg.destroy_process_group()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
