@@ -205,6 +205,15 @@ class ConcurrentCheckpointer:
         if self._flight is not None and self._flight.queue is not None:
             self._flight.queue.prioritize(names)
 
+    def written_untracked(self, names) -> None:
+        """Objects the job writes where the tracker cannot see (a Triton kernel): a soft-recopy
+        flight recopies them at its closing boundary; call before ``finish``."""
+        fl = self._flight
+        if fl is not None:
+            if fl.result.policy != "recopy":
+                raise ValueError("only a soft-recopy checkpoint can take untracked writes")
+            fl.dirty.update(n for n in names if n in fl.entries)
+
     def boundary(self, step: int, due: bool | None = None) -> CheckpointResult | None:
         """Call at every committed step boundary: completes a finished flight (recopy: at
         this step), retakes an invalid one, starts one if ``due`` (``None``: when the

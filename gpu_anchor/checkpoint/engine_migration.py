@@ -15,9 +15,12 @@ same names at the destination daemon, finds them "matched" with the journal's we
 fingerprint and KV layout, and restores every committed sequence with its KV — no
 prefill is recomputed.  A request the old engine held but had not committed yet (added
 after its last step) is re-added from the old engine's memory; aborts still pending
-are passed on.  CUDA graphs: their replays bypass the dispatcher (the tracker would miss
-their KV writes, and a capture would record on-demand loads instead of running them),
-so the old engine decodes eagerly from ``start`` and the new one until ``poll`` is done.
+are passed on.  Untracked writes: on CUDA the KV is stored by a Triton kernel (and CUDA
+graph replays bypass the dispatcher), so the tracker sees no KV write: every KV object is
+recopied at the cut-over and loaded at the destination before the first step (only the
+weights load on demand, and nothing writes those).  The old engine keeps its CUDA graphs
+during the pre-copy; the new one decodes eagerly until ``poll`` is done (a capture would
+record on-demand loads instead of running them).
 
 Consistency: ``cutover`` first lands the old engine's in-flight commit (``flush``), so
 the journal, the KV and the published tokens agree; the recopy then captures exactly
@@ -61,9 +64,6 @@ class EngineMigration:
     def start(self) -> None:
         """Begin the pre-copy (the engine keeps stepping; the tracker marks KV it dirties)."""
         self._t0 = time.perf_counter()
-        # CUDA-graph replays bypass the dispatcher, so the tracker would miss their KV writes
-        # (a stale recopy): the old engine decodes eagerly until the cut-over.
-        self.old.graphs = None
         if self.device.startswith("cuda"):   # the destination's CUDA context: now, not in the downtime
             import torch
             torch.empty(1, device=self.device)
@@ -81,7 +81,12 @@ class EngineMigration:
         t0 = time.perf_counter()
         self.stats["precopy_s"] = t0 - self._t0 if self._t0 else 0.0
         events = old.flush()
+        # On CUDA the KV is written by a Triton kernel, which the tracker cannot see: every
+        # KV object counts as dirty, and is loaded at the destination before any step.
+        kv = [f"kv_cache[{i}]" for i in range(old.mc.num_hidden_layers)]
+        self.m.ckpt.written_untracked(kv)
         self.restore = self.m.cutover(old.steps)
+        self.restore.ensure(*[k for k in kv if k in self.restore.targets])
         self.tracker.__enter__()            # the new engine's ops load what they touch first
         self._entered = True
         cfg = dataclasses.replace(old.cfg, device=self.device, socket=self.socket or
