@@ -19,6 +19,7 @@ import time
 T_PROCESS = time.time()
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
 
@@ -61,6 +62,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def lost_requests(events_path: str, restored: set[str]) -> list[int]:
+    """Requests an earlier engine admitted (``step`` events in ``events_path``) that neither
+    finished nor came back with the restarted engine: the engine died before their admission
+    was committed (the commit may complete during the next step), so they are admitted again
+    from the start, as a client would resend them.  The same rule for every method."""
+    adm, fin = set(), set()
+    try:
+        with open(events_path, "rb") as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:  # a line torn by a SIGKILL
+                    continue
+                if e.get("ev") == "step":
+                    adm.update(e.get("adm", ()))
+                    fin.update(e.get("fin", ()))
+    except FileNotFoundError:
+        return []
+    return sorted(adm - fin - {int(r[1:]) for r in restored})
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     ev = Events(args.events)
@@ -91,15 +113,19 @@ def main(argv=None) -> int:
        **({"toks": [[s.rid, 0, list(s.output_ids)] for s in eng.restored]} if args.record_tokens else {}))
     trace = workload(args.seed, args.requests, eng.mc.vocab_size, args.tiny)
     nxt = args.next_request
+    readmit = lost_requests(args.events, pending)
+    if readmit:
+        ev("readmit", ids=readmit)
     while True:
         adm, adm_t = [], time.time()
-        while len(eng.scheduler.seqs) < args.concurrency and nxt < len(trace):
-            rid = f"r{nxt}"
+        while len(eng.scheduler.seqs) < args.concurrency and (readmit or nxt < len(trace)):
+            i = readmit.pop(0) if readmit else nxt
+            nxt += i == nxt
+            rid = f"r{i}"
             if rid not in eng.scheduler.seqs:
-                prompt, n_out = trace[nxt]
+                prompt, n_out = trace[i]
                 eng.add_request(rid, prompt, SamplingParams(max_tokens=n_out, ignore_eos=True))
-                adm.append(nxt)
-            nxt += 1
+                adm.append(i)
         if not eng.has_work():
             break
         events = eng.step()
