@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = default_device(args.device)
     if args.tiny:
-        # a rate high enough that the smoke run meets a fault (seed 7: the first at 0.78 s)
-        args.steps, args.ckpt_every, args.rates, args.batch, args.seq = 30, 5, "0.5", 2, 32
+        # a rate high enough that the smoke run meets a fault (seed 7: the first 0.08 s in)
+        args.steps, args.ckpt_every, args.rates, args.batch, args.seq = 30, 5, "5", 2, 32
         args.max_faults = 1  # one kill and restart per method: the path is exercised, the run stays short
         args.methods = "inmemory,gpu_anchor"
     methods = args.methods.split(",")

@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     device = default_device(args.device)
     args.dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if args.tiny:
-        args.concurrency, args.requests, args.num_blocks, args.max_batched_tokens = 3, 40, 128, 512
-        args.rates, args.methods = "2.0", "kv_memory,gpu_anchor"  # seed 0: the first fault at 0.93 s
+        args.concurrency, args.requests, args.num_blocks, args.max_batched_tokens = 3, 12, 128, 512
+        args.rates, args.methods = "20", "kv_memory,gpu_anchor"  # seed 0: the first fault 0.05 s in
         args.max_faults = 1  # one kill and restart per method: the path is exercised, the run stays short
     work = tempfile.mkdtemp(prefix="e2e-serve-")
     root = args.model_root or os.path.join(work, "models")
