@@ -20,15 +20,15 @@ the anchored gradients, so ``completed_steps`` is always a whole number of steps
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import time
 
 import torch
 
 from . import carry as carry_mod
-from . import chunking, distributed, faults, protocol
+from . import chunking, distributed, faults
 from .chunk_exec import ChunkExecutor
+from .device_progress import DeviceProgress
 from .fsdp import like as _like, local as _local
 from . import amp
 from .hparams import hparams as _hparams
@@ -87,7 +87,7 @@ class AnchoredOptimizer(StateDictMixin):
         self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0}
         faults.arm_from_env()
         self._state = None
-        self._pending = None          # device mode: (journal puts, step, done event) not yet landed
+        self._dev = None              # DeviceProgress (progress="device")
         self._landed_one = False
         scope = _open_scope()
         args = (model, client, prefix, chunk_bytes, progress, scope.namespace if scope is not None else None)
@@ -171,9 +171,9 @@ class AnchoredOptimizer(StateDictMixin):
         if self._state.in_flight and any(b.status == "created" for b in undo):
             raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
         self._undo = [b.tensor for b in undo[:2]]
-        self._word = undo[2].tensor
+        self._word = word = undo[2].tensor     # held: an anchored object lives while referenced
         if not self._state.in_flight:
-            self._word.fill_(-1)
+            word.fill_(-1)
         it = iter(bound)
         for q, ks in zip(self._params, keys_of):
             q.grad = next(it).tensor
@@ -187,11 +187,11 @@ class AnchoredOptimizer(StateDictMixin):
         self._hooks = [q.p.register_post_accumulate_grad_hook(self._make_hook(q.index))
                        for q in self._params if q.p.requires_grad]
         self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind)
+        if self.progress == "device":
+            self._dev = DeviceProgress(word, self.device, self._copy_to_undo, self.stats)
         self._counts = [0] * len(self._params)
         self._rank, self._world = distributed.world()
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
-        self._undo_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
-                             and os.environ.get("GPU_ANCHOR_UNDO_STREAM", "1") != "0" else None)
 
         with torch.no_grad():
             if not resuming:
@@ -260,7 +260,7 @@ class AnchoredOptimizer(StateDictMixin):
                 self._wait()     # the gradients (and chunk 0's undo image) are in memory
             # Device mode: no wait — the device word, not this commit, marks the gradients
             # final.  The previous step's pending commit rides along (device past it first).
-            puts, landed = self._take_pending()
+            puts, landed = self._dev.take_pending() if device else ({}, None)
             boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask),
                                    "counts": counts, "hparams": hps}).encode()
             new = st.begin(len(self._chunks), device_progress=device)
@@ -273,7 +273,7 @@ class AnchoredOptimizer(StateDictMixin):
             if self._barrier is not None:
                 self._barrier()
             if device:
-                self._publish(0)
+                self._dev.publish(new.step, 0)
             self._run_from(0, mask, counts, hps, carry)
 
     def flush(self) -> None:
@@ -283,22 +283,12 @@ class AnchoredOptimizer(StateDictMixin):
         next ``step()``.  Durability does not need it (a killed worker's successor lands it
         from the device word); call it before reading the journal from another process.
         """
-        puts, landed = self._take_pending()
+        if self._dev is None:
+            return
+        puts, landed = self._dev.take_pending()
         if landed is not None:
             self._commit(puts)
             step_boundary(landed, self.client)
-
-    def _take_pending(self) -> tuple[dict, int | None]:
-        """The pending step commit ``(puts, step)`` once the device has finished that step."""
-        if self._pending is None:
-            return {}, None
-        puts, landed, done = self._pending
-        self._pending = None
-        if done is not None:
-            t0 = time.perf_counter()
-            done.synchronize()
-            self.stats["wait_s"] += time.perf_counter() - t0
-        return puts, landed
 
     # ------------------------------------------------------------------ protocol
     def _run_from(self, c0: int, mask, counts, hps, carry) -> None:
@@ -306,11 +296,10 @@ class AnchoredOptimizer(StateDictMixin):
         n = len(self._chunks)
         s = self._state.step
         device = self.progress == "device"
-        side = self._undo_stream if device else None
         for i in range(c0, n):
             faults.hit("before_update", s, i, before_kill=self._wait)
-            if side is not None and i + 1 < n:
-                self._save_ahead(side, i + 1)
+            if device and i + 1 < n:
+                self._dev.save_ahead(i + 1)      # overlaps the update of chunk i
             self._apply(i, mask, counts, steps, hps)
             if faults.armed("mid_chunk", s, i):
                 faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i))
@@ -320,35 +309,14 @@ class AnchoredOptimizer(StateDictMixin):
             faults.hit("after_update", s, i, before_kill=self._wait)
             if i + 1 == n:
                 self._finish(mask, counts, carry)
-            elif side is not None:
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                self._word.fill_(protocol.encode_progress(s, i + 1))
             elif device:
-                self._publish(i + 1)
+                self._dev.advance(s, i + 1)
             else:
                 new = self._state.chunk_done(i)
                 self._commit({key(self.prefix, "state"): new.encode()})
                 self._state = new
             faults.hit("after_commit", s, i, before_kill=self._wait)
         self.stats["steps"] += 1
-
-    def _save_ahead(self, side, i: int) -> None:
-        """Device progress: save chunk ``i`` on a side stream while chunk ``i-1`` is applied.
-
-        Slot ``i % 2`` held chunk ``i-2``'s image, dead once the word shows ``i-1`` — which
-        the main stream has written before this point; the word moves to ``i`` only after
-        the main stream has waited for this copy.  Overlapping the copy with the update
-        kernels hides part of its cost (H200, 1B model: step overhead 2.57 % → 1.87 %).
-        ``GPU_ANCHOR_UNDO_STREAM=0`` keeps everything on one stream.
-        """
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._copy_to_undo(i)
-
-    def _publish(self, i: int) -> None:
-        """Device progress: save chunk ``i``, then let the stream record ``cursor = undo = i``."""
-        self._copy_to_undo(i)
-        self._word.fill_(protocol.encode_progress(self._state.step, i))
 
     def _finish(self, mask, counts, carry) -> None:
         self.optimizer._opt_called = True   # the step did happen (schedulers warn otherwise)
@@ -367,8 +335,7 @@ class AnchoredOptimizer(StateDictMixin):
         self._state = new
         self._counts = new_counts
         if self.progress == "device":
-            self._word.fill_(protocol.encode_progress(new.step - 1, len(self._chunks)))
-            self._pending = (puts, new.step, self._record_done())
+            self._dev.step_written(new.step - 1, len(self._chunks), puts)
             # The first step of a worker lands at once (the supervisor times recovery by it),
             # and so does one a checkpoint is due at (the snapshot must see it committed).
             if not self._landed_one or checkpoint_due(new.step):
@@ -378,13 +345,6 @@ class AnchoredOptimizer(StateDictMixin):
         self._wait()
         self._commit(puts, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
         step_boundary(new.step, self.client)  # checkpoints when `gpu-anchor run --checkpoint-every` asks
-
-    def _record_done(self):
-        if self.device.type != "cuda":
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
 
     def _resume(self, vals: dict) -> None:
         p = self.prefix
@@ -399,7 +359,7 @@ class AnchoredOptimizer(StateDictMixin):
         device = self.progress == "device"
         cursor = None     # device mode: where the device left the in-flight step (None: never began)
         if st.in_flight and device:
-            cursor = protocol.device_resume_point(st, int(self._word.item()))
+            cursor = self._dev.resume_point(st)
         if self._world > 1 and device:
             report = distributed.device_report(st.step, st.in_flight, cursor, len(self._chunks))
             action = distributed.decide_device(distributed.gather_states(report), self._rank)
@@ -426,7 +386,7 @@ class AnchoredOptimizer(StateDictMixin):
             if device:
                 if cursor is None:      # another rank's device began it: ours has the final gradients
                     cursor = 0
-                    self._publish(0)
+                    self._dev.publish(st.step, 0)
                 elif cursor < len(self._chunks):
                     self._copy_from_undo(cursor)
             else:
