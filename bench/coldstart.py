@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from bench.common import write_result
@@ -32,8 +33,12 @@ PHASES = ("process_start_s", "cuda_init_s", "bind_s", "weights_s", "restore_s", 
 
 
 def _get(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
+    """The JSON body, also of an error status (``/health`` answers 503 while no engine is up)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
 
 
 def _stream(base, body, stamps, done):

@@ -105,10 +105,15 @@ SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-bl
 
 
 def _get(url):
+    """The JSON body, also of an error status (``/health`` answers 503 while no engine is up)."""
     import json
+    import urllib.error
     import urllib.request
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
 
 
 def test_gpu_anchor_migrate_keeps_open_streams(tmp_path, two_daemons):

@@ -9,12 +9,11 @@ import random
 import signal
 import threading
 import time
-import urllib.request
 
 from gpu_anchor.launch.warm_pool import Standby, wait_exit
 from gpu_anchor.serve.tiny import make_tiny_model
 from launch_reference import reference  # noqa: F401  (session fixture)
-from test_checkpoint_engine_migration import SERVE, serve_process
+from test_checkpoint_engine_migration import SERVE, _get, serve_process
 from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
 
 
@@ -53,9 +52,6 @@ def test_wait_exit_sees_a_sigkill_at_once():
     assert r is not None and os.WIFSIGNALED(r[1]) and time.perf_counter() - t0 < 5
 
 
-def _get(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
