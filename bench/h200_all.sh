@@ -33,6 +33,7 @@ case "$PART" in
      B="e2e_serve --requests 400 --rates 0.05" ;;
   *) echo "usage: OUT=DIR PYTHONPATH=. bash bench/h200_all.sh 1|2" >&2; exit 2 ;;
 esac
+A=${LANE_A:-$A}; B=${LANE_B:-$B}   # a budget-cut call names its own scenarios
 A=$(echo $A); B=$(echo $B)   # one line each (they are recorded in the results)
 
 echo "== machine (call $PART)"
