@@ -90,6 +90,8 @@ class Engine:
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)
         self.timings["cuda_init_s"] = time.perf_counter() - t0
@@ -261,11 +263,19 @@ class Engine:
         if f is not None and f[1] == "mid_prefill" and self.steps >= f[0] + 2:
             os.kill(os.getpid(), signal.SIGKILL)     # no prefill came: die mid-decode instead
 
+    def _on_device(self) -> None:
+        """Make this engine's GPU the thread's current device: Triton kernels and graph capture
+        run on the current device, which others may have changed (a migration's copies to the
+        old GPU, another engine in the process) — seen on two H200s after cuda:0 -> cuda:1."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     def capture_graphs(self) -> dict | None:
         """Capture every decode batch size now (otherwise each is captured at its first use);
         returns the graphs' statistics (count, capture seconds, pool and buffer bytes)."""
         if self.graphs is None:
             return None
+        self._on_device()
         self.graphs.capture_all()
         return dict(self.graphs.stats)
 
@@ -322,6 +332,7 @@ class Engine:
     def step(self) -> list[tuple]:
         """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``."""
         self._fault("between_steps")
+        self._on_device()
         st, clock = self.step_times, time.perf_counter
         t0 = clock()
         work = self.scheduler.schedule()
