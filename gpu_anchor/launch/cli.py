@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import DEFAULT_PRELOAD
+
 
 def add_run_parser(sub) -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a job under supervision: in-place restarts, checkpoint fallback",
@@ -35,7 +37,7 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--warm-pool", action="store_true", default=None,
                    help="keep a standby worker per rank (CUDA context created, kernels warmed) that takes over "
                         "after a failure instead of a fork + CUDA init (env GPU_ANCHOR_WARM_POOL=1)")
-    r.add_argument("--preload", default="torch",
+    r.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
                    help="comma-separated modules the warm-worker server imports (e.g. torch,transformers,mymodel)")
     r.add_argument("--keep-daemons", action="store_true", help="leave daemons and anchored state after success")
     r.add_argument("--chaos-kills", type=int, default=0, help="SIGKILL this many times at random instants")

@@ -12,6 +12,11 @@ _PY_FLAGS_NOARG = {"-u", "-O", "-OO", "-B", "-E", "-s", "-I", "-S", "-q", "-b", 
 _PY_FLAGS_ARG = {"-X", "-W"}
 
 
+# What every warm worker imports before it forks: torch, and gpu-anchor's own worker-side
+# modules (managed_scope pulls in torch._dynamo, ~1.2 s a worker otherwise pays after a kill).
+DEFAULT_PRELOAD = ("torch", "gpu_anchor.scope", "gpu_anchor.train.optimizer")
+
+
 @dataclass
 class RunConfig:
     command: list[str]
@@ -30,7 +35,7 @@ class RunConfig:
     # a standby worker per rank (CUDA context made) takes over after a failure; the env
     # default lets benchmarks that drive `gpu-anchor run` compare both ways
     warm_pool: bool = field(default_factory=lambda: os.environ.get("GPU_ANCHOR_WARM_POOL") == "1")
-    preload: list[str] = field(default_factory=lambda: ["torch"])
+    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
     keep_daemons: bool = False
     resume: bool = True
     chaos_kills: int = 0

@@ -29,6 +29,8 @@ import contextlib
 import threading
 
 import torch
+import torch._dynamo  # noqa: F401  (entering a dispatch mode imports it lazily, ~1.2 s: pay it at import,
+#                                   so a fork server that preloads gpu_anchor.scope pays it once per job)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_anchor.paths import normalize_device
