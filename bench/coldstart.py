@@ -158,6 +158,10 @@ def main(argv=None) -> int:
         control.stop(dev, os.path.join(sock_dir, "d.sock"))
 
 
+def title(r: dict) -> str:
+    return f"Serving: engine restart with and without the warm pool ({r.get('shape', '?')}, {r.get('device', '?')})"
+
+
 def render(r: dict) -> str:
     def s(v):
         return "—" if not isinstance(v, (int, float)) else f"{v * 1e3:.0f} ms"

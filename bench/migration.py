@@ -223,6 +223,11 @@ def main(argv=None) -> int:
             p.wait(timeout=30)
 
 
+def title(r: dict) -> str:
+    return (f"Serving: live migration of an engine {r.get('src', '?')} → {r.get('dst', '?')} "
+            f"vs stop-and-restart ({r.get('shape', '?')})")
+
+
 def render(r: dict) -> str:
     live, base = r.get("live", {}), r.get("restart", {})
 
