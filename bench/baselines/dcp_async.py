@@ -52,8 +52,8 @@ class DcpAsync(TrainCheckpoint):
         kw = {"async_stager": self._stager} if self._stager is not None else {}
         try:
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True, **kw)
-        except TypeError as e:  # an older torch whose async_save does not take this stager
-            if not kw:
+        except Exception as e:  # an older torch that refuses this stager (TypeError), or whose pinned
+            if not kw:          # staging path fails (torch 2.11 on an H200: KeyError: <class 'type'>)
                 raise
             self._stager = None
             self.notes["stager"] = f"default (configured stager refused: {e})"
