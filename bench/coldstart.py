@@ -27,18 +27,10 @@ import time
 import urllib.error
 import urllib.request
 
-from bench.common import write_result
+from bench.common import get_json, stop_process, write_result
 
 PHASES = ("process_start_s", "cuda_init_s", "bind_s", "weights_s", "restore_s", "init_s", "first_step_s", "down_s")
 
-
-def _get(url):
-    """The JSON body, also of an error status (``/health`` answers 503 while no engine is up)."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())
 
 
 def _stream(base, body, stamps, done):
@@ -72,7 +64,7 @@ def _one_mode(args, model, warm: bool, sock_dir: str) -> dict:
                 raise RuntimeError(f"gpu-anchor serve did not start (see {log.name})")
             time.sleep(0.1)
         base = f"http://127.0.0.1:{open(port_file).read()}"
-        while not _get(base + "/health").get("engine_pid"):
+        while not get_json(base + "/health").get("engine_pid"):
             time.sleep(0.1)
         for _ in range(args.kills):
             stamps, done = [], threading.Event()
@@ -82,7 +74,7 @@ def _one_mode(args, model, warm: bool, sock_dir: str) -> dict:
             time.sleep(args.settle)          # the standby (if any) is made ~2 s after an engine starts
             while len(stamps) < 3 and not done.is_set():
                 time.sleep(0.01)
-            pid = _get(base + "/health")["engine_pid"]
+            pid = get_json(base + "/health")["engine_pid"]
             n = len(stamps)
             t_kill = time.perf_counter()
             os.kill(pid, signal.SIGKILL)
@@ -92,7 +84,7 @@ def _one_mode(args, model, warm: bool, sock_dir: str) -> dict:
                 raise RuntimeError("the stream ended without a token after the kill")
             first_after = next(t for t in stamps[n:] if t > t_kill)
             done.wait(600)
-            h = _get(base + "/health")
+            h = get_json(base + "/health")
             rec = h.get("last_recovery", {})
             row["kills"].append({"kill_to_token_s": first_after - t_kill,
                                  "token_gap_s": first_after - stamps[n - 1] if n else None,
@@ -105,11 +97,7 @@ def _one_mode(args, model, warm: bool, sock_dir: str) -> dict:
             row[f"median_{k}"] = statistics.median(vals) if vals else None
         return row
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def main(argv=None) -> int:

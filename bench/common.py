@@ -157,6 +157,28 @@ def median_by_mode(trials: dict[str, list[dict]]) -> dict[str, dict]:
 FORKSERVER_PRELOAD = ["torch", "transformers", "bench.models", "bench.baselines.trainer"]
 
 
+
+def get_json(url: str, timeout: float = 10) -> dict:
+    """The JSON body of a GET, also of an error status (``/health`` answers 503 while no engine is up)."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace_s``."""
+    import signal
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _isolated_child(conn, env, fn, args):
     os.environ.clear()
     os.environ.update(env)  # the fork server's environment is from when it started, not from now

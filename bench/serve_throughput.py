@@ -36,7 +36,9 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+from bench.common import get_json, stop_process  # noqa: E402
 
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
                 intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -223,13 +225,6 @@ def hf_generate_batch(args, config_path) -> dict:
     return {"seconds": dt, "tokens": n, "tokens_per_s": n / dt}
 
 
-def _get(url):
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())
-
 
 def recovery(args, config_path, anchor: bool) -> dict:
     """Start ``gpu-anchor serve``, open streams, SIGKILL the engine, time the resumption."""
@@ -247,7 +242,7 @@ def recovery(args, config_path, anchor: bool) -> dict:
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     try:
         t0 = time.time()
-        while not os.path.exists(port_file) or _get(f"http://127.0.0.1:{open(port_file).read()}/health").get(
+        while not os.path.exists(port_file) or get_json(f"http://127.0.0.1:{open(port_file).read()}/health").get(
                 "status") != "ok":
             if proc.poll() is not None or time.time() - t0 > 600:
                 raise RuntimeError("server did not come up: " + open(log.name).read()[-3000:])
@@ -277,7 +272,7 @@ def recovery(args, config_path, anchor: bool) -> dict:
             if not any(t.is_alive() for t in threads):
                 raise RuntimeError("streams ended before the kill: raise --max-tokens")
             time.sleep(0.01)
-        pid = _get(base + "/health")["engine_pid"]
+        pid = get_json(base + "/health")["engine_pid"]
         # Freeze the engine at an arbitrary point, let tokens already on the wire arrive,
         # then kill it: every token after t_kill comes from the next engine.
         os.kill(pid, signal.SIGSTOP)
@@ -288,18 +283,14 @@ def recovery(args, config_path, anchor: bool) -> dict:
             t.join()
         gaps = [next((x - t_kill for x in s if x > t_kill), None) for s in stamps]
         gaps = [g for g in gaps if g is not None]
-        health = _get(base + "/health")
+        health = get_json(base + "/health")
         return {"anchored": anchor, "streams": len(prompts), "server_cold_start_s": cold_start,
                 "kill_to_first_resumed_token_s": {"min": min(gaps), "median": statistics.median(gaps),
                                                   "max": max(gaps)} if gaps else None,
                 "streams_resumed": len(gaps), "engine_breakdown_s": health.get("last_recovery"),
                 "token_mismatches": health.get("token_mismatches")}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def main(argv=None) -> int:
@@ -347,7 +338,6 @@ def main(argv=None) -> int:
             out_dir, name = (os.path.dirname(out) or ".", os.path.basename(out)[:-5]) if out.endswith(".json") \
                 else (out, "serve_throughput_tiny" if args.tiny else "serve_throughput")
             res["title"] = "Serving: throughput with and without anchoring, and recovery"
-            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
             from bench.common import write_result
             write_result(name, res, out_dir)
 

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from bench.common import get_json as _get
 from gpu_anchor.daemon import control
 from gpu_anchor.serve.tiny import make_tiny_model
 
@@ -103,17 +104,6 @@ def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemo
 SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
          "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
 
-
-def _get(url):
-    """The JSON body, also of an error status (``/health`` answers 503 while no engine is up)."""
-    import json
-    import urllib.error
-    import urllib.request
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read())
 
 
 def test_gpu_anchor_migrate_keeps_open_streams(tmp_path, two_daemons):
