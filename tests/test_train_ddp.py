@@ -67,3 +67,18 @@ def test_random_rank_kills(ddp_reference, tmp_path):
             break
     print(f"DDP random: {total} rank kills in {attempt + 1} runs")
     assert total >= 8
+
+
+def test_device_progress_ranks_a_boundary_apart(host_daemon, tmp_path):
+    """Device-progress mode: a rank's journal lags its own progress by up to one step, so when
+    rank 0 dies just before committing a boundary, rank 1 may already have committed it (and
+    landed the previous step) while rank 0 has not landed that step yet.  The group must still
+    agree: rank 0 lands the step its word shows written, rank 1 discards the announced one."""
+    cfg = C.RunConfig(steps=8, progress="device")
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref = D.run_group("dpref", cfg, str(ref_dir))
+    specs = [(0, "before_boundary@2"), (1, "between_steps@3"), (0, "after_update@4:1"), (0, "before_boundary@6")]
+    res = D.run_group("dpk", cfg, str(tmp_path), faults_seq=specs)
+    assert res["kills"] == len(specs)
+    _same_as_reference("dpk", "dpref", res, ref)
