@@ -6,8 +6,11 @@
 # Each call runs two independent scenarios at once, one per GPU (CUDA_VISIBLE_DEVICES=0 and 1;
 # every scenario sees its GPU as cuda:0).  Each lane has its own time limit (LANE_S) and writes
 # its JSON under $OUT after every method, so a lane that runs over keeps what it measured and
-# the other lane is unaffected.  Then the report renders $OUT/benchmarks.md and $OUT/img/*.png.
+# the other lane is unaffected.  Then the report is rendered (on the device) for its verdict lines.
 # Results that shared the host with the other lane say so (GPU_ANCHOR_BENCH_CONCURRENT).
+# The device tool brings back at most 8 files: $OUT gets the result JSONs and one log per
+# scenario; the rendered report and plots stay on the device (render them here from the JSONs
+# with `python -m bench report`).
 #
 # Time plan (from the earlier H200 runs: 1B step 0.33 s, torch.save of 1B state 16.6 s, cold
 # worker 13 s, 8B engine cold start 15 s, 8B decode ~1 500 tokens/s at 64 streams):
@@ -23,6 +26,7 @@ X=${BENCH_EXTRA:-}
 LANE_S=${LANE_S:-470}        # per lane; + <= 20 s to stop + ~20 s report: a call stays under 9 min
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT/logs"
+TMP=$(mktemp -d)
 t0=$(date +%s)
 
 case "$PART" in
@@ -51,21 +55,22 @@ lane() {  # lane GPU OTHER_CMD CMD...: one scenario on one GPU, its output in $O
   grep -v "Warning\|return func\|warnings.warn" "$log" | tail -n 25
 }
 
-lane 0 "$B" $A > "$OUT/logs/lane0.txt" 2>&1 &
+lane 0 "$B" $A > "$TMP/lane0.txt" 2>&1 &
 p0=$!
-lane 1 "$A" $B > "$OUT/logs/lane1.txt" 2>&1 &
+lane 1 "$A" $B > "$TMP/lane1.txt" 2>&1 &
 p1=$!
 wait $p0; wait $p1
-cat "$OUT/logs/lane0.txt" "$OUT/logs/lane1.txt"
+cat "$TMP/lane0.txt" "$TMP/lane1.txt"
 
 echo "== report after $(( $(date +%s) - t0 )) s"
 # the report renders every result under $OUT (tiny ones too on a dry run)
 if [ -n "$X" ]; then
-  python -c "import sys; from bench import report; open(sys.argv[1] + '/benchmarks.md', 'w').write(
-report.render_all(sys.argv[1], include_tiny=True, img_dir=sys.argv[1] + '/img'))" "$OUT"
+  python -c "import sys; from bench import report; open(sys.argv[2] + '/benchmarks.md', 'w').write(
+report.render_all(sys.argv[1], include_tiny=True, img_dir=sys.argv[2] + '/img'))" "$OUT" "$TMP"
 else
-  python -m bench report --results "$OUT" --out "$OUT/benchmarks.md"
+  python -m bench report --results "$OUT" --out "$TMP/benchmarks.md"
 fi
-grep -n "MISSED\|met\b\|FAILED" "$OUT/benchmarks.md" | head -30
-ls -la "$OUT" "$OUT/img" 2>/dev/null
+grep -n "MISSED\|met\b\|FAILED" "$TMP/benchmarks.md" | head -30
+ls -la "$OUT" "$OUT/logs" 2>/dev/null
+rm -rf "$TMP"
 echo "== done after $(( $(date +%s) - t0 )) s"
