@@ -79,16 +79,8 @@ def run_one(method, rate, args, device, work, launcher) -> dict:
             launcher.kill(pid)
         shutil.rmtree(d, ignore_errors=True)
     evs = log.events
-    # recovery: kill -> first step completed by the next worker
-    rec, lost = [], 0
-    for k in kills:
-        nxt = [e for e in evs if e["ev"] == "step" and e["t"] > k["t"]]
-        restored = [e for e in evs if e["ev"] == "restored" and e["t"] > k["t"]]
-        if nxt:
-            rec.append(nxt[0]["t"] - k["t"])
-        if restored:
-            lost += max(0, k["after_step"] - restored[0]["step"])
     steps = [e for e in evs if e["ev"] == "step"]
+    rec, lost = recovery_and_recomputed(steps, [k["t"] for k in kills])
     losses = {}
     for e in steps:
         losses[e["step"]] = e["loss"]  # the last run of each step counts
@@ -98,7 +90,22 @@ def run_one(method, rate, args, device, work, launcher) -> dict:
             "checkpoints": sum(1 for e in evs if e["ev"] == "saved"),
             "step_dts": [e["dt"] for e in steps], "steps_run": len(steps),
             "progress": [(round(e["t"] - t0, 4), e["step"]) for e in steps],
+            "kills_s": [round(k["t"] - t0, 4) for k in kills],
             "loss": [losses[s] for s in sorted(losses)]}
+
+
+def recovery_and_recomputed(steps: list[dict], kills: list[float]) -> tuple[list[float], int]:
+    """Per kill, the time to the next step completed, or to the next kill if that comes
+    first (a kill during recovery): the intervals never overlap, so they add up to time
+    lost.  Recomputed steps = step numbers run more than once (work redone after an older
+    state was restored)."""
+    rec = []
+    for i, k in enumerate(kills):
+        until = kills[i + 1] if i + 1 < len(kills) else float("inf")
+        nxt = next((e["t"] for e in steps if e["t"] > k), float("inf"))
+        if min(nxt, until) < float("inf"):
+            rec.append(min(nxt, until) - k)
+    return rec, len(steps) - len({e["step"] for e in steps})
 
 
 def summarise(rows: list[dict], steps: int) -> list[dict]:

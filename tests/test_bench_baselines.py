@@ -180,3 +180,12 @@ def test_goodput_accounting():
     for r in rows:  # the parts add up to the waste
         parts = r["ckpt_blocking_s"] + r["recovery_s"] + r["recompute_s"] + r["slower_steps_s"] + r["other_s"]
         assert abs(parts - r["wasted_s"]) < 1e-9
+
+
+def test_recovery_intervals_do_not_overlap_when_a_kill_lands_during_recovery():
+    from bench.e2e_faults import recovery_and_recomputed
+    steps = [{"t": t, "step": n} for t, n in [(1, 1), (2, 2), (3, 3), (9, 2), (10, 3), (11, 4)]]
+    rec, recomputed = recovery_and_recomputed(steps, [3.5, 6.0])   # the 2nd kill before any step
+    assert rec == [2.5, 3.0]                    # 3.5 -> 6.0 (killed again), 6.0 -> 9.0 (next step)
+    assert recomputed == 2                      # steps 2 and 3 ran twice
+    assert recovery_and_recomputed(steps, []) == ([], 2)

@@ -5,7 +5,9 @@ cache warm) and copies the KV cache back, then resumes every request without pre
 
 The per-step copy is incremental: only the token slots written since the last commit,
 gathered on the GPU for all layers at once, one transfer into a reused pinned staging
-buffer, then scattered into the mirror.  On restart the mirror is copied back layer by
+buffer, then scattered into the mirror with numpy fancy assignment on a byte view (torch's
+CPU ``index_copy_``/``index_put_`` into a 268 MB mirror took ~7 ms per layer for 64 slots,
+numpy ~16 us: with torch the baseline ran ~10x below its real throughput on the H200).  On restart the mirror is copied back layer by
 layer before the first step (the engine cannot run before its KV is in place).
 """
 from __future__ import annotations
@@ -23,13 +25,15 @@ class KVMemoryAnchor(ReplayAnchor):
 
     def _kv(self, specs, tensors) -> dict[str, str]:
         cuda = torch.device(self.device).type == "cuda"
-        self.host, self.dev = [], []
+        self.host, self.host_rows, self.dev = [], [], []
         t0 = time.perf_counter()
         for n, shape, dt in specs:
             path = os.path.join(self.state_dir, f"{n}.bin")
             nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
             h = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(dt).view(shape)
             self.host.append(h)
+            # (2, slots, bytes per slot) bytes: the scatter target, one row per token slot
+            self.host_rows.append(h.view(2, -1, h.shape[-2] * h.shape[-1]).view(torch.uint8).numpy())
             self.dev.append(tensors[n])
         if self.restart:
             for d, h in zip(self.dev, self.host):
@@ -70,6 +74,8 @@ class KVMemoryAnchor(ReplayAnchor):
             self._staging_n = self._staging.numel()
         st = self._staging[:n].view(g.shape)
         st.copy_(g)                                                    # one device-to-host transfer
-        for layer, h in enumerate(self.host):
-            h.view(2, nb * bsz, hkv, hd).index_copy_(1, idx, st[layer])
+        rows = st.view(g.shape[0], 2, len(slots), hkv * hd).view(torch.uint8).numpy()
+        ix = idx.numpy()
+        for layer, h in enumerate(self.host_rows):
+            h[:, ix] = rows[layer]
         self.copied_slots = getattr(self, "copied_slots", 0) + len(slots)
