@@ -42,14 +42,17 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=2048)
 
 
-def config(name: str, tiny: bool = False):
-    """A ``transformers`` config for shape ``name`` (``tiny``: same architecture, toy sizes)."""
+def config(name: str, tiny: bool = False, layers: int | None = None):
+    """A ``transformers`` config for shape ``name`` (``tiny``: same architecture, toy sizes;
+    ``layers``: that many decoder layers, every other dimension unchanged)."""
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
     from transformers import AutoConfig
     kw = dict(SHAPES[name])
     if tiny:
         kw.update(_TINY)
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
     kind = kw.pop("model_type")
     cfg = AutoConfig.for_model(kind, **kw)
     cfg._attn_implementation = "sdpa"
@@ -67,7 +70,8 @@ def _no_init():
         yield
 
 
-def build(name: str, device: str, dtype=None, tiny: bool = False, init: bool = True, seed: int = 0):
+def build(name: str, device: str, dtype=None, tiny: bool = False, init: bool = True, seed: int = 0,
+          layers: int | None = None):
     """A causal LM of shape ``name`` on ``device`` (default dtype bf16).
 
     ``init=False`` allocates without running initialisation kernels: use it when a
@@ -77,7 +81,7 @@ def build(name: str, device: str, dtype=None, tiny: bool = False, init: bool = T
     import torch
     from transformers import AutoModelForCausalLM
     dtype = dtype or torch.bfloat16
-    cfg = config(name, tiny)
+    cfg = config(name, tiny, layers)
     torch.manual_seed(seed)
     ctx = contextlib.nullcontext() if init else _no_init()
     with ctx, torch.device(device):

@@ -109,6 +109,11 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
                       "restored": by["engine"]["restored"], "weights_s": tm.get("weights_load_s", tm.get("bind_s")),
                       "kv_back_s": tm.get("kv_copy_back_s", 0.0), "cuda_init_s": tm.get("cuda_init_s"),
                       "weights_loaded": by["engine"]["weights_loaded"], "notes": by["engine"]["notes"]}
+                # the steps between the engine's start and "resumed": what the resume time is made of
+                ph["resume_steps"] = [{"t": round(e["t"] - by["engine"]["t"], 4), "dt": e.get("dt"),
+                                       "graph": e.get("graph"), "tokens": e["n"], "admitted": len(e["adm"])}
+                                      for e in log.events if e["ev"] == "step" and e["pid"] == pid
+                                      and e["t"] <= by["resumed"]["t"]]
                 if method == "gpu_anchor" and ph["weights_loaded"]:
                     raise RuntimeError(f"gpu-anchor's restarted engine reloaded its weights: {ph}")
                 trials[mode].append(ph)

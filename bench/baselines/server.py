@@ -9,8 +9,8 @@ ShareGPT-like workload at a fixed concurrency.  ``gpu_anchor``: the engine as sh
 same engine with the memory provider swapped (``replay.ReplayAnchor`` /
 ``kv_memory.KVMemoryAnchor``): plain allocations, metadata in a tmpfs journal.
 Events (JSON lines, wall-clock ``t``): ``process``, ``imported``, ``engine`` (timings,
-restored requests), ``step`` (tokens, finished and admitted request indices; emitted
-after the step's commit), ``resumed`` (every restored request produced a token), ``done``.
+restored requests), ``step`` (tokens, finished and admitted request indices, the
+step's duration ``dt`` and whether it replayed a CUDA graph; emitted after the step's commit), ``resumed`` (every restored request produced a token), ``done``.
 """
 from __future__ import annotations
 
@@ -128,10 +128,13 @@ def main(argv=None) -> int:
                 adm.append(i)
         if not eng.has_work():
             break
+        t_step, graphs = time.perf_counter(), eng.step_counts["graph"]
         events = eng.step()
+        dt, graph = time.perf_counter() - t_step, eng.step_counts["graph"] > graphs
         got = {e[0] for e in events}
         fin = [int(e[0][1:]) for e in events if e[3]]
         ev("step", n=sum(len(e[2]) for e in events), fin=fin, adm=adm, adm_t=adm_t, live=len(eng.scheduler.seqs),
+           dt=round(dt, 5), graph=graph,
            **({"toks": [[e[0], e[1], list(e[2])] for e in events]} if args.record_tokens else {}))
         if pending:
             pending -= got
