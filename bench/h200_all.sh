@@ -3,10 +3,12 @@
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_all.sh 1   # persist_blocking (1B, 1.7B, 3B) | recovery_serve (8B)
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_all.sh 2   # e2e_faults (1B)               | e2e_serve (8B)
 #   BENCH_EXTRA=--tiny OUT=/tmp/x bash bench/h200_all.sh 1   # CPU dry run (smoke sizes, *_tiny.json)
+#   LANE_A="first_step ; restart_latency --size 1b" LANE_B="e2e_serve" bash bench/h200_all.sh x  # any scenarios:
+#     a lane runs its ';'-separated scenarios in turn, each within what is left of LANE_S
 # Each call runs two independent scenarios at once, one per GPU (CUDA_VISIBLE_DEVICES=0 and 1;
 # every scenario sees its GPU as cuda:0).  Each lane has its own time limit (LANE_S) and writes
 # its JSON under $OUT after every method, so a lane that runs over keeps what it measured and
-# the other lane is unaffected.  Then the report is rendered (on the device) for its verdict lines.
+# the other lane is unaffected.  Each lane appends its scenarios' output to $OUT/logs/laneN.log.  Then the report is rendered (on the device) for its verdict lines.
 # Results that shared the host with the other lane say so (GPU_ANCHOR_BENCH_CONCURRENT).
 # The device tool brings back at most 8 files: $OUT gets the result JSONs and one log per
 # scenario; the rendered report and plots stay on the device (render them here from the JSONs
@@ -35,10 +37,11 @@ case "$PART" in
      B="recovery_serve --models qwen3-8b --repeat 2 --methods gpu_anchor,kv_memory,replay" ;;
   2) A="e2e_faults --steps 120 --ckpt-every 40 --rates 0.02 --methods gpu_anchor,inmemory,checkfreq,torch_save"
      B="e2e_serve --requests 400 --rates 0.05" ;;
-  *) echo "usage: OUT=DIR PYTHONPATH=. bash bench/h200_all.sh 1|2" >&2; exit 2 ;;
+  *) [ -n "${LANE_A:-}" ] && [ -n "${LANE_B:-}" ] || { echo "usage: OUT=DIR PYTHONPATH=. bash bench/h200_all.sh 1|2 (or LANE_A=... LANE_B=... and any other word)" >&2; exit 2; }
+     A=$LANE_A; B=$LANE_B ;;
 esac
 A=${LANE_A:-$A}; B=${LANE_B:-$B}   # a budget-cut call names its own scenarios
-A=$(echo $A); B=$(echo $B)   # one line each (they are recorded in the results)
+A=$(echo $A); B=$(echo $B)   # one line each (they are recorded in the results); ';' separates scenarios
 
 echo "== machine (call $PART)"
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null \
@@ -46,18 +49,27 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --form
 df -h /dev/shm /tmp | tail -n +2; free -g | head -2
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
-lane() {  # lane GPU OTHER_CMD CMD...: one scenario on one GPU, its output in $OUT/logs/<scenario>.log
-  local gpu=$1 other=$2; shift 2
-  local log="$OUT/logs/$1.log"
-  CUDA_VISIBLE_DEVICES=$gpu GPU_ANCHOR_BENCH_CONCURRENT="python -m bench $other" \
-    timeout -k 20 "$LANE_S" python -m bench "$@" --out "$OUT" $X > "$log" 2>&1
-  echo "== $1 on GPU $gpu: rc=$? after $(( $(date +%s) - t0 )) s"
-  grep -v "Warning\|return func\|warnings.warn" "$log" | tail -n 25
+lane() {  # lane GPU OTHER "SCENARIO ARGS ; SCENARIO ARGS ...": scenarios in turn on one GPU, within LANE_S
+  local gpu=$1 other=$2 cmds=$3 end=$(( $(date +%s) + LANE_S )) cmd left log
+  while [ -n "$cmds" ]; do
+    cmd=${cmds%%;*}; [ "$cmd" = "$cmds" ] && cmds="" || cmds=${cmds#*;}
+    set -- $cmd; [ $# -eq 0 ] && continue
+    left=$(( end - $(date +%s) ))
+    [ "$left" -le 5 ] && { echo "== $1 on GPU $gpu: not started, lane time used up"; continue; }
+    log="$OUT/logs/lane$gpu.log"   # one log per lane (the device tool returns at most 8 files)
+    echo "===== python -m bench $cmd" >> "$log"
+    case " $cmd " in *" --out "*) ;; *) set -- "$@" --out "$OUT" ;; esac   # a scenario may name its own file
+    CUDA_VISIBLE_DEVICES=$gpu GPU_ANCHOR_BENCH_CONCURRENT="python -m bench $other" \
+      timeout -k 20 "$left" python -m bench "$@" $X > "$log.part" 2>&1
+    echo "== $1 on GPU $gpu: rc=$? after $(( $(date +%s) - t0 )) s"
+    grep -v "Warning\|return func\|warnings.warn\|self.rotary" "$log.part" | tail -n 25
+    cat "$log.part" >> "$log"; rm -f "$log.part"
+  done
 }
 
-lane 0 "$B" $A > "$TMP/lane0.txt" 2>&1 &
+lane 0 "$B" "$A" > "$TMP/lane0.txt" 2>&1 &
 p0=$!
-lane 1 "$A" $B > "$TMP/lane1.txt" 2>&1 &
+lane 1 "$A" "$B" > "$TMP/lane1.txt" 2>&1 &
 p1=$!
 wait $p0; wait $p1
 cat "$TMP/lane0.txt" "$TMP/lane1.txt"

@@ -150,7 +150,7 @@ def run_mode(mode: str, a, sock_dir: str) -> dict:
     cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--namespace", ns, "--device-type", a.device,
            "--chaos-kills", str(a.kills), "--chaos-kill-every", str(a.kill_every), "--chaos-seed", "0",
            "--max-restarts", str(a.kills), "--preload", "torch,transformers.models.llama.modeling_llama",
-           *(["--cold"] if mode == "cold" else []),
+           *(["--cold"] if mode == "cold" else []), *(["--warm-pool"] if a.warm_pool and mode == "warm" else []),
            "--", sys.executable, os.path.abspath(__file__), "--worker", "--size", a.size,
            "--kills", str(a.kills)]
     env = {**os.environ, "GPU_ANCHOR_SOCKET_DIR": sock_dir, "PYTHONPATH": ROOT + os.pathsep
@@ -181,11 +181,14 @@ def main(argv=None) -> int:
     p.add_argument("--kill-every", type=float, default=2.0, help="mean seconds after a recovery's first step")
     p.add_argument("--modes", default="warm,cold")
     p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--warm-pool", action="store_true",
+                   help="warm mode with `gpu-anchor run --warm-pool` (a standby per rank, CUDA context ready); "
+                        "the result is restart_latency_warm_pool")
     p.add_argument("--out", help="results directory (default bench/results), or a FILE.json")
     a = p.parse_args(argv)
     if a.tiny:
         a.size, a.device, a.kills, a.kill_every = "tiny", "cpu", 1, min(a.kill_every, 0.3)
-    result = {"size": a.size, "device": a.device, "model": SIZES[a.size],
+    result = {"size": a.size, "device": a.device, "model": SIZES[a.size], "warm_pool": a.warm_pool,
               "kills": a.kills, "modes": {}}
     from gpu_anchor.daemon import control
     with tempfile.TemporaryDirectory(prefix="ga-restart-") as d:
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
     if ROOT not in sys.path:  # run as a script: bench/ is a package under ROOT
         sys.path.insert(0, ROOT)
     from bench.common import write_result
-    name = "restart_latency" + ("_tiny" if a.size == "tiny" else "")
+    name = "restart_latency" + ("_warm_pool" if a.warm_pool else "") + ("_tiny" if a.size == "tiny" else "")
     to_file = a.out if a.out and a.out.endswith(".json") else None
     path = write_result(name, result, os.path.dirname(os.path.abspath(to_file)) if to_file else a.out)
     if to_file and os.path.abspath(path) != os.path.abspath(to_file):
@@ -217,7 +220,8 @@ def main(argv=None) -> int:
 
 # ---------------------------------------------------------------------------- report
 def title(r: dict) -> str:
-    return f"Restart latency under `gpu-anchor run`, warm vs cold ({r.get('size', '?')} model, {r.get('device', '?')})"
+    how = "warm standby (`--warm-pool`)" if r.get("warm_pool") else "warm (fork server) vs cold"
+    return f"Restart latency under `gpu-anchor run`, {how} ({r.get('size', '?')} model, {r.get('device', '?')})"
 
 
 def render(r: dict) -> str:
