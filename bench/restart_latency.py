@@ -130,6 +130,26 @@ def worker(argv) -> int:
     return 0
 
 
+def prewarm(device: str, size: str | None = None) -> None:
+    """The standby's pre-warm (``gpu-anchor run --prewarm bench.restart_latency:prewarm``):
+    one training step of a 1-layer copy of the worker's model, same widths, batch and
+    sequence, on its own scratch weights; then its memory goes back to the driver."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = dict(SIZES[size or os.environ.get("BENCH_RESTART_SIZE", "tiny")], num_hidden_layers=1)
+    seq, batch = cfg.pop("seq"), cfg.pop("batch")
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    del model, opt, ids
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- driver
 def _breakdown(rec: dict) -> dict | None:
     marks = rec.get("marks", {}).get("0")
@@ -151,9 +171,10 @@ def run_mode(mode: str, a, sock_dir: str) -> dict:
            "--chaos-kills", str(a.kills), "--chaos-kill-every", str(a.kill_every), "--chaos-seed", "0",
            "--max-restarts", str(a.kills), "--preload", "torch,transformers.models.llama.modeling_llama",
            *(["--cold"] if mode == "cold" else []), *(["--warm-pool"] if a.warm_pool and mode == "warm" else []),
+           *(["--prewarm", "bench.restart_latency:prewarm"] if a.prewarm and mode == "warm" else []),
            "--", sys.executable, os.path.abspath(__file__), "--worker", "--size", a.size,
            "--kills", str(a.kills)]
-    env = {**os.environ, "GPU_ANCHOR_SOCKET_DIR": sock_dir, "PYTHONPATH": ROOT + os.pathsep
+    env = {**os.environ, "GPU_ANCHOR_SOCKET_DIR": sock_dir, "BENCH_RESTART_SIZE": a.size, "PYTHONPATH": ROOT + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -184,11 +205,16 @@ def main(argv=None) -> int:
     p.add_argument("--warm-pool", action="store_true",
                    help="warm mode with `gpu-anchor run --warm-pool` (a standby per rank, CUDA context ready); "
                         "the result is restart_latency_warm_pool")
+    p.add_argument("--prewarm", action="store_true",
+                   help="--warm-pool, and each standby runs one step of a 1-layer copy of the model first "
+                        "(`--prewarm bench.restart_latency:prewarm`); the result is restart_latency_prewarm")
     p.add_argument("--out", help="results directory (default bench/results), or a FILE.json")
     a = p.parse_args(argv)
+    a.warm_pool |= a.prewarm
     if a.tiny:
         a.size, a.device, a.kills, a.kill_every = "tiny", "cpu", 1, min(a.kill_every, 0.3)
     result = {"size": a.size, "device": a.device, "model": SIZES[a.size], "warm_pool": a.warm_pool,
+              "prewarm": a.prewarm,
               "kills": a.kills, "modes": {}}
     from gpu_anchor.daemon import control
     with tempfile.TemporaryDirectory(prefix="ga-restart-") as d:
@@ -208,7 +234,8 @@ def main(argv=None) -> int:
     if ROOT not in sys.path:  # run as a script: bench/ is a package under ROOT
         sys.path.insert(0, ROOT)
     from bench.common import write_result
-    name = "restart_latency" + ("_warm_pool" if a.warm_pool else "") + ("_tiny" if a.size == "tiny" else "")
+    name = "restart_latency" + ("_prewarm" if a.prewarm else "_warm_pool" if a.warm_pool else "") \
+        + ("_tiny" if a.size == "tiny" else "")
     to_file = a.out if a.out and a.out.endswith(".json") else None
     path = write_result(name, result, os.path.dirname(os.path.abspath(to_file)) if to_file else a.out)
     if to_file and os.path.abspath(path) != os.path.abspath(to_file):
@@ -220,7 +247,8 @@ def main(argv=None) -> int:
 
 # ---------------------------------------------------------------------------- report
 def title(r: dict) -> str:
-    how = "warm standby (`--warm-pool`)" if r.get("warm_pool") else "warm (fork server) vs cold"
+    how = ("warm standby with a pre-warm step (`--prewarm`)" if r.get("prewarm") else
+           "warm standby (`--warm-pool`)" if r.get("warm_pool") else "warm (fork server) vs cold")
     return f"Restart latency under `gpu-anchor run`, {how} ({r.get('size', '?')} model, {r.get('device', '?')})"
 
 

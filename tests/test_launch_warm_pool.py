@@ -110,3 +110,43 @@ def test_run_warm_pool_standby_takes_over_after_worker_kills(reference, clean_da
     # a kill sooner than STANDBY_AFTER_S after the last take-over finds no standby: a fork
     hows = [r["how"] for r in rs]
     assert "warm standby" in hows and set(hows) <= {"warm standby", "warm (forked)"}, rs
+
+
+PREWARM_MODULE = '''
+import os, time
+def mark(device):
+    with open(os.environ["PREWARM_MARKS"], "a") as f:
+        f.write(f"{os.getpid()} {device} {time.time()}\\n")
+'''
+
+
+def test_run_prewarm_runs_in_each_standby_before_it_takes_over(reference, clean_daemons, tmp_path):
+    """``gpu-anchor run --prewarm MOD:FN`` (implies --warm-pool): every standby calls FN(device)
+    before it is ready; a standby that took over had run it; the run stays bit-identical."""
+    import torch
+    (tmp_path / "prewarm_probe.py").write_text(PREWARM_MODULE)
+    marks = tmp_path / "marks.txt"
+    run(str(tmp_path), ["--prewarm", "prewarm_probe:mark", "--chaos-kills", "2", "--chaos-kill-every", "1.5",
+                        "--chaos-seed", "4", "--max-restarts", "3"], ["--out", "r.pt", "--step-sleep", "0.05"],
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)
+             + os.pathsep + os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             "PREWARM_MARKS": str(marks)})
+    assert torch.equal(result(tmp_path / "r.pt"), reference[1])
+    rs = job(clean_daemons)["restarts"]
+    assert "warm standby" in [r["how"] for r in rs], rs
+    lines = marks.read_text().split()
+    assert len(lines) >= 3 and lines[1] == "cpu", lines    # pid, the device it was given, time
+
+
+def test_prewarm_spec_is_checked_before_anything_starts(tmp_path):
+    from gpu_anchor.launch.warm_pool import check_prewarm_spec
+    assert check_prewarm_spec("pkg.mod:fn") == "pkg.mod:fn"
+    for bad in ("mod", "mod:", ":fn", "mod:fn-x"):
+        try:
+            check_prewarm_spec(bad)
+        except ValueError as e:
+            assert "MODULE:FUNCTION" in str(e) and repr(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+    p = run(str(tmp_path), ["--prewarm", "nocolon"], check=False)
+    assert p.returncode == 2 and "MODULE:FUNCTION" in p.stderr

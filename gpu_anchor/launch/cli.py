@@ -37,6 +37,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--warm-pool", action="store_true", default=None,
                    help="keep a standby worker per rank (CUDA context created, kernels warmed) that takes over "
                         "after a failure instead of a fork + CUDA init (env GPU_ANCHOR_WARM_POOL=1)")
+    r.add_argument("--prewarm", metavar="MODULE:FUNCTION",
+                   help="with --warm-pool (implied): each standby calls FUNCTION(device) after its CUDA init, "
+                        "on scratch tensors only, e.g. one step of a 1-layer copy of the model, so the first step "
+                        "after a failure finds its kernels loaded")
     r.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
                    help="comma-separated modules the warm-worker server imports (e.g. torch,transformers,mymodel)")
     r.add_argument("--keep-daemons", action="store_true", help="leave daemons and anchored state after success")
@@ -63,11 +67,19 @@ def cmd_run(args) -> int:
     if not command:
         print("gpu-anchor run: give the command to run after --", file=sys.stderr)
         return 2
+    if args.prewarm:
+        from .warm_pool import check_prewarm_spec
+        try:
+            check_prewarm_spec(args.prewarm)
+        except ValueError as e:
+            print(f"gpu-anchor run: {e}", file=sys.stderr)
+            return 2
     cfg = RunConfig(command=command, nproc=args.nproc, namespace=args.namespace, max_restarts=args.max_restarts,
                     backoff=args.backoff, crash_loop=args.crash_loop, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
                     checkpoint_mode=args.checkpoint_mode, restore_mode=args.restore_mode,
-                    **({"warm_pool": True} if args.warm_pool else {}),
+                    **({"warm_pool": True} if args.warm_pool or args.prewarm else {}),
+                    prewarm=args.prewarm,
                     device_type=args.device_type, warm=args.warm,
                     preload=[m for m in args.preload.split(",") if m], keep_daemons=args.keep_daemons,
                     resume=args.resume, chaos_kills=args.chaos_kills, chaos_every=args.chaos_every,

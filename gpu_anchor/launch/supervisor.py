@@ -213,7 +213,7 @@ class Supervisor:
         if self.py and self.cfg.warm:
             from .zygote import start_server
             self.zygote = start_server(self.py[0], self.cfg.preload, self.log,
-                                       standby=self.cfg.nproc if self.cfg.warm_pool else 0)
+                                       standby=self.cfg.nproc if self.cfg.warm_pool else 0, prewarm=self.cfg.prewarm)
 
     def _collect_exits(self) -> None:
         now = time.time()

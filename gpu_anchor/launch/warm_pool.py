@@ -6,8 +6,8 @@
     sb = Standby(...)                    # and a new standby is made (later, off the critical path)
 
 The child runs ``prepare`` right after the fork (create the CUDA context, warm cuBLAS on
-scratch tensors — never anchored state, which belongs to the active worker), reports
-ready, then blocks on a pipe.  ``go(msg)`` sends ``msg`` (a JSON object: what is only
+scratch tensors — never anchored state, which belongs to the active worker; plus the
+user's own pre-warm function, ``run_prewarm``), reports ready, then blocks on a pipe.  ``go(msg)`` sends ``msg`` (a JSON object: what is only
 known at take-over, e.g. placement, fault plan, start time) and the child calls
 ``run(msg)``, then exits with 0 (1 if it raised).  If the parent dies, the pipe closes
 and the standby exits (and ``PR_SET_PDEATHSIG`` kills it).  The fork must happen in a
@@ -18,6 +18,7 @@ death is seen the moment it is reaped, not at the next poll.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -118,6 +119,34 @@ def warm_cuda(device: str, dtype=None) -> dict:
     (a @ a).float().softmax(-1).argmax(-1).cpu()
     torch.cuda.synchronize(dev)
     return {"cuda_init_s": t1 - t0, "kernel_warm_s": time.perf_counter() - t1, "device": device}
+
+
+PREWARM_ENV = "GPU_ANCHOR_PREWARM"
+
+
+def check_prewarm_spec(spec: str) -> str:
+    """``spec`` if it names a function as ``module:function``, else ValueError saying so."""
+    mod, sep, fn = spec.partition(":")
+    if not (mod and sep and fn.isidentifier()):
+        raise ValueError(f"--prewarm wants MODULE:FUNCTION (e.g. mytrain:prewarm), not {spec!r}")
+    return spec
+
+
+def run_prewarm(spec: str, device: str) -> dict:
+    """Call the user's pre-warm function ``module:function`` with the standby's device.
+
+    Contract for that function: it runs in the standby before any failure, while the
+    active worker is training, so it must touch scratch tensors only — never connect to
+    gpu-anchor or bind anchored state, never write files the job reads.  What it is for:
+    one step of a small model with the job's shapes (a 1-layer copy of the model, the
+    job's batch and sequence length) loads every kernel and cuBLAS heuristic the first
+    real step needs; on the H200 that cut a 1B model's first step after a restart from
+    0.62 s to 0.14 s (``bench/first_step.py``).  Free what it allocated
+    (``torch.cuda.empty_cache()``) if the GPU is tight: the kernels stay loaded."""
+    mod, _, fn = check_prewarm_spec(spec).partition(":")
+    t0 = time.perf_counter()
+    getattr(importlib.import_module(mod), fn)(device)
+    return {"prewarm_s": time.perf_counter() - t0, "prewarm": spec}
 
 
 def wait_exit(pid: int, timeout: float) -> tuple[int, int] | None:

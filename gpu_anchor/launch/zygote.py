@@ -146,10 +146,15 @@ class _Pool:
 
 def _prepare_rank(rank: int) -> dict:
     import torch
-    from .warm_pool import warm_cuda
+    from .warm_pool import PREWARM_ENV, run_prewarm, warm_cuda
+    info, device = {}, "cpu"
     if torch.cuda.is_available() and rank < torch.cuda.device_count():
-        return warm_cuda(f"cuda:{rank}")
-    return {}
+        device = f"cuda:{rank}"
+        info = warm_cuda(device)
+    spec = os.environ.get(PREWARM_ENV)
+    if spec:  # a failure here fails the standby: the pool forks as usual, the log has the traceback
+        info.update(run_prewarm(spec, device))
+    return info
 
 
 def serve(fd: int, preload: list[str], standby: int = 0) -> None:
@@ -315,9 +320,15 @@ class Zygote:
             self.proc.kill()
 
 
-def start_server(python: str, preload: list[str], log, standby: int = 0) -> "Zygote | None":
-    """A ready warm-worker server, or None (logged why) when the warm path is unusable."""
+def start_server(python: str, preload: list[str], log, standby: int = 0,
+                 prewarm: str | None = None) -> "Zygote | None":
+    """A ready warm-worker server, or None (logged why) when the warm path is unusable.
+    ``prewarm``: ``module:function`` each standby calls after its CUDA init (``warm_pool.run_prewarm``)."""
+    from .warm_pool import PREWARM_ENV
     env = dict(os.environ)
+    env.pop(PREWARM_ENV, None)
+    if prewarm and standby:
+        env[PREWARM_ENV] = prewarm
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
