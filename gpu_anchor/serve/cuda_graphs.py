@@ -55,6 +55,10 @@ class DecodeGraphs:
         self.bt = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
         self._graphs: dict[int, tuple[list, torch.Tensor]] = {}   # bs -> (graphs, static output h)
         self._pool = None
+        # torch.cuda.graph's default capture stream is one per process, made on whichever
+        # device was current at the first capture: an engine moved to another GPU in the
+        # same process (migration) would capture on the old GPU's stream (an empty graph)
+        self._capture_stream = torch.cuda.Stream(self.device) if capture else None
         self.stats = {"graphs": 0, "capture_s": 0.0, "pool_bytes": 0,
                       "static_bytes": sum(t.numel() * t.element_size() for t in
                                           (self.ids, self.pos, self.slots, self.tseq, self.bt)),
@@ -111,7 +115,7 @@ class DecodeGraphs:
         state = {}
         for lo, hi in segs:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
                 if lo == 0:
                     state["h"], state["cos"], state["sin"] = m.embed(self.ids[:bs], self.pos[:bs])
                 state["h"] = m.layers(state["h"], state["cos"], state["sin"], meta, lo, hi)
