@@ -248,7 +248,8 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------- report
 def title(r: dict) -> str:
     how = ("warm standby with a pre-warm step (`--prewarm`)" if r.get("prewarm") else
-           "warm standby (`--warm-pool`)" if r.get("warm_pool") else "warm (fork server) vs cold")
+           "warm standby (`--warm-pool`)" if r.get("warm_pool") else
+           "warm (fork server) vs cold" if "cold" in r.get("modes", {}) else "warm (fork server)")
     return f"Restart latency under `gpu-anchor run`, {how} ({r.get('size', '?')} model, {r.get('device', '?')})"
 
 
