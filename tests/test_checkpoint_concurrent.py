@@ -193,3 +193,44 @@ def test_undeclared_write_invalidates_and_retakes(host_daemon, tmp_path):
     got, _ = read_ckpt(str(tmp_path / "ok"), retaken.step)
     assert_same(got, ref[retaken.step])
     assert val.misses and val.misses[0]["ops"] == ["gpu_anchor_test.shrink.default"]
+
+
+def test_cow_copies_each_ops_write_set_as_one_group(host_daemon, tmp_path):
+    """Foreground copy-on-write of an op's whole not-yet-copied write set in one grouped copy
+    ends bit-identical to a stop-the-world checkpoint of the same step."""
+    ref = reference("ref", layers=6)
+    client = gpu_anchor.connect("cpu", namespace="stw")
+    job = Job(client, layers=6)
+    stw = ConcurrentCheckpointer([client], str(tmp_path / "stw"), WriteSetTracker())
+    for s in range(1, 4):
+        job.step(s)
+        job.commit(s)
+    stw.stop_the_world(3)
+
+    client = gpu_anchor.connect("cpu", namespace="job")
+    job, tracker = Job(client, layers=6), WriteSetTracker()
+    ck = ConcurrentCheckpointer([client], str(tmp_path / "cc"), tracker, policy="cow", throttle_s=0.05)
+    groups = []
+    real = ck._move_many
+
+    def counting(keys, fg):
+        groups.append(list(keys))
+        real(keys, fg)
+    ck._move_many = counting  # the queue takes the bound method at start
+    for s in range(1, 4):
+        job.step(s)
+        job.commit(s)
+    ck.start(3)
+    for s in range(4, 7):
+        job.step(s)
+        job.commit(s)
+    res = ck.finish()
+    ck.close()
+    assert res.valid and res.policy == "cow"
+    assert max(len(g) for g in groups) > 1, "a foreach op's write set is copied as one group"
+    assert sorted(k for g in groups for k in g) == sorted(res.cow_foreground), "each object once"
+    got, _ = read_ckpt(str(tmp_path / "cc"), 3)
+    base, _ = read_ckpt(str(tmp_path / "stw"), 3)
+    assert_same(got, base)
+    assert_same(got, ref[3])
+

@@ -20,10 +20,12 @@ Two policies (PhoenixOS §4), chosen per checkpoint and reported:
 
 * **soft copy-on-write** (``cow``) — the checkpoint is the state at ``start``.  A
   background copier (a thread; on CUDA a low-priority side stream) moves every
-  object to pinned host staging.  Before an op writes an object not yet copied,
-  that object is copied first, on the op's thread at top priority: on CUDA into a
-  GPU-side buffer when the budget allows (drained to host later), else straight to
-  host.  Invariant: every staged object equals its value at ``start``.
+  object to pinned host staging.  Before an op writes objects not yet copied, they
+  are copied first, on the op's thread at top priority, as one group (the op's whole
+  not-yet-copied write set claimed at once: one ``_foreach_copy_``; on CUDA into one
+  GPU-side buffer with one event when the budget allows, drained to host later, else
+  straight to host with one wait); objects the copier holds are waited for.
+  Invariant: every staged object equals its value at ``start``.
 * **soft recopy** (``recopy``) — copies without ever blocking an op; objects written
   after (or while) their copy started are *dirty*.  The checkpoint is the state at
   the boundary where the background copy is found finished: only the dirty objects
@@ -54,7 +56,7 @@ from gpu_anchor.client import mapping
 from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
 
-from .transfer import CHUNK_BYTES, TransferQueue, chunked_copy
+from .transfer import CHUNK_BYTES, DONE, TransferQueue, chunked_copy
 from .writeset import Recorder, WriteSetTracker
 
 TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
@@ -79,13 +81,28 @@ class CheckpointResult:
     path: str | None = None
 
 
+_ALIGN = 512  # byte alignment of each object inside a group's device buffer (any dtype's view is legal)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _by_dtype(tensors) -> list[list[int]]:
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
 class _Flight:
     def __init__(self, step, policy, reason, entries, staging, journals):
         self.result = CheckpointResult(step=step, policy=policy, reason=reason, started_at=step)
         self.entries = entries          # key -> (client index, object name, live tensor)
         self.staging = staging          # key -> host tensor
         self.journals = journals        # per client: dict
-        self.gpu_buffers: dict[str, tuple] = {}   # key -> (device copy, event after it)
+        # foreground GPU-side copies, one entry per op's group: (keys, device copies, one event after them)
+        self.gpu_groups: list[tuple[list[str], list[torch.Tensor], object]] = []
         self.dirty: set[str] = set()
         self.queue: TransferQueue | None = None
         self.t0 = time.perf_counter()
@@ -183,7 +200,7 @@ class ConcurrentCheckpointer:
             seen = set(first)
             order = first + [k for k in order if k not in seen]
             fl.result.reason += "; copy order: last step's first writes"
-        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s)
+        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
         self.tracker.add_listener(self)
         self.tracker.add_listener(self.recorder)
         if self.manage_mode and not self.tracker.active:
@@ -270,13 +287,16 @@ class ConcurrentCheckpointer:
         if fl is None or not written:
             return
         if fl.result.policy == "cow":
+            q = fl.queue
+            if not q.left:  # everything copied (a hint read without the lock: it only decreases)
+                return
             t0 = time.perf_counter()
-            moved = False
-            for n in written:
-                if fl.queue.state.get(n, "done") != "done":
-                    moved = True
-                    fl.queue.ensure(n)
-            if moved:
+            state = q.state
+            # DONE is final, so a name seen DONE here needs nothing; the rest are settled under
+            # the queue's lock: PENDING ones claimed and copied as one group, MOVING ones waited for
+            need = [n for n in written if state.get(n, DONE) != DONE]
+            if need:
+                q.ensure_many(need)
                 fl.result.stall_s += time.perf_counter() - t0
         else:
             self._mark_dirty(fl, written)
@@ -324,30 +344,75 @@ class ConcurrentCheckpointer:
         return buf
 
     def _move(self, key: str, foreground: bool) -> None:
-        self._copy(key, foreground)
+        if foreground:
+            self._move_many([key], True)
+        else:
+            self._copy(key)
 
-    def _copy(self, key: str, foreground: bool) -> None:
+    def _move_many(self, keys: list[str], foreground: bool) -> None:
+        """Copy several objects as one group (an op's not-yet-copied write set), on the calling
+        thread.  Host objects: one ``_foreach_copy_`` into staging.  CUDA objects, foreground:
+        into ONE device buffer while the budget allows (device-to-device on the op's stream, so
+        ordered before its write; one event for the drain), the rest straight to pinned host
+        staging on the op's stream and one wait."""
+        if not foreground:
+            for k in keys:
+                self._copy(k)
+            return
+        fl = self._flight
+        host, cuda = [], {}
+        for k in keys:
+            src = fl.entries[k][2]
+            if src.is_cuda:
+                cuda.setdefault(src.device, []).append(k)
+            else:
+                host.append(k)
+        with torch.no_grad(), _disable_current_modes():
+            if host:
+                torch._foreach_copy_([fl.staging[k] for k in host], [fl.entries[k][2] for k in host])
+            for dev, ks in cuda.items():
+                self._copy_cuda_group(fl, dev, ks)
+
+    def _copy_cuda_group(self, fl: _Flight, dev, keys: list[str]) -> None:
+        stream = torch.cuda.current_stream(dev)
+        fit, direct, need = [], [], 0
+        for k in keys:
+            src = fl.entries[k][2]
+            nbytes = _aligned(src.numel() * src.element_size())
+            if need + nbytes <= self._gpu_budget:
+                fit.append(k)
+                need += nbytes
+            else:
+                direct.append(k)
+        if fit:
+            self._gpu_budget -= need
+            flat = torch.empty(need, dtype=torch.uint8, device=dev)  # one allocation for the group
+            bufs, off = [], 0
+            for k in fit:
+                src = fl.entries[k][2]
+                n = src.numel() * src.element_size()
+                bufs.append(flat[off:off + n].view(src.dtype).view(src.shape))
+                off += _aligned(n)
+            srcs = [fl.entries[k][2] for k in fit]
+            for idx in _by_dtype(srcs):  # one _foreach_copy_ per dtype: its fast path wants one
+                torch._foreach_copy_([bufs[i] for i in idx], [srcs[i] for i in idx])
+            ev = torch.cuda.Event()
+            ev.record(stream)  # the drain waits for these copies
+            fl.gpu_groups.append((fit, bufs, ev))
+            fl.result.gpu_buffered += len(fit)
+        if direct:  # no GPU memory to spare: to pinned host on the op's stream, then wait once
+            torch._foreach_copy_([fl.staging[k] for k in direct], [fl.entries[k][2] for k in direct],
+                                 non_blocking=True)
+            stream.synchronize()
+
+    def _copy(self, key: str) -> None:
+        """One object, background copier."""
         fl = self._flight
         _, _, src = fl.entries[key]
         dst = fl.staging[key]
         if not src.is_cuda:
             with torch.no_grad(), _disable_current_modes():
                 dst.copy_(src)
-            return
-        nbytes = src.numel() * src.element_size()
-        if foreground:
-            if nbytes <= self._gpu_budget:  # GPU-side copy on the op's stream: ordered before its write
-                self._gpu_budget -= nbytes
-                with _disable_current_modes():
-                    buf = src.clone()
-                    ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(src.device))  # the drain waits for this clone
-                fl.gpu_buffers[key] = (buf, ev)
-                fl.result.gpu_buffered += 1
-                return
-            with _disable_current_modes():
-                dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
-            torch.cuda.current_stream(src.device).synchronize()
             return
         if fl.result.policy == "recopy":
             # an op may have queued a write while this object was PENDING (so it is not dirty):
@@ -432,14 +497,14 @@ class ConcurrentCheckpointer:
 
     def _drain(self, fl: _Flight) -> None:
         """GPU-side copy-on-write buffers → host staging, on the low-priority stream."""
-        if not fl.gpu_buffers:
+        if not fl.gpu_groups:
             return
-        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
-            for k, (buf, ev) in fl.gpu_buffers.items():
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream), torch.no_grad():
+            for keys, bufs, ev in fl.gpu_groups:
                 self._stream.wait_event(ev)
-                fl.staging[k].copy_(buf, non_blocking=True)
+                torch._foreach_copy_([fl.staging[k] for k in keys], bufs, non_blocking=True)
         self._stream.synchronize()
-        fl.gpu_buffers.clear()
+        fl.gpu_groups.clear()
 
     def _start_writer(self, fl: _Flight, touch: list[str]) -> None:
         res = fl.result

@@ -6,10 +6,14 @@ restore (file → device).  Every object is in one state::
     PENDING ──claim (background, in priority order)──▶ MOVING ──▶ DONE
     PENDING ──claim (foreground: an op needs it now)──▶ MOVING ──▶ DONE
 
-Invariant: an object is moved exactly once (per queue); ``ensure(name)``
-returns only when ``name`` is DONE, so the op that asked runs after its move.
-A foreground claim moves the object on the calling thread (top priority); if
-the background mover holds it, the caller waits for that one move only.
+Invariant: an object is moved exactly once (per queue); ``ensure(name)`` and
+``ensure_many(names)`` return only when every name asked for is DONE, so the op
+that asked runs after its moves.  A foreground claim moves the object on the
+calling thread (top priority); if the background mover holds it, the caller
+waits for that one move only.  ``ensure_many`` claims every PENDING name of an
+op's write set under one lock acquisition and moves them with ONE
+``move_many`` call (one grouped copy instead of one per object), then waits
+for the names the background mover held.
 ``prioritize`` puts names at the front of the background order (the chunk the
 training protocol will write next, tensors about to be written).
 """
@@ -40,11 +44,17 @@ def chunked_copy(dst: torch.Tensor, src: torch.Tensor, stream, chunk_bytes: int 
 
 
 class TransferQueue:
-    def __init__(self, names, move, name: str = "gpu-anchor-transfer", throttle_s: float = 0.0) -> None:
-        """``move(name, foreground: bool)`` does one object's transfer, synchronously."""
+    def __init__(self, names, move, name: str = "gpu-anchor-transfer", throttle_s: float = 0.0,
+                 move_many=None) -> None:
+        """``move(name, foreground: bool)`` does one object's transfer, synchronously;
+        ``move_many(names, foreground: bool)`` (optional) does several at once, synchronously
+        as far as the caller's ordering needs (``ensure_many``; default: ``move`` one by one)."""
         self._order: OrderedDict[str, None] = OrderedDict((n, None) for n in names)
         self.state: dict[str, str] = {n: PENDING for n in self._order}
+        # not DONE yet; read without the lock as a hint (it only ever decreases): 0 = all DONE
+        self.left = len(self.state)
         self._move = move
+        self._move_many = move_many or (lambda ns, fg: [move(n, fg) for n in ns])
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._thread_name = name
@@ -73,6 +83,7 @@ class TransferQueue:
                 finally:
                     with self._cv:
                         self.state[name] = DONE
+                        self.left -= 1
                         self.background.append(name)
                         self._cv.notify_all()
                 if self.throttle_s:
@@ -108,13 +119,50 @@ class TransferQueue:
         finally:
             with self._cv:
                 self.state[name] = DONE
+                self.left -= 1
                 self.foreground.append(name)
                 self._cv.notify_all()
         return True
 
+    def ensure_many(self, names) -> list[str]:
+        """Make every one of ``names`` DONE before returning; returns those this call moved.
+
+        The PENDING ones are claimed together (one lock acquisition) and moved with one
+        ``move_many`` call on this thread; then the call waits for those the background
+        mover held (each of those is moved by it, once).  A name claimed here is never
+        moved again; unknown names are ignored."""
+        claimed, held = [], []
+        with self._cv:
+            state = self.state
+            for n in names:
+                st = state.get(n)
+                if st == PENDING:
+                    state[n] = MOVING
+                    self._order.pop(n, None)
+                    claimed.append(n)
+                elif st == MOVING:
+                    held.append(n)  # the background mover's (or a name listed twice: ours, DONE below)
+        if claimed:
+            try:
+                self._move_many(claimed, True)
+            finally:
+                with self._cv:
+                    for n in claimed:
+                        state[n] = DONE
+                    self.left -= len(claimed)
+                    self.foreground.extend(claimed)
+                    self._cv.notify_all()
+        if held:
+            with self._cv:
+                while self.error is None and any(state[n] != DONE for n in held):
+                    self._cv.wait()
+                if self.error is not None:  # as ``ensure``: a failed mover may have left one torn
+                    raise RuntimeError("background transfer failed") from self.error
+        return claimed
+
     def done(self) -> bool:
         with self._cv:
-            return all(s == DONE for s in self.state.values())
+            return self.left == 0
 
     def is_pending(self, name: str) -> bool:
         return self.state.get(name) == PENDING
