@@ -234,3 +234,43 @@ def test_cow_copies_each_ops_write_set_as_one_group(host_daemon, tmp_path):
     assert_same(got, base)
     assert_same(got, ref[3])
 
+
+def test_entry_table_is_reused_and_refreshed_when_objects_change(host_daemon, tmp_path):
+    """start() reuses the enumerated objects while the daemon's table is unchanged (no lookup
+    bind), and sees an added, a replaced (same name, new shape) and a freed object."""
+    client = gpu_anchor.connect("cpu", namespace="job")
+    job, tracker = Job(client), WriteSetTracker()
+    ck = ConcurrentCheckpointer([client], str(tmp_path), tracker, policy="cow", write=False)
+    lookups = []
+    real_bind = client.bind
+    client.bind = lambda specs, policy="match_or_create": (lookups.append(policy), real_bind(specs, policy))[1]
+
+    def checkpoint(step):
+        ck.start(step)
+        ck.finish()
+        return {t["namespace"]: t for t in ck.captured}["job"]["tensors"]
+
+    job.step(1)
+    job.commit(1)
+    first = checkpoint(1)
+    assert lookups == ["lookup"]
+    assert_same(first, job.snapshot())
+    job.step(2)
+    job.commit(2)
+    assert_same(checkpoint(2), job.snapshot())
+    assert lookups == ["lookup"], "an unchanged object table is not looked up again"
+
+    extra = client.tensor("extra", (5,))
+    extra.copy_(torch.arange(5.0))
+    old = job.state["optim.0.weight.exp_avg"]
+    (re,) = real_bind([("optim.0.weight.exp_avg", (3, 3), torch.float32)], "replace")
+    re.tensor.fill_(7.0)
+    gone = sorted(job.state)[-1]
+    client.free(gone)
+    got = checkpoint(3)
+    assert lookups[-1] == "lookup" and len(lookups) == 3
+    assert torch.equal(got["extra"], torch.arange(5.0)), "an added object is checkpointed"
+    assert torch.equal(got["optim.0.weight.exp_avg"], torch.full((3, 3), 7.0)), "the replacement, not the old one"
+    assert gone not in got and gone not in tracker.tensors, "a freed object is gone (and unregistered)"
+    assert tracker.name_of(re.tensor) == "optim.0.weight.exp_avg" and old.shape != re.tensor.shape
+    ck.close()

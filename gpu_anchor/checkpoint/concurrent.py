@@ -141,6 +141,7 @@ class ConcurrentCheckpointer:
         self._writer: threading.Thread | None = None
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
+        self._tables: dict[int, tuple[dict, dict]] = {}  # client index -> (object list, rows): see _enumerate
         self._stream = self._job_stream = None
         self._gpu_budget = 0
         self.validator = validator
@@ -320,20 +321,51 @@ class ConcurrentCheckpointer:
 
     # ------------------------------------------------------------------ copying
     def _enumerate(self) -> dict:
+        """``key -> (client index, object name, tensor)`` for every non-empty object of every client.
+
+        Kept between checkpoints (``_tables``) and reused while still exact: the daemon's object
+        list (one round trip) equals the one the table was built from — name, dtype, shape and
+        *generation*, which the daemon draws fresh for every object it creates, so a replaced or
+        recreated object never compares equal — and every key is still registered in the tracker
+        as the tensor it resolved to.  Otherwise that client's objects are looked up again (a
+        lookup bind: the checkpointer never owns the job's memory).  The cached lookup tensors
+        keep their mappings alive between checkpoints, as the tracker's registrations do."""
         entries = {}
         for ci, client in enumerate(self.clients):
             infos = client.objects()
-            bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
-                                "lookup")
-            for b in bound:
-                if b.tensor is None or b.tensor.numel() == 0:
-                    continue
-                key = self.tracker.name_of(b.tensor)
-                if key is None:
-                    key = b.name if len(self.clients) == 1 else f"{client.device}/{b.name}"
-                    self.tracker.register(key, b.tensor)
-                entries[key] = (ci, b.name, b.tensor)
+            table = self._tables.get(ci)
+            if table is None or table[0] != infos or not self._still_registered(table[1]):
+                table = self._tables[ci] = (infos, self._lookup(ci, client, infos, table))
+            for key, (t, _) in table[1].items():
+                entries[key] = t
         return entries
+
+    def _still_registered(self, rows: dict) -> bool:
+        ts = self.tracker.tensors
+        return all(ts.get(k) is reg for k, (_, reg) in rows.items())
+
+    def _lookup(self, ci: int, client, infos: dict, old) -> dict:
+        """Bind ("lookup") every object of ``client``; rows ``key -> ((ci, name, tensor), registered)``.
+        ``old``: the previous ``(object list, rows)`` of this client, or None."""
+        if old is not None:
+            # first drop what this checkpointer registered for objects freed or recreated since, so an
+            # object now placed at such an address range is not taken for the old one (nor refused)
+            ts = self.tracker.tensors
+            for key, ((_, name, t), _) in old[1].items():
+                if infos.get(name) != old[0].get(name) and ts.get(key) is t:
+                    self.tracker.unregister(key)
+        bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
+                            "lookup")
+        rows = {}
+        for b in bound:
+            if b.tensor is None or b.tensor.numel() == 0:
+                continue
+            key = self.tracker.name_of(b.tensor)
+            if key is None:
+                key = b.name if len(self.clients) == 1 else f"{client.device}/{b.name}"
+                self.tracker.register(key, b.tensor)
+            rows[key] = ((ci, b.name, b.tensor), self.tracker.tensors[key])
+        return rows
 
     def _staging(self, key, t) -> torch.Tensor:
         ck = (key, tuple(t.shape), t.dtype)
