@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -235,10 +236,14 @@ def test_cow_copies_each_ops_write_set_as_one_group(host_daemon, tmp_path):
     assert_same(got, ref[3])
 
 
-def test_entry_table_is_reused_and_refreshed_when_objects_change(host_daemon, tmp_path):
+@pytest.mark.parametrize("versions", [True, False], ids=["versioned", "daemon-without-versions"])
+def test_entry_table_is_reused_and_refreshed_when_objects_change(host_daemon, tmp_path, versions):
     """start() reuses the enumerated objects while the daemon's table is unchanged (no lookup
-    bind), and sees an added, a replaced (same name, new shape) and a freed object."""
+    bind), and sees an added, a replaced (same name, new shape) and a freed object — with the
+    daemon's table version, and by comparing object lists where a daemon has none."""
     client = gpu_anchor.connect("cpu", namespace="job")
+    if not versions:
+        client.objects_since = lambda version: (None, client.objects())
     job, tracker = Job(client), WriteSetTracker()
     ck = ConcurrentCheckpointer([client], str(tmp_path), tracker, policy="cow", write=False)
     lookups = []

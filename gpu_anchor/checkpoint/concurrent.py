@@ -141,7 +141,7 @@ class ConcurrentCheckpointer:
         self._writer: threading.Thread | None = None
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
-        self._tables: dict[int, tuple[dict, dict]] = {}  # client index -> (object list, rows): see _enumerate
+        self._tables: dict[int, tuple] = {}  # client index -> (version, object list, rows): see _enumerate
         self._stream = self._job_stream = None
         self._gpu_budget = 0
         self.validator = validator
@@ -323,20 +323,27 @@ class ConcurrentCheckpointer:
     def _enumerate(self) -> dict:
         """``key -> (client index, object name, tensor)`` for every non-empty object of every client.
 
-        Kept between checkpoints (``_tables``) and reused while still exact: the daemon's object
-        list (one round trip) equals the one the table was built from — name, dtype, shape and
+        Kept between checkpoints (``_tables``) and reused while still exact: the daemon says its
+        object table is still at the version the rows were built from (one small round trip; a
+        new version at every create, replace and free), or, from a daemon without versions, its
+        object list equals the one the rows were built from — name, dtype, shape and
         *generation*, which the daemon draws fresh for every object it creates, so a replaced or
-        recreated object never compares equal — and every key is still registered in the tracker
+        recreated object never compares equal; and every key is still registered in the tracker
         as the tensor it resolved to.  Otherwise that client's objects are looked up again (a
         lookup bind: the checkpointer never owns the job's memory).  The cached lookup tensors
         keep their mappings alive between checkpoints, as the tracker's registrations do."""
         entries = {}
         for ci, client in enumerate(self.clients):
-            infos = client.objects()
             table = self._tables.get(ci)
-            if table is None or table[0] != infos or not self._still_registered(table[1]):
-                table = self._tables[ci] = (infos, self._lookup(ci, client, infos, table))
-            for key, (t, _) in table[1].items():
+            version, infos = client.objects_since(table[0] if table is not None else None)
+            if infos is None:  # still at the table's version
+                infos = table[1]
+            if table is None or (infos is not table[1] and infos != table[1]) or not self._still_registered(table[2]):
+                rows = self._lookup(ci, client, infos, table)
+            else:
+                rows = table[2]
+            self._tables[ci] = (version, infos, rows)
+            for key, (t, _) in rows.items():
                 entries[key] = t
         return entries
 
@@ -346,13 +353,13 @@ class ConcurrentCheckpointer:
 
     def _lookup(self, ci: int, client, infos: dict, old) -> dict:
         """Bind ("lookup") every object of ``client``; rows ``key -> ((ci, name, tensor), registered)``.
-        ``old``: the previous ``(object list, rows)`` of this client, or None."""
+        ``old``: the previous ``(version, object list, rows)`` of this client, or None."""
         if old is not None:
             # first drop what this checkpointer registered for objects freed or recreated since, so an
             # object now placed at such an address range is not taken for the old one (nor refused)
             ts = self.tracker.tensors
-            for key, ((_, name, t), _) in old[1].items():
-                if infos.get(name) != old[0].get(name) and ts.get(key) is t:
+            for key, ((_, name, t), _) in old[2].items():
+                if infos.get(name) != old[1].get(name) and ts.get(key) is t:
                     self.tracker.unregister(key)
         bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
                             "lookup")
