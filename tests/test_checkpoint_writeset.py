@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from gpu_anchor.checkpoint.transfer import TransferQueue
+from gpu_anchor.checkpoint.transfer import Runner, TransferQueue
 from gpu_anchor.checkpoint.validation import Validator
 from gpu_anchor.checkpoint.workload import undeclared_scale_op
 from gpu_anchor.checkpoint.writeset import ObjectMap, Recorder, WriteSetTracker, written_tensors
@@ -181,3 +181,22 @@ def test_transfer_queue_ensure_many_claims_a_group_and_waits_for_the_movers_one(
     assert sorted(names) == sorted(f"o{i}" for i in range(6)), "every object moved exactly once"
     assert q.foreground == ["o3", "o2"] and "o0" in q.background and q.done() and q.left == 0
     assert q.ensure_many(["o1", "nope"]) == [], "DONE and unknown names need nothing"
+
+
+def test_runner_moves_queue_after_queue_on_one_thread():
+    """A checkpointer's flights share one copier thread: starting a queue creates no thread."""
+    threads = []
+
+    def move(name, fg):
+        threads.append((name, threading.current_thread().name))
+
+    runner = Runner("test-copier")
+    runner.ensure_started()
+    before = threading.active_count()
+    for i in range(3):
+        q = TransferQueue([f"q{i}.a", f"q{i}.b"], move)
+        q.start(runner)
+        assert threading.active_count() == before, "no thread started per queue"
+        q.join()
+        assert q.done() and q.background == [f"q{i}.a", f"q{i}.b"]
+    assert {t for _, t in threads} == {"test-copier"} and len(threads) == 6

@@ -56,7 +56,7 @@ from gpu_anchor.client import mapping
 from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
 
-from .transfer import CHUNK_BYTES, DONE, TransferQueue, chunked_copy
+from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
 from .writeset import Recorder, WriteSetTracker
 
 TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
@@ -139,6 +139,7 @@ class ConcurrentCheckpointer:
         self.retake_pending = False
         self._flight: _Flight | None = None
         self._writer: threading.Thread | None = None
+        self._copier = Runner("gpu-anchor-ckpt-copier")  # one thread for every flight's background copies
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
         self._tables: dict[int, tuple] = {}  # client index -> (version, object list, rows): see _enumerate
@@ -207,12 +208,14 @@ class ConcurrentCheckpointer:
         if self.manage_mode and not self.tracker.active:
             self.tracker.__enter__()  # only while in flight: no per-op cost between checkpoints
             self._entered = True
-        fl.queue.start()
+        fl.queue.start(self._copier)
         fl.result.stall_s += time.perf_counter() - t0
         return policy
 
     def prepare(self) -> int:
-        """Allocate the pinned host staging now (else the first ``start`` pays for it); returns bytes."""
+        """Allocate the pinned host staging, enumerate the objects and start the copier thread now
+        (else the first ``start`` pays for them); returns bytes."""
+        self._copier.ensure_started()
         entries = self._enumerate()
         for k, (_, _, t) in entries.items():
             self._staging(k, t)
