@@ -81,18 +81,26 @@ class CheckpointResult:
     path: str | None = None
 
 
-_ALIGN = 512  # byte alignment of each object inside a group's device buffer (any dtype's view is legal)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 def _by_dtype(tensors) -> list[list[int]]:
     groups: dict = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     return list(groups.values())
+
+
+def copy_packed(srcs: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Copies of the 1-D tensors ``srcs`` on ``device``, in order: one allocation and ONE
+    ``_foreach_copy_`` per dtype (its fast path wants one dtype and equal shapes, hence 1-D),
+    split into one view per source (``split_with_sizes``: no Python per view)."""
+    out: list = [None] * len(srcs)
+    for idx in _by_dtype(srcs):
+        group = [srcs[i] for i in idx]
+        sizes = [t.numel() for t in group]
+        parts = torch.empty(sum(sizes), dtype=group[0].dtype, device=device).split_with_sizes(sizes)
+        torch._foreach_copy_(parts, group)
+        for i, p in zip(idx, parts):
+            out[i] = p
+    return out
 
 
 class _Flight:
@@ -142,6 +150,7 @@ class ConcurrentCheckpointer:
         self._copier = Runner("gpu-anchor-ckpt-copier")  # one thread for every flight's background copies
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
+        self._flat_views: dict[str, tuple] = {}  # (key, "src"/"dst") -> (tensor, its 1-D view): see _flat
         self._tables: dict[int, tuple] = {}  # client index -> (version, object list, rows): see _enumerate
         self._stream = self._job_stream = None
         self._gpu_budget = 0
@@ -415,12 +424,21 @@ class ConcurrentCheckpointer:
             for dev, ks in cuda.items():
                 self._copy_cuda_group(fl, dev, ks)
 
+    def _flat(self, key: str, side: str, t: torch.Tensor) -> torch.Tensor:
+        """1-D view of ``t`` (anchored objects and staging are contiguous), kept while ``t`` is the
+        same tensor: a group copy then makes no view per object."""
+        ck = (key, side)
+        hit = self._flat_views.get(ck)
+        if hit is None or hit[0] is not t:
+            hit = self._flat_views[ck] = (t, t.view(-1))
+        return hit[1]
+
     def _copy_cuda_group(self, fl: _Flight, dev, keys: list[str]) -> None:
         stream = torch.cuda.current_stream(dev)
         fit, direct, need = [], [], 0
         for k in keys:
             src = fl.entries[k][2]
-            nbytes = _aligned(src.numel() * src.element_size())
+            nbytes = src.numel() * src.element_size()
             if need + nbytes <= self._gpu_budget:
                 fit.append(k)
                 need += nbytes
@@ -428,16 +446,7 @@ class ConcurrentCheckpointer:
                 direct.append(k)
         if fit:
             self._gpu_budget -= need
-            flat = torch.empty(need, dtype=torch.uint8, device=dev)  # one allocation for the group
-            bufs, off = [], 0
-            for k in fit:
-                src = fl.entries[k][2]
-                n = src.numel() * src.element_size()
-                bufs.append(flat[off:off + n].view(src.dtype).view(src.shape))
-                off += _aligned(n)
-            srcs = [fl.entries[k][2] for k in fit]
-            for idx in _by_dtype(srcs):  # one _foreach_copy_ per dtype: its fast path wants one
-                torch._foreach_copy_([bufs[i] for i in idx], [srcs[i] for i in idx])
+            bufs = copy_packed([self._flat(k, "src", fl.entries[k][2]) for k in fit], dev)
             ev = torch.cuda.Event()
             ev.record(stream)  # the drain waits for these copies
             fl.gpu_groups.append((fit, bufs, ev))
@@ -544,7 +553,7 @@ class ConcurrentCheckpointer:
         with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream), torch.no_grad():
             for keys, bufs, ev in fl.gpu_groups:
                 self._stream.wait_event(ev)
-                torch._foreach_copy_([fl.staging[k] for k in keys], bufs, non_blocking=True)
+                torch._foreach_copy_([self._flat(k, "dst", fl.staging[k]) for k in keys], bufs, non_blocking=True)
         self._stream.synchronize()
         fl.gpu_groups.clear()
 
