@@ -185,6 +185,7 @@ class ConcurrentCheckpointer:
         staging = {k: self._staging(k, t) for k, (_, _, t) in entries.items()}
         journals = [c.journal.get_many() for c in self.clients]
         fl = self._flight = _Flight(step, policy, reason, entries, staging, journals)
+        fl.t0 = t0  # the checkpoint's duration counts from the start() call, as its stall does
         fl.result.objects, fl.result.bytes = len(entries), total
         cuda = any(t.is_cuda for _, _, t in entries.values())
         if cuda:
