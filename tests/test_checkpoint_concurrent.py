@@ -278,7 +278,11 @@ def test_entry_table_is_reused_and_refreshed_when_objects_change(host_daemon, tm
     assert torch.equal(got["optim.0.weight.exp_avg"], torch.full((3, 3), 7.0)), "the replacement, not the old one"
     assert gone not in got and gone not in tracker.tensors, "a freed object is gone (and unregistered)"
     assert tracker.name_of(re.tensor) == "optim.0.weight.exp_avg" and old.shape != re.tensor.shape
+    copier = ck._copier._thread
+    assert copier.is_alive(), "one copier thread served every flight"
     ck.close()
+    copier.join(5)
+    assert not copier.is_alive(), "close() ends the copier thread"
 
 
 def test_copy_packed_groups_by_dtype_and_keeps_order():
@@ -296,3 +300,19 @@ def test_copy_packed_groups_by_dtype_and_keeps_order():
     assert len(storages) == 3, "one allocation per dtype"
     srcs[0].add_(1)
     assert not torch.equal(out[0], srcs[0]), "a later write to the source leaves the copy alone"
+
+
+def test_copier_thread_ends_with_an_unclosed_checkpointer(host_daemon, tmp_path):
+    import gc
+    client = gpu_anchor.connect("cpu", namespace="job")
+    job = Job(client)
+    ck = ConcurrentCheckpointer([client], str(tmp_path), WriteSetTracker(), policy="cow", write=False)
+    job.step(1)
+    job.commit(1)
+    ck.start(1)
+    ck.finish()
+    copier = ck._copier._thread
+    del ck
+    gc.collect()
+    copier.join(5)
+    assert not copier.is_alive(), "a collected checkpointer leaves no idle copier thread behind"

@@ -200,3 +200,12 @@ def test_runner_moves_queue_after_queue_on_one_thread():
         q.join()
         assert q.done() and q.background == [f"q{i}.a", f"q{i}.b"]
     assert {t for _, t in threads} == {"test-copier"} and len(threads) == 6
+    thread = runner._thread
+    runner.stop()
+    thread.join(5)
+    assert not thread.is_alive(), "stop() ends the idle thread"
+    q = TransferQueue(["late"], move)
+    q.start(runner)  # a later queue gets a new thread
+    q.join()
+    assert q.done() and threads[-1] == ("late", "test-copier")
+    runner.stop()

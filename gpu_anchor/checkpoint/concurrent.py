@@ -47,6 +47,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +149,7 @@ class ConcurrentCheckpointer:
         self._flight: _Flight | None = None
         self._writer: threading.Thread | None = None
         self._copier = Runner("gpu-anchor-ckpt-copier")  # one thread for every flight's background copies
+        weakref.finalize(self, self._copier.stop)  # an idle copier thread must not outlive its checkpointer
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
         self._flat_views: dict[str, tuple] = {}  # (key, "src"/"dst") -> (tensor, its 1-D view): see _flat
@@ -297,6 +299,7 @@ class ConcurrentCheckpointer:
             self._flight.queue.stop()
             self._detach()
             self._flight = None
+        self._copier.stop()
         self._wait_writer()
 
     # ------------------------------------------------------------------ listener

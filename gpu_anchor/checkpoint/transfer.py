@@ -19,9 +19,11 @@ training protocol will write next, tensors about to be written).
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -50,32 +52,58 @@ class Runner:
     ``TransferQueue.start()`` with its own thread blocks the caller in ``Thread.start()`` until
     the new thread runs, and then until the GIL comes back (up to the interpreter's 5 ms switch
     interval while the mover runs Python): measured 0.1-4 ms of job stall per checkpoint on CPU.
-    Handing the mover to a thread that already exists is a put on a queue: it never waits."""
+    Handing the mover to a thread that already exists is a put on a queue: it never waits.
+    The thread lives until ``stop()`` (its owner's ``close()``, the owner being collected, or
+    interpreter exit: an idle daemon thread is let go before finalization, not frozen in it)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        _runners.add(self)
+
+    def _ensure_locked(self) -> None:
+        if self._thread is None or not self._thread.is_alive():  # not alive: e.g. in a forked child
+            self._jobs = queue.SimpleQueue()  # each thread its own queue: a stopped one never takes work
+            self._thread = threading.Thread(target=self._loop, args=(self._jobs,), name=self._name, daemon=True)
+            self._thread.start()
 
     def ensure_started(self) -> None:
         """Create the thread now (e.g. in ``prepare()``) instead of at the first ``submit``."""
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # not alive: e.g. after a fork
-                self._jobs = queue.SimpleQueue()
-                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), name=self._name,
-                                                daemon=True)
-                self._thread.start()
+            self._ensure_locked()
 
     def submit(self, fn) -> None:
         """Run ``fn()`` on the thread after what was submitted before; ``fn`` must not raise."""
-        self.ensure_started()
-        self._jobs.put(fn)
+        with self._lock:
+            self._ensure_locked()
+            self._jobs.put(fn)
+
+    def stop(self) -> None:
+        """Let the thread end once what was submitted has run (a later ``submit`` starts a new one)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._jobs.put(None)
+            self._thread = None
 
     @staticmethod
     def _loop(jobs) -> None:
         while True:
-            jobs.get()()
+            fn = jobs.get()
+            if fn is None:
+                return
+            fn()
+            del fn  # while idle, hold nothing of the last queue (nor, through it, of its owner)
+
+
+_runners: "weakref.WeakSet[Runner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_runners() -> None:
+    for r in list(_runners):
+        r.stop()
 
 
 class TransferQueue:
