@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -193,3 +194,125 @@ def test_undeclared_write_invalidates_and_retakes(host_daemon, tmp_path):
     got, _ = read_ckpt(str(tmp_path / "ok"), retaken.step)
     assert_same(got, ref[retaken.step])
     assert val.misses and val.misses[0]["ops"] == ["gpu_anchor_test.shrink.default"]
+
+
+def test_cow_copies_each_ops_write_set_as_one_group(host_daemon, tmp_path):
+    """Foreground copy-on-write of an op's whole not-yet-copied write set in one grouped copy
+    ends bit-identical to a stop-the-world checkpoint of the same step."""
+    ref = reference("ref", layers=6)
+    client = gpu_anchor.connect("cpu", namespace="stw")
+    job = Job(client, layers=6)
+    stw = ConcurrentCheckpointer([client], str(tmp_path / "stw"), WriteSetTracker())
+    for s in range(1, 4):
+        job.step(s)
+        job.commit(s)
+    stw.stop_the_world(3)
+
+    client = gpu_anchor.connect("cpu", namespace="job")
+    job, tracker = Job(client, layers=6), WriteSetTracker()
+    ck = ConcurrentCheckpointer([client], str(tmp_path / "cc"), tracker, policy="cow", throttle_s=0.05)
+    groups = []
+    real = ck._move_many
+
+    def counting(keys, fg):
+        groups.append(list(keys))
+        real(keys, fg)
+    ck._move_many = counting  # the queue takes the bound method at start
+    for s in range(1, 4):
+        job.step(s)
+        job.commit(s)
+    ck.start(3)
+    for s in range(4, 7):
+        job.step(s)
+        job.commit(s)
+    res = ck.finish()
+    ck.close()
+    assert res.valid and res.policy == "cow"
+    assert max(len(g) for g in groups) > 1, "a foreach op's write set is copied as one group"
+    assert sorted(k for g in groups for k in g) == sorted(res.cow_foreground), "each object once"
+    got, _ = read_ckpt(str(tmp_path / "cc"), 3)
+    base, _ = read_ckpt(str(tmp_path / "stw"), 3)
+    assert_same(got, base)
+    assert_same(got, ref[3])
+
+
+@pytest.mark.parametrize("versions", [True, False], ids=["versioned", "daemon-without-versions"])
+def test_entry_table_is_reused_and_refreshed_when_objects_change(host_daemon, tmp_path, versions):
+    """start() reuses the enumerated objects while the daemon's table is unchanged (no lookup
+    bind), and sees an added, a replaced (same name, new shape) and a freed object — with the
+    daemon's table version, and by comparing object lists where a daemon has none."""
+    client = gpu_anchor.connect("cpu", namespace="job")
+    if not versions:
+        client.objects_since = lambda version: (None, client.objects())
+    job, tracker = Job(client), WriteSetTracker()
+    ck = ConcurrentCheckpointer([client], str(tmp_path), tracker, policy="cow", write=False)
+    lookups = []
+    real_bind = client.bind
+    client.bind = lambda specs, policy="match_or_create": (lookups.append(policy), real_bind(specs, policy))[1]
+
+    def checkpoint(step):
+        ck.start(step)
+        ck.finish()
+        return {t["namespace"]: t for t in ck.captured}["job"]["tensors"]
+
+    job.step(1)
+    job.commit(1)
+    first = checkpoint(1)
+    assert lookups == ["lookup"]
+    assert_same(first, job.snapshot())
+    job.step(2)
+    job.commit(2)
+    assert_same(checkpoint(2), job.snapshot())
+    assert lookups == ["lookup"], "an unchanged object table is not looked up again"
+
+    extra = client.tensor("extra", (5,))
+    extra.copy_(torch.arange(5.0))
+    old = job.state["optim.0.weight.exp_avg"]
+    (re,) = real_bind([("optim.0.weight.exp_avg", (3, 3), torch.float32)], "replace")
+    re.tensor.fill_(7.0)
+    gone = sorted(job.state)[-1]
+    client.free(gone)
+    got = checkpoint(3)
+    assert lookups[-1] == "lookup" and len(lookups) == 3
+    assert torch.equal(got["extra"], torch.arange(5.0)), "an added object is checkpointed"
+    assert torch.equal(got["optim.0.weight.exp_avg"], torch.full((3, 3), 7.0)), "the replacement, not the old one"
+    assert gone not in got and gone not in tracker.tensors, "a freed object is gone (and unregistered)"
+    assert tracker.name_of(re.tensor) == "optim.0.weight.exp_avg" and old.shape != re.tensor.shape
+    copier = ck._copier._thread
+    assert copier.is_alive(), "one copier thread served every flight"
+    ck.close()
+    copier.join(5)
+    assert not copier.is_alive(), "close() ends the copier thread"
+
+
+def test_copy_packed_groups_by_dtype_and_keeps_order():
+    """The CUDA foreground group copy's packing (run here on the host): one buffer per dtype,
+    copies in the order given, equal to their sources."""
+    from gpu_anchor.checkpoint.concurrent import copy_packed
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(7, generator=g), torch.randn(3, 5, generator=g).to(torch.bfloat16).view(-1),
+            torch.randn(1, generator=g), torch.arange(4, dtype=torch.int64), torch.randn(9, generator=g)]
+    out = copy_packed(srcs, "cpu")
+    assert [o.dtype for o in out] == [s.dtype for s in srcs]
+    assert all(torch.equal(o, s) for o, s in zip(out, srcs))
+    assert all(o.data_ptr() != s.data_ptr() for o, s in zip(out, srcs)), "copies, not the sources"
+    storages = {o.untyped_storage().data_ptr() for o in out}
+    assert len(storages) == 3, "one allocation per dtype"
+    srcs[0].add_(1)
+    assert not torch.equal(out[0], srcs[0]), "a later write to the source leaves the copy alone"
+
+
+def test_copier_thread_ends_with_an_unclosed_checkpointer(host_daemon, tmp_path):
+    import gc
+    client = gpu_anchor.connect("cpu", namespace="job")
+    job = Job(client)
+    ck = ConcurrentCheckpointer([client], str(tmp_path), WriteSetTracker(), policy="cow", write=False)
+    job.step(1)
+    job.commit(1)
+    ck.start(1)
+    ck.finish()
+    copier = ck._copier._thread
+    del ck
+    gc.collect()
+    copier.join(5)
+    assert not copier.is_alive(), "a collected checkpointer leaves no idle copier thread behind"

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from gpu_anchor.checkpoint.transfer import TransferQueue
+from gpu_anchor.checkpoint.transfer import Runner, TransferQueue
 from gpu_anchor.checkpoint.validation import Validator
 from gpu_anchor.checkpoint.workload import undeclared_scale_op
 from gpu_anchor.checkpoint.writeset import ObjectMap, Recorder, WriteSetTracker, written_tensors
@@ -144,3 +144,68 @@ def test_transfer_queue_moves_each_once_foreground_first():
     assert ("o20", True) in moved or "o20" in q.background
     assert set(q.foreground) | set(q.background) == set(names)
     assert q.done()
+
+
+def test_transfer_queue_ensure_many_claims_a_group_and_waits_for_the_movers_one():
+    """An op's write set: the PENDING names are moved by ONE ``move_many`` call on the caller's
+    thread; a name the background mover holds is waited for, not moved again."""
+    held, release = threading.Event(), threading.Event()
+    moved, lock = [], threading.Lock()
+
+    def move(name, fg):
+        if not fg and name == "o0":
+            held.set()
+            release.wait(10)
+        with lock:
+            moved.append((name, fg))
+
+    def move_many(names, fg):
+        with lock:
+            moved.append((tuple(names), fg))
+
+    q = TransferQueue([f"o{i}" for i in range(6)], move, move_many=move_many)
+    q.start()
+    assert held.wait(10)  # the mover holds o0 (MOVING) and nothing else yet
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("claimed", q.ensure_many(["o3", "o0", "o2", "o3"])))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive(), "ensure_many returned while o0, in its write set, was still being moved"
+    with lock:
+        assert moved == [(("o3", "o2"), True)], "the PENDING ones moved together, once, at once"
+    release.set()
+    t.join(10)
+    assert not t.is_alive() and out["claimed"] == ["o3", "o2"]
+    q.join()
+    names = [n for entry, _ in moved for n in (entry if isinstance(entry, tuple) else (entry,))]
+    assert sorted(names) == sorted(f"o{i}" for i in range(6)), "every object moved exactly once"
+    assert q.foreground == ["o3", "o2"] and "o0" in q.background and q.done() and q.left == 0
+    assert q.ensure_many(["o1", "nope"]) == [], "DONE and unknown names need nothing"
+
+
+def test_runner_moves_queue_after_queue_on_one_thread():
+    """A checkpointer's flights share one copier thread: starting a queue creates no thread."""
+    threads = []
+
+    def move(name, fg):
+        threads.append((name, threading.current_thread().name))
+
+    runner = Runner("test-copier")
+    runner.ensure_started()
+    before = threading.active_count()
+    for i in range(3):
+        q = TransferQueue([f"q{i}.a", f"q{i}.b"], move)
+        q.start(runner)
+        assert threading.active_count() == before, "no thread started per queue"
+        q.join()
+        assert q.done() and q.background == [f"q{i}.a", f"q{i}.b"]
+    assert {t for _, t in threads} == {"test-copier"} and len(threads) == 6
+    thread = runner._thread
+    runner.stop()
+    thread.join(5)
+    assert not thread.is_alive(), "stop() ends the idle thread"
+    q = TransferQueue(["late"], move)
+    q.start(runner)  # a later queue gets a new thread
+    q.join()
+    assert q.done() and threads[-1] == ("late", "test-copier")
+    runner.stop()

@@ -184,3 +184,19 @@ def test_daemon_death_is_reported_and_mapped_memory_stays(host_daemon):
     with pytest.raises(gpu_anchor.DaemonUnavailable):
         c.names()
     client_mod._pending_frees.clear()
+
+
+def test_objects_since_skips_an_unchanged_table(host_daemon):
+    c = gpu_anchor.connect("cpu", namespace="since")
+    v0, objs = c.objects_since(None)
+    assert objs == {}
+    assert c.objects_since(v0) == (v0, None)
+    t = c.tensor("a", (4,))
+    v1, objs = c.objects_since(v0)
+    assert v1 != v0 and list(objs) == ["a"] and objs["a"].shape == (4,)
+    c.tensor("a", (4,))  # matched: no change
+    assert c.objects_since(v1) == (v1, None)
+    c.free("a")
+    v2, objs = c.objects_since(v1)
+    assert v2 not in (v0, v1) and objs == {}
+    del t

@@ -120,6 +120,37 @@ def test_free_with_generation_spares_a_recreated_object():
     assert reg.free("job", ["a"]) == ["a"]
 
 
+def test_object_table_version_changes_with_the_table_and_never_repeats():
+    reg, _ = make_registry(capacity=8 * MiB)
+    seen = [reg.namespace("job").version]
+
+    def changed():
+        v = reg.namespaces["job"].version
+        assert v not in seen, "a new table gets a version never seen before"
+        seen.append(v)
+
+    def same():
+        assert reg.namespaces["job"].version == seen[-1]
+    reg.bind("job", as_requests([("a", "float32", [4])]))
+    changed()
+    reg.bind("job", as_requests([("a", "float32", [4])]))  # matched
+    same()
+    reg.bind("job", as_requests([("zz", "float32", [1])]), policy="lookup")  # missing
+    same()
+    with pytest.raises(OutOfMemory):  # rolled back: nothing changed
+        reg.bind("job", as_requests([("x", "float32", [4 * MiB])]))
+    same()
+    reg.bind("job", as_requests([("a", "float32", [8])]), policy="replace")
+    changed()
+    assert reg.free("job", ["nope"]) == []
+    same()
+    reg.free("job", ["a"])
+    changed()
+    reg.drop("job")
+    reg.namespace("job")  # re-created after the drop: still a version never used
+    changed()
+
+
 def test_random_alloc_free_returns_every_segment():
     reg, be = make_registry()
     rng = random.Random(0)

@@ -20,10 +20,12 @@ Two policies (PhoenixOS §4), chosen per checkpoint and reported:
 
 * **soft copy-on-write** (``cow``) — the checkpoint is the state at ``start``.  A
   background copier (a thread; on CUDA a low-priority side stream) moves every
-  object to pinned host staging.  Before an op writes an object not yet copied,
-  that object is copied first, on the op's thread at top priority: on CUDA into a
-  GPU-side buffer when the budget allows (drained to host later), else straight to
-  host.  Invariant: every staged object equals its value at ``start``.
+  object to pinned host staging.  Before an op writes objects not yet copied, they
+  are copied first, on the op's thread at top priority, as one group (the op's whole
+  not-yet-copied write set claimed at once: one ``_foreach_copy_``; on CUDA into one
+  GPU-side buffer with one event when the budget allows, drained to host later, else
+  straight to host with one wait); objects the copier holds are waited for.
+  Invariant: every staged object equals its value at ``start``.
 * **soft recopy** (``recopy``) — copies without ever blocking an op; objects written
   after (or while) their copy started are *dirty*.  The checkpoint is the state at
   the boundary where the background copy is found finished: only the dirty objects
@@ -45,6 +47,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +57,7 @@ from gpu_anchor.client import mapping
 from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
 
-from .transfer import CHUNK_BYTES, TransferQueue, chunked_copy
+from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
 from .writeset import Recorder, WriteSetTracker
 
 TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
@@ -79,13 +82,36 @@ class CheckpointResult:
     path: str | None = None
 
 
+def _by_dtype(tensors) -> list[list[int]]:
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def copy_packed(srcs: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Copies of the 1-D tensors ``srcs`` on ``device``, in order: one allocation and ONE
+    ``_foreach_copy_`` per dtype (its fast path wants one dtype and equal shapes, hence 1-D),
+    split into one view per source (``split_with_sizes``: no Python per view)."""
+    out: list = [None] * len(srcs)
+    for idx in _by_dtype(srcs):
+        group = [srcs[i] for i in idx]
+        sizes = [t.numel() for t in group]
+        parts = torch.empty(sum(sizes), dtype=group[0].dtype, device=device).split_with_sizes(sizes)
+        torch._foreach_copy_(parts, group)
+        for i, p in zip(idx, parts):
+            out[i] = p
+    return out
+
+
 class _Flight:
     def __init__(self, step, policy, reason, entries, staging, journals):
         self.result = CheckpointResult(step=step, policy=policy, reason=reason, started_at=step)
         self.entries = entries          # key -> (client index, object name, live tensor)
         self.staging = staging          # key -> host tensor
         self.journals = journals        # per client: dict
-        self.gpu_buffers: dict[str, tuple] = {}   # key -> (device copy, event after it)
+        # foreground GPU-side copies, one entry per op's group: (keys, device copies, one event after them)
+        self.gpu_groups: list[tuple[list[str], list[torch.Tensor], object]] = []
         self.dirty: set[str] = set()
         self.queue: TransferQueue | None = None
         self.t0 = time.perf_counter()
@@ -122,8 +148,14 @@ class ConcurrentCheckpointer:
         self.retake_pending = False
         self._flight: _Flight | None = None
         self._writer: threading.Thread | None = None
+        self._copier = Runner("gpu-anchor-ckpt-copier")  # one thread for every flight's background copies
+        weakref.finalize(self, self._copier.stop)  # an idle copier thread must not outlive its checkpointer
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
+        self._flat_views: dict[str, tuple] = {}  # (key, "src"/"dst") -> (tensor, its 1-D view): see _flat
+        self._tables: dict[int, tuple] = {}  # client index -> (version, object list, rows): see _enumerate
+        self._entries: dict | None = None  # the last _enumerate result (returned again while unchanged)
+        self._derived: tuple | None = None  # (entries, total bytes, staging, CUDA device) for those entries
         self._stream = self._job_stream = None
         self._gpu_budget = 0
         self.validator = validator
@@ -152,15 +184,18 @@ class ConcurrentCheckpointer:
         self._wait_writer()
         t0 = time.perf_counter()
         entries = self._enumerate()
-        total = sum(t.numel() * t.element_size() for _, _, t in entries.values())
+        if self._derived is None or self._derived[0] is not entries:  # same table: same staging and sizes
+            total = sum(t.numel() * t.element_size() for _, _, t in entries.values())
+            staging = {k: self._staging(k, t) for k, (_, _, t) in entries.items()}
+            dev = next((t.device for _, _, t in entries.values() if t.is_cuda), None)
+            self._derived = (entries, total, staging, dev)
+        _, total, staging, dev = self._derived
         policy, reason = self._choose(policy or self.policy, total)
-        staging = {k: self._staging(k, t) for k, (_, _, t) in entries.items()}
         journals = [c.journal.get_many() for c in self.clients]
         fl = self._flight = _Flight(step, policy, reason, entries, staging, journals)
+        fl.t0 = t0  # the checkpoint's duration counts from the start() call, as its stall does
         fl.result.objects, fl.result.bytes = len(entries), total
-        cuda = any(t.is_cuda for _, _, t in entries.values())
-        if cuda:
-            dev = next(t.device for _, _, t in entries.values() if t.is_cuda)
+        if dev is not None:
             self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
             self._job_stream = torch.cuda.current_stream(dev)
             self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
@@ -183,18 +218,20 @@ class ConcurrentCheckpointer:
             seen = set(first)
             order = first + [k for k in order if k not in seen]
             fl.result.reason += "; copy order: last step's first writes"
-        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s)
+        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
         self.tracker.add_listener(self)
         self.tracker.add_listener(self.recorder)
         if self.manage_mode and not self.tracker.active:
             self.tracker.__enter__()  # only while in flight: no per-op cost between checkpoints
             self._entered = True
-        fl.queue.start()
+        fl.queue.start(self._copier)
         fl.result.stall_s += time.perf_counter() - t0
         return policy
 
     def prepare(self) -> int:
-        """Allocate the pinned host staging now (else the first ``start`` pays for it); returns bytes."""
+        """Allocate the pinned host staging, enumerate the objects and start the copier thread now
+        (else the first ``start`` pays for them); returns bytes."""
+        self._copier.ensure_started()
         entries = self._enumerate()
         for k, (_, _, t) in entries.items():
             self._staging(k, t)
@@ -262,6 +299,7 @@ class ConcurrentCheckpointer:
             self._flight.queue.stop()
             self._detach()
             self._flight = None
+        self._copier.stop()
         self._wait_writer()
 
     # ------------------------------------------------------------------ listener
@@ -270,13 +308,16 @@ class ConcurrentCheckpointer:
         if fl is None or not written:
             return
         if fl.result.policy == "cow":
+            q = fl.queue
+            if not q.left:  # everything copied (a hint read without the lock: it only decreases)
+                return
             t0 = time.perf_counter()
-            moved = False
-            for n in written:
-                if fl.queue.state.get(n, "done") != "done":
-                    moved = True
-                    fl.queue.ensure(n)
-            if moved:
+            state = q.state
+            # DONE is final, so a name seen DONE here needs nothing; the rest are settled under
+            # the queue's lock: PENDING ones claimed and copied as one group, MOVING ones waited for
+            need = [n for n in written if state.get(n, DONE) != DONE]
+            if need:
+                q.ensure_many(need)
                 fl.result.stall_s += time.perf_counter() - t0
         else:
             self._mark_dirty(fl, written)
@@ -300,20 +341,62 @@ class ConcurrentCheckpointer:
 
     # ------------------------------------------------------------------ copying
     def _enumerate(self) -> dict:
-        entries = {}
+        """``key -> (client index, object name, tensor)`` for every non-empty object of every client.
+
+        Kept between checkpoints (``_tables``) and reused while still exact: the daemon says its
+        object table is still at the version the rows were built from (one small round trip; a
+        new version at every create, replace and free), or, from a daemon without versions, its
+        object list equals the one the rows were built from — name, dtype, shape and
+        *generation*, which the daemon draws fresh for every object it creates, so a replaced or
+        recreated object never compares equal; and every key is still registered in the tracker
+        as the tensor it resolved to.  Otherwise that client's objects are looked up again (a
+        lookup bind: the checkpointer never owns the job's memory).  The cached lookup tensors
+        keep their mappings alive between checkpoints, as the tracker's registrations do."""
+        entries, same = {}, self._entries is not None
         for ci, client in enumerate(self.clients):
-            infos = client.objects()
-            bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
-                                "lookup")
-            for b in bound:
-                if b.tensor is None or b.tensor.numel() == 0:
-                    continue
-                key = self.tracker.name_of(b.tensor)
-                if key is None:
-                    key = b.name if len(self.clients) == 1 else f"{client.device}/{b.name}"
-                    self.tracker.register(key, b.tensor)
-                entries[key] = (ci, b.name, b.tensor)
+            table = self._tables.get(ci)
+            version, infos = client.objects_since(table[0] if table is not None else None)
+            if infos is None:  # still at the table's version
+                infos = table[1]
+            if table is None or (infos is not table[1] and infos != table[1]) or not self._still_registered(table[2]):
+                rows = self._lookup(ci, client, infos, table)
+            else:
+                rows = table[2]
+            same = same and table is not None and rows is table[2]
+            self._tables[ci] = (version, infos, rows)
+            for key, (t, _) in rows.items():
+                entries[key] = t
+        if same:  # every client's rows reused: the very same dict as last time (start() keys on it)
+            return self._entries
+        self._entries = entries
         return entries
+
+    def _still_registered(self, rows: dict) -> bool:
+        ts = self.tracker.tensors
+        return all(ts.get(k) is reg for k, (_, reg) in rows.items())
+
+    def _lookup(self, ci: int, client, infos: dict, old) -> dict:
+        """Bind ("lookup") every object of ``client``; rows ``key -> ((ci, name, tensor), registered)``.
+        ``old``: the previous ``(version, object list, rows)`` of this client, or None."""
+        if old is not None:
+            # first drop what this checkpointer registered for objects freed or recreated since, so an
+            # object now placed at such an address range is not taken for the old one (nor refused)
+            ts = self.tracker.tensors
+            for key, ((_, name, t), _) in old[2].items():
+                if infos.get(name) != old[1].get(name) and ts.get(key) is t:
+                    self.tracker.unregister(key)
+        bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
+                            "lookup")
+        rows = {}
+        for b in bound:
+            if b.tensor is None or b.tensor.numel() == 0:
+                continue
+            key = self.tracker.name_of(b.tensor)
+            if key is None:
+                key = b.name if len(self.clients) == 1 else f"{client.device}/{b.name}"
+                self.tracker.register(key, b.tensor)
+            rows[key] = ((ci, b.name, b.tensor), self.tracker.tensors[key])
+        return rows
 
     def _staging(self, key, t) -> torch.Tensor:
         ck = (key, tuple(t.shape), t.dtype)
@@ -324,30 +407,75 @@ class ConcurrentCheckpointer:
         return buf
 
     def _move(self, key: str, foreground: bool) -> None:
-        self._copy(key, foreground)
+        if foreground:
+            self._move_many([key], True)
+        else:
+            self._copy(key)
 
-    def _copy(self, key: str, foreground: bool) -> None:
+    def _move_many(self, keys: list[str], foreground: bool) -> None:
+        """Copy several objects as one group (an op's not-yet-copied write set), on the calling
+        thread.  Host objects: one ``_foreach_copy_`` into staging.  CUDA objects, foreground:
+        into ONE device buffer while the budget allows (device-to-device on the op's stream, so
+        ordered before its write; one event for the drain), the rest straight to pinned host
+        staging on the op's stream and one wait."""
+        if not foreground:
+            for k in keys:
+                self._copy(k)
+            return
+        fl = self._flight
+        host, cuda = [], {}
+        for k in keys:
+            src = fl.entries[k][2]
+            if src.is_cuda:
+                cuda.setdefault(src.device, []).append(k)
+            else:
+                host.append(k)
+        with torch.no_grad(), _disable_current_modes():
+            if host:
+                torch._foreach_copy_([fl.staging[k] for k in host], [fl.entries[k][2] for k in host])
+            for dev, ks in cuda.items():
+                self._copy_cuda_group(fl, dev, ks)
+
+    def _flat(self, key: str, side: str, t: torch.Tensor) -> torch.Tensor:
+        """1-D view of ``t`` (anchored objects and staging are contiguous), kept while ``t`` is the
+        same tensor: a group copy then makes no view per object."""
+        ck = (key, side)
+        hit = self._flat_views.get(ck)
+        if hit is None or hit[0] is not t:
+            hit = self._flat_views[ck] = (t, t.view(-1))
+        return hit[1]
+
+    def _copy_cuda_group(self, fl: _Flight, dev, keys: list[str]) -> None:
+        stream = torch.cuda.current_stream(dev)
+        fit, direct, need = [], [], 0
+        for k in keys:
+            src = fl.entries[k][2]
+            nbytes = src.numel() * src.element_size()
+            if need + nbytes <= self._gpu_budget:
+                fit.append(k)
+                need += nbytes
+            else:
+                direct.append(k)
+        if fit:
+            self._gpu_budget -= need
+            bufs = copy_packed([self._flat(k, "src", fl.entries[k][2]) for k in fit], dev)
+            ev = torch.cuda.Event()
+            ev.record(stream)  # the drain waits for these copies
+            fl.gpu_groups.append((fit, bufs, ev))
+            fl.result.gpu_buffered += len(fit)
+        if direct:  # no GPU memory to spare: to pinned host on the op's stream, then wait once
+            torch._foreach_copy_([fl.staging[k] for k in direct], [fl.entries[k][2] for k in direct],
+                                 non_blocking=True)
+            stream.synchronize()
+
+    def _copy(self, key: str) -> None:
+        """One object, background copier."""
         fl = self._flight
         _, _, src = fl.entries[key]
         dst = fl.staging[key]
         if not src.is_cuda:
             with torch.no_grad(), _disable_current_modes():
                 dst.copy_(src)
-            return
-        nbytes = src.numel() * src.element_size()
-        if foreground:
-            if nbytes <= self._gpu_budget:  # GPU-side copy on the op's stream: ordered before its write
-                self._gpu_budget -= nbytes
-                with _disable_current_modes():
-                    buf = src.clone()
-                    ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(src.device))  # the drain waits for this clone
-                fl.gpu_buffers[key] = (buf, ev)
-                fl.result.gpu_buffered += 1
-                return
-            with _disable_current_modes():
-                dst.copy_(src)  # on the op's stream, then wait: no GPU memory to spare
-            torch.cuda.current_stream(src.device).synchronize()
             return
         if fl.result.policy == "recopy":
             # an op may have queued a write while this object was PENDING (so it is not dirty):
@@ -432,14 +560,14 @@ class ConcurrentCheckpointer:
 
     def _drain(self, fl: _Flight) -> None:
         """GPU-side copy-on-write buffers → host staging, on the low-priority stream."""
-        if not fl.gpu_buffers:
+        if not fl.gpu_groups:
             return
-        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
-            for k, (buf, ev) in fl.gpu_buffers.items():
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream), torch.no_grad():
+            for keys, bufs, ev in fl.gpu_groups:
                 self._stream.wait_event(ev)
-                fl.staging[k].copy_(buf, non_blocking=True)
+                torch._foreach_copy_([self._flat(k, "dst", fl.staging[k]) for k in keys], bufs, non_blocking=True)
         self._stream.synchronize()
-        fl.gpu_buffers.clear()
+        fl.gpu_groups.clear()
 
     def _start_writer(self, fl: _Flight, touch: list[str]) -> None:
         res = fl.result

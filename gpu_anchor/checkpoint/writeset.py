@@ -192,24 +192,26 @@ class WriteSetTracker(TorchDispatchMode):
         self.conservative.add(func)
 
     # ------------------------------------------------------------------ speculation
+    # Both dedupe through a dict (insertion order = first-seen order): a list's ``in`` made a
+    # _foreach_ op over 120 objects cost 140 us (written) / 420 us (touched, 240) on CPU.
     def written(self, func, args, kwargs) -> list[str]:
         if func in self.conservative:
             return self.touched(args, kwargs)
-        names = []
+        find, names = self.objects.find, {}
         for t in written_tensors(func, args, kwargs):
-            n = self.objects.find(t)
-            if n is not None and n not in names:
-                names.append(n)
-        return names
+            n = find(t)
+            if n is not None:
+                names[n] = None
+        return list(names)
 
     def touched(self, args, kwargs) -> list[str]:
-        names = []
-        for value in list(args) + list(kwargs.values()):
+        find, names = self.objects.find, {}
+        for value in (*args, *kwargs.values()):
             for t in _tensors_in(value):
-                n = self.objects.find(t)
-                if n is not None and n not in names:
-                    names.append(n)
-        return names
+                n = find(t)
+                if n is not None:
+                    names[n] = None
+        return list(names)
 
     def declare_write(self, *names: str, func: str = "declared") -> None:
         """Announce a write the dispatcher cannot see (NCCL, a raw kernel) before doing it."""

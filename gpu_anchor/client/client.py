@@ -196,6 +196,15 @@ class Client:
     def objects(self) -> dict[str, ObjectInfo]:
         return {o["name"]: _info(o) for o in self._request({"op": "list"})[0]["objects"]}
 
+    def objects_since(self, version: int | None) -> tuple[int | None, dict[str, ObjectInfo] | None]:
+        """``(version, objects)`` of the namespace's object table, or ``(version, None)`` when it is
+        still at ``version`` (one small round trip).  The daemon gives the table a new version at
+        every create, replace and free, never reused within one daemon; a daemon that predates
+        versions answers ``(None, objects)``."""
+        reply = self._request({"op": "list", "since": version} if version is not None else {"op": "list"})[0]
+        objs = reply["objects"]
+        return reply.get("version"), None if objs is None else {o["name"]: _info(o) for o in objs}
+
     def names(self) -> list[str]:
         return sorted(self.objects())
 

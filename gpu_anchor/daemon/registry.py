@@ -46,10 +46,14 @@ class AnchoredObject:
 
 
 class Namespace:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, version: int) -> None:
         self.name = name
         self.objects: dict[str, AnchoredObject] = {}
         self.journal = Journal()
+        # the object table's version: drawn from the registry's counter at creation and at every
+        # change of ``objects`` (create, replace, free), so within one daemon two different tables
+        # of a namespace never share one, even across a drop and re-creation
+        self.version = version
 
 
 def check_name(kind: str, value: object, limit: int = MAX_NAME) -> str:
@@ -63,12 +67,13 @@ class Registry:
         self.arena = arena
         self.namespaces: dict[str, Namespace] = {}
         self._generation = itertools.count(1)
+        self._versions = itertools.count(1)
 
     def namespace(self, name: str, create: bool = True) -> Namespace | None:
         check_name("namespace", name, 256)
         ns = self.namespaces.get(name)
         if ns is None and create:
-            ns = self.namespaces[name] = Namespace(name)
+            ns = self.namespaces[name] = Namespace(name, next(self._versions))
         return ns
 
     def bind(self, ns_name: str, requests: list, policy: str = "match_or_create") -> list[tuple[str, AnchoredObject | None]]:
@@ -125,6 +130,8 @@ class Registry:
                 ns.objects[obj.name] = obj
         for old in replaced:
             self.arena.release(old.segment, old.offset, old.nbytes)
+        if to_create:
+            ns.version = next(self._versions)
         return results
 
     def free(self, ns_name: str, names: list) -> list[str]:
@@ -143,6 +150,8 @@ class Registry:
                 del ns.objects[name]
                 self.arena.release(obj.segment, obj.offset, obj.nbytes)
                 freed.append(name)
+        if freed:
+            ns.version = next(self._versions)
         return freed
 
     def drop(self, ns_name: str) -> int:
