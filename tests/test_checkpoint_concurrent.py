@@ -285,23 +285,6 @@ def test_entry_table_is_reused_and_refreshed_when_objects_change(host_daemon, tm
     assert not copier.is_alive(), "close() ends the copier thread"
 
 
-def test_copy_packed_groups_by_dtype_and_keeps_order():
-    """The CUDA foreground group copy's packing (run here on the host): one buffer per dtype,
-    copies in the order given, equal to their sources."""
-    from gpu_anchor.checkpoint.concurrent import copy_packed
-    g = torch.Generator().manual_seed(0)
-    srcs = [torch.randn(7, generator=g), torch.randn(3, 5, generator=g).to(torch.bfloat16).view(-1),
-            torch.randn(1, generator=g), torch.arange(4, dtype=torch.int64), torch.randn(9, generator=g)]
-    out = copy_packed(srcs, "cpu")
-    assert [o.dtype for o in out] == [s.dtype for s in srcs]
-    assert all(torch.equal(o, s) for o, s in zip(out, srcs))
-    assert all(o.data_ptr() != s.data_ptr() for o, s in zip(out, srcs)), "copies, not the sources"
-    storages = {o.untyped_storage().data_ptr() for o in out}
-    assert len(storages) == 3, "one allocation per dtype"
-    srcs[0].add_(1)
-    assert not torch.equal(out[0], srcs[0]), "a later write to the source leaves the copy alone"
-
-
 def test_copier_thread_ends_with_an_unclosed_checkpointer(host_daemon, tmp_path):
     import gc
     client = gpu_anchor.connect("cpu", namespace="job")
