@@ -215,6 +215,12 @@ def render(result: dict) -> str:
             if kv and anc and model == "qwen3-8b":
                 verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs KV-memory {fmt_s(kv)} = {kv / anc:.2f}× — "
                                 f"{verdict(kv / anc >= result['target_x'])}")
+        firsts = [f"{LABELS.get(r['method'], r['method'])} {mode} {fmt_s(t['resume_steps'][0]['dt'])}"
+                  for r in rows for mode, x in r["modes"].items() for t in x["trials"][:1] if t.get("resume_steps")]
+        if firsts:
+            lines.append("\nThe restarted engine's first step (eager; every kernel and cuBLAS heuristic met for the "
+                         "first time by that process; its tokens are published with the next step): "
+                         + ", ".join(firsts) + ".")
         png = plot_path(f"recovery_serve_{model}.png")
         if png and plot_breakdown(rows, LABELS, (("startup_s", "start-up"), ("engine_s", "engine"),
                                                  ("resume_s", "resume")), f"Inference recovery breakdown, {model}",
