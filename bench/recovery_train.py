@@ -19,6 +19,7 @@ reports how many completed steps it lost (it resumes at its restored step).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -105,26 +106,41 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
     return out
 
 
-def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work) -> dict:
+SUPERVISED = {  # variant -> (method name in the result, extra `gpu-anchor run` options)
+    "fork": ("gpu_anchor_run", []),
+    "warm_pool": ("gpu_anchor_run_warm_pool", ["--warm-pool"]),
+    "prewarm": ("gpu_anchor_run_prewarm", ["--prewarm", "bench.baselines.trainer:prewarm"]),
+}
+
+
+def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, variant="fork",
+                   settle_s=0.0) -> dict:
     """gpu-anchor as shipped: ``gpu-anchor run`` (supervisor, warm workers, its own daemons)
-    restarts the killed worker by itself; kill → first step measured the same way."""
+    restarts the killed worker by itself; kill → first step measured the same way.
+    ``variant``: ``fork`` (a child of the warm fork server), ``warm_pool`` (a standby with
+    its CUDA context made takes over), ``prewarm`` (that standby also ran one step of a
+    1-layer copy of the model first).  With a standby, each kill waits ``settle_s`` after
+    the worker's restore so that the next standby is ready; each trial records how the
+    supervisor restarted the rank."""
     import signal
     import subprocess
     import sys
 
     from bench.baselines.launcher import PRELOAD, ROOT, EventLog, worker_env
-    evfile = os.path.join(work, f"supervised-{model}.events")
+    method, extra = SUPERVISED[variant]
+    evfile = os.path.join(work, f"supervised-{variant}-{model}.events")
     log = EventLog(evfile)
     ns = f"rt-sup-{model}-{time.time_ns()}"
     args = _trial_args("gpu_anchor", model, device, tiny, os.path.join(work, "sup-ck"), ns, evfile, ckpt_every,
                        bsz, seq)
     env = worker_env()
-    env["GPU_ANCHOR_SOCKET_DIR"] = tempfile.mkdtemp(prefix="ga-sup-")  # the supervisor's own daemons
+    env["GPU_ANCHOR_SOCKET_DIR"] = sockets = tempfile.mkdtemp(prefix="ga-sup-")  # the supervisor's own daemons
+    env["BENCH_TRAIN_PREWARM"] = json.dumps({"model": model, "tiny": tiny, "batch": bsz, "seq": seq})
     # `gpu-anchor run` (gpu_anchor.launch.cli until the top-level CLI registers `run`)
     cmd = [sys.executable, "-c", "import sys; from gpu_anchor.launch.cli import main; sys.exit(main(sys.argv[1:]))",
            "run", "--max-restarts", str(repeat + 2), "--restart-backoff",
            "0", "--crash-loop", str(repeat + 2), "--preload", ",".join(PRELOAD), "--namespace", ns,
-           "--device-type", "cuda" if device.startswith("cuda") else "cpu", "--quiet", "--",
+           "--device-type", "cuda" if device.startswith("cuda") else "cpu", "--quiet", *extra, "--",
            sys.executable, "-m", "bench.baselines.trainer"] + args
     sup = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(os.path.join(work, "supervisor.log"), "wb"),
                            stderr=subprocess.STDOUT, start_new_session=True)
@@ -135,8 +151,12 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work) -> d
         pid = log.wait(lambda e: e["ev"] == "restored", alive, 600)["pid"]
         for _ in range(repeat):
             restored = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, alive)["step"]
+            t_restored = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, alive)["t"]
             done = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["step"] >= restored + ckpt_every + 1,
                             alive)["step"]
+            time.sleep(max(0.0, t_restored + settle_s - time.time()))
+            log.poll()
+            done = max(e["step"] for e in log.events if e["ev"] == "step" and e["pid"] == pid)
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
             first = log.wait(lambda e: e["ev"] == "step" and e["pid"] != pid and e["t"] > t_kill, alive, 600)
@@ -144,8 +164,9 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work) -> d
             ph = _phases([e for e in log.events if e["pid"] == pid], t_kill, t_kill)
             ph["killed_after_step"] = done
             ph["lost_steps"] = max(0, done - ph["restored_step"])
+            ph["how"] = _last_restart_how(sockets, ns)
             trials.append(ph)
-            print(f"{model} gpu-anchor run (supervised, warm): total {ph['total_s']:.3f}s = start-up "
+            print(f"{model} gpu-anchor run ({variant}, {ph['how']}): total {ph['total_s']:.3f}s = start-up "
                   f"{ph['startup_s']:.3f} + restore {ph['restore_s']:.3f} + first step {ph['first_step_s']:.3f}",
                   flush=True)
     finally:
@@ -160,7 +181,22 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work) -> d
     med = {k: statistics.median(t[k] for t in trials) for k in trials[0]
            if isinstance(trials[0][k], (int, float)) and not isinstance(trials[0][k], bool)}
     med["trials"] = trials
-    return {"method": "gpu_anchor_run", "modes": {"warm": med}}
+    return {"method": method, "modes": {"warm": med}, "settle_s": settle_s}
+
+
+def _last_restart_how(socket_dir: str, namespace: str) -> str | None:
+    """How the supervisor started the rank after the last failure ("warm standby", "warm
+    (forked)", ...), from its job record; None if it has not written one yet."""
+    for _ in range(50):
+        try:
+            with open(os.path.join(socket_dir, "jobs", namespace + ".json")) as f:
+                restarts = json.load(f).get("restarts") or []
+            if restarts and restarts[-1].get("how"):
+                return restarts[-1]["how"]
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    return None
 
 
 def main(argv=None) -> int:
@@ -178,16 +214,25 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dir", default=None, help="local-disk work directory (default: a temp dir)")
-    p.add_argument("--supervised", action="store_true",
-                   help="add a row for gpu-anchor under `gpu-anchor run` (its supervisor restarts the worker)")
+    p.add_argument("--supervised", nargs="?", const="fork", default="",
+                   help="add rows for gpu-anchor under `gpu-anchor run` (its supervisor restarts the worker): "
+                        "comma-separated variants of " + ", ".join(SUPERVISED) + " (bare flag: fork)")
+    p.add_argument("--standby-settle", type=float, default=30.0,
+                   help="with a standby variant, seconds after each restore before the next kill (the next "
+                        "standby must be ready; the pre-warm of a 1B model took ~11 s on an H200)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    args.supervised = [v for v in args.supervised.split(",") if v]
+    bad = set(args.supervised) - set(SUPERVISED)
+    if bad:
+        p.error(f"unknown --supervised variant(s) {sorted(bad)}; choose from {', '.join(SUPERVISED)}")
     device = default_device(args.device)
     methods = args.methods.split(",")
     if args.tiny:
         args.repeat, args.batch, args.seq, args.ckpt_every = 1, 2, 32, 2
         args.models = "llama3.2-1b"
+        args.standby_settle = min(args.standby_settle, 4.0)
     why = available()
     if why is not None and "gpu_anchor" in methods:
         print(f"gpu-anchor not measured: {why}")
@@ -214,13 +259,17 @@ def main(argv=None) -> int:
                         print(f"{m} {meth} FAILED: {type(e).__name__}: {e}", flush=True)
                         result.setdefault("failed", {})[f"{m}/{meth}"] = f"{type(e).__name__}: {e}"
                     result["models"][m] = rows
-                    if meth == methods[-1] and args.supervised and why is None:
+                    for variant in (args.supervised if meth == methods[-1] and why is None else []):
                         try:
                             rows.append(run_supervised(m, device, args.tiny, args.repeat, args.ckpt_every,
-                                                       args.batch, args.seq, work))
+                                                       args.batch, args.seq, work, variant,
+                                                       0.0 if variant == "fork" else args.standby_settle))
                         except Exception as e:
-                            print(f"{m} gpu-anchor run FAILED: {type(e).__name__}: {e}", flush=True)
-                            result.setdefault("failed", {})[f"{m}/gpu_anchor_run"] = f"{type(e).__name__}: {e}"
+                            if args.tiny:
+                                raise
+                            print(f"{m} gpu-anchor run ({variant}) FAILED: {type(e).__name__}: {e}", flush=True)
+                            result.setdefault("failed", {})[f"{m}/{SUPERVISED[variant][0]}"] = \
+                                f"{type(e).__name__}: {e}"
                     # partial results survive a time limit
                     write_result("recovery_train_tiny" if args.tiny else "recovery_train", result, args.out)
     finally:
@@ -238,7 +287,9 @@ def render(result: dict) -> str:
     parts = []
     labels = {"torch_save": "torch.save", "checkfreq": "CheckFreq", "inmemory": "in-memory (/dev/shm)",
               "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor",
-              "gpu_anchor_run": "gpu-anchor under `gpu-anchor run`"}
+              "gpu_anchor_run": "gpu-anchor under `gpu-anchor run`",
+              "gpu_anchor_run_warm_pool": "gpu-anchor under `gpu-anchor run --warm-pool`",
+              "gpu_anchor_run_prewarm": "gpu-anchor under `gpu-anchor run --prewarm`"}
     verdicts = []
     for model, rows in result["models"].items():
         modes = list(dict.fromkeys(m for r in rows for m in r["modes"]))
@@ -264,6 +315,12 @@ def render(result: dict) -> str:
             if inmem and anc and model == "llama3.2-1b":
                 verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs in-memory {fmt_s(inmem)} = "
                                 f"{inmem / anc:.2f}× — {verdict(inmem / anc >= result['target_x'])}")
+        hows = [f"{labels.get(r['method'], r['method'])}: "
+                + ", ".join(str(t.get("how")) for t in r["modes"]["warm"]["trials"])
+                for r in rows if r["method"].startswith("gpu_anchor_run") and "warm" in r["modes"]
+                and any(t.get("how") for t in r["modes"]["warm"]["trials"])]
+        if hows:
+            lines.append("\nHow `gpu-anchor run` restarted the rank, per kill — " + "; ".join(hows) + ".")
         png = plot_path(f"recovery_train_{model}.png")
         if png and plot_breakdown(rows, labels, (("startup_s", "start-up"), ("restore_s", "restore"),
                                                  ("first_step_s", "first step")),

@@ -52,6 +52,22 @@ def make_optimizer(model, device: str):
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=not fused, fused=fused)
 
 
+def prewarm(device: str) -> None:
+    """A warm standby's pre-warm (``gpu-anchor run --prewarm bench.baselines.trainer:prewarm``):
+    one step of a 1-layer copy of the model on scratch weights, with the shapes in
+    ``BENCH_TRAIN_PREWARM`` (JSON: model, tiny, batch, seq); the memory goes back after."""
+    import torch
+
+    from bench import models
+    spec = json.loads(os.environ["BENCH_TRAIN_PREWARM"])
+    scratch = models.build(spec["model"], device, tiny=spec.get("tiny", False), layers=1, seed=1)
+    opt = make_optimizer(scratch, device)
+    float(train_step(scratch, opt, 0, spec["batch"], spec["seq"]).detach())
+    del scratch, opt
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.baselines.trainer")
     p.add_argument("--method", required=True)
