@@ -189,3 +189,26 @@ def test_recovery_intervals_do_not_overlap_when_a_kill_lands_during_recovery():
     assert rec == [2.5, 3.0]                    # 3.5 -> 6.0 (killed again), 6.0 -> 9.0 (next step)
     assert recomputed == 2                      # steps 2 and 3 ran twice
     assert recovery_and_recomputed(steps, []) == ([], 2)
+
+
+def test_recovery_train_supervised_standby_rows(tmp_path):
+    """`recovery_train --supervised warm_pool,prewarm`: each kill is taken over by a warm
+    standby (the prewarm one ran the trainer's 1-layer pre-warm step first)."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GPU_ANCHOR_SOCKET_DIR=str(tmp_path / "sock"), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--methods", "gpu_anchor",
+                        "--modes", "warm", "--supervised", "warm_pool,prewarm", "--out", str(tmp_path)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.load(open(tmp_path / "recovery_train_tiny.json"))["models"]["llama3.2-1b"]
+    sup = {r["method"]: r["modes"]["warm"]["trials"] for r in rows if r["method"].startswith("gpu_anchor_run")}
+    assert set(sup) == {"gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm"}
+    for trials in sup.values():
+        assert [t["how"] for t in trials] == ["warm standby"] and trials[0]["lost_steps"] == 0
+    bad = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--supervised", "nope"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown --supervised variant" in bad.stderr
