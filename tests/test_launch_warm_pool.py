@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from gpu_anchor.launch.warm_pool import Standby, wait_exit
 from gpu_anchor.serve.tiny import make_tiny_model
 from launch_reference import reference  # noqa: F401  (session fixture)
@@ -54,7 +56,9 @@ def test_wait_exit_sees_a_sigkill_at_once():
 
 
 
-def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
+@pytest.mark.parametrize("flag", ["--warm-pool", "--prewarm"])
+def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon, flag):
+    """``--prewarm`` (implies the warm pool): the standby also ran a scratch engine first."""
     import openai
 
     from gpu_anchor.serve.engine import Engine, EngineConfig
@@ -70,7 +74,7 @@ def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon):
                                                         num_blocks=600)).generate(
         [codec.encode(j["prompt"]) for j in jobs],
         [SamplingParams(max_tokens=j["max_tokens"], temperature=j["temperature"], seed=j["seed"]) for j in jobs])]
-    with serve_process(tmp_path, model, "--socket", host_daemon[0], "--warm-pool", *SERVE) as base:
+    with serve_process(tmp_path, model, "--socket", host_daemon[0], flag, *SERVE) as base:
         c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=0)
         while not _get(base + "/health").get("engine_pid"):
             time.sleep(0.05)
@@ -150,3 +154,17 @@ def test_prewarm_spec_is_checked_before_anything_starts(tmp_path):
             raise AssertionError(f"{bad!r} accepted")
     p = run(str(tmp_path), ["--prewarm", "nocolon"], check=False)
     assert p.returncode == 2 and "MODULE:FUNCTION" in p.stderr
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2"])
+def test_serving_prewarm_runs_a_one_layer_scratch_engine(tmp_path, kind):
+    from gpu_anchor.serve.engine import EngineConfig
+    from gpu_anchor.serve.model_runner import load_config
+    from gpu_anchor.serve.prewarm import scratch_config, warm_engine
+    model = make_tiny_model(str(tmp_path / kind), kind, seed=3)
+    cfg = EngineConfig(model=model, max_num_seqs=8, block_size=4, num_blocks=100, namespace="live")
+    assert warm_engine(cfg)["engine_prewarm_s"] > 0
+    sc = scratch_config(cfg, model)
+    assert not sc.anchor and sc.random_weights and sc.cuda_graphs is False and sc.namespace is None
+    assert sc.num_blocks * sc.block_size >= sc.max_num_seqs * (cfg.block_size + 4)   # room for every sequence
+    assert load_config(model).num_hidden_layers > 1                                 # the live model is untouched

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-pool", action="store_true",
                    help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
                         "at once when the engine dies, instead of a fork + CUDA init")
+    p.add_argument("--prewarm", action="store_true",
+                   help="with --warm-pool (implied): the standby also runs a 1-layer scratch engine of the same "
+                        "shapes through prefill and decode before any failure, so the first step after a "
+                        "take-over finds its kernels loaded (never touches the live engine's state)")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
                         "for the first LIMIT engines (default: all)")
@@ -87,6 +91,17 @@ STANDBY_AFTER_S = 2.0
 def _dtype(name: str):
     from .engine import DTYPES
     return DTYPES.get(name)
+
+
+def _standby_prepare(cfg, prewarm: bool) -> dict:
+    """A standby's start-up, on scratch tensors only: CUDA context and cuBLAS, then (``--prewarm``)
+    the scratch engine of ``serve.prewarm``."""
+    from gpu_anchor.launch.warm_pool import warm_cuda
+    info = warm_cuda(cfg.device, _dtype(cfg.dtype))
+    if prewarm:
+        from .prewarm import warm_engine
+        info.update(warm_engine(cfg))
+    return info
 
 
 def _standby_run(cfg, esock: str, go: dict, worker) -> None:
@@ -134,6 +149,7 @@ def engine_config(args, mc):
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    args.warm_pool |= args.prewarm
     # The zygote role: import the heavy modules once, run nothing that starts threads.
     import torch  # noqa: F401
     from .model_runner import load_config
@@ -177,7 +193,7 @@ def main(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    from gpu_anchor.launch.warm_pool import Standby, wait_exit, warm_cuda
+    from gpu_anchor.launch.warm_pool import Standby, wait_exit
     incarnation, engine, quick_failures = 0, None, 0
     standby = None
     started = 0.0
@@ -215,7 +231,7 @@ def main(args) -> int:
                 incarnation += 1
             if args.warm_pool and standby is None and time.time() - started > STANDBY_AFTER_S:
                 # made once the engine has started, so its CUDA init does not slow that one's
-                standby = Standby(lambda: warm_cuda(cfg.device, _dtype(cfg.dtype)),
+                standby = Standby(lambda: _standby_prepare(cfg, args.prewarm),
                                   lambda go: _standby_run(cfg, esock, go, worker))
             r = wait_exit(engine, 0.25)      # a pidfd: the death is seen when it happens
             if r is None:
