@@ -1,4 +1,5 @@
-"""Engine restart to first token, with and without the warm pool (``gpu-anchor serve --warm-pool``).
+"""Engine restart to first token, with and without the warm pool (``gpu-anchor serve --warm-pool``,
+``--prewarm``).
 
     python -m bench coldstart                  # Qwen3-8B shape, random bf16 weights, cuda:0
     python -m bench coldstart --tiny           # toy model on the CPU
@@ -8,7 +9,9 @@ process is SIGKILLed ``--kills`` times and the client measures the gap between t
 token before the kill and the first one after it.  The engine reports its own phases
 (process start, CUDA init, bind, restore, first step) in ``/health``.  Without the pool a
 new engine is forked from the supervisor (imports done, no CUDA context); with it a
-standby that already holds a CUDA context and warmed kernels takes over.  The state
+standby that already holds a CUDA context and warmed kernels takes over; with
+``--prewarm`` that standby also ran a 1-layer scratch engine of the same shapes first
+(``serve/prewarm.py``), so the restarted engine's first step finds its kernels loaded.  The state
 (weights, KV, requests) survives in the device's anchor daemon in both modes: this is
 restart from anchored GPU memory, not PhoenixOS's start from a host-memory checkpoint.
 """
@@ -29,6 +32,9 @@ import urllib.request
 
 from bench.common import get_json, stop_process, write_result
 
+MODES = {"fork": [], "warm_pool": ["--warm-pool"], "prewarm": ["--prewarm"]}
+LABELS = {"fork": "fork from the supervisor", "warm_pool": "warm standby (`--warm-pool`)",
+          "prewarm": "warm standby + scratch-engine pre-warm (`--prewarm`)"}
 PHASES = ("process_start_s", "cuda_init_s", "bind_s", "weights_s", "restore_s", "init_s", "first_step_s", "down_s")
 
 
@@ -45,16 +51,15 @@ def _stream(base, body, stamps, done):
         done.set()
 
 
-def _one_mode(args, model, warm: bool, sock_dir: str) -> dict:
-    port_file = os.path.join(sock_dir, f"port-{int(warm)}")
+def _one_mode(args, model, mode: str, sock_dir: str) -> dict:
+    port_file = os.path.join(sock_dir, f"port-{mode}")
     cmd = [sys.executable, "-m", "gpu_anchor.serve", model, "--random-weights", "--port", "0", "--port-file",
            port_file, "--device", args.device, "--kv-cache-gib", str(args.kv_gib), "--max-model-len", "2048",
            "--socket", os.path.join(sock_dir, "d.sock"), "--namespace", "coldstart"]
     if args.device == "cpu":
         cmd += ["--dtype", "float32", "--cpu-threads", "1"]
-    if warm:
-        cmd.append("--warm-pool")
-    log = open(os.path.join(sock_dir, f"serve-{int(warm)}.log"), "ab")
+    cmd += MODES[mode]
+    log = open(os.path.join(sock_dir, f"serve-{mode}.log"), "ab")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONPATH": os.getcwd()})
     row = {"kills": []}
     try:
@@ -111,8 +116,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--settle", type=float, default=4.0, help="seconds a stream runs before each kill")
     ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES):
+        ap.error(f"unknown mode(s) {sorted(set(modes) - set(MODES))}; choose from {', '.join(MODES)}")
     if args.tiny:
         args.device, args.kills, args.kv_gib, args.prompt_words, args.max_tokens, args.settle = \
             "cpu", 1, 0.05, 10, 1800, 1.0
@@ -131,16 +140,14 @@ def main(argv=None) -> int:
                        "state survives in the anchor daemon in both modes"}
     from gpu_anchor.daemon import control
     try:
-        for warm in (False, True):
-            key = "warm_pool" if warm else "fork"
+        for key in modes:
             try:
-                result[key] = _one_mode(args, mdir, warm, sock_dir)
+                result[key] = _one_mode(args, mdir, key, sock_dir)
             except Exception as e:
                 result[key] = {"error": f"{type(e).__name__}: {e}"}
             write_result(name, result, args.out)
-        print(json.dumps({k: {m: v for m, v in result[k].items() if m != "kills"} for k in ("fork", "warm_pool")},
-                         indent=1))
-        return 0 if all("error" not in result[k] for k in ("fork", "warm_pool")) else 1
+        print(json.dumps({k: {m: v for m, v in result[k].items() if m != "kills"} for k in modes}, indent=1))
+        return 0 if all("error" not in result[k] for k in modes) else 1
     finally:
         dev = "cpu" if args.device == "cpu" else args.device
         control.stop(dev, os.path.join(sock_dir, "d.sock"))
@@ -155,16 +162,18 @@ def render(r: dict) -> str:
         return "—" if not isinstance(v, (int, float)) else f"{v * 1e3:.0f} ms"
     lines = [f"{r['shape']} on {r['device']}, {r['kills']} engine SIGKILLs per mode, one stream open. "
              f"{r.get('paper', '')}.", "",
-             "| Engine start | Kill → next token (median) | Process start | CUDA init | Bind | Restore | Engine init |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for key, label in (("fork", "fork from the supervisor"), ("warm_pool", "warm standby (`--warm-pool`)")):
-        row = r.get(key, {})
+             "| Engine start | Kill → next token (median) | Process start | CUDA init | Bind | Restore | Engine init "
+             "| First step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, label in LABELS.items():
+        if key not in r:
+            continue
+        row = r[key]
         if "error" in row:
-            lines.append(f"| {label} | failed: {row['error']} | | | | | |")
+            lines.append(f"| {label} | failed: {row['error']} | | | | | | |")
             continue
         lines.append(f"| {label} | **{s(row.get('median_kill_to_token_s'))}** | "
                      f"{s(row.get('median_process_start_s'))} | {s(row.get('median_cuda_init_s'))} | "
                      f"{s(row.get('median_bind_s'))} | {s(row.get('median_restore_s'))} | "
-                     f"{s(row.get('median_init_s'))} |")
+                     f"{s(row.get('median_init_s'))} | {s(row.get('median_first_step_s'))} |")
     lines.append("\n" + r.get("notes", ""))
     return "\n".join(lines)
