@@ -53,10 +53,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from gpu_anchor.client import mapping
 from gpu_anchor.launch import snapshot
 from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
 
+from .object_table import ObjectTable
 from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
 from .writeset import Recorder, WriteSetTracker
 
@@ -130,8 +130,8 @@ class ConcurrentCheckpointer:
         weakref.finalize(self, self._copier.stop)  # an idle copier thread must not outlive its checkpointer
         self._writer_error: list[BaseException] = []
         self._staging_cache: dict[tuple, torch.Tensor] = {}
-        self._tables: dict[int, tuple] = {}  # client index -> (version, object list, rows): see _enumerate
-        self._entries: dict | None = None  # the last _enumerate result (returned again while unchanged)
+        self._table = ObjectTable(self.clients, tracker)
+        self._observed: int | None = None  # bytes the job wrote per step, seen during the last flight
         self._derived: tuple | None = None  # (entries, total bytes, staging, CUDA device) for those entries
         self._stream = self._job_stream = None
         self._gpu_budget = 0
@@ -160,7 +160,7 @@ class ConcurrentCheckpointer:
                                "call boundary()/finish() first")
         self._wait_writer()
         t0 = time.perf_counter()
-        entries = self._enumerate()
+        entries = self._table.entries()
         if self._derived is None or self._derived[0] is not entries:  # same table: same staging and sizes
             total = sum(t.numel() * t.element_size() for _, _, t in entries.values())
             staging = {k: self._staging(k, t) for k, (_, _, t) in entries.items()}
@@ -209,7 +209,7 @@ class ConcurrentCheckpointer:
         """Allocate the pinned host staging, enumerate the objects and start the copier thread now
         (else the first ``start`` pays for them); returns bytes."""
         self._copier.ensure_started()
-        entries = self._enumerate()
+        entries = self._table.entries()
         for k, (_, _, t) in entries.items():
             self._staging(k, t)
         return sum(t.numel() * t.element_size() for _, _, t in entries.values())
@@ -317,64 +317,6 @@ class ConcurrentCheckpointer:
             fl.result.misses.append({"op": str(func), "objects": sorted(names)})
 
     # ------------------------------------------------------------------ copying
-    def _enumerate(self) -> dict:
-        """``key -> (client index, object name, tensor)`` for every non-empty object of every client.
-
-        Kept between checkpoints (``_tables``) and reused while still exact: the daemon says its
-        object table is still at the version the rows were built from (one small round trip; a
-        new version at every create, replace and free), or, from a daemon without versions, its
-        object list equals the one the rows were built from — name, dtype, shape and
-        *generation*, which the daemon draws fresh for every object it creates, so a replaced or
-        recreated object never compares equal; and every key is still registered in the tracker
-        as the tensor it resolved to.  Otherwise that client's objects are looked up again (a
-        lookup bind: the checkpointer never owns the job's memory).  The cached lookup tensors
-        keep their mappings alive between checkpoints, as the tracker's registrations do."""
-        entries, same = {}, self._entries is not None
-        for ci, client in enumerate(self.clients):
-            table = self._tables.get(ci)
-            version, infos = client.objects_since(table[0] if table is not None else None)
-            if infos is None:  # still at the table's version
-                infos = table[1]
-            if table is None or (infos is not table[1] and infos != table[1]) or not self._still_registered(table[2]):
-                rows = self._lookup(ci, client, infos, table)
-            else:
-                rows = table[2]
-            same = same and table is not None and rows is table[2]
-            self._tables[ci] = (version, infos, rows)
-            for key, (t, _) in rows.items():
-                entries[key] = t
-        if same:  # every client's rows reused: the very same dict as last time (start() keys on it)
-            return self._entries
-        self._entries = entries
-        return entries
-
-    def _still_registered(self, rows: dict) -> bool:
-        ts = self.tracker.tensors
-        return all(ts.get(k) is reg for k, (_, reg) in rows.items())
-
-    def _lookup(self, ci: int, client, infos: dict, old) -> dict:
-        """Bind ("lookup") every object of ``client``; rows ``key -> ((ci, name, tensor), registered)``.
-        ``old``: the previous ``(version, object list, rows)`` of this client, or None."""
-        if old is not None:
-            # first drop what this checkpointer registered for objects freed or recreated since, so an
-            # object now placed at such an address range is not taken for the old one (nor refused)
-            ts = self.tracker.tensors
-            for key, ((_, name, t), _) in old[2].items():
-                if infos.get(name) != old[1].get(name) and ts.get(key) is t:
-                    self.tracker.unregister(key)
-        bound = client.bind([(n, i.shape, mapping.torch_dtype(i.dtype)) for n, i in sorted(infos.items())],
-                            "lookup")
-        rows = {}
-        for b in bound:
-            if b.tensor is None or b.tensor.numel() == 0:
-                continue
-            key = self.tracker.name_of(b.tensor)
-            if key is None:
-                key = b.name if len(self.clients) == 1 else f"{client.device}/{b.name}"
-                self.tracker.register(key, b.tensor)
-            rows[key] = ((ci, b.name, b.tensor), self.tracker.tensors[key])
-        return rows
-
     def _staging(self, key, t) -> torch.Tensor:
         ck = (key, tuple(t.shape), t.dtype)
         buf = self._staging_cache.get(ck)
@@ -501,15 +443,12 @@ class ConcurrentCheckpointer:
         self._start_writer(fl, touch)
         return res
 
-    def _observed_or_none(self):
-        return getattr(self, "_observed", None)
-
     def _choose(self, policy: str, total: int) -> tuple[str, str]:
         if policy != "auto":
             return policy, "requested"
         frac = self.expected_dirty_fraction
         source = "expected_dirty_fraction"
-        observed = self._observed_or_none()
+        observed = self._observed
         if frac is None and observed is not None and total:
             frac, source = observed / total, "measured write volume per step"
         if frac is None:
