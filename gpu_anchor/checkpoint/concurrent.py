@@ -20,12 +20,10 @@ Two policies (PhoenixOS §4), chosen per checkpoint and reported:
 
 * **soft copy-on-write** (``cow``) — the checkpoint is the state at ``start``.  A
   background copier (a thread; on CUDA a low-priority side stream) moves every
-  object to pinned host staging.  Before an op writes objects not yet copied, they
-  are copied first, on the op's thread at top priority, as one group (the op's whole
-  not-yet-copied write set claimed at once; host objects with one ``_foreach_copy_``, on
-  CUDA a GPU-side clone of each and one event when the budget allows, drained to host
-  later, else straight to host with one wait); objects the copier holds are waited for.
-  Invariant: every staged object equals its value at ``start``.
+  object to pinned host staging.  An op's not-yet-copied write set is copied first, on
+  its thread, as one group (on CUDA a GPU-side clone each and one event while the budget
+  allows, drained later; else to host and one wait); objects the copier holds are waited
+  for.  Invariant: every staged object equals its value at ``start``.
 * **soft recopy** (``recopy``) — copies without ever blocking an op; objects written
   after (or while) their copy started are *dirty*.  The checkpoint is the state at
   the boundary where the background copy is found finished: only the dirty objects
@@ -38,8 +36,8 @@ tracker during the previous checkpoint, or ``expected_dirty_fraction``) are belo
 ``recopy_threshold`` of the total, else ``cow``.  With a ``Validator`` attached, an
 undeclared write during the flight marks the checkpoint invalid; it is not written,
 the op is then treated as writing all its inputs, and the checkpoint is retaken at
-the next boundary.  Files: ``gpu_anchor.launch.snapshot`` layout (safetensors +
-manifest + COMMITTED), so ``snapshot.restore`` and the supervisor read them.
+the next boundary.  Files: ``gpu_anchor.launch.snapshot`` layout, which
+``snapshot.restore`` and the supervisor read.
 """
 from __future__ import annotations
 
@@ -206,13 +204,10 @@ class ConcurrentCheckpointer:
         return policy
 
     def prepare(self) -> int:
-        """Allocate the pinned host staging, enumerate the objects and start the copier thread now
-        (else the first ``start`` pays for them); returns bytes."""
+        """Pay now what the first ``start`` would (staging, object table, copier); returns bytes."""
         self._copier.ensure_started()
         entries = self._table.entries()
-        for k, (_, _, t) in entries.items():
-            self._staging(k, t)
-        return sum(t.numel() * t.element_size() for _, _, t in entries.values())
+        return sum(self._staging(k, t).nbytes for k, (_, _, t) in entries.items())
 
     def prioritize(self, names) -> None:
         """Copy these objects next (e.g. the chunk the training protocol writes next)."""
