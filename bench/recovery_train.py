@@ -178,6 +178,12 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
                 os.killpg(sup.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # a stopped supervisor leaves its daemons running (the state is kept for a rerun): stop them,
+        # or they outlive the benchmark (and the test suite)
+        from gpu_anchor.daemon import control
+        for dev, path in control.discover(sockets).items():
+            control.stop(dev, path)
+        shutil.rmtree(sockets, ignore_errors=True)
     med = {k: statistics.median(t[k] for t in trials) for k in trials[0]
            if isinstance(trials[0][k], (int, float)) and not isinstance(trials[0][k], bool)}
     med["trials"] = trials
