@@ -92,8 +92,10 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
     os.write(fd, f"done {cfg.steps}\n".encode())
     os.close(fd)
     # gloo + FileStore: destroy_process_group() sometimes hung after both ranks were done (on
-    # the 2-core CI machine, about 1 run in 2); a forked CPU rank os._exit()s right after this,
-    # which releases the group.  NCCL ranks (a process each) destroy it as before.
+    # the 2-core CI machine, about 1 run in 2).  A barrier keeps what it gave — no rank leaves
+    # while a peer may still need it — and a forked CPU rank os._exit()s right after, which
+    # releases the group.  NCCL ranks (a process each) destroy it as before.
+    dist.barrier()
     if dev.type == "cuda":
         dist.destroy_process_group()
 
