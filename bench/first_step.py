@@ -39,20 +39,13 @@ def _step(model, opt, step, bsz, seq):
 
 
 def _prewarm(variant, name, device, tiny, bsz, seq) -> float:
-    import torch
-    from bench import models
-    from bench.baselines.trainer import make_optimizer
+    from bench.baselines.trainer import scratch_step
     t0 = time.perf_counter()
     if variant in ("cublas", "shape", "shape_release") and device.startswith("cuda"):
         from gpu_anchor.launch.warm_pool import warm_cuda
         warm_cuda(device)
     if variant in ("shape", "shape_release"):
-        scratch = models.build(name, device, tiny=tiny, layers=1, seed=1)
-        opt = make_optimizer(scratch, device)
-        _step(scratch, opt, 0, bsz, seq)
-        del scratch, opt
-        if variant == "shape_release" and device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        scratch_step(name, device, tiny, bsz, seq, release=variant == "shape_release")
     return time.perf_counter() - t0
 
 

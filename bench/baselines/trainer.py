@@ -52,20 +52,25 @@ def make_optimizer(model, device: str):
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=not fused, fused=fused)
 
 
-def prewarm(device: str) -> None:
-    """A warm standby's pre-warm (``gpu-anchor run --prewarm bench.baselines.trainer:prewarm``):
-    one step of a 1-layer copy of the model on scratch weights, with the shapes in
-    ``BENCH_TRAIN_PREWARM`` (JSON: model, tiny, batch, seq); the memory goes back after."""
+def scratch_step(model: str, device: str, tiny: bool, bsz: int, seq: int, release: bool = True) -> None:
+    """One training step of a 1-layer copy of shape ``model`` on scratch weights (loads the
+    kernels the real step needs); ``release``: its memory goes back to the driver after."""
     import torch
 
     from bench import models
-    spec = json.loads(os.environ["BENCH_TRAIN_PREWARM"])
-    scratch = models.build(spec["model"], device, tiny=spec.get("tiny", False), layers=1, seed=1)
+    scratch = models.build(model, device, tiny=tiny, layers=1, seed=1)
     opt = make_optimizer(scratch, device)
-    float(train_step(scratch, opt, 0, spec["batch"], spec["seq"]).detach())
+    float(train_step(scratch, opt, 0, bsz, seq).detach())
     del scratch, opt
-    if device.startswith("cuda"):
+    if release and device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def prewarm(device: str) -> None:
+    """A warm standby's pre-warm (``gpu-anchor run --prewarm bench.baselines.trainer:prewarm``):
+    ``scratch_step`` with the shapes in ``BENCH_TRAIN_PREWARM`` (JSON: model, tiny, batch, seq)."""
+    spec = json.loads(os.environ["BENCH_TRAIN_PREWARM"])
+    scratch_step(spec["model"], device, spec.get("tiny", False), spec["batch"], spec["seq"])
 
 
 def parser() -> argparse.ArgumentParser:

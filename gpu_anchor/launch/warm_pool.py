@@ -7,9 +7,10 @@
 
 The child runs ``prepare`` right after the fork (create the CUDA context, warm cuBLAS on
 scratch tensors — never anchored state, which belongs to the active worker; plus the
-user's own pre-warm function, ``run_prewarm``), reports ready, then blocks on a pipe.  ``go(msg)`` sends ``msg`` (a JSON object: what is only
-known at take-over, e.g. placement, fault plan, start time) and the child calls
-``run(msg)``, then exits with 0 (1 if it raised).  If the parent dies, the pipe closes
+user's own pre-warm function, ``run_prewarm``), reports ready, then blocks on a pipe.
+``go(msg)`` sends ``msg`` (a JSON object: what is only known at take-over, e.g.
+placement, fault plan, start time) and the child calls ``run(msg)``, then exits with 0
+(1 if it raised).  If the parent dies, the pipe closes
 and the standby exits (and ``PR_SET_PDEATHSIG`` kills it).  The fork must happen in a
 process that has started no threads that matter (the zygote's rule).
 
