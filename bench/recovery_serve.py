@@ -14,7 +14,12 @@ next engine and times kill → every interrupted request has produced its next t
 split into start-up (process + imports), engine construction (CUDA context, weights,
 KV, metadata) and resume (re-prefill for Replay, else the first step).  Cold = fresh
 interpreter; warm = gpu-anchor's fork server with torch, transformers and the engine
-imported, for every method alike.  Weights are random, written once as safetensors.
+imported, for every method alike; ``standby`` / ``prewarm``: the next engine was started
+before the fault and waits with its CUDA context made (and, for ``prewarm``, a 1-layer
+scratch engine run: ``gpu_anchor.serve.prewarm``), for every method alike
+(``bench.baselines.standby``).  Weights are random, written once as safetensors.
+
+    python -m bench recovery_serve --modes warm,standby,prewarm
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import shutil
 import tempfile
 import time
 
+from bench.baselines import standby
 from bench.common import (default_device, fmt_s, median_by_mode, private_daemon, run_isolated, speedup, verdict,
                           write_result)
 
@@ -81,9 +87,17 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     if a.tiny:
         trials.pop("cold", None)  # smoke size: recovery_train --tiny exercises the cold path
     modes = list(trials)
+    spid = None
     try:
         for mode in modes:
             for _ in range(a.repeat):
+                go = spid = None
+                if mode in standby.STANDBY_MODES:  # the next engine waits, ready, before the fault
+                    go = os.path.join(work, f"go-{time.time_ns()}")
+                    spid = launchers["warm"].spawn(_args(method, a, model_dir, device, state, ns, evfile)
+                                                   + standby.standby_args(go, mode == "prewarm"), mod)
+                    log.wait(lambda e: e["ev"] == "standby" and e["pid"] == spid,
+                             lambda: launchers["warm"].alive(spid), timeout=1800)
                 full = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= a.concurrency,
                                 lambda: launcher.alive(pid), timeout=1800)
                 log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["t"] > full["t"] and
@@ -94,8 +108,12 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
                 t_dead = time.time()
                 log.poll()
                 nxt = next_request(log.events)
-                launcher = launchers[mode]
-                pid = launcher.spawn(_args(method, a, model_dir, device, state, ns, evfile, nxt), mod)
+                if go:
+                    standby.release(go, next_request=nxt)
+                    launcher, pid = launchers["warm"], spid
+                else:
+                    launcher = launchers[mode]
+                    pid = launcher.spawn(_args(method, a, model_dir, device, state, ns, evfile, nxt), mod)
                 log.wait(lambda e: e["ev"] == "resumed" and e["pid"] == pid, lambda: launcher.alive(pid),
                          timeout=1800)
                 by = {}
@@ -103,8 +121,9 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
                     if e["pid"] == pid:
                         by.setdefault(e["ev"], e)
                 tm = by["engine"]["timings"]
-                ph = {"detect_s": t_dead - t_kill, "startup_s": by["imported"]["t"] - t_kill,
-                      "engine_s": by["engine"]["t"] - by["imported"]["t"],
+                t_up = by["go"]["t"] if go else by["imported"]["t"]  # a standby imported before the fault
+                ph = {"detect_s": t_dead - t_kill, "startup_s": t_up - t_kill,
+                      "engine_s": by["engine"]["t"] - t_up, "prewarm_s": by.get("standby", {}).get("engine_prewarm_s"),
                       "resume_s": by["resumed"]["t"] - by["engine"]["t"], "total_s": by["resumed"]["t"] - t_kill,
                       "restored": by["engine"]["restored"], "weights_s": tm.get("weights_load_s", tm.get("bind_s")),
                       "kv_back_s": tm.get("kv_copy_back_s", 0.0), "cuda_init_s": tm.get("cuda_init_s"),
@@ -123,6 +142,8 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     finally:
         try:
             launcher.kill(pid)
+            if spid is not None and spid != pid:  # a standby that never took over
+                launchers["warm"].kill(spid)
         finally:
             shutil.rmtree(state, ignore_errors=True)
     out = {"method": method, "modes": median_by_mode(trials)}
@@ -135,7 +156,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen3-8b")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--modes", default="cold,warm")
+    p.add_argument("--modes", default="cold,warm", help="any of cold, warm, standby, prewarm")
     p.add_argument("--device", default=None)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=64)
@@ -231,7 +252,9 @@ def render(result: dict) -> str:
             f"[paper: {PAPER}]. " + ("; ".join(verdicts) if verdicts else "not measured") + ".\n\n"
             "Total = kill → every interrupted request has produced its next token. For gpu-anchor the "
             "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
-            "page cache.")
+            "page cache." + (" " + standby.describe_modes() if any(
+                m in standby.STANDBY_MODES for rows in result["models"].values() for r in rows for m in r["modes"])
+                else ""))
     for k, err in result.get("failed", {}).items():
         tail += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(parts) + tail

@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 
+from bench.baselines import standby
 from bench.common import default_device, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
 
 TARGET_X = 5.0  # issue 7: >= 5x faster than the in-memory checkpoint, 1B model
@@ -45,13 +46,17 @@ def _phases(evs: list[dict], t_kill: float, t_dead: float) -> dict:
     for e in evs:
         by.setdefault(e["ev"], e)
     first = by["step"]
-    out = {"detect_s": t_dead - t_kill, "process_s": by["process"]["t_process"] - t_kill,
-           "imports_s": by["imported"]["t"] - t_kill, "cuda_s": by["cuda"]["t"] - by["imported"]["t"],
-           "build_s": by["built"]["t"] - by["cuda"]["t"],
-           "startup_s": by["built"]["t"] - t_kill, "restore_s": by["restored"]["t"] - by["built"]["t"],
-           "first_step_s": first["t"] - by["restored"]["t"], "total_s": first["t"] - t_kill,
-           "restored_step": by["restored"]["step"], "fresh": by["built"].get("fresh"),
-           "notes": by["restored"].get("notes", {})}
+    if "go" in by:  # a standby: process, imports and CUDA context came before the fault
+        out = {"go_s": by["go"]["t"] - t_kill, "build_s": by["built"]["t"] - by["go"]["t"],
+               "prewarm_s": by["standby"].get("prewarm_s")}
+    else:
+        out = {"process_s": by["process"]["t_process"] - t_kill, "imports_s": by["imported"]["t"] - t_kill,
+               "cuda_s": by["cuda"]["t"] - by["imported"]["t"], "build_s": by["built"]["t"] - by["cuda"]["t"]}
+    out.update({"detect_s": t_dead - t_kill,
+                "startup_s": by["built"]["t"] - t_kill, "restore_s": by["restored"]["t"] - by["built"]["t"],
+                "first_step_s": first["t"] - by["restored"]["t"], "total_s": first["t"] - t_kill,
+                "restored_step": by["restored"]["step"], "fresh": by["built"].get("fresh"),
+                "notes": by["restored"].get("notes", {})})
     if out["fresh"] or out["notes"].get("created"):
         raise RuntimeError(f"the restarted worker did not find the previous state: {out}")
     return out
@@ -71,24 +76,39 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
     if tiny and method != "gpu_anchor":
         trials.pop("cold", None)  # smoke size: cold start-up is the same interpreter cost for every method
     modes = list(trials)
+    spid = None
     try:
         for mode in modes:
             for _ in range(repeat):
-                restored = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid,
-                                    lambda: launcher.alive(pid))["step"]
+                go = spid = None
+                if mode in standby.STANDBY_MODES:  # the next worker waits, ready, before the fault
+                    go = os.path.join(work, f"go-{time.time_ns()}")
+                    spid = launchers["warm"].spawn(args + standby.standby_args(go, mode == "prewarm"))
+                    log.wait(lambda e: e["ev"] == "standby" and e["pid"] == spid,
+                             lambda: launchers["warm"].alive(spid))
+                log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, lambda: launcher.alive(pid))
+                log.poll()
+                # the worker trained on while a standby got ready: count from the steps it has now
+                last = max((e["step"] for e in log.events if e["ev"] == "step" and e["pid"] == pid), default=0)
                 if anchored:
                     ck_step = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and
-                                       e["step"] >= restored + ckpt_every, lambda: launcher.alive(pid))["step"]
+                                       e["step"] >= last + ckpt_every, lambda: launcher.alive(pid))["step"]
                 else:
-                    ck_step = log.wait(lambda e: e["ev"] == "persisted" and e["pid"] == pid,
+                    ck_step = log.wait(lambda e: e["ev"] == "persisted" and e["pid"] == pid and e["step"] > last,
                                        lambda: launcher.alive(pid))["step"]
-                done = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["step"] >= ck_step + 1,
-                                lambda: launcher.alive(pid))["step"]
+                log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["step"] >= ck_step + 1,
+                         lambda: launcher.alive(pid))
                 t_kill = time.time()
                 launcher.kill(pid)
                 t_dead = time.time()
-                launcher = launchers[mode]
-                pid = launcher.spawn(args)
+                log.poll()
+                done = max(e["step"] for e in log.events if e["ev"] == "step" and e["pid"] == pid)
+                if go:
+                    standby.release(go)
+                    launcher, pid = launchers["warm"], spid
+                else:
+                    launcher = launchers[mode]
+                    pid = launcher.spawn(args)
                 log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid, lambda: launcher.alive(pid))
                 ph = _phases([e for e in log.events if e["pid"] == pid], t_kill, t_dead)
                 ph["killed_after_step"] = done
@@ -100,16 +120,18 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
     finally:
         try:
             launcher.kill(pid)
+            if spid is not None and spid != pid:  # a standby that never took over
+                launchers["warm"].kill(spid)
         finally:
             shutil.rmtree(d, ignore_errors=True)
     out = {"method": method, "modes": median_by_mode(trials)}
     return out
 
 
-SUPERVISED = {  # variant -> (method name in the result, extra `gpu-anchor run` options)
-    "fork": ("gpu_anchor_run", []),
-    "warm_pool": ("gpu_anchor_run_warm_pool", ["--warm-pool"]),
-    "prewarm": ("gpu_anchor_run_prewarm", ["--prewarm", "bench.baselines.trainer:prewarm"]),
+SUPERVISED = {  # variant -> (method name in the result, extra `gpu-anchor run` options, the baselines' mode)
+    "fork": ("gpu_anchor_run", [], "warm"),
+    "warm_pool": ("gpu_anchor_run_warm_pool", ["--warm-pool"], "standby"),
+    "prewarm": ("gpu_anchor_run_prewarm", ["--prewarm", "bench.baselines.trainer:prewarm"], "prewarm"),
 }
 
 
@@ -127,7 +149,7 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
     import sys
 
     from bench.baselines.launcher import PRELOAD, ROOT, EventLog, worker_env
-    method, extra = SUPERVISED[variant]
+    method, extra, mode = SUPERVISED[variant]
     evfile = os.path.join(work, f"supervised-{variant}-{model}.events")
     log = EventLog(evfile)
     ns = f"rt-sup-{model}-{time.time_ns()}"
@@ -187,7 +209,7 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
     med = {k: statistics.median(t[k] for t in trials) for k in trials[0]
            if isinstance(trials[0][k], (int, float)) and not isinstance(trials[0][k], bool)}
     med["trials"] = trials
-    return {"method": method, "modes": {"warm": med}, "settle_s": settle_s}
+    return {"method": method, "modes": {mode: med}, "settle_s": settle_s}
 
 
 def _last_restart_how(socket_dir: str, namespace: str) -> str | None:
@@ -213,7 +235,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama3.2-1b")
     p.add_argument("--methods", default=",".join(list(baselines.TRAIN) + ["gpu_anchor"]))
-    p.add_argument("--modes", default="cold,warm")
+    p.add_argument("--modes", default="cold,warm", help="any of cold, warm, standby, prewarm")
     p.add_argument("--device", default=None)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=2)
@@ -322,9 +344,9 @@ def render(result: dict) -> str:
                 verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs in-memory {fmt_s(inmem)} = "
                                 f"{inmem / anc:.2f}× — {verdict(inmem / anc >= result['target_x'])}")
         hows = [f"{labels.get(r['method'], r['method'])}: "
-                + ", ".join(str(t.get("how")) for t in r["modes"]["warm"]["trials"])
-                for r in rows if r["method"].startswith("gpu_anchor_run") and "warm" in r["modes"]
-                and any(t.get("how") for t in r["modes"]["warm"]["trials"])]
+                + ", ".join(str(t.get("how")) for t in x["trials"])
+                for r in rows if r["method"].startswith("gpu_anchor_run") for x in r["modes"].values()
+                if any(t.get("how") for t in x["trials"])]
         if hows:
             lines.append("\nHow `gpu-anchor run` restarted the rank, per kill — " + "; ".join(hows) + ".")
         png = plot_path(f"recovery_train_{model}.png")
@@ -340,7 +362,11 @@ def render(result: dict) -> str:
             "recovery); first step = the first optimizer step after it. Cold: fresh interpreter for every "
             "method; warm: a child of gpu-anchor's fork server with torch, transformers and the model code "
             "imported, for every method alike. Baselines lose the steps since their last checkpoint (here "
-            "1, killed one step after a durable checkpoint; in the end-to-end run up to 99).")
+            "1, killed one step after a durable checkpoint; in the end-to-end run up to 99)."
+            + (" " + standby.describe_modes() + " The `gpu-anchor run --warm-pool` and `--prewarm` rows are "
+               "the product's own standbys, shown in the mode of the same name."
+               if any(m in standby.STANDBY_MODES for rows in result["models"].values() for r in rows
+                      for m in r["modes"]) else ""))
     if "warm_server" in result:
         tail += f" Fork server: preload {fmt_s(result['warm_server'].get('preload_s'))}, " \
                 f"{result['warm_server'].get('threads')} OS thread(s) at fork."

@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 
+from bench.baselines import standby
 from bench.baselines.launcher import EventLog, Launcher
 from bench.common import private_daemon
 
@@ -100,7 +101,7 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("serve-model")), family="qwen3")
 
 
-def _serve(harness, model_dir, method, kill_after_steps=None):
+def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=False):
     from bench.recovery_serve import next_request
     lau, work = harness
     state = tempfile.mkdtemp(prefix=f"ts-{method}-", dir="/dev/shm")
@@ -116,11 +117,19 @@ def _serve(harness, model_dir, method, kill_after_steps=None):
     try:
         pid = lau.spawn(args(0), mod)
         if kill_after_steps is not None:
+            go = os.path.join(work, f"go-{random.getrandbits(32)}")
+            if prewarm_standby:  # the next engine is started, and runs its scratch engine, before the fault
+                spid = lau.spawn(args(0) + standby.standby_args(go, prewarm=True), mod)
+                log.wait(lambda e: e["ev"] == "standby" and e["pid"] == spid, lambda: lau.alive(spid), 120)
             log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= 4 and
                      sum(1 for x in log.events if x["ev"] == "step") >= kill_after_steps, lambda: lau.alive(pid), 120)
             lau.kill(pid)
             log.poll()
-            pid = lau.spawn(args(next_request(log.events)), mod)
+            if prewarm_standby:
+                standby.release(go, next_request=next_request(log.events))
+                pid = spid
+            else:
+                pid = lau.spawn(args(next_request(log.events)), mod)
         log.wait(lambda e: e["ev"] == "done" and e["pid"] == pid, lambda: lau.alive(pid), 180)
         out: dict[str, dict[int, int]] = {}
         for e in log.events:
@@ -132,10 +141,12 @@ def _serve(harness, model_dir, method, kill_after_steps=None):
         shutil.rmtree(state, ignore_errors=True)
 
 
-@pytest.mark.parametrize("method", ["kv_memory", "replay", "gpu_anchor"])
-def test_serving_method_survives_sigkill(harness, tiny_model, method):
+@pytest.mark.parametrize("method,prewarm_standby", [("kv_memory", False), ("replay", False), ("gpu_anchor", False),
+                                                    ("kv_memory", True), ("gpu_anchor", True)])
+def test_serving_method_survives_sigkill(harness, tiny_model, method, prewarm_standby):
+    """... also when a pre-warmed standby takes over (its scratch engine must leave the state alone)."""
     ref, _ = _serve(harness, tiny_model, method)
-    got, evs = _serve(harness, tiny_model, method, kill_after_steps=6)
+    got, evs = _serve(harness, tiny_model, method, kill_after_steps=6, prewarm_standby=prewarm_standby)
     assert set(got) == set(ref) and len(ref) == 10
     assert got == ref, f"{method}: tokens after a SIGKILL differ from the fault-free run"
     eng = [e for e in evs if e["ev"] == "engine"]
@@ -147,6 +158,9 @@ def test_serving_method_survives_sigkill(harness, tiny_model, method):
         assert "weights_load_s" in eng[1]["timings"]  # baselines reload weights from safetensors
     if method == "kv_memory":
         assert "kv_copy_back_s" in eng[1]["timings"] and not eng[1]["notes"]  # resumed on the copied KV
+    if prewarm_standby:
+        ready = [e for e in evs if e["ev"] == "standby"]
+        assert len(ready) == 1 and ready[0]["engine_prewarm_s"] > 0 and any(e["ev"] == "go" for e in evs)
 
 
 def test_fault_schedule_and_workload_are_seeded():
@@ -192,22 +206,33 @@ def test_recovery_intervals_do_not_overlap_when_a_kill_lands_during_recovery():
 
 
 def test_recovery_train_supervised_standby_rows(tmp_path):
-    """`recovery_train --supervised warm_pool,prewarm`: each kill is taken over by a warm
-    standby (the prewarm one ran the trainer's 1-layer pre-warm step first)."""
+    """`recovery_train --modes standby,prewarm --supervised warm_pool,prewarm`: every method's
+    worker is released from a standby made before the kill (the prewarm one ran a scratch step
+    first), and each of gpu-anchor run's kills is taken over by its own warm standby; each
+    lands in the mode of the same name."""
     import json
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, GPU_ANCHOR_SOCKET_DIR=str(tmp_path / "sock"), CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=root)
-    p = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--methods", "gpu_anchor",
-                        "--modes", "warm", "--supervised", "warm_pool,prewarm", "--out", str(tmp_path)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--methods", "inmemory,gpu_anchor",
+                        "--modes", "standby,prewarm", "--supervised", "warm_pool,prewarm", "--out", str(tmp_path)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.load(open(tmp_path / "recovery_train_tiny.json"))["models"]["llama3.2-1b"]
-    sup = {r["method"]: r["modes"]["warm"]["trials"] for r in rows if r["method"].startswith("gpu_anchor_run")}
-    assert set(sup) == {"gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm"}
-    for trials in sup.values():
+    rows = {r["method"]: r["modes"] for r in
+            json.load(open(tmp_path / "recovery_train_tiny.json"))["models"]["llama3.2-1b"]}
+    assert set(rows) == {"inmemory", "gpu_anchor", "gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm"}
+    for meth in ("inmemory", "gpu_anchor"):
+        for mode in ("standby", "prewarm"):
+            t = rows[meth][mode]["trials"][0]
+            assert 0 <= t["go_s"] < t["total_s"] and "imports_s" not in t
+            assert (t["prewarm_s"] is not None) == (mode == "prewarm")
+        lost = rows[meth]["prewarm"]["trials"][0]["lost_steps"]
+        assert lost == 0 if meth == "gpu_anchor" else lost >= 1
+    assert list(rows["gpu_anchor_run_warm_pool"]) == ["standby"] and list(rows["gpu_anchor_run_prewarm"]) == ["prewarm"]
+    for sup in ("gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm"):
+        trials = next(iter(rows[sup].values()))["trials"]
         assert [t["how"] for t in trials] == ["warm standby"] and trials[0]["lost_steps"] == 0
     bad = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--supervised", "nope"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)

@@ -10,7 +10,11 @@ same engine with the memory provider swapped (``replay.ReplayAnchor`` /
 ``kv_memory.KVMemoryAnchor``): plain allocations, metadata in a tmpfs journal.
 Events (JSON lines, wall-clock ``t``): ``process``, ``imported``, ``engine`` (timings,
 restored requests), ``step`` (tokens, finished and admitted request indices, the
-step's duration ``dt`` and whether it replayed a CUDA graph; emitted after the step's commit), ``resumed`` (every restored request produced a token), ``done``.
+step's duration ``dt`` and whether it replayed a CUDA graph; emitted after the step's
+commit), ``resumed`` (every restored request produced a token), ``done``.  With
+``--standby GO_FILE`` also ``standby`` (CUDA context made and, with ``--prewarm``, a 1-layer
+scratch engine run: ``gpu_anchor.serve.prewarm``) and ``go`` (released by the driver, which
+then names the next request; see ``standby``).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
 
+from bench.baselines import standby  # noqa: E402
 from bench.baselines.trainer import Events  # noqa: E402
 
 
@@ -63,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--record-tokens", action="store_true", help="put every token into the events (tests)")
+    standby.add_arguments(p)
     return p
 
 
@@ -96,6 +102,12 @@ def main(argv=None) -> int:
     import gpu_anchor.serve.engine as E
     from gpu_anchor.serve.sequence import SamplingParams
     ev("imported")
+    cfg = E.EngineConfig(model=args.model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                         num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
+                         max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                         anchor=args.method == "gpu_anchor", namespace=args.namespace)
+    if args.standby:  # before the baseline's provider is swapped in: the scratch engine must not touch its state
+        args.next_request = _stand_by(args, cfg, ev).get("next_request", args.next_request)
     anchor_cls = None
     if args.method != "gpu_anchor":
         from bench.baselines.kv_memory import KVMemoryAnchor
@@ -103,10 +115,6 @@ def main(argv=None) -> int:
         anchor_cls = KVMemoryAnchor if args.method == "kv_memory" else ReplayAnchor
         anchor_cls.model_dir, anchor_cls.state_dir = args.model_dir, args.state_dir
         E.Anchor = anchor_cls  # the engine's memory provider, swapped for the baseline's
-    cfg = E.EngineConfig(model=args.model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                         num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
-                         max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                         anchor=args.method == "gpu_anchor", namespace=args.namespace)
     eng = E.Engine(cfg)
     if hasattr(eng.anchor, "attach"):
         eng.anchor.attach(eng)
@@ -147,6 +155,19 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     ev("done", next_request=nxt)
     return 0
+
+
+def _stand_by(args, cfg, ev) -> dict:
+    """Before the fault: CUDA context (+ the scratch engine with ``--prewarm``); then wait."""
+    import torch
+    ready = {}
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(args.device)
+        torch.empty(1, device=args.device)
+    if args.prewarm:
+        from gpu_anchor.serve.prewarm import warm_engine
+        ready = warm_engine(cfg)
+    return standby.wait(args.standby, ev, **ready)
 
 
 if __name__ == "__main__":
