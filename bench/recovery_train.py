@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dir", default=None, help="local-disk work directory (default: a temp dir)")
     p.add_argument("--supervised", nargs="?", const="fork", default="",
-                   help="add rows for gpu-anchor under `gpu-anchor run` (its supervisor restarts the worker): "
+                   help="after the gpu_anchor rows, add rows for gpu-anchor under `gpu-anchor run` (its supervisor "
+                        "restarts the worker): "
                         "comma-separated variants of " + ", ".join(SUPERVISED) + " (bare flag: fork)")
     p.add_argument("--standby-settle", type=float, default=30.0,
                    help="with a standby variant, seconds after each restore before the next kill (the next "
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
                         print(f"{m} {meth} FAILED: {type(e).__name__}: {e}", flush=True)
                         result.setdefault("failed", {})[f"{m}/{meth}"] = f"{type(e).__name__}: {e}"
                     result["models"][m] = rows
-                    for variant in (args.supervised if meth == methods[-1] and why is None else []):
+                    for variant in (args.supervised if meth == "gpu_anchor" else []):
                         try:
                             rows.append(run_supervised(m, device, args.tiny, args.repeat, args.ckpt_every,
                                                        args.batch, args.seq, work, variant,
