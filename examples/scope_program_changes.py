@@ -194,8 +194,9 @@ def run(c, namespace=None, naming="access_path", kill_after=None, out=None):
     """One worker.  ``namespace=None``: no gpu-anchor at all (the ground truth)."""
     torch.manual_seed(0)
     journal = None
-    if c["device"] == "cpu":
-        torch.set_num_threads(1)   # forked from a parent whose thread pool does not survive fork
+    # forked from a parent whose thread pool does not survive fork: rebuild it in this, the only
+    # thread (left to later, concurrent first users it races: "Invalid thread pool!")
+    torch.set_num_threads(1)
     if namespace is None:
         with torch.device(c["device"]):
             engine = Engine(c)

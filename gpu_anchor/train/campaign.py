@@ -157,6 +157,10 @@ def _child(fn, *args) -> int:
     if pid == 0:  # pragma: no cover - runs in the child
         code = 1
         try:
+            # torch's CPU thread pool does not survive fork: rebuild it here, in the child's only
+            # thread.  Left to the first op, the autograd engine's per-GPU threads all rebuild it at
+            # once at the first backward and race ("Invalid thread pool!", SIGABRT, seen on 2 H200s).
+            torch.set_num_threads(torch.get_num_threads())
             fn(*args)
             code = 0
         except BaseException:
