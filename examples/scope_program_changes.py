@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
+import time
 import zlib
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # workers are forked: never init CUDA here
@@ -249,6 +251,24 @@ def _child(ctx, *args, **kw):
     return p, q
 
 
+def _result(p, q, timeout: float) -> dict:
+    """The worker's message; a worker that dies first is reported at once, with its exit code
+    (waiting out the timeout would make one crash look like a hang of the whole table)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if not p.is_alive():
+                try:
+                    return q.get(timeout=0.5)   # sent just before exiting
+                except queue.Empty:
+                    return {"outcome": "worker died", "error": f"exit code {p.exitcode}"}
+            if time.monotonic() > deadline:
+                p.kill()
+                return {"outcome": "worker timed out", "error": f"no result within {timeout:.0f} s"}
+
+
 def run_case(case: str, naming: str, namespace: str, timeout: float = 120, device: str = "cpu") -> dict:
     """Kill the original program, restart it modified, compare with a fresh modified run.
 
@@ -256,19 +276,25 @@ def run_case(case: str, naming: str, namespace: str, timeout: float = 120, devic
     ctx = mp.get_context("fork")
     base = {**BASE, "device": device}
     modified = {**base, **CASES[case][1]}
+    t0 = time.monotonic()
     p, q = _child(ctx, base, namespace, naming, KILL_AFTER)
-    first = q.get(timeout=timeout)
+    first = _result(p, q, timeout)
     if first["outcome"] != "ready":
         p.join(timeout)
         return {"case": case, "naming": naming, "outcome": "first run failed", "detail": first}
     os.kill(p.pid, signal.SIGKILL)
     p.join(timeout)
     p2, q2 = _child(ctx, modified, namespace, naming)
-    restarted = q2.get(timeout=timeout)
+    restarted = _result(p2, q2, timeout)
     p2.join(timeout)
     p3, q3 = _child(ctx, modified)
-    fresh = q3.get(timeout=timeout)
+    fresh = _result(p3, q3, timeout)
     p3.join(timeout)
+    print(f"({case}, {naming}): restarted {restarted['outcome']}, fresh {fresh['outcome']} "
+          f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+    for r in (restarted, fresh):
+        if r["outcome"] in ("worker died", "worker timed out"):
+            return {"case": case, "naming": naming, "outcome": r["outcome"], "detail": r["error"]}
     res = {"case": case, "change": CASES[case][0], "naming": naming, "resumed": restarted.get("resumed")}
     if restarted["outcome"] == "refused":
         res.update(outcome="refused", detail=restarted["error"])

@@ -25,7 +25,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _script(*args, timeout=900):
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("GPU_ANCHOR_SOCKET_DIR", None)
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # say how far it got
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"{args} ran over {timeout} s; its stderr so far:\n{err[-4000:]}")
     sys.stdout.write(out.stdout[-6000:])
     return out
 
