@@ -176,15 +176,20 @@ def main(argv=None) -> int:
         args.models, args.repeat, args.concurrency, args.steady_steps = "qwen3-8b", 1, 4, 3
         args.num_blocks, args.max_batched_tokens, args.requests = 128, 512, 64
     modes = args.modes.split(",")
+    names = args.models.split(",")
+    # the 8B table (the target) keeps its name; other shapes get their own result file
+    out_name = "recovery_serve_tiny" if args.tiny else "recovery_serve" + (
+        "" if names == ["qwen3-8b"] else "_" + "_".join(names))
     work = tempfile.mkdtemp(prefix="recovery-serve-")
     root = args.model_root or os.path.join(work, "models")
-    result = {"title": "Inference: recovery after SIGKILL of the engine", "device": device, "repeat": args.repeat,
+    result = {"title": "Inference: recovery after SIGKILL of the engine"
+              + ("" if names == ["qwen3-8b"] or args.tiny else f" ({', '.join(names)})"), "device": device, "repeat": args.repeat,
               "concurrency": args.concurrency, "steady_steps": args.steady_steps, "dtype": args.dtype,
               "models": {}, "target_x": TARGET_X}
     launchers = {}
     try:
         with private_daemon(device):
-            for m in args.models.split(","):
+            for m in names:
                 model_dir = make_model_dir(m, device, args.tiny, root)
                 if not launchers:
                     launchers["warm"] = Launcher(True, work)
@@ -200,14 +205,14 @@ def main(argv=None) -> int:
                         result.setdefault("failed", {})[f"{m}/{meth}"] = f"{type(e).__name__}: {e}"
                     result["models"][m] = rows
                     # partial results survive a time limit
-                    write_result("recovery_serve_tiny" if args.tiny else "recovery_serve", result, args.out)
+                    write_result(out_name, result, args.out)
                 if args.model_root is None:
                     shutil.rmtree(model_dir, ignore_errors=True)
     finally:
         for lau in launchers.values():
             lau.close()
         shutil.rmtree(work, ignore_errors=True)
-    write_result("recovery_serve_tiny" if args.tiny else "recovery_serve", result, args.out)
+    write_result(out_name, result, args.out)
     return 0
 
 
@@ -248,13 +253,15 @@ def render(result: dict) -> str:
                                   png[0]):
             lines.append(f"\n![recovery breakdown {model}]({png[1]})")
         parts.append("\n".join(lines))
-    tail = (f"\n\nTarget: inference recovery of the 8B model ≥ {result['target_x']:.0f}× faster than KV-memory "
-            f"[paper: {PAPER}]. " + ("; ".join(verdicts) if verdicts else "not measured") + ".\n\n"
-            "Total = kill → every interrupted request has produced its next token. For gpu-anchor the "
-            "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
-            "page cache." + (" " + standby.describe_modes() if any(
-                m in standby.STANDBY_MODES for rows in result["models"].values() for r in rows for m in r["modes"])
-                else ""))
+    tail = ""
+    if "qwen3-8b" in result["models"]:
+        tail = (f"\n\nTarget: inference recovery of the 8B model ≥ {result['target_x']:.0f}× faster than KV-memory "
+                f"[paper: {PAPER}]. " + ("; ".join(verdicts) if verdicts else "not measured") + ".")
+    tail += ("\n\nTotal = kill → every interrupted request has produced its next token. For gpu-anchor the "
+             "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
+             "page cache.")
+    if any(m in standby.STANDBY_MODES for rows in result["models"].values() for r in rows for m in r["modes"]):
+        tail += " " + standby.describe_modes()
     for k, err in result.get("failed", {}).items():
         tail += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(parts) + tail
