@@ -97,3 +97,16 @@ def test_module_target(zygote, tmp_path):
                        dict(os.environ), str(tmp_path))
     assert _wait_exit(zygote, pid) == 0
     assert out.read_text() == "-c a b"
+
+
+def test_a_dead_server_is_reported_with_how_it_ended():
+    z = Zygote(sys.executable, ["json"], dict(os.environ))
+    try:
+        os.kill(z.proc.pid, signal.SIGKILL)
+        z.proc.wait(10)
+        with pytest.raises(RuntimeError, match=r"warm-worker server exited \(killed by signal 9\)"):
+            z.messages()
+        with pytest.raises(RuntimeError, match="killed by signal 9"):
+            z.spawn([sys.executable, "-c", "pass"], dict(os.environ), os.getcwd())
+    finally:
+        z.sock.close()
