@@ -93,11 +93,8 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
             for _ in range(a.repeat):
                 go = spid = None
                 if mode in standby.STANDBY_MODES:  # the next engine waits, ready, before the fault
-                    go = os.path.join(work, f"go-{time.time_ns()}")
-                    spid = launchers["warm"].spawn(_args(method, a, model_dir, device, state, ns, evfile)
-                                                   + standby.standby_args(go, mode == "prewarm"), mod)
-                    log.wait(lambda e: e["ev"] == "standby" and e["pid"] == spid,
-                             lambda: launchers["warm"].alive(spid), timeout=1800)
+                    go, spid = standby.start(launchers["warm"], log, _args(method, a, model_dir, device, state, ns,
+                                                                          evfile), work, mode == "prewarm", mod)
                 full = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= a.concurrency,
                                 lambda: launcher.alive(pid), timeout=1800)
                 log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["t"] > full["t"] and
@@ -260,8 +257,7 @@ def render(result: dict) -> str:
     tail += ("\n\nTotal = kill → every interrupted request has produced its next token. For gpu-anchor the "
              "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
              "page cache.")
-    if any(m in standby.STANDBY_MODES for rows in result["models"].values() for r in rows for m in r["modes"]):
-        tail += " " + standby.describe_modes()
+    tail += standby.describe_modes(result)
     for k, err in result.get("failed", {}).items():
         tail += f"\n\n{k} FAILED — {err}"
     return "\n\n".join(parts) + tail

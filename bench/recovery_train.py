@@ -82,10 +82,7 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
             for _ in range(repeat):
                 go = spid = None
                 if mode in standby.STANDBY_MODES:  # the next worker waits, ready, before the fault
-                    go = os.path.join(work, f"go-{time.time_ns()}")
-                    spid = launchers["warm"].spawn(args + standby.standby_args(go, mode == "prewarm"))
-                    log.wait(lambda e: e["ev"] == "standby" and e["pid"] == spid,
-                             lambda: launchers["warm"].alive(spid))
+                    go, spid = standby.start(launchers["warm"], log, args, work, mode == "prewarm")
                 log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, lambda: launcher.alive(pid))
                 log.poll()
                 # the worker trained on while a standby got ready: count from the steps it has now
@@ -364,10 +361,9 @@ def render(result: dict) -> str:
             "method; warm: a child of gpu-anchor's fork server with torch, transformers and the model code "
             "imported, for every method alike. Baselines lose the steps since their last checkpoint (here "
             "1, killed one step after a durable checkpoint; in the end-to-end run up to 99)."
-            + (" " + standby.describe_modes() + " The `gpu-anchor run --warm-pool` and `--prewarm` rows are "
-               "the product's own standbys, shown in the mode of the same name."
-               if any(m in standby.STANDBY_MODES for rows in result["models"].values() for r in rows
-                      for m in r["modes"]) else ""))
+            + standby.describe_modes(result)
+            + (" The `gpu-anchor run --warm-pool` and `--prewarm` rows are the product's own standbys, shown in "
+               "the mode of the same name." if standby.describe_modes(result) else ""))
     if "warm_server" in result:
         tail += f" Fork server: preload {fmt_s(result['warm_server'].get('preload_s'))}, " \
                 f"{result['warm_server'].get('threads')} OS thread(s) at fork."

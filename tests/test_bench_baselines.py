@@ -117,10 +117,8 @@ def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=Fa
     try:
         pid = lau.spawn(args(0), mod)
         if kill_after_steps is not None:
-            go = os.path.join(work, f"go-{random.getrandbits(32)}")
             if prewarm_standby:  # the next engine is started, and runs its scratch engine, before the fault
-                spid = lau.spawn(args(0) + standby.standby_args(go, prewarm=True), mod)
-                log.wait(lambda e: e["ev"] == "standby" and e["pid"] == spid, lambda: lau.alive(spid), 120)
+                go, spid = standby.start(lau, log, args(0), work, True, mod, timeout=120)
             log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= 4 and
                      sum(1 for x in log.events if x["ev"] == "step") >= kill_after_steps, lambda: lau.alive(pid), 120)
             lau.kill(pid)

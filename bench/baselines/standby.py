@@ -47,11 +47,14 @@ def wait(go_file: str, events, **ready) -> dict:
     return payload
 
 
-def standby_args(go_file: str | None, prewarm: bool) -> list[str]:
-    """The worker options for a standby (none for a plain restart)."""
-    if go_file is None:
-        return []
-    return ["--standby", go_file] + (["--prewarm"] if prewarm else [])
+def start(launcher, log, worker_args: list[str], directory: str, prewarm: bool, *module,
+          timeout: float = 1800) -> tuple[str, int]:
+    """Driver side: start a standby with ``launcher`` and wait until it reports ``standby`` in
+    ``log``; returns (go file, pid).  ``module``: the worker module, if not the launcher's default."""
+    go = os.path.join(directory, f"go-{time.time_ns()}")
+    pid = launcher.spawn(worker_args + ["--standby", go] + (["--prewarm"] if prewarm else []), *module)
+    log.wait(lambda e: e["ev"] == "standby" and e["pid"] == pid, lambda: launcher.alive(pid), timeout=timeout)
+    return go, pid
 
 
 def add_arguments(p) -> None:
@@ -64,9 +67,11 @@ def add_arguments(p) -> None:
 STANDBY_MODES = ("standby", "prewarm")
 
 
-def describe_modes() -> str:
-    """The sentence each recovery table uses to explain the standby modes."""
-    return ("standby: the next worker was started from the fork server before the fault, made its CUDA context "
+def describe_modes(result: dict) -> str:
+    """The sentence a recovery table uses to explain the standby modes ("" if it has none)."""
+    if not any(m in STANDBY_MODES for rows in result["models"].values() for r in rows for m in r["modes"]):
+        return ""
+    return (" standby: the next worker was started from the fork server before the fault, made its CUDA context "
             "and waited (bench/baselines/standby.py); prewarm: that standby also ran one step of a 1-layer "
             "scratch copy of the model, so the first real step finds its kernels loaded. Every method gets the "
             "same standby, and every method restores its own state only after the fault.")
