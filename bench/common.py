@@ -118,6 +118,14 @@ def verdict(ok: bool | None) -> str:
     return "—" if ok is None else ("met" if ok else "**MISSED**")
 
 
+def failure_notes(result: dict) -> str:
+    """The paragraphs a table ends with when a method failed or the warm fork server had to
+    be restarted (a result file records both; a missing row must say why)."""
+    out = "".join(f"\n\n{k} FAILED — {err}" for k, err in result.get("failed", {}).items())
+    return out + "".join(f"\n\nThe warm fork server was restarted {why}."
+                         for why in result.get("warm_server_restarts", []))
+
+
 def fmt_s(v: float | None, digits: int = 3) -> str:
     if v is None:
         return "—"

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, write_result
+from bench.common import default_device, failure_notes, fmt_s, private_daemon, write_result
 
 
 def fault_times(rate: float, seed: int, horizon: float) -> list[float]:
@@ -234,8 +234,7 @@ def render(result: dict) -> str:
             "(seeded); a slower method runs longer and so can meet more of them, as in a real job.")
     if result.get("gpu_anchor_unavailable"):
         note += f"\n\ngpu-anchor was not measured: {result['gpu_anchor_unavailable']}."
-    for k, err in result.get("failed", {}).items():
-        note += f"\n\n{k} FAILED — {err}"
+    note += failure_notes(result)
     if result.get("max_faults"):
         note += f"\n\nAt most {result['max_faults']} faults injected per run."
     return "\n\n".join(out) + note

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, verdict, write_result
+from bench.common import default_device, failure_notes, fmt_s, private_daemon, verdict, write_result
 from bench.e2e_faults import fault_times
 from bench.recovery_serve import LABELS, METHODS, _args, make_model_dir, next_request
 
@@ -185,8 +185,7 @@ def render(result: dict) -> str:
         note += f" At most {result['max_faults']} faults injected per run."
     if any(not r.get("faults") for rows in result["runs"].values() for r in rows):
         note += " A run with 0 faults measured no recovery: its latencies are fault-free ones."
-    for k, err in result.get("failed", {}).items():
-        note += f"\n\n{k} FAILED — {err}"
+    note += failure_notes(result)
     return "\n\n".join(out) + note
 
 

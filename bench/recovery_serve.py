@@ -31,8 +31,8 @@ import tempfile
 import time
 
 from bench.baselines import standby
-from bench.common import (default_device, fmt_s, median_by_mode, private_daemon, run_isolated, speedup, verdict,
-                          write_result)
+from bench.common import (default_device, failure_notes, fmt_s, median_by_mode, private_daemon, run_isolated,
+                          speedup, verdict, write_result)
 
 TARGET_X = 10.0  # issue 7: gpu-anchor >= 10x faster than KV-memory, 8B model
 PAPER = "60.7 % faster on average, 5.16× for 235B"
@@ -148,7 +148,7 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
 
 
 def main(argv=None) -> int:
-    from bench.baselines.launcher import Launcher
+    from bench.baselines.launcher import Launcher, revive
     p = argparse.ArgumentParser(prog="python -m bench recovery_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen3-8b")
@@ -193,6 +193,9 @@ def main(argv=None) -> int:
                     launchers["cold"] = Launcher(False, work)
                 rows = []
                 for meth in args.methods.split(","):
+                    why = revive(launchers, work)
+                    if why:
+                        result.setdefault("warm_server_restarts", []).append(f"before {m}/{meth}: {why}")
                     try:
                         rows.append(run_method(meth, args, model_dir, device, modes, work, launchers))
                     except Exception as e:  # one broken method must not cost the others' figures
@@ -258,6 +261,5 @@ def render(result: dict) -> str:
              "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
              "page cache.")
     tail += standby.describe_modes(result)
-    for k, err in result.get("failed", {}).items():
-        tail += f"\n\n{k} FAILED — {err}"
+    tail += failure_notes(result)
     return "\n\n".join(parts) + tail

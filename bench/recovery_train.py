@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from bench.baselines import standby
-from bench.common import default_device, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
+from bench.common import default_device, failure_notes, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
 
 TARGET_X = 5.0  # issue 7: >= 5x faster than the in-memory checkpoint, 1B model
 PAPER = "26.6 % faster"
@@ -227,7 +227,7 @@ def _last_restart_how(socket_dir: str, namespace: str) -> str | None:
 def main(argv=None) -> int:
     from bench import baselines
     from bench.baselines.anchor import available
-    from bench.baselines.launcher import Launcher
+    from bench.baselines.launcher import Launcher, revive
     p = argparse.ArgumentParser(prog="python -m bench recovery_train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama3.2-1b")
@@ -276,6 +276,9 @@ def main(argv=None) -> int:
             for m in args.models.split(","):
                 rows = []
                 for meth in methods:
+                    why = revive(launchers, work)
+                    if why:
+                        result.setdefault("warm_server_restarts", []).append(f"before {m}/{meth}: {why}")
                     try:
                         rows.append(run_method(meth, m, device, args.tiny, modes, args.repeat, args.ckpt_every,
                                                args.batch, args.seq, work, launchers))
@@ -369,6 +372,5 @@ def render(result: dict) -> str:
                 f"{result['warm_server'].get('threads')} OS thread(s) at fork."
     if result.get("gpu_anchor_unavailable"):
         tail += f"\n\ngpu-anchor was not measured: {result['gpu_anchor_unavailable']}."
-    for k, err in result.get("failed", {}).items():
-        tail += f"\n\n{k} FAILED — {err}"
+    tail += failure_notes(result)
     return "\n\n".join(parts) + tail

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
             "commit_ms_per_step": commit_ms, "host_wait_ms_per_step": wait_ms,
             "anchored_bytes": anchored,
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
-            "losses_identical": losses["plain"] == losses["anchored"],
+            "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
         if peak_a is not None:
             out.update({"peak_bytes_plain": peak_none, "peak_bytes_plain_grads_kept": peak_keep,
@@ -192,7 +192,8 @@ def main(argv=None) -> int:
         daemon.wait(timeout=30)
     from bench.common import write_result
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
-    name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_tiny" if args.tiny else "")
+    name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + (
+        f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + ("_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0
 
@@ -202,7 +203,8 @@ def title(r: dict) -> str:
     side = {True: ", undo copies on a side stream", False: ", undo copies on the main stream"}.get(
         r.get("undo_side_stream"), "") if r.get("progress") == "device" else ""
     return (f"Training overhead: AnchoredOptimizer vs plain PyTorch ({r.get('model', '?')}, "
-            f"progress={r.get('progress', '?')}{side})")
+            f"progress={r.get('progress', '?')}{side}" + (f", {r['chunks']} chunks" if r.get("chunk_bytes_set") else "")
+            + ")")
 
 
 def render(r: dict) -> str:

@@ -235,3 +235,22 @@ def test_recovery_train_supervised_standby_rows(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--supervised", "nope"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown --supervised variant" in bad.stderr
+
+
+def test_a_dead_fork_server_is_replaced_and_the_next_method_runs(tmp_path):
+    """A recovery bench keeps its later methods' figures when its warm fork server dies
+    (on the H200 one exited under the 14B serving bench); how it ended is recorded."""
+    from bench.baselines.launcher import revive
+    with private_daemon("cpu"):
+        launchers = {"warm": Launcher(True, str(tmp_path))}
+        try:
+            assert revive(launchers, str(tmp_path)) is None
+            old = launchers["warm"]
+            old.zygote.proc.kill()
+            old.zygote.proc.wait()
+            assert revive(launchers, str(tmp_path)) == "killed by signal 9"
+            assert launchers["warm"] is not old
+            got, _ = _train((launchers["warm"], str(tmp_path)), "torch_save")
+            assert got
+        finally:
+            launchers["warm"].close()

@@ -52,11 +52,12 @@ class DcpAsync(TrainCheckpoint):
         kw = {"async_stager": self._stager} if self._stager is not None else {}
         try:
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True, **kw)
-        except Exception as e:  # an older torch that refuses this stager (TypeError), or whose pinned
-            if not kw:          # staging path fails (torch 2.11 on an H200: KeyError: <class 'type'>)
-                raise
+        except Exception as e:  # an older torch that refuses this stager (TypeError), or cannot reuse
+            if not kw:          # it: torch 2.11's DefaultStager.stage() closes itself, so the second
+                raise           # save fails with KeyError: <class 'type'> (pytorch/pytorch#183413)
             self._stager = None
-            self.notes["stager"] = f"default (configured stager refused: {e})"
+            why = "closes itself after one stage in this torch: pytorch#183413" if isinstance(e, KeyError) else f"refused: {e}"
+            self.notes["stager"] = f"async_save's default, a new one per save (the cached DefaultStager {why})"
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True)
         fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch
         fut.add_done_callback(lambda f, s=step: self._written(f, s))

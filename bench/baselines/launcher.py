@@ -136,8 +136,30 @@ class Launcher:
                 raise TimeoutError(f"worker {pid} still running after {timeout} s")
             time.sleep(0.01)
 
+    def server_exit(self) -> str | None:
+        """How the warm fork server ended (``None`` while it runs, and for a cold launcher)."""
+        if self.zygote is None or self.zygote.proc.poll() is None:
+            return None
+        return self.zygote._exit_status()
+
     def close(self) -> None:
         for pid in list(self._procs):
             self.kill(pid)
         if self.zygote is not None:
             self.zygote.close()
+
+
+def revive(launchers: dict, log_dir: str) -> str | None:
+    """Replace a warm launcher whose fork server has exited (the next method's figures should
+    not be lost with it); returns how the old one ended, for the result file, or None."""
+    old = launchers.get("warm")
+    why = old.server_exit() if old is not None else None
+    if why is None:
+        return None
+    print(f"the warm fork server exited ({why}); starting a new one", flush=True)
+    try:
+        old.close()
+    except Exception:
+        pass
+    launchers["warm"] = Launcher(True, log_dir)
+    return why
