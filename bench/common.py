@@ -244,13 +244,16 @@ def plot_breakdown(rows: list[dict], labels: dict, parts, title: str, path: str)
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    import textwrap
     names, vals = [], {k: [] for k, _ in parts}
     for r in rows:
         for mode, x in r["modes"].items():
-            names.append(f"{labels.get(r['method'], r['method'])}\n{mode}")
+            # a long label ("Replay (page cache warm)") wraps at its words instead of running into its neighbour
+            label = textwrap.fill(labels.get(r["method"], r["method"]), 14)
+            names.append(f"{label}\n{mode}")
             for k, _ in parts:
                 vals[k].append(x.get(k) or 0.0)
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4.3))
     bottom = [0.0] * len(names)
     for k, legend in parts:
         ax.bar(names, vals[k], bottom=bottom, label=legend)

@@ -144,10 +144,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dir", default=None)
     p.add_argument("--max-faults", type=int, default=0, help="stop injecting after this many (0: no limit)")
+    p.add_argument("--tag", default=None, help="a run of other methods: written as e2e_faults_TAG.json")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = default_device(args.device)
+    name = "e2e_faults" + (f"_{args.tag}" if args.tag else "") + ("_tiny" if args.tiny else "")
     if args.tiny:
         # a rate high enough that the smoke run meets a fault (seed 7: the first 0.08 s in)
         args.steps, args.ckpt_every, args.rates, args.batch, args.seq = 30, 5, "5", 2, 32
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
     if why is not None and "gpu_anchor" in methods:
         methods.remove("gpu_anchor")
     work = tempfile.mkdtemp(prefix="e2e-", dir=args.dir)
-    result = {"title": f"Training end to end under injected faults ({args.model})", "device": device,
+    result = {"title": f"Training end to end under injected faults ({args.model}"
+              + (f", {args.tag} run" if args.tag else "") + ")", "device": device,
               "model": args.model, "steps": args.steps, "ckpt_every": args.ckpt_every, "mode": args.mode,
               "seed": args.seed, "batch": args.batch, "seq": args.seq, "max_faults": args.max_faults, "runs": {}}
     launcher = None
@@ -182,14 +185,14 @@ def main(argv=None) -> int:
                           f"goodput {r['goodput']:.3f} wasted {r['wasted_s']:.2f}s (ckpt {r['ckpt_blocking_s']:.2f}, "
                           f"recovery {r['recovery_s']:.2f}, recompute {r['recompute_s']:.2f})", flush=True)
                     # partial results survive a time limit
-                    write_result("e2e_faults_tiny" if args.tiny else "e2e_faults", result, args.out)
+                    write_result(name, result, args.out)
     finally:
         if launcher is not None:
             launcher.close()
         shutil.rmtree(work, ignore_errors=True)
     if why is not None:
         result["gpu_anchor_unavailable"] = why
-    write_result("e2e_faults_tiny" if args.tiny else "e2e_faults", result, args.out)
+    write_result(name, result, args.out)
     return 0
 
 
@@ -220,7 +223,11 @@ def render(result: dict) -> str:
                          f"**{r['goodput'] * 100:.1f} %** | {ratio} | {fmt_s(r['wasted_s'])} | "
                          f"{fmt_s(r['ckpt_blocking_s'])} | {fmt_s(r['recovery_s'])} | {fmt_s(r['recompute_s'])} "
                          f"({r['lost_steps']} steps) | {fmt_s(r['slower_steps_s'])} |")
-        png = plot_path(f"e2e_faults_{result['model']}_{rate}.png")
+        wall = max(r["wall_s"] for r in rows)
+        seeded = len(fault_times(float(rate), result["seed"], wall))
+        lines.append(f"\nThis seed's fault instants in the first {fmt_s(wall)} (the longest run): {seeded}; a "
+                     f"Poisson process at this rate expects {float(rate) * wall:.1f}.")
+        png = plot_path(f"{result.get('benchmark', 'e2e_faults')}_{result['model']}_{rate}.png")
         if png and _plot(rows, float(rate), result, png[0]):
             lines.append(f"\n![progress under faults at {rate}/s]({png[1]})")
         out.append("\n".join(lines))
