@@ -21,32 +21,59 @@ def reference(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": ROOT, "GPU_ANCHOR_SOCKET_DIR": str(d / "sock")}
     out = {}
     for n in (1, 2):
-        rc, err = _run_job([sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu",
+        rc, log = _run_job([sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu",
                             "--nproc-per-node", str(n), "--", sys.executable, DEMO, "--steps", str(STEPS),
                             "--out", f"ref{n}.pt"], d, env, timeout=300)
-        assert rc == 0, err[-3000:]
+        assert rc == 0, log[-3000:]
         out[n] = torch.load(d / f"ref{n}.pt")
     assert not torch.equal(out[1], out[2])  # the ranks' data differ: a real 2-rank job
     return out
 
 
 def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
-    """Run a supervised job in its own session; (exit code, stderr).  If it runs over, every
+    """Run a supervised job in its own session; (exit code, stdout + stderr).  If it runs over, every
     process of the job gets SIGABRT first, so that faulthandler prints where each one is stuck
     (a 2-rank run hung once in CI after its last step, and a plain timeout said nothing more)."""
     p = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        _, err = p.communicate(timeout=timeout)
-        return p.returncode, err
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
     except subprocess.TimeoutExpired:
+        # workers forked by the fork server have process groups of their own: abort them by pid,
+        # deepest first, so that each prints its stack before its parent notices
+        for pid in reversed(_descendants(p.pid)):
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
         os.killpg(p.pid, signal.SIGABRT)
         try:
-            _, err = p.communicate(timeout=30)
+            out, _ = p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            _, err = p.communicate()
+            out, _ = p.communicate()
         from gpu_anchor.daemon import control   # the job's daemons live in their own session
         for dev, path in control.discover(env["GPU_ANCHOR_SOCKET_DIR"]).items():
             control.stop(dev, path)
-        pytest.fail(f"{' '.join(cmd[-8:])} ran over {timeout} s; the job's stacks (faulthandler):\n{err[-8000:]}")
+        pytest.fail(f"{' '.join(cmd[-8:])} ran over {timeout} s; its output and every process's stack "
+                    f"(faulthandler):\n{out[-12000:]}")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live descendant of ``root`` (from /proc), parents before children."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
