@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -21,19 +22,30 @@ def reference(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": ROOT, "GPU_ANCHOR_SOCKET_DIR": str(d / "sock")}
     out = {}
     for n in (1, 2):
-        rc, log = _run_job([sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu",
-                            "--nproc-per-node", str(n), "--", sys.executable, DEMO, "--steps", str(STEPS),
-                            "--out", f"ref{n}.pt"], d, env, timeout=300)
+        cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--nproc-per-node",
+               str(n), "--", sys.executable, DEMO, "--steps", str(STEPS), "--out", f"ref{n}.pt"]
+        rc, log = _run_job(cmd, d, env, timeout=150)
+        if rc is None:
+            # A fault-free 2-rank run has hung in CI (2 of ~20 runs of this fixture; never in 40+ local
+            # runs).  Keep everything it showed, loudly, and run it once more: the tests that use this
+            # reference test other things.  A second hang fails.
+            (d / f"hang-{n}.log").write_text(log)
+            warnings.warn(f"fault-free reference job ({n} rank(s)) ran over and was aborted; retrying once. "
+                          f"Its output, process table and stacks:\n{log[-12000:]}")
+            rc, log = _run_job(cmd, d, env, timeout=150)
+            if rc is None:
+                pytest.fail(f"{' '.join(cmd[-8:])} ran over twice; the second time:\n{log[-12000:]}")
         assert rc == 0, log[-3000:]
         out[n] = torch.load(d / f"ref{n}.pt")
     assert not torch.equal(out[1], out[2])  # the ranks' data differ: a real 2-rank job
     return out
 
 
-def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
-    """Run a supervised job in its own session; (exit code, stdout + stderr).  If it runs over, every
-    process of the job gets SIGABRT first, so that faulthandler prints where each one is stuck
-    (a 2-rank run hung once in CI after its last step, and a plain timeout said nothing more)."""
+def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int | None, str]:
+    """Run a supervised job in its own session; (exit code, stdout + stderr).  If it runs over, the
+    exit code is None and the output ends with the host's process table and every job process's
+    stack: each gets SIGABRT, so that faulthandler prints where it is stuck, and the job's daemons
+    are stopped."""
     p = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -47,6 +59,8 @@ def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
                 pass
+        table = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,pcpu,args"], capture_output=True,
+                               text=True).stdout
         os.killpg(p.pid, signal.SIGABRT)
         try:
             out, _ = p.communicate(timeout=30)
@@ -56,8 +70,8 @@ def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int, str]:
         from gpu_anchor.daemon import control   # the job's daemons live in their own session
         for dev, path in control.discover(env["GPU_ANCHOR_SOCKET_DIR"]).items():
             control.stop(dev, path)
-        pytest.fail(f"{' '.join(cmd[-8:])} ran over {timeout} s; its output and every process's stack "
-                    f"(faulthandler):\n{out[-12000:]}")
+        return None, f"{' '.join(cmd[-8:])} ran over {timeout} s.\n--- process table\n{table}\n" \
+                     f"--- output and stacks (faulthandler)\n{out}"
 
 
 def _descendants(root: int) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch_reference import reference  # noqa: F401  (session fixture)
 from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
 
 

@@ -16,7 +16,7 @@ import torch
 
 from gpu_anchor.daemon import control
 
-from launch_reference import DEMO, ROOT, STEPS, reference  # noqa: F401  (session fixture)
+from launch_reference import DEMO, ROOT, STEPS
 
 
 def run(cwd, opts, train_args=(), env=None, timeout=240, check=True):

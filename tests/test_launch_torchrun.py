@@ -15,7 +15,7 @@ import torch
 from gpu_anchor.client.channel import Channel
 from gpu_anchor.daemon import control
 
-from launch_reference import DEMO, ROOT, STEPS, reference  # noqa: F401  (session fixture)
+from launch_reference import DEMO, ROOT, STEPS
 
 
 def _port() -> int:
