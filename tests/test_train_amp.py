@@ -63,8 +63,12 @@ def test_amp_kills_at_phases_and_random(host_daemon, tmp_path):
     ref_client = gpu_anchor.connect("cpu", namespace="amp-ref")
     specs = ["before_boundary@1", "mid_chunk@2:1", "after_update@3:0", "after_commit@4:0", "between_steps@5",
              "before_update@7:1"]
+    # Random kills land only while a worker still has steps to run, so how many land in a run
+    # depends on the machine's speed: run until 20 have landed (the cap keeps a test whose kills
+    # never land from running forever; it then fails below).
     runs = [("amp-phase", dict(faults_seq=specs))]
-    runs += [(f"amp-rand{i}", dict(random_kills=6, max_delay_s=ref.wall_s, rng=random.Random(i))) for i in range(30)]
+    runs += [(f"amp-rand{i}", dict(random_kills=6, max_delay_s=ref.wall_s * 0.8, rng=random.Random(i)))
+             for i in range(120)]
     kills = 0
     for ns, kw in runs:
         if kills >= len(specs) + 20:
