@@ -27,7 +27,8 @@ import tempfile
 import time
 
 from bench.baselines import standby
-from bench.common import default_device, failure_notes, fmt_s, median_by_mode, private_daemon, speedup, verdict, write_result
+from bench.common import (default_device, failure_notes, fmt_s, median_by_mode, private_daemon, speedup, verdict,
+                          write_result)
 
 TARGET_X = 5.0  # issue 7: >= 5x faster than the in-memory checkpoint, 1B model
 PAPER = "26.6 % faster"

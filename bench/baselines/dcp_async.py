@@ -56,7 +56,8 @@ class DcpAsync(TrainCheckpoint):
             if not kw:          # it: torch 2.11's DefaultStager.stage() closes itself, so the second
                 raise           # save fails with KeyError: <class 'type'> (pytorch/pytorch#183413)
             self._stager = None
-            why = "closes itself after one stage in this torch: pytorch#183413" if isinstance(e, KeyError) else f"refused: {e}"
+            why = ("closes itself after one stage in this torch: pytorch#183413" if isinstance(e, KeyError)
+                   else f"refused: {e}")
             self.notes["stager"] = f"async_save's default, a new one per save (the cached DefaultStager {why})"
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=target, no_dist=True)
         fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse in newer torch

@@ -140,7 +140,7 @@ class Launcher:
         """How the warm fork server ended (``None`` while it runs, and for a cold launcher)."""
         if self.zygote is None or self.zygote.proc.poll() is None:
             return None
-        return self.zygote._exit_status()
+        return self.zygote.exit_status()
 
     def close(self) -> None:
         for pid in list(self._procs):

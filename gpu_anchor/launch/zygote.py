@@ -290,7 +290,7 @@ class Zygote:
             left = deadline - time.monotonic()
             if left <= 0 or not self._read(min(left, 1.0)) or self.proc.poll() is not None:
                 if self.proc.poll() is not None or left <= 0:
-                    state = self._exit_status() if self.proc.poll() is not None else "still running"
+                    state = self.exit_status() if self.proc.poll() is not None else "still running"
                     raise RuntimeError(f"warm-worker server did not answer {op!r} ({state})")
                 raise RuntimeError("warm-worker server closed its socket")
 
@@ -300,10 +300,10 @@ class Zygote:
             self.sock.sendall((json.dumps({"op": "spawn", "id": self._next_id, "target": target, "env": env,
                                            "cwd": cwd}) + "\n").encode())
         except BrokenPipeError:
-            raise RuntimeError(f"warm-worker server exited ({self._exit_status()})") from None
+            raise RuntimeError(f"warm-worker server exited ({self.exit_status()})") from None
         return self._wait("spawned", 30.0)["pid"]
 
-    def _exit_status(self) -> str:
+    def exit_status(self) -> str:
         """How the server ended, for error messages (a signal number says who to suspect: 9 is
         also what the kernel's out-of-memory killer sends)."""
         try:
@@ -318,7 +318,7 @@ class Zygote:
         out, self._queue = [m for m in self._queue if m.get("op") == "exit"], \
             [m for m in self._queue if m.get("op") != "exit"]
         if not alive and not out:
-            raise RuntimeError(f"warm-worker server exited ({self._exit_status()})")
+            raise RuntimeError(f"warm-worker server exited ({self.exit_status()})")
         return out
 
     def close(self) -> None:
