@@ -18,10 +18,10 @@ def connect(device=None, namespace=None, socket=None):
     return _connect(device, namespace, socket)
 
 
-def managed_scope(namespace=None, on_conflict="error"):
+def managed_scope(namespace=None, on_conflict="error", require=False):
     """See :func:`gpu_anchor.scope.managed_scope`."""
     from .scope import managed_scope as _managed_scope
-    return _managed_scope(namespace, on_conflict)
+    return _managed_scope(namespace, on_conflict, require=require)
 
 
 __all__ = ["managed_scope", "AnchorError", "ConflictError", "DaemonUnavailable", "OutOfMemoryError", "PermissionDenied",

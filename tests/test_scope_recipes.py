@@ -78,15 +78,30 @@ def test_views_copies_and_inplace_chains():
     assert mode.eager_evaluations == 0
 
 
-def test_buffered_source_is_snapshotted():
+def test_real_source_is_held_by_reference_and_copied_before_a_write():
     src = torch.ones(3)
     torch.manual_seed(0)
-    mode = ScopeMode(lambda d: True)
+    mode = ScopeMode(lambda d: d == "cpu")
+    with mode:
+        x = torch.empty(3)
+        x.copy_(src)                  # held by reference: no copy made here
+        assert not mode._held or all(h.t is src for hs in mode._held.values() for h in hs)
+        src.fill_(9)                  # a later write in the block: the mode copies the source first
+        y = torch.empty(3)
+        y.copy_(src)
+    assert torch.equal(_replay_all(mode, [x, y])[0], torch.ones(3))
+    assert torch.equal(_replay_all(mode, [x, y])[1], torch.full((3,), 9.0))
+
+
+def test_a_write_the_dispatcher_never_saw_is_refused_at_replay():
+    src = torch.ones(3)
+    mode = ScopeMode(lambda d: d == "cpu")
     with mode:
         x = torch.empty(3)
         x.copy_(src)
-    src.fill_(9)                      # a later change to the source must not leak into the replay
-    assert torch.equal(_replay_all(mode, [x])[0], torch.ones(3))
+    src.fill_(9)                      # outside the mode: only the version counter shows it
+    with pytest.raises(RuntimeError, match="modified in place"):
+        _replay_all(mode, [x])
 
 
 def test_eager_read_returns_true_values_and_keeps_rng():

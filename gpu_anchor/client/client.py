@@ -41,6 +41,7 @@ _EXPORT_BATCH = 200
 _segments: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # (instance, id)
 _leases: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # (instance, ns, name)
 _pending_frees: deque[tuple[int, str, str, str, int]] = deque()  # (pid, instance, ns, name, generation)
+_by_address: dict[tuple, tuple] = {}  # (device, storage address) -> (lease key, weakref to lease)
 _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 
 
@@ -183,7 +184,9 @@ class Client:
             _leases[key] = lease
         if owning and lease._on_release is None:
             lease._on_release = functools.partial(_queue_free, key)
-        return mapping.as_typed(self._mapper.raw(lease), dtype, info.shape)
+        t = mapping.as_typed(self._mapper.raw(lease), dtype, info.shape)
+        _by_address[(self.device, t.untyped_storage().data_ptr())] = (key, weakref.ref(lease))
+        return t
 
     def tensor(self, name: str, shape, dtype: torch.dtype = torch.float32, policy: str = "match_or_create") -> torch.Tensor:
         """Get-or-create one named tensor (see ``bind``)."""
@@ -232,6 +235,23 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client(device={self.device!r}, namespace={self.namespace!r}, socket={self.socket_path!r})"
+
+
+def anchored_name(t: torch.Tensor) -> tuple[str, str] | None:
+    """``(namespace, name)`` of the anchored object ``t`` (or a view of it) lives in, else None."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    dev = t.device
+    device = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}" if dev.type == "cuda" else None
+    entry = _by_address.get((device, ptr)) if device and ptr else None
+    if entry is None:
+        return None
+    if entry[1]() is None:           # the object was unmapped here; the address may be reused
+        _by_address.pop((device, ptr), None)
+        return None
+    return entry[0][1], entry[0][2]
 
 
 def default_device() -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import weakref
 
 import torch
 
@@ -30,10 +29,11 @@ from gpu_anchor.paths import default_socket
 from .placeholders import OWN_ATTRS, Placeholder, Store, real_view
 
 _clients: dict[tuple, object] = {}
+_why: dict[str, str] = {}     # device -> why the last client_for() found no daemon there
 
 
 def client_for(device: str, namespace: str | None):
-    """The process's client for ``device`` (None when no daemon answers there)."""
+    """The process's client for ``device`` (None when no daemon answers there; see :func:`why_not`)."""
     from gpu_anchor.client.client import connect, default_namespace, namespace_for
     ns = namespace_for(namespace, device) if namespace is not None else default_namespace(device)
     sock = os.environ.get("GPU_ANCHOR_SOCKET") or default_socket(device)
@@ -42,13 +42,21 @@ def client_for(device: str, namespace: str | None):
     if client is not None:
         return client
     if device != "cpu" and not torch.cuda.is_available():
+        _why[device] = f"no daemon for {device}: CUDA is not available in this process"
         return None
     try:
         client = connect(device, namespace=namespace)
-    except (DaemonUnavailable, ConnectionError, FileNotFoundError, OSError):
+    except (DaemonUnavailable, ConnectionError, FileNotFoundError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _why[device] = (f"no daemon answers for {device} at {sock} ({first}); start one with "
+                        f"`gpu-anchor daemon --device {device} --detach`")
         return None
     _clients[key] = client
     return client
+
+
+def why_not(device: str) -> str:
+    return _why.get(device, f"no daemon answers for {device}")
 
 
 def forget_clients() -> None:
@@ -133,16 +141,15 @@ def live_placeholders(stores: list[Store]) -> dict[Store, list[Placeholder]]:
     return out
 
 
-def _swap(t: torch.Tensor, new: torch.Tensor) -> None:
+def swap(t: torch.Tensor, new: torch.Tensor) -> None:
     """``torch.utils.swap_tensors`` without its use-count check, carrying tensor hooks over.
 
     The extra references a placeholder's impl may have are autograd views of it (other
     placeholders, swapped too) — nothing that will run on the old impl again.  Hooks
     (``register_hook``, ``register_post_accumulate_grad_hook``, e.g. by an optimizer
     wrapper built inside the scope) live with the impl, so they are re-registered."""
-    if weakref.getweakrefs(t):
-        raise RuntimeError("cannot bind a placeholder that has weak references to it; "
-                           "create weak references after the managed_scope block")
+    # Weak references (``RNNBase._flat_weight_refs``) refer to the Python object, which keeps its
+    # identity here: after the swap they reach the real tensor, as they should.
     post = t._post_accumulate_grad_hooks
     pre = t._backward_hooks
     t.__class__, new.__class__ = new.__class__, t.__class__
@@ -152,6 +159,46 @@ def _swap(t: torch.Tensor, new: torch.Tensor) -> None:
         t._post_accumulate_grad_hooks = post
     if pre:
         t._backward_hooks = pre
+
+
+def swap_native(ph: Placeholder, real: torch.Tensor) -> None:
+    """Turn placeholder ``ph`` into the native tensor ``real``, in place; it leaves its store."""
+    lst = ph._ga_store.tensors
+    for i in range(len(lst)):
+        if lst[i] is ph:
+            del lst[i]
+            break
+    attrs = {k: v for k, v in ph.__dict__.items() if k not in OWN_ATTRS}
+    swap(ph, real)
+    ph.__dict__.update(attrs)
+
+
+def become_placeholder(t: torch.Tensor, ph: Placeholder) -> None:
+    """``t.data = ph`` for a native ``t``: ``t`` becomes a placeholder over ``ph``'s store with
+    ``ph``'s geometry, in place (its identity, ``Parameter``-ness and attributes kept)."""
+    new = Placeholder(ph._ga_store, ph._ga_meta, requires_grad=t.requires_grad)
+    if isinstance(t, torch.nn.Parameter):
+        new._is_param = True
+    attrs = dict(t.__dict__)
+    swap_placeholder_objects(t, new)
+    for k, v in attrs.items():
+        t.__dict__.setdefault(k, v)
+
+
+def swap_placeholder_objects(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors`` when a placeholder is involved, keeping each store's list of
+    the Python objects that are its placeholders right."""
+    for t in (t1, t2):
+        if isinstance(t, Placeholder):
+            lst = t._ga_store.tensors
+            for i in range(len(lst)):
+                if lst[i] is t:
+                    del lst[i]
+                    break
+    swap(t1, t2)
+    for t in (t1, t2):
+        if isinstance(t, Placeholder):
+            t._ga_store.tensors.append(t)
 
 
 def swap_in(live: list[Placeholder], base: torch.Tensor) -> int:
@@ -169,7 +216,7 @@ def swap_in(live: list[Placeholder], base: torch.Tensor) -> int:
         for k, v in t.__dict__.items():
             if k not in OWN_ATTRS:
                 new.__dict__[k] = v
-        _swap(t, new)
+        swap(t, new)
         del new
         n += 1
     live.clear()

@@ -26,17 +26,16 @@ Outside a scope nothing is intercepted: no cost on the hot path.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
-import torch._dynamo  # noqa: F401  (entering a dispatch mode imports it lazily, ~1.2 s: pay it at import,
-#                                   so a fork server that preloads gpu_anchor.scope pays it once per job)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_anchor.paths import normalize_device
 
 from .placeholders import Placeholder, new_store
-from .recipes import Recorder, Ref, default_generator, leaves, outputs_of, rebuild, tmap
+from .recipes import Held, Recorder, Ref, default_generator, leaves, outputs_of, rebuild, tmap
 
 aten = torch.ops.aten
 _state = threading.local()
@@ -125,38 +124,67 @@ class ScopeMode(TorchDispatchMode):
         self.stores = []
         self.eager_evaluations = 0
         self._memo: dict = {}
+        self._held: dict[tuple, list[Held]] = {}   # storage of a real tensor an op read -> its holders
+        self.stop_frame = None                    # the frame running the ``with``: see _importing
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disable whose first call imports
+        # torch._dynamo (seconds).  Nothing is compiled inside a scope: keep the import off the
+        # restart path.
+        return False
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if is_suspended():
             self._flush_for(func, args, kwargs)  # a native random op still needs the true generator position
+            if self._held:
+                self._copy_before_write(_written(func, args, kwargs))
             return func(*args, **kwargs)
         has_ph = any(isinstance(x, Placeholder) for x in leaves((args, kwargs)))
         if has_ph:
             if func.is_view:
                 return self._view(func, args, kwargs)
+            if func in _SET_STORAGE and isinstance(args[0], Placeholder) and not isinstance(args[1], Placeholder):
+                return self._become_native(func, args, kwargs)
             written = _written(func, args, kwargs)
             if torch.Tag.inplace_view in func.tags and isinstance(args[0], Placeholder):
                 return self._inplace_view(func, args, kwargs)
             if written:
                 if all(isinstance(w, Placeholder) for w in written):
                     return self._inplace(func, args, kwargs, written)
+                if all(isinstance(w, Placeholder) or w.device.type == "meta" for w in written):
+                    return self._on_meta(func, args, kwargs)  # writes only meta tensors: needs no data
                 return self._eager(func, args, kwargs)
             return self._compute(func, args, kwargs)
         if func is aten.lift_fresh.default:  # torch.tensor(data, device=...): only this op is visible
-            dev = normalize_device(args[0].device)
-            if self.anchored(dev):
+            dev = _norm(args[0].device)
+            if self.anchored(dev) and not self._importing():
                 return self._record_create(func, args, kwargs, [args[0]], dev, snapshot=False)
             return func(*args, **kwargs)
-        if func.is_view or _written(func, args, kwargs):
+        written = _written(func, args, kwargs)
+        if func.is_view or written:
             self._flush_for(func, args, kwargs)
+            if self._held and written:
+                self._copy_before_write(written)
             return func(*args, **kwargs)
         dev = self._out_device(func, args, kwargs)
-        if dev is not None and self.anchored(dev) and self._returns_tensors(func):
+        if dev is not None and self.anchored(dev) and self._returns_tensors(func) and not self._importing():
             return self._compute(func, args, kwargs)
         self._flush_for(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _importing(self) -> bool:
+        """Is a module being imported between the block's frame and this op?  A module's
+        constants (``def f(x, scale=torch.tensor(1))`` in a library imported lazily inside the
+        block) belong to the module, not to the block's state: they are made natively."""
+        f, stop = sys._getframe(2), self.stop_frame
+        while f is not None and f is not stop:
+            if f.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            f = f.f_back
+        return False
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -169,6 +197,8 @@ class ScopeMode(TorchDispatchMode):
         named = _named(func, args, kwargs)
         dev = named.get("device")
         if dev is not None:
+            if torch.device(dev).type == "meta":
+                return "meta"
             try:
                 return normalize_device(dev)
             except ValueError:
@@ -211,8 +241,40 @@ class ScopeMode(TorchDispatchMode):
         if isinstance(x, Placeholder):
             return Ref(x._ga_store, x._ga_meta)
         if isinstance(x, torch.Tensor) and snapshot:
-            return x.detach().clone()
+            return self._hold(x)
         return x
+
+    def _hold(self, t: torch.Tensor):
+        """Keep a real input by reference, not by copy: a weight file's bytes (an mmap) are then
+        read only if a created object needs them.  A later write the mode sees copies it first."""
+        key = _storage_key(t)
+        if key is None:
+            return t.detach().clone()        # no version counter (inference tensor) or no storage
+        h = Held(t)
+        self._held.setdefault(key, []).append(h)
+        return h
+
+    def _copy_before_write(self, written) -> None:
+        for w in written:
+            if isinstance(w, torch.Tensor) and not isinstance(w, Placeholder):
+                for h in self._held.pop(_storage_key(w), ()):
+                    h.keep_copy()
+
+    def _become_native(self, func, args, kwargs):
+        """``placeholder.set_(storage, ...)`` (how ``torch.load`` rebuilds every tensor): the
+        tensor now lives on that real storage, so it stops being a placeholder.  A native tensor
+        in a module or optimizer is adopted at the scope's exit."""
+        from .binding import swap_native
+        ph = args[0]
+        real = torch.empty(0, dtype=ph.dtype, device=ph.device)
+        func(real, *args[1:], **kwargs)
+        swap_native(ph, real)
+        return ph
+
+    def _on_meta(self, func, args, kwargs):
+        """An op whose results are all meta tensors needs no data: run it on meta mirrors."""
+        func(*tmap(_to_meta_keep, args), **tmap(_to_meta_keep, kwargs))
+        return _aliased_return(func, args, kwargs)
 
     # ------------------------------------------------------------------ op kinds
     def _view(self, func, args, kwargs):
@@ -259,6 +321,8 @@ class ScopeMode(TorchDispatchMode):
         except Exception:
             return self._eager(func, args, kwargs)
         flat = outputs_of(meta_out)
+        if dev == "meta":
+            return meta_out                      # e.g. ``.to("meta")`` (accelerate's init_empty_weights)
         if dev is None or not self.anchored(dev) or not flat or not all(isinstance(m, torch.Tensor) for m in flat):
             return self._eager(func, args, kwargs)
         named = _named(func, args, kwargs)
@@ -298,9 +362,12 @@ class ScopeMode(TorchDispatchMode):
                 self._memo = {key: base}
             return real_view(base, x._ga_meta)
 
+        writes = _written(func, args, kwargs)
+        if self._held and writes:
+            self._copy_before_write(writes)
         out = func(*tmap(real, args), **tmap(real, kwargs))
         flat = outputs_of(out) if isinstance(out, (torch.Tensor, tuple, list)) else [out]
-        written = {id(w) for w in _written(func, args, kwargs)}
+        written = {id(w) for w in writes}
         if not any(isinstance(t, torch.Tensor) and id(t) not in written and self.anchored(_norm(t.device)) for t in flat):
             return out
         # A real result on an anchored device made inside the scope is state too: buffer it.
@@ -317,6 +384,24 @@ def _norm(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
     return device.type
+
+
+def _to_meta_keep(x):
+    """Placeholders to their meta mirrors; real meta tensors stay (they are written)."""
+    return x._ga_meta if isinstance(x, Placeholder) else x
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        t._version
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    ptr = st.data_ptr()
+    return (t.device.type, t.device.index, ptr) if ptr else None
+
+
+_SET_STORAGE = {aten.set_.source_Storage, aten.set_.source_Storage_storage_offset}
 
 
 def _factory_init(name: str, named: dict):

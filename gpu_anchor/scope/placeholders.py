@@ -31,6 +31,11 @@ class Store:
 
     __slots__ = ("index", "device", "meta", "tensors", "init", "name", "status", "real", "__weakref__")
 
+    # Placeholders report addresses in a range no user-space pointer can have (the kernel's half),
+    # one 4 GiB window per store, so that code which finds shared or tied tensors by their
+    # storage (safetensors' load_model, transformers) sees a store as one storage.
+    FAKE_BASE = 0xFFFF_8000_0000_0000
+
     def __init__(self, index: int, device: str, meta: torch.Tensor) -> None:
         self.index = index
         self.device = device            # 'cpu' or 'cuda:N'
@@ -45,6 +50,16 @@ class Store:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.meta.shape)
+
+    @property
+    def fake_address(self) -> int:
+        return self.FAKE_BASE + (self.index << 32)
+
+    @property
+    def nbytes(self) -> int:
+        m = self.meta
+        return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride()) if s > 0)) * m.element_size() \
+            if m.numel() else 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,7 +84,16 @@ class Placeholder(torch.Tensor):
     _ga_meta: torch.Tensor
 
     @staticmethod
-    def __new__(cls, store: Store, meta: torch.Tensor, requires_grad: bool = False):
+    def __new__(cls, store, meta=None, requires_grad: bool = False, **attrs):
+        if not isinstance(store, Store):
+            # ``type(param)(tensor, **param.__dict__)`` (accelerate re-creating a parameter):
+            # act as ``nn.Parameter`` would, keeping the attributes
+            p = torch.nn.Parameter(store, requires_grad=attrs.pop("requires_grad", requires_grad) if meta is None
+                                   else bool(meta))
+            for k, v in attrs.items():
+                if k not in OWN_ATTRS:
+                    setattr(p, k, v)
+            return p
         t = torch.Tensor._make_wrapper_subclass(
             cls, meta.size(), strides=meta.stride(), storage_offset=meta.storage_offset(),
             dtype=meta.dtype, device=torch.device(store.device), requires_grad=requires_grad)
@@ -86,10 +110,25 @@ class Placeholder(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Only reached when no scope mode is active (modes are consulted before subclasses).
+        dead = [x._ga_store for x in _flat((args, kwargs)) if isinstance(x, Placeholder)
+                and x._ga_store.status == "dead"]
+        if dead:
+            raise RuntimeError(
+                f"{func} used {dead[0]!r}, a tensor made inside a managed_scope that no variable of the block "
+                "reached when it closed, so it got no memory.  Keep it reachable from the block's frame (a "
+                "variable, a module attribute or buffer, a container), or create it after the block.")
         raise RuntimeError(
             f"gpu-anchor placeholder used by {func} outside its managed_scope (or inside "
             "gpu_anchor.scope.suspended()): it has no memory until the scope exits and binds it. "
             "Keep a reference to it from the scope's frame so that it gets a name and memory.")
+
+    # Storage identity without memory: see Store.FAKE_BASE.
+    def data_ptr(self) -> int:
+        m = self._ga_meta
+        return self._ga_store.fake_address + m.storage_offset() * m.element_size()
+
+    def untyped_storage(self) -> "FakeStorage":
+        return FakeStorage(self._ga_store)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         s = self._ga_store
@@ -113,6 +152,45 @@ class Placeholder(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a gpu-anchor placeholder cannot be pickled or deep-copied before its scope binds it")
+
+
+class FakeStorage:
+    """What ``placeholder.untyped_storage()`` returns: identity and size of its store, no bytes."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def data_ptr(self) -> int:
+        return self._store.fake_address
+
+    def nbytes(self) -> int:
+        return self._store.nbytes
+
+    def size(self) -> int:
+        return self._store.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._store.device)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FakeStorage) and other._store is self._store
+
+    def __hash__(self) -> int:
+        return hash(id(self._store))
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"placeholder storage has no '{name}' before its managed_scope binds it")
+
+
+def _flat(x) -> list:
+    if isinstance(x, (tuple, list)):
+        return [z for y in x for z in _flat(y)]
+    if isinstance(x, dict):
+        return [z for y in x.values() for z in _flat(y)]
+    return [x]
 
 
 def new_store(index: int, device, meta: torch.Tensor) -> Store:

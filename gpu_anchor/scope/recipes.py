@@ -89,6 +89,30 @@ class Ref:
         return f"ref({tuple(m.shape)},{m.stride()},{m.storage_offset()},{m.dtype})"
 
 
+class Held:
+    """A real tensor a recorded op read, kept by reference until replay (see ScopeMode._hold).
+
+    ``keep_copy`` is called before the program writes it through the dispatcher; a write the
+    dispatcher never sees (numpy, another thread) shows in the version counter at replay."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t, t._version
+
+    def keep_copy(self) -> None:
+        self.t = self.t.detach().clone()
+        self.version = self.t._version
+
+    def value(self) -> torch.Tensor:
+        if self.t._version != self.version:
+            raise RuntimeError(
+                f"a {tuple(self.t.shape)} {self.t.dtype} tensor that initialised an object inside the managed_scope "
+                "was modified in place afterwards, outside torch's dispatcher (numpy, another thread); "
+                "pass a copy (.clone()) or leave it unchanged until the scope exits")
+        return self.t
+
+
 class Event:
     __slots__ = ("seq", "func", "args", "kwargs", "writes", "creates", "gen", "state_before")
 
@@ -109,6 +133,8 @@ class Event:
         def d(x):
             if isinstance(x, Ref):
                 return x.describe()
+            if isinstance(x, Held):
+                x = x.t
             if isinstance(x, torch.Tensor):
                 return f"buf({tuple(x.shape)},{x.dtype})"
             if isinstance(x, torch.Generator):
@@ -256,13 +282,15 @@ class Recorder:
             return t
 
         def to_real(x):
-            return real_view(base_of(x.store), x.meta) if isinstance(x, Ref) else x
+            if isinstance(x, Ref):
+                return real_view(base_of(x.store), x.meta)
+            return x.value() if isinstance(x, Held) else x
 
         def to_scratch(x):
             if isinstance(x, Ref):
                 shape, _ = x.store.alloc_spec()
                 return real_view(torch.empty(shape, dtype=x.store.dtype, device=x.store.device), x.meta)
-            return x
+            return x.value() if isinstance(x, Held) else x
 
         with torch.no_grad():
             for ev in self.events:
@@ -284,7 +312,7 @@ class Recorder:
             gen.set_state(torch.frombuffer(bytearray(cur), dtype=torch.uint8))
         for led in ledgers:
             led.pending.clear()
-        return {s: reals[s] for s in targets if s in reals}
+        return {s: base_of(s) for s in targets}   # a store no op wrote (a bare empty()) is uninitialised
 
 
 def _run(ev: Event, args, kwargs):
