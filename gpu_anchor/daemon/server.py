@@ -29,6 +29,7 @@ import time
 from collections import deque
 
 from gpu_anchor import protocol
+from gpu_anchor.errors import BadRequest
 from gpu_anchor.paths import ensure_private_dir
 
 from .arena import Arena
@@ -53,10 +54,6 @@ class _Conn:
         self.outq: deque[tuple[memoryview, list[int]]] = deque()
         self.outbytes = 0
         self.closing = False
-
-
-class BadRequest(ValueError):
-    pass
 
 
 class Daemon:
@@ -270,7 +267,9 @@ class Daemon:
             self._reply_error(conn, "out_of_memory", str(e) or "out of memory")
         except VersionMismatch as e:
             self._reply_error(conn, "version_mismatch", str(e))
-        except (BadRequest, JournalError, ValueError, TypeError, KeyError) as e:
+        except BadRequest as e:   # names the field (and object) in ``details``
+            self._reply_error(conn, "bad_request", f"{op}: {e}", **e.details)
+        except (JournalError, ValueError, TypeError, KeyError) as e:
             self._reply_error(conn, "bad_request", f"{op}: {e}")
         except Exception as e:  # a backend failure: report it, keep serving
             log.exception("op %s failed", op)
