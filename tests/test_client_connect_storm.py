@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from gpu_anchor import errors
+from gpu_anchor import errors, protocol
 from gpu_anchor.client.channel import Channel
 from gpu_anchor.daemon import control
 from gpu_anchor.paths import lock_path, process_identity
@@ -33,11 +34,13 @@ def _storm(path: str, n: int, pause_pid: int) -> dict:
     return summary
 
 
-def _small_backlog_daemon(path: str) -> subprocess.Popen:
-    """A real daemon process whose listen backlog is what a kernel with somaxconn=16 would grant."""
-    code = ("import sys, logging; logging.basicConfig(stream=sys.stderr)\n"
+def _small_daemon(path: str, backlog: int = SMALL_BACKLOG, max_fds: int = 0) -> subprocess.Popen:
+    """A real daemon process whose listen backlog is what a kernel with somaxconn=``backlog``
+    grants, and (``max_fds``) whose hard descriptor limit is that low."""
+    code = ("import sys, logging, resource; logging.basicConfig(stream=sys.stderr)\n"
+            f"if {max_fds}: resource.setrlimit(resource.RLIMIT_NOFILE, ({max_fds}, {max_fds}))\n"
             "import gpu_anchor.daemon.server as server\n"
-            f"server.LISTEN_BACKLOG = {SMALL_BACKLOG}\n"
+            f"server.LISTEN_BACKLOG = {backlog}\n"
             f"server.run('cpu', {path!r})\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -63,7 +66,7 @@ def test_600_processes_connect_at_once(host_daemon):
 
 def test_600_processes_connect_past_a_full_accept_queue(socket_dir):
     path = os.path.join(socket_dir, "small.sock")
-    proc = _small_backlog_daemon(path)
+    proc = _small_daemon(path)
     try:
         s = _storm(path, 600, proc.pid)       # the daemon is stopped while they connect: the queue overflows
         assert (s["ok"], s["reported"], s["errors"]) == (600, 600, {}), s
@@ -74,7 +77,7 @@ def test_600_processes_connect_past_a_full_accept_queue(socket_dir):
 
 def test_a_queue_that_stays_full_ends_in_a_clear_error_and_service_resumes(socket_dir):
     path = os.path.join(socket_dir, "small.sock")
-    proc = _small_backlog_daemon(path)
+    proc = _small_daemon(path)
     filler = []
     try:
         os.kill(proc.pid, signal.SIGSTOP)     # a stuck daemon: nothing is accepted from here on
@@ -136,3 +139,31 @@ def test_stale_socket_fails_at_once_and_a_starting_daemon_is_waited_for(socket_d
     finally:
         control.stop("cpu", path)
         proc.wait(10)
+
+
+def test_out_of_descriptors_the_daemon_pauses_accept_and_serves_everyone(socket_dir):
+    path = os.path.join(socket_dir, "fds.sock")
+    proc = _small_daemon(path, backlog=4096, max_fds=48)   # room for about 40 connections
+    sel, socks = selectors.DefaultSelector(), []
+    ping = protocol.encode({"op": "ping"})
+    try:
+        for _ in range(120):                  # all queued at once; the daemon runs out of descriptors
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(ping)
+            sel.register(s, selectors.EVENT_READ)
+            socks.append(s)
+        answered, deadline = 0, time.monotonic() + 120  # a hang guard, not a measurement
+        while answered < len(socks) and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=1.0):
+                reply = protocol.recv_frame(key.fileobj)[0]
+                assert reply["ok"], reply
+                answered += 1
+                sel.unregister(key.fileobj)
+                key.fileobj.close()          # frees a descriptor: the daemon accepts the next one
+        assert answered == len(socks) and proc.poll() is None
+        assert Channel("cpu", path).request({"op": "ping"})[0]["ok"]
+    finally:
+        for s in socks:
+            s.close()
+        _stop(proc, path)
