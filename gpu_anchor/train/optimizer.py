@@ -159,8 +159,8 @@ class AnchoredOptimizer(StateDictMixin):
         resuming = self._state.step > 0 or self._state.in_flight
         if resuming and meta is not None and meta["params"] != self._signature():
             # The journal records which parameters (names, shapes, dtypes) the state belongs to.
-            raise _foreign_state(f"namespace {holder_key[1]!r} holds another optimizer's state under prefix {prefix!r}: "
-                                 f"{_describe(meta.get('optimizer', '?'), meta['params'], self._state.step)}",
+            raise _foreign_state(f"namespace {holder_key[1]!r} holds another optimizer's state under prefix "
+                                 f"{prefix!r}: {_describe(meta.get('optimizer', '?'), meta['params'], self._state.step)}",
                                  mine, prefix, "; if this is that optimizer and the model changed, its anchored "
                                  "state does not fit: restore from a checkpoint, or drop the namespace "
                                  f"(`gpu-anchor drop {holder_key[1]}`) to start over.")
