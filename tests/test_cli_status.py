@@ -69,45 +69,47 @@ def _job_state(socket_dir: str, namespace: str):
 
 
 def test_status_lists_live_jobs_and_finished_ones_with_all(socket_dir):
-    done = _run_job("finished-job", "print('bye')", socket_dir)
-    out = done.communicate(timeout=240)[0]
-    assert done.returncode == 0 and _job_state(socket_dir, "finished-job") == "done", out
-    live = _run_job("live-job", "import time; time.sleep(600)", socket_dir)
     try:
-        deadline = time.monotonic() + 120
-        while _job_state(socket_dir, "live-job") != "running" and time.monotonic() < deadline:
-            assert live.poll() is None, live.communicate()[0]
-            time.sleep(0.1)
-        assert _job_state(socket_dir, "live-job") == "running"
-        human = _cli("status").stdout
-        assert "job 'live-job': running" in human and "finished-job" not in human, human
-        assert "1 finished or abandoned job(s) not shown: --all" in human, human
-        st = json.loads(_cli("status", "--json").stdout)
-        assert [j["namespace"] for j in st["jobs"]] == ["live-job"] and st["jobs_not_shown"] == 1
-        every = _cli("status", "--all").stdout
-        assert "job 'live-job': running" in every and "job 'finished-job': done" in every, every
-    finally:
-        live.terminate()                      # the supervisor stops its worker and records "stopped"
-        live.communicate(timeout=120)
-    assert "live-job" not in _cli("status").stdout
-    assert "job 'live-job': stopped" in _cli("status", "--all").stdout
+        done = _run_job("finished-job", "print('bye')", socket_dir)
+        out = done.communicate(timeout=240)[0]
+        assert done.returncode == 0 and _job_state(socket_dir, "finished-job") == "done", out
+        live = _run_job("live-job", "import time; time.sleep(600)", socket_dir)
+        try:
+            deadline = time.monotonic() + 120
+            while _job_state(socket_dir, "live-job") != "running" and time.monotonic() < deadline:
+                assert live.poll() is None, live.communicate()[0]
+                time.sleep(0.1)
+            assert _job_state(socket_dir, "live-job") == "running"
+            human = _cli("status").stdout
+            assert "job 'live-job': running" in human and "finished-job" not in human, human
+            assert "1 finished or abandoned job(s) not shown: --all" in human, human
+            st = json.loads(_cli("status", "--json").stdout)
+            assert [j["namespace"] for j in st["jobs"]] == ["live-job"] and st["jobs_not_shown"] == 1
+            every = _cli("status", "--all").stdout
+            assert "job 'live-job': running" in every and "job 'finished-job': done" in every, every
+        finally:
+            live.terminate()                      # the supervisor stops its worker and records "stopped"
+            live.communicate(timeout=120)
+        assert "live-job" not in _cli("status").stdout
+        assert "job 'live-job': stopped" in _cli("status", "--all").stdout
 
-    stale = _run_job("stale-job", "import time; time.sleep(600)", socket_dir)   # its supervisor will be killed
-    try:
-        deadline = time.monotonic() + 120
-        while _job_state(socket_dir, "stale-job") != "running" and time.monotonic() < deadline:
-            time.sleep(0.1)
-        stale.kill()
-        stale.wait(60)
+        stale = _run_job("stale-job", "import time; time.sleep(600)", socket_dir)   # its supervisor will be killed
+        try:
+            deadline = time.monotonic() + 120
+            while _job_state(socket_dir, "stale-job") != "running" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stale.kill()
+            stale.wait(60)
+        finally:
+            with open(os.path.join(socket_dir, "jobs", "stale-job.json")) as f:
+                for rank in json.load(f)["ranks"].values():
+                    try:
+                        os.kill(rank["pid"], signal.SIGKILL)
+                    except (ProcessLookupError, KeyError, TypeError):
+                        pass
+            stale.communicate(timeout=60)           # the worker held the output pipe open
+        assert _job_state(socket_dir, "stale-job") == "running"       # what the record still says
+        assert "stale-job" not in _cli("status").stdout
+        assert "job 'stale-job': running (supervisor gone)" in _cli("status", "--all").stdout
     finally:
-        with open(os.path.join(socket_dir, "jobs", "stale-job.json")) as f:
-            for rank in json.load(f)["ranks"].values():
-                try:
-                    os.kill(rank["pid"], signal.SIGKILL)
-                except (ProcessLookupError, KeyError, TypeError):
-                    pass
-        stale.communicate(timeout=60)           # the worker held the output pipe open
-    assert _job_state(socket_dir, "stale-job") == "running"       # what the record still says
-    assert "stale-job" not in _cli("status").stdout
-    assert "job 'stale-job': running (supervisor gone)" in _cli("status", "--all").stdout
-    _cli("stop")
+        _cli("stop", check=False)   # the daemons the supervisors started
