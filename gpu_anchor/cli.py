@@ -1,7 +1,7 @@
 """The ``gpu-anchor`` command.
 
     gpu-anchor daemon --device cuda:0 [--socket PATH] [--detach]
-    gpu-anchor status [--json]
+    gpu-anchor status [--json] [--all] [--socket PATH | --device D]
     gpu-anchor drop NAMESPACE [--device D]
     gpu-anchor stop [--device D]
     gpu-anchor run [options] -- COMMAND...       supervise a job on this node
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from gpu_anchor import errors
-from gpu_anchor.client.channel import Channel
+from gpu_anchor.client.channel import Channel, resolve_socket
 from gpu_anchor.daemon import control
 from gpu_anchor.paths import default_socket, normalize_device, socket_dir
 
@@ -53,11 +54,21 @@ def cmd_daemon(args) -> int:
     return daemon_main(["--device", device, "--socket", path, "--log-level", args.log_level])
 
 
+def _status_targets(args) -> dict[str, str | None]:
+    """``--socket``, then ``GPU_ANCHOR_SOCKET``, then the per-user directory (every daemon there,
+    or ``--device``'s)."""
+    path = args.socket or os.environ.get("GPU_ANCHOR_SOCKET")
+    if path:  # the device is whatever the daemon there serves: its status says
+        return {normalize_device(args.device or "cpu"): path}
+    return _targets(args)
+
+
 def _status_of(device: str, path: str | None) -> dict:
     try:
         ch = Channel(device, path, timeout=5.0)
     except errors.AnchorError as e:
-        return {"device": device, "socket": path, "error": str(e).splitlines()[0]}
+        why = "no daemon answers" if isinstance(e, errors.DaemonUnavailable) else str(e).splitlines()[0]
+        return {"device": device, "socket": resolve_socket(device, path), "error": why}
     try:
         st = ch.request({"op": "status"})[0]
         st.pop("ok", None), st.pop("nfds", None)
@@ -69,21 +80,25 @@ def _status_of(device: str, path: str | None) -> dict:
 
 def cmd_status(args) -> int:
     from gpu_anchor.launch import jobstate
-    targets = _targets(args)
-    report = [_status_of(d, p) for d, p in targets.items()]
-    jobs = jobstate.load_all()
+    report = [_status_of(d, p) for d, p in _status_targets(args).items()]
+    every_job = jobstate.load_all()   # supervisors keep them in the per-user directory
+    jobs = every_job if args.all else [j for j in every_job if jobstate.is_live(j)]
+    hidden = len(every_job) - len(jobs)
     if args.json:
-        json.dump({"socket_dir": socket_dir(), "daemons": report, "jobs": jobs}, sys.stdout, indent=2)
+        json.dump({"socket_dir": socket_dir(), "daemons": report, "jobs": jobs, "jobs_not_shown": hidden},
+                  sys.stdout, indent=2)
         print()
         return 0
     if jobs:
         print(jobstate.format_jobs(jobs))
+    if hidden:
+        print(f"({hidden} finished or abandoned job(s) not shown: --all)")
     if not report:
         print(f"no gpu-anchor daemons in {socket_dir()} (start one: gpu-anchor daemon --device cuda:0 --detach)")
         return 0
     for st in report:
         if "error" in st:
-            print(f"{st['device']}: not answering ({st['error']})")
+            print(f"{st['socket']}: {st['error']}")
             continue
         be = st["backend"]
         extra = f", {be['name']} {be['uuid']}" if "uuid" in be else ""
@@ -184,8 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--log-level", default="INFO")
     d.set_defaults(func=cmd_daemon)
 
-    s = sub.add_parser("status", help="devices, namespaces, objects, memory and journal keys")
+    s = sub.add_parser("status", help="devices, namespaces, objects, memory and journal keys; live jobs",
+                       description="Asks the daemon at --socket, else at $GPU_ANCHOR_SOCKET, else every daemon "
+                                   "in the per-user socket directory (--device: that device's).")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--all", action="store_true", help="also list finished jobs and jobs whose supervisor is gone")
     s.add_argument("--device")
     s.add_argument("--socket")
     s.add_argument("--limit", type=int, default=20, help="objects listed per namespace")

@@ -6,6 +6,8 @@ matches the shape; it never interprets the data.
 """
 from __future__ import annotations
 
+from gpu_anchor.errors import BadRequest
+
 ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
@@ -19,20 +21,33 @@ ITEMSIZE = {
 MAX_DIMS = 64
 
 
-def check_shape(shape: object) -> tuple[int, ...]:
+def _refuse(what: str, field: str, message: str, name: str | None) -> BadRequest:
+    return BadRequest(f"{what}: {field} {message}", field=field, **({"name": name} if name is not None else {}))
+
+
+def check_shape(shape: object, what: str = "object", name: str | None = None) -> tuple[int, ...]:
+    """``shape`` as a tuple of plain non-negative ints, else ``BadRequest`` naming the entry.
+
+    Nothing is converted: a float (``2.5``, or even ``2.0``), a string, ``None`` or a bool is
+    refused, never truncated or guessed at."""
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
-        raise ValueError(f"shape must be a list of at most {MAX_DIMS} sizes, got {shape!r}")
-    for d in shape:
+        raise _refuse(what, "shape", f"must be a list of at most {MAX_DIMS} sizes, got {shape!r:.80}", name)
+    for i, d in enumerate(shape):
         if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise ValueError(f"shape sizes must be non-negative integers, got {shape!r}")
+            raise _refuse(what, f"shape[{i}]", f"must be a non-negative integer, got {d!r:.40} "
+                                               f"({type(d).__name__})", name)
     return tuple(shape)
 
 
-def nbytes_of(dtype: object, shape: object) -> int:
+def check_dtype(dtype: object, what: str = "object", name: str | None = None) -> str:
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(ITEMSIZE))}")
-    n = ITEMSIZE[dtype]
-    for d in check_shape(shape):
+        raise _refuse(what, "dtype", f"{dtype!r:.40} is not one of: {', '.join(sorted(ITEMSIZE))}", name)
+    return dtype
+
+
+def nbytes_of(dtype: object, shape: object, what: str = "object", name: str | None = None) -> int:
+    n = ITEMSIZE[check_dtype(dtype, what, name)]
+    for d in check_shape(shape, what, name):
         n *= d
     return n
 

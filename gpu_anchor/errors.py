@@ -1,4 +1,5 @@
-"""Errors raised by gpu-anchor clients (torch-free)."""
+"""Errors raised by gpu-anchor clients (torch-free); the daemon raises ``BadRequest`` too, when it
+validates a message, and replies with its code and details."""
 from __future__ import annotations
 
 
@@ -39,6 +40,8 @@ class VersionMismatch(AnchorError):
 
 
 class BadRequest(AnchorError, ValueError):
+    """A request field is invalid; ``details``: ``field`` (e.g. ``shape[1]``) and ``name`` (the object)."""
+
     code = "bad_request"
 
 

@@ -53,3 +53,32 @@ def ensure_private_dir(path: str) -> None:
             "choose another with --socket or GPU_ANCHOR_SOCKET_DIR")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
+
+
+# A daemon holds an exclusive flock on ``<socket>.lock`` for its whole life and writes its
+# identity there, so a client can tell "starting, not yet listening" from "dead, stale
+# socket" without touching the lock (probing with flock could make a starting daemon fail).
+def lock_path(socket_path: str) -> str:
+    return socket_path + ".lock"
+
+
+def process_identity(pid: int) -> str | None:
+    """``"<pid> <start time>"``: stays unique when the pid is reused; None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":
+        return None
+    return f"{pid} {fields[19]}"  # field 22 of stat: start time in clock ticks since boot
+
+
+def daemon_alive(socket_path: str) -> bool:
+    """True while the daemon that took ``socket_path``'s lock runs (listening yet or not)."""
+    try:
+        with open(lock_path(socket_path)) as f:
+            owner = f.read().split()
+    except OSError:
+        return False
+    return len(owner) == 2 and owner[0].isdigit() and process_identity(int(owner[0])) == " ".join(owner)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import operator
 import os
 import threading
 import weakref
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from gpu_anchor import protocol
+from gpu_anchor.dtypes import check_dtype, check_shape
+from gpu_anchor.errors import BadRequest
 from gpu_anchor.paths import normalize_device
 
 from . import mapping
@@ -78,6 +81,26 @@ class Bound:
     status: str
     tensor: torch.Tensor | None
     info: ObjectInfo | None
+
+
+def _wire_object(index: int, name: str, shape, dtype) -> dict:
+    """One bind entry, checked before it is sent: sizes are ints (``torch.Size``, numpy and
+    0-d integer tensors are), never truncated floats; the dtype is a ``torch.dtype``."""
+    what = f"objects[{index}] {name!r:.200}"
+    if not isinstance(dtype, torch.dtype):
+        raise BadRequest(f"{what}: dtype must be a torch.dtype such as torch.float32, got {dtype!r:.40} "
+                         f"({type(dtype).__name__})", field="dtype", name=name)
+    dims = shape
+    if isinstance(shape, (list, tuple)):
+        dims = list(shape)
+        for i, d in enumerate(dims):
+            if not isinstance(d, bool):
+                try:
+                    dims[i] = operator.index(d)
+                except TypeError:
+                    pass          # left as it is: check_shape names it
+    return {"name": name, "shape": list(check_shape(dims, what, name)),
+            "dtype": check_dtype(mapping.dtype_name(dtype), what, name)}
 
 
 def _info(d: dict) -> ObjectInfo:
@@ -144,8 +167,7 @@ class Client:
         Tensors from ``lookup`` do not own their objects: an observer (a checkpointer,
         a status tool, a test) that looks and lets go never frees a job's state.
         """
-        objects = [{"name": n, "shape": [int(d) for d in shape], "dtype": mapping.dtype_name(dtype)}
-                   for n, shape, dtype in specs]
+        objects = [_wire_object(i, n, shape, dtype) for i, (n, shape, dtype) in enumerate(specs)]
         with self._lock:
             reply = self._request({"op": "bind", "objects": objects, "policy": policy})[0]
             sizes = {int(k): v for k, v in reply["segments"].items()}

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from gpu_anchor.dtypes import check_shape, describe, nbytes_of
+from gpu_anchor.errors import BadRequest
 
 from .arena import Arena
 from .journal import Journal
@@ -58,7 +59,8 @@ class Namespace:
 
 def check_name(kind: str, value: object, limit: int = MAX_NAME) -> str:
     if not isinstance(value, str) or not value or len(value) > limit or "\x00" in value:
-        raise ValueError(f"{kind} must be a non-empty string of at most {limit} characters, got {value!r:.80}")
+        raise BadRequest(f"{kind} must be a non-empty string of at most {limit} characters, got {value!r:.80}",
+                         field=kind.split()[-1])
     return value
 
 
@@ -84,15 +86,16 @@ class Registry:
             raise ValueError("objects must be a list")
         ns = self.namespace(ns_name)
         parsed, seen = [], set()
-        for req in requests:
+        for i, req in enumerate(requests):
             if not isinstance(req, dict):
-                raise ValueError(f"each object request must be an object, got {req!r:.80}")
+                raise BadRequest(f"objects[{i}] must be an object, got {req!r:.80}", field=f"objects[{i}]")
             name = check_name("object name", req.get("name"))
             if name in seen:
-                raise ValueError(f"object {name!r} requested twice in one bind")
+                raise BadRequest(f"object {name!r} requested twice in one bind", field=f"objects[{i}].name")
             seen.add(name)
-            dtype, shape = req.get("dtype"), check_shape(req.get("shape"))
-            parsed.append((name, dtype, shape, nbytes_of(dtype, shape)))
+            what, dtype = f"objects[{i}] {name!r:.200}", req.get("dtype")
+            shape = check_shape(req.get("shape"), what, name)
+            parsed.append((name, dtype, shape, nbytes_of(dtype, shape, what, name)))
 
         conflicts = []
         for name, dtype, shape, _ in parsed:

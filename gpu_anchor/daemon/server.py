@@ -20,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import selectors
 import signal
@@ -29,7 +30,8 @@ import time
 from collections import deque
 
 from gpu_anchor import protocol
-from gpu_anchor.paths import ensure_private_dir
+from gpu_anchor.errors import BadRequest
+from gpu_anchor.paths import ensure_private_dir, lock_path, process_identity
 
 from .arena import Arena
 from .backends import open_backend
@@ -39,6 +41,11 @@ from .registry import ConflictError, OutOfMemory, Registry
 log = logging.getLogger("gpu_anchor.daemon")
 
 MAX_CONNECTIONS = 1024
+# Connections the kernel queues before accept: a job's ranks, a supervisor's warm pool and a
+# restart storm all connect at once.  The kernel caps it at net.core.somaxconn (4096 on
+# Linux >= 5.4, 128 before); past that, clients retry with backoff (client/channel.py).
+LISTEN_BACKLOG = 4096
+ACCEPTS_PER_WAKEUP = 64    # drain the queue in bursts without starving established peers
 MAX_EXPORT = 200  # descriptors per reply, under SCM_MAX_FD
 MAX_PENDING_REPLY = 64 << 20  # a peer that does not read its replies stops being read
 _PEERCRED = struct.Struct("3i")
@@ -55,10 +62,6 @@ class _Conn:
         self.closing = False
 
 
-class BadRequest(ValueError):
-    pass
-
-
 class Daemon:
     def __init__(self, device: str, socket_path: str, backend=None) -> None:
         self.device = device
@@ -73,17 +76,20 @@ class Daemon:
         self._conns: dict[int, _Conn] = {}
         self._running = False
         self._listener: socket.socket | None = None
+        self._listening = False   # False while accept is paused for lack of descriptors
         self._lock_fd: int | None = None
         self.requests = 0
 
     # ---------------------------------------------------------------- lifecycle
     def bind_socket(self) -> None:
         ensure_private_dir(os.path.dirname(self.socket_path) or ".")
-        self._lock_fd = os.open(self.socket_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = os.open(lock_path(self.socket_path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise RuntimeError(f"a daemon for {self.device} is already running at {self.socket_path}") from None
+        os.ftruncate(self._lock_fd, 0)   # who holds it: clients wait for a daemon that is starting
+        os.pwrite(self._lock_fd, (process_identity(os.getpid()) or "").encode(), 0)
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)  # stale: whoever made it no longer holds the lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -92,10 +98,11 @@ class Daemon:
             sock.bind(self.socket_path)
         finally:
             os.umask(old)
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, None)
+        self._listening = True
 
     def serve_forever(self) -> None:
         if self._listener is None:
@@ -131,7 +138,8 @@ class Daemon:
         for conn in list(self._conns.values()):
             self._close(conn)
         if self._listener is not None:
-            self._sel.unregister(self._listener)
+            if self._listening:
+                self._sel.unregister(self._listener)
             self._listener.close()
             self._listener = None
             try:
@@ -145,10 +153,24 @@ class Daemon:
 
     # ---------------------------------------------------------------- connections
     def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
+        for _ in range(ACCEPTS_PER_WAKEUP):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("accept failed: %s", e)   # e.g. the peer gave up already
+                    return
+                # Out of descriptors: leave the rest queued (their clients wait and retry) and
+                # stop polling the listener, or it would wake us in a busy loop; the next close resumes.
+                log.warning("cannot accept more connections (%s, %d open); pausing accept", e, len(self._conns))
+                self._sel.unregister(self._listener)
+                self._listening = False
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
         pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         if uid != self.uid or len(self._conns) >= MAX_CONNECTIONS:
             why = (f"refused: this gpu-anchor daemon belongs to uid {self.uid}; you are uid {uid}"
@@ -178,6 +200,9 @@ class Daemon:
             protocol.close_fds(fds)
         conn.outq.clear()
         conn.sock.close()
+        if not self._listening and self._listener is not None:
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+            self._listening = True
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -270,7 +295,9 @@ class Daemon:
             self._reply_error(conn, "out_of_memory", str(e) or "out of memory")
         except VersionMismatch as e:
             self._reply_error(conn, "version_mismatch", str(e))
-        except (BadRequest, JournalError, ValueError, TypeError, KeyError) as e:
+        except BadRequest as e:   # names the field (and object) in ``details``
+            self._reply_error(conn, "bad_request", f"{op}: {e}", **e.details)
+        except (JournalError, ValueError, TypeError, KeyError) as e:
             self._reply_error(conn, "bad_request", f"{op}: {e}")
         except Exception as e:  # a backend failure: report it, keep serving
             log.exception("op %s failed", op)
@@ -379,7 +406,19 @@ class Daemon:
         return {}, b"", []
 
 
+def _raise_descriptor_limit() -> None:
+    """Every connection and every segment holds a descriptor: take the hard limit (bounded)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            log.warning("descriptor limit stays at %d: %s", soft, e)
+
+
 def run(device: str, socket_path: str) -> None:
+    _raise_descriptor_limit()
     daemon = Daemon(device, socket_path)
     daemon.bind_socket()
     print(f"gpu-anchor daemon: {device} at {socket_path} (pid {os.getpid()})", flush=True)

@@ -97,6 +97,11 @@ def load_all(directory: str | None = None) -> list[dict]:
     return out
 
 
+def is_live(job: dict) -> bool:
+    """Its supervisor runs and it has not finished (``load_all`` fills ``supervisor_alive``)."""
+    return bool(job.get("supervisor_alive")) and job.get("state") not in ("done", "stopped")
+
+
 def _alive(pid) -> bool:
     if not pid:
         return False

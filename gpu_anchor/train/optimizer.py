@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+import weakref
 
 import torch
 
@@ -45,6 +46,24 @@ def _open_scope():
     except Exception:   # the scope package is optional here; without it nothing is open
         return None
     return current()
+
+
+# The optimizer that keeps its state under each (daemon socket, namespace, prefix) in this
+# process: a second one over other parameters is refused by name before it touches anything.
+_holders: "weakref.WeakValueDictionary[tuple, AnchoredOptimizer]" = weakref.WeakValueDictionary()
+
+
+def _describe(optimizer_name: str, params: list, step: int | None = None) -> str:
+    shown = ", ".join(f"{n} {d.removeprefix('torch.')}{s}" for n, s, d in params[:3])
+    more = f", ... {len(params) - 3} more" if len(params) > 3 else ""
+    at = f", {step} step(s) committed" if step is not None else ""
+    return f"{optimizer_name} over {len(params)} parameter(s) ({shown}{more}){at}"
+
+
+def _foreign_state(found: str, mine: str, prefix: str, advice: str = ".") -> RuntimeError:
+    return RuntimeError(
+        f"{found}; this one is {mine}. Two optimizers in one namespace need their own prefixes: "
+        f"AnchoredOptimizer(..., prefix={prefix + '2'!r}){advice}")
 
 
 class _Param:
@@ -125,20 +144,32 @@ class AnchoredOptimizer(StateDictMixin):
             client = gpu_anchor.connect("cpu" if self.device.type == "cpu" else str(self.device), namespace=namespace)
         self.client = client
         self._journal = client.journal
+        holder_key = (getattr(client, "socket_path", None), getattr(client, "namespace", None), prefix)
+        mine = _describe(type(optimizer).__name__, self._signature())
+        other = _holders.get(holder_key)
+        if other is not None and other._signature() != self._signature():
+            raise _foreign_state(f"another AnchoredOptimizer in this process keeps its state under prefix {prefix!r} "
+                                 f"in namespace {holder_key[1]!r}: "
+                                 f"{_describe(type(other.optimizer).__name__, other._signature())}", mine, prefix)
 
         # ------------------------------------------------------------ journal first
         vals = self._journal.get_many(prefix=prefix + "/")
         self._state = StepState.decode(vals.get(key(prefix, "state")))
         meta = json.loads(vals[key(prefix, "meta")]) if key(prefix, "meta") in vals else None
+        resuming = self._state.step > 0 or self._state.in_flight
+        if resuming and meta is not None and meta["params"] != self._signature():
+            # The journal records which parameters (names, shapes, dtypes) the state belongs to.
+            raise _foreign_state(f"namespace {holder_key[1]!r} holds another optimizer's state under prefix "
+                                 f"{prefix!r}: {_describe(meta.get('optimizer', '?'), meta['params'], self._state.step)}",
+                                 mine, prefix, "; if this is that optimizer and the model changed, its anchored "
+                                 "state does not fit: restore from a checkpoint, or drop the namespace "
+                                 f"(`gpu-anchor drop {holder_key[1]}`) to start over.")
         keys_of = [self.kind.state_keys(optimizer.param_groups[q.group]) for q in self._params]
         sizes = [[q.local.element_size()] * (1 + len(k)) for q, k in zip(self._params, keys_of)]
         total = sum(q.local.numel() * (sum(s) + q.local.element_size()) for q, s in zip(self._params, sizes))
         if self._state.in_flight:
             if meta is None:
                 raise RuntimeError("journal shows a step in flight but no protocol metadata")
-            if meta["params"] != self._signature():
-                raise RuntimeError("a step is in flight but the parameters changed (names, shapes or dtypes); "
-                                   "finish it with the previous program or restore from a checkpoint")
             chunk_bytes = meta["chunk_bytes"]
             progress = meta.get("progress", "journal")
         elif chunk_bytes is None:
@@ -160,7 +191,6 @@ class AnchoredOptimizer(StateDictMixin):
             specs.append((f"{prefix}.grad.{q.name}", tuple(q.local.shape), q.local.dtype))
             specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.local.shape), q.local.dtype) for k in ks]
         bound = client.bind(specs)
-        resuming = self._state.step > 0 or self._state.in_flight
         lost = [b.name for b in bound if b.status == "created"]
         if resuming and lost:
             raise RuntimeError(f"the journal says {self._state.step} steps were committed but the anchored "
@@ -205,6 +235,7 @@ class AnchoredOptimizer(StateDictMixin):
                 if meta is None or json.loads(self._meta()) != meta:
                     self._commit({key(prefix, "meta"): self._meta()})
             self._zero_grads()
+        _holders[holder_key] = self
 
     # ------------------------------------------------------------------ public
     @property
