@@ -22,7 +22,7 @@ from gpu_anchor.serve.tiny import make_tiny_model
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_HTTP_KILLS", "60"))
 SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
-         "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
+         "--max-num-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
 
 
 def _get(url):
@@ -31,6 +31,20 @@ def _get(url):
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def scrape(base) -> dict:
+    """``/metrics`` read with Prometheus' own parser: ``{name{labels}: value}``, the
+    ``model_name`` label left out of the key."""
+    from prometheus_client.parser import text_string_to_metric_families
+    code, text = _get(base + "/metrics")
+    assert code == 200, text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
 
 
 @pytest.fixture
@@ -90,9 +104,8 @@ def test_openai_client_against_frontend(server):
         c.completions.create(model="tiny-qwen3", prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny-qwen3", prompt="x", max_tokens=10_000)
-    code, text = _get(base + "/metrics")
-    assert code == 200 and "gpu_anchor_serve_requests_total 4" in text
-    assert "gpu_anchor_serve_engine_up 1" in text
+    m = scrape(base)
+    assert m["gpu_anchor_serve_requests_total"] == 4 and m["gpu_anchor_serve_engine_up"] == 1
 
 
 def _reference(model, jobs):
@@ -154,12 +167,11 @@ def test_streams_survive_engine_sigkills(server):
             t.join()
         assert got == ref
         waves += 1
-        code, text = _get(base + "/metrics")
-        metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        metrics = scrape(base)
         restarts = int(metrics["gpu_anchor_serve_engine_restarts_total"])
-        assert int(metrics["gpu_anchor_serve_token_mismatch_total"]) == 0
+        assert metrics["gpu_anchor_serve_token_mismatch_total"] == 0
     assert restarts >= KILLS, restarts
-    assert int(metrics["gpu_anchor_serve_replayed_tokens_total"]) > 0
+    assert metrics["gpu_anchor_serve_replayed_tokens_total"] > 0
 
 
 def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(server, tmp_path):
@@ -175,7 +187,7 @@ def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(server, tmp_pat
             break
     s.close()
     deadline = time.time() + 30
-    while "gpu_anchor_serve_requests_open 0" not in _get(base + "/metrics")[1]:
+    while scrape(base)["gpu_anchor_serve_requests_open"] != 0:
         assert time.time() < deadline, "the abandoned request was not dropped"
         time.sleep(0.1)
     bad = tmp_path / "not-a-model"
