@@ -210,6 +210,8 @@ class Frontend:
                 if r.q.logprobs is not None:
                     lp = (lps or {}).get(k)
                     if lp is None:     # replayed from the journal, which keeps no log-probabilities
+                        log.info("request %s: token %d came without its log-probabilities (a replay); the "
+                                 "engine recomputes it", rid, k)
                         self._resync(r)
                         break
                     r.lps.append(lp)
