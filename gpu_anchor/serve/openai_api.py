@@ -351,13 +351,25 @@ async def stream(request, codec, r):
     await resp.prepare(request)
     head = {"id": r.rid, "object": "chat.completion.chunk" if q.chat else "text_completion",
             "created": int(time.time()), "model": q.model}
-    sent = ""                     # text sent so far
-    n_sent = 0                    # tokens covered by the chunks sent so far
-    offset = 0                    # text offset of the next token (completions' logprobs)
-    hold = max((len(x) for x in r.stop), default=1) - 1
 
     async def write(obj: dict) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    try:
+        await _events(codec, r, head, write)
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:      # the client went away; the caller aborts the request
+        pass
+    return resp
+
+
+async def _events(codec, r, head: dict, write) -> None:
+    """The chunks of ``stream``, written as the request progresses."""
+    q = r.q
+    sent = ""                     # text sent so far
+    n_sent = 0                    # tokens covered by the chunks sent so far
+    offset = 0                    # text offset of the next token (completions' logprobs)
+    hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
 
     if q.echo:                    # the prompt first, as vLLM streams it
         await write(dict(head, choices=[{"index": 0, "text": _echo(codec, r), "logprobs": None,
@@ -399,5 +411,3 @@ async def stream(request, codec, r):
                 await write(dict(head, choices=[], usage=usage(len(r.prompt), len(r.out))))
             break
         await r.changed.wait()
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
