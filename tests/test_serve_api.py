@@ -206,6 +206,7 @@ def test_api_key(srv):
         assert _get(base + "/v1/models")[0] == 401
     with pytest.raises(openai.AuthenticationError):
         client(base, key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert post(base, "/admin/migrate", {"device": "cpu"}, key=None)[0] == 401      # migration needs it too
     assert _get(base + "/health")[0] == 200 and _get(base + "/metrics")[0] == 200    # as vLLM: open
     assert client(base).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
 
@@ -328,6 +329,7 @@ def test_metrics_vllm_names(srv):
     assert d("vllm:inter_token_latency_seconds_count") == sum(n) - 3
     assert d("vllm:generation_tokens_total") == sum(n) and d('vllm:request_success_total{finished_reason="length"}') == 3
     assert d("vllm:request_generation_tokens_sum") == sum(n)
+    assert d("vllm:request_time_per_output_token_seconds_count") == 3
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
     assert 0.0 <= m["vllm:kv_cache_usage_perc"] <= 1.0
     assert m["gpu_anchor_serve_engine_up"] == 1 and m["gpu_anchor_serve_engine_loading"] == 0

@@ -53,6 +53,7 @@ class Req:
         self.resyncing = False       # the engine must recompute from our tokens; ignore it until it did
         self.text: str | None = None     # final text when a stop string cut it
         self.t0 = time.monotonic()
+        self.t_first: float | None = None    # when its first token arrived
         self.t_last: float | None = None     # when its last token arrived
         self.lost_at: float | None = None    # when the engine was lost while this request was open
 
@@ -238,6 +239,7 @@ class Frontend:
         m, now = self.metrics, time.monotonic()
         if r.t_last is None:
             m.ttft.observe(now - r.t0)
+            r.t_first = now
         else:
             m.itl.observe(now - r.t_last)
         if r.lost_at is not None:
@@ -266,6 +268,8 @@ class Frontend:
             m.e2e.observe((r.t_last or time.monotonic()) - r.t0)
             m.prompt_len.observe(len(r.prompt))
             m.gen_len.observe(len(r.out))
+            if len(r.out) > 1:
+                m.tpot.observe((r.t_last - r.t_first) / (len(r.out) - 1))
         m.success.labels(self.model_name, r.finish or "abort").inc()
 
     # ------------------------------------------------------------- HTTP side

@@ -59,6 +59,8 @@ class Metrics:
         self.ttft = hist("vllm:time_to_first_token_seconds", "Request arrival to its first token.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request arrival to its last token.", E2E_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Per finished request: first to last token "
+                                                                       "over the tokens after the first.", ITL_BUCKETS)
         # --- ours
         p = "gpu_anchor_serve_"
         self.requests = counter(p + "requests", "Requests accepted.")

@@ -90,6 +90,12 @@ def _bool(name: str, v) -> bool:
     return v
 
 
+def _object(name: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise bad(name, "must be an object")
+    return v
+
+
 def _ids(name: str, v, vocab_size: int) -> list[int]:
     if not isinstance(v, list) or not all(_is_int(t) for t in v):
         raise bad(name, "must be a list of token ids")
@@ -126,6 +132,10 @@ _NEUTRAL = {
 }
 # Fields that change nothing in the output (metadata): accepted after a type check.
 _METADATA = {"user": str, "metadata": dict, "parallel_tool_calls": bool}
+# true/false fields -> Request attribute
+_FLAGS = {"stream": "stream", "echo": "echo", "add_generation_prompt": "add_generation_prompt",
+          "skip_special_tokens": "skip_special_tokens", "include_stop_str_in_output": "include_stop_str",
+          "return_tokens_as_token_ids": "tokens_as_ids", "add_special_tokens": "add_special_tokens"}
 
 
 def _neutral(name: str, v) -> None:
@@ -165,8 +175,12 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
         raise bad("model", f"must be a string, got {model!r}")
     elif model not in served:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
-    r = Request(chat=chat, model=model)
+    # chat: the template writes the special tokens (vLLM's defaults)
+    r = Request(chat=chat, model=model, add_special_tokens=not chat)
     g = body.get
+    for name, attr in _FLAGS.items():
+        if g(name) is not None:                     # unknown to this endpoint: refused above
+            setattr(r, attr, _bool(name, g(name)))
     if chat:
         r.messages = _messages(g("messages"))
     else:
@@ -193,13 +207,9 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
         if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
             raise bad("stop", "must be a non-empty string or a list of them")
         r.stop = stop
-    # streaming
-    if g("stream") is not None:
-        r.stream = _bool("stream", g("stream"))
     so = g("stream_options")
     if so is not None:
-        if not isinstance(so, dict):
-            raise bad("stream_options", "must be an object")
+        _object("stream_options", so)
         if not r.stream:
             raise bad("stream_options", "only allowed with stream=true")
         for k, v in so.items():
@@ -219,29 +229,16 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
             if not want:
                 raise bad("top_logprobs", "needs logprobs=true")
         r.logprobs = (top or 0) if want else None
-        if g("add_generation_prompt") is not None:
-            r.add_generation_prompt = _bool("add_generation_prompt", g("add_generation_prompt"))
-        kw = g("chat_template_kwargs")
-        if kw is not None:
-            if not isinstance(kw, dict):
-                raise bad("chat_template_kwargs", "must be an object")
-            r.template_kwargs = kw
-        r.add_special_tokens = False                # the chat template writes the special tokens
+        if g("chat_template_kwargs") is not None:
+            r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
     else:
         if lp is not None:
             if isinstance(lp, bool):
                 raise bad("logprobs", "must be an integer (how many top log-probabilities per token) or null")
             r.logprobs = _int("logprobs", lp, 0, MAX_LOGPROBS)
-        if g("echo") is not None:
-            r.echo = _bool("echo", g("echo"))
         if r.echo and r.logprobs is not None:
             raise bad("echo", "echo with logprobs needs prompt log-probabilities, which this server does not "
                               "compute; use echo or logprobs")
-    for name, attr in (("skip_special_tokens", "skip_special_tokens"), ("include_stop_str_in_output",
-                                                                        "include_stop_str"),
-                       ("return_tokens_as_token_ids", "tokens_as_ids"), ("add_special_tokens", "add_special_tokens")):
-        if g(name) is not None:
-            setattr(r, attr, _bool(name, g(name)))
     return r
 
 
