@@ -462,3 +462,53 @@ def test_chat_template_option(tmp_path):
     with pytest.raises(options.OptionError, match="does not parse"):
         options.chat_template_file("{% for m in messages %}", str(tmp_path))
     assert options.chat_template_file(None, str(tmp_path)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
+    """On a GPU with no KV size given, the KV cache takes what vLLM's default 0.9 of the
+    device leaves after the weights and the activation estimate, and the whole server (daemon
+    allocations + engine) stays within that 0.9 after a full-width batch has run."""
+    import threading
+
+    import pynvml
+
+    from bench.serve_throughput import QWEN3_8B
+    from gpu_anchor.serve.tiny import train_tokenizer
+    cfg = dict(QWEN3_8B, num_hidden_layers=4)          # Qwen3-8B widths, 4 layers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    os.makedirs(tmp_path / "tok")
+    train_tokenizer(384, str(tmp_path / "tok" / "tokenizer.json"))
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+    total, used_before = pynvml.nvmlDeviceGetMemoryInfo(h).total, pynvml.nvmlDeviceGetMemoryInfo(h).used
+    port_file, log_path = tmp_path / "port", tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path / "config.json"), "--random-weights",
+                             "--tokenizer", str(tmp_path / "tok"), "--device", "cuda:0", "--socket", cuda_daemon[0],
+                             "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "64"],
+                            stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"))
+    try:
+        deadline = time.time() + 600
+        while not port_file.exists() or _get(f"http://127.0.0.1:{port_file.read_text()}/health")[0] != 200:
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        base = f"http://127.0.0.1:{port_file.read_text()}"
+        text = log_path.read_text()
+        assert "from --gpu-memory-utilization 0.9 of" in text, text[-3000:]
+        c = client(base, key="unused")
+        outs = [None] * 64
+
+        def run(i):
+            outs[i] = c.completions.create(model="config.json", prompt="hello world " * 40, max_tokens=32,
+                                           temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(o.usage.completion_tokens == 32 for o in outs)
+        used = pynvml.nvmlDeviceGetMemoryInfo(h).used - used_before
+        assert 0.8 * total < used <= 0.9 * total, (used / total, text[-2000:])
+    finally:
+        stop_server(proc)
+
