@@ -14,6 +14,7 @@ Construction rebinds anchored memory and restores every committed sequence.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -33,7 +34,7 @@ from .cuda_graphs import DecodeGraphs
 from .model_runner import Model, head_dim, init_random, load_config, load_weights, param_specs, weights_fingerprint
 from .sampling import sample, token_logprobs
 from .scheduler import Scheduler, Work
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, Status
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -78,13 +79,6 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.itemsize
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig, progress=None) -> None:
         """``progress(phase, done=None, total=None)``, if given, hears how the start-up goes:
@@ -115,7 +109,7 @@ class Engine:
         L, hkv, d = self.mc.num_hidden_layers, self.mc.num_key_value_heads, head_dim(self.mc)
         kshape = (2, cfg.num_blocks, cfg.block_size, hkv, d)
         kspecs = [(f"kv_cache[{i}]", kshape, self.dtype) for i in range(L)]
-        report("bind", None, sum(_nbytes(shape, dt) for _, shape, dt in wspecs + kspecs))
+        report("bind", None, sum(math.prod(shape) * dt.itemsize for _, shape, dt in wspecs + kspecs))
         try:
             tensors, status = self.anchor.bind(wspecs + kspecs)
         except ConflictError as e:   # another layout or model under these names: start them afresh
@@ -274,7 +268,6 @@ class Engine:
     def load(self) -> dict:
         """What the scheduler holds now: requests running (holding KV) and waiting, and the
         KV blocks in use (blocks released by a step count until its commit lands)."""
-        from .sequence import Status
         running = sum(s.status is Status.RUNNING for s in self.scheduler.seqs.values())
         return {"running": running, "waiting": len(self.scheduler.seqs) - running,
                 "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
