@@ -234,7 +234,7 @@ def recovery(args, config_path, anchor: bool) -> dict:
     cmd = [sys.executable, "-m", "gpu_anchor.serve", config_path, "--random-weights", "--device", args.device,
            "--dtype", args.dtype, "--block-size", str(args.block_size),
            "--num-blocks", str(per_seq * args.streams + 8), "--max-num-seqs", str(args.streams),
-           "--max-batched-tokens", str(args.max_batched_tokens),
+           "--max-num-batched-tokens", str(args.max_batched_tokens),
            "--max-model-len", str(args.prompt_len + args.max_tokens + 8),
            "--port", "0", "--port-file", port_file, "--namespace", f"bench-recovery-{int(anchor)}"]
     cmd += ["--socket", args.socket] if anchor else ["--no-anchor"]
@@ -256,7 +256,7 @@ def recovery(args, config_path, anchor: bool) -> dict:
 
         def run(i):   # plain http.client SSE reader: the openai package may be absent on the GPU host
             conn = http.client.HTTPConnection(host, int(port), timeout=900)
-            body = json.dumps({"model": "x", "prompt": prompts[i], "max_tokens": args.max_tokens,
+            body = json.dumps({"prompt": prompts[i], "max_tokens": args.max_tokens,
                                "temperature": 0, "stream": True, "ignore_eos": True})
             conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
             resp = conn.getresponse()

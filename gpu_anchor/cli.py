@@ -171,9 +171,12 @@ def cmd_migrate(args) -> int:
         except RuntimeError as e:
             print(f"gpu-anchor migrate: cannot start the daemon for {device}: {e}", file=sys.stderr)
             return 1
+    headers = {"Content-Type": "application/json"}
+    key = args.api_key or os.environ.get("VLLM_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     req = urllib.request.Request(url + "/admin/migrate", method="POST",
-                                 data=json.dumps({"device": device, "socket": path}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 data=json.dumps({"device": device, "socket": path}).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=args.timeout) as r:
             report = json.loads(r.read())
@@ -229,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "path = another host daemon)")
     mg.add_argument("--url", default="http://127.0.0.1:8000", help="the server's HTTP address")
     mg.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cut-over")
+    mg.add_argument("--api-key", default=None, help="the server's API key (default: $VLLM_API_KEY, if set)")
     mg.set_defaults(func=cmd_migrate)
 
     from gpu_anchor.launch.cli import add_run_parser, add_torchrun_parser

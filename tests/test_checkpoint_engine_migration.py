@@ -102,7 +102,7 @@ def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemo
 
 
 SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
-         "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
+         "--max-num-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
 
 
 

@@ -22,7 +22,7 @@ from gpu_anchor.serve.tiny import make_tiny_model
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_HTTP_KILLS", "60"))
 SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
-         "--max-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
+         "--max-num-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
 
 
 def _get(url):
@@ -33,15 +33,29 @@ def _get(url):
         return e.code, e.read().decode()
 
 
+def scrape(base) -> dict:
+    """``/metrics`` read with Prometheus' own parser: ``{name{labels}: value}``, the
+    ``model_name`` label left out of the key."""
+    from prometheus_client.parser import text_string_to_metric_families
+    code, text = _get(base + "/metrics")
+    assert code == 200, text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
 @pytest.fixture
 def server(tmp_path, host_daemon):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
     port_file = tmp_path / "port"
 
-    def start(*extra):
+    def start(*extra, env=None):
         proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
                                  "--port-file", str(port_file), "--socket", host_daemon[0], *SERVE, *extra],
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), env=env)
         deadline = time.time() + 120
         while not port_file.exists():
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
@@ -90,13 +104,12 @@ def test_openai_client_against_frontend(server):
         c.completions.create(model="tiny-qwen3", prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny-qwen3", prompt="x", max_tokens=10_000)
-    code, text = _get(base + "/metrics")
-    assert code == 200 and "gpu_anchor_serve_requests_total 4" in text
-    assert "gpu_anchor_serve_engine_up 1" in text
+    m = scrape(base)
+    assert m["gpu_anchor_serve_requests_total"] == 4 and m["gpu_anchor_serve_engine_up"] == 1
 
 
 def _reference(model, jobs):
-    """Fault-free answers from an in-process engine, decoded like the frontend does."""
+    """Fault-free answers from an in-process engine: (text decoded like the frontend does, ids)."""
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     from gpu_anchor.serve.tokenizer import Codec
@@ -105,7 +118,7 @@ def _reference(model, jobs):
     prompts = [codec.encode(codec.chat(j["messages"]) if "messages" in j else j["prompt"]) for j in jobs]
     params = [SamplingParams(max_tokens=j["max_tokens"], temperature=j["temperature"], seed=j.get("seed"),
                              top_p=j.get("top_p", 1.0)) for j in jobs]
-    return [codec.decode(o) for o in eng.generate(prompts, params)]
+    return [(codec.decode(o), o) for o in eng.generate(prompts, params)]
 
 
 def test_streams_survive_engine_sigkills(server):
@@ -121,27 +134,17 @@ def test_streams_survive_engine_sigkills(server):
             j.update(seed=100 + i, top_p=0.95)
         text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
         j.update({"messages": [{"role": "user", "content": text}]} if i % 3 == 0 else {"prompt": text})
+        if i % 4 == 1:     # with log-probabilities: a token replayed from the journal is recomputed instead
+            j.update({"logprobs": True} if "messages" in j else {"logprobs": 0},
+                     extra_body={"return_tokens_as_token_ids": True})
         jobs.append(j)
     ref = _reference(model, jobs)
     c = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=0)
     krng = random.Random(1)
     external = restarts = waves = 0
     while restarts < KILLS and waves < 6:           # waves of the same streams until enough kills
-        got = [None] * len(jobs)
-
-        def run(i):
-            j = dict(jobs[i])
-            if "messages" in j:
-                s = c.chat.completions.create(model="tiny-qwen3", stream=True, **j)
-                got[i] = "".join(ch.choices[0].delta.content or "" for ch in s)
-            else:
-                s = c.completions.create(model="tiny-qwen3", stream=True, **j)
-                got[i] = "".join(ch.choices[0].text for ch in s)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):     # external kills at random moments, on top
+        streams = [_Stream(c, dict(j, stream=True)) for j in jobs]
+        while any(s.thread.is_alive() for s in streams):     # external kills at random moments, on top
             time.sleep(krng.uniform(0.02, 0.3))
             pid = json.loads(_get(base + "/health")[1]).get("engine_pid")
             if pid and external < 10:
@@ -150,16 +153,125 @@ def test_streams_survive_engine_sigkills(server):
                     external += 1
                 except ProcessLookupError:
                     pass
-        for t in threads:
-            t.join()
-        assert got == ref
+        got = [s.result() for s in streams]
+        assert [g["text"] for g in got] == [t for t, _ in ref]
+        assert all(g["ids"] == ids for j, g, (_, ids) in zip(jobs, got, ref) if "logprobs" in j)
         waves += 1
-        code, text = _get(base + "/metrics")
-        metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        metrics = scrape(base)
         restarts = int(metrics["gpu_anchor_serve_engine_restarts_total"])
-        assert int(metrics["gpu_anchor_serve_token_mismatch_total"]) == 0
+        assert metrics["gpu_anchor_serve_token_mismatch_total"] == 0
     assert restarts >= KILLS, restarts
-    assert int(metrics["gpu_anchor_serve_replayed_tokens_total"]) > 0
+    assert metrics["gpu_anchor_serve_replayed_tokens_total"] > 0
+
+
+def _two_kill_jobs():
+    """Chat and completions, greedy and seeded sampling; the first four ask for log-probabilities
+    with token ids (so their tokens are compared id by id), the others are compared as text."""
+    jobs = []
+    for i in range(8):
+        j = {"max_tokens": 90 + 5 * i, "stream": True, "stream_options": {"include_usage": True},
+             "extra_body": {"ignore_eos": i % 3 != 2}}
+        if i % 4 >= 2:
+            j.update(temperature=0.8, top_p=0.9, seed=40 + i)
+        else:
+            j.update(temperature=0)
+        text = "fox dog engine block cache hello world numbers journal daemon".split()[i:i + 3]
+        if i % 2:
+            j["messages"] = [{"role": "user", "content": " ".join(text)}]
+        else:
+            j["prompt"] = " ".join(text)
+        if i < 4:
+            j.update({"logprobs": True, "top_logprobs": 2} if i % 2 else {"logprobs": 2})
+            j["extra_body"] = dict(j["extra_body"], return_tokens_as_token_ids=True)
+        jobs.append(j)
+    return jobs
+
+
+class _Stream:
+    """One streamed request, read chunk by chunk in a thread: text, token ids and
+    log-probabilities (when asked), finish reason, usage."""
+
+    def __init__(self, c, job) -> None:
+        self.c, self.job = c, job
+        self.text, self.ids, self.lps, self.chunks = "", [], [], 0
+        self.finish = self.usage = self.error = None
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            chat = "messages" in self.job
+            create = self.c.chat.completions.create if chat else self.c.completions.create
+            for ch in create(model="tiny-qwen3", **self.job):
+                if ch.usage is not None:
+                    self.usage = ch.usage.model_dump()
+                if not ch.choices:
+                    continue
+                x = ch.choices[0]
+                self.text += (x.delta.content or "") if chat else x.text
+                lp = x.logprobs
+                if lp is not None:
+                    pairs = [(e.token, e.logprob) for e in lp.content] if chat else zip(lp.tokens, lp.token_logprobs)
+                    for tok, v in pairs:
+                        self.ids.append(int(tok.split(":")[1]))
+                        self.lps.append(v)
+                if x.finish_reason:
+                    self.finish = x.finish_reason
+                self.chunks += 1
+        except Exception as e:  # noqa: BLE001 — reported by the test, not lost in the thread
+            self.error = e
+
+    def result(self):
+        self.thread.join(600)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return {"text": self.text, "ids": self.ids, "finish": self.finish, "usage": self.usage}
+
+
+def test_openai_streams_equal_a_fault_free_run_over_two_engine_kills(server):
+    """The stock openai client streams chat and completions; the engine is SIGKILLed from outside
+    twice while every stream is open; each stream equals the same request's fault-free run
+    token for token (ids and log-probabilities where asked), with the same usage.  The key
+    comes from VLLM_API_KEY, as vLLM users set it."""
+    import openai
+    model, start = server
+    base = start(env=dict(os.environ, VLLM_API_KEY="k-123"))
+    _wait_up(base)
+    c = openai.OpenAI(base_url=base + "/v1", api_key="k-123", timeout=300, max_retries=0)
+    jobs = _two_kill_jobs()
+    free = [_Stream(c, j) for j in jobs]
+    ref = [s.result() for s in free]
+    assert all(len(r["ids"]) == r["usage"]["completion_tokens"] for r in ref[:4])
+    before = scrape(base)
+
+    def wait(cond, what):
+        deadline = time.time() + 120
+        while not cond():
+            assert time.time() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+
+    streams = [_Stream(c, j) for j in jobs]
+    open_at_kill = []
+    pid = None
+    for k in range(2):
+        mark = [s.chunks for s in streams]
+        wait(lambda: all(s.chunks >= m + 3 or s.finish for s, m in zip(streams, mark)), "stream progress")
+        wait(lambda: json.loads(_get(base + "/health")[1]).get("engine_pid") not in (None, pid), "a new engine")
+        pid = json.loads(_get(base + "/health")[1])["engine_pid"]
+        open_at_kill.append(sum(s.finish is None for s in streams))
+        os.kill(pid, signal.SIGKILL)
+    got = [s.result() for s in streams]
+    for j, r, g, s in zip(jobs, ref, got, streams):
+        assert g == r, (j, g, r)
+        if r["ids"]:
+            assert max(abs(a - b) for a, b in zip(s.lps, free[streams.index(s)].lps)) < 1e-6
+    assert open_at_kill[0] == len(jobs) and open_at_kill[1] >= 1, open_at_kill
+    m = scrape(base)
+
+    def d(k):
+        return m[k] - before.get(k, 0.0)
+    assert d("gpu_anchor_serve_engine_restarts_total") == 2 and d("gpu_anchor_serve_engine_recovery_seconds_count") == 2
+    assert d("gpu_anchor_serve_recovery_stream_gap_seconds_count") == sum(open_at_kill)
+    assert m["gpu_anchor_serve_token_mismatch_total"] == 0
 
 
 def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(server, tmp_path):
@@ -175,7 +287,7 @@ def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(server, tmp_pat
             break
     s.close()
     deadline = time.time() + 30
-    while "gpu_anchor_serve_requests_open 0" not in _get(base + "/metrics")[1]:
+    while scrape(base)["gpu_anchor_serve_requests_open"] != 0:
         assert time.time() < deadline, "the abandoned request was not dropped"
         time.sleep(0.1)
     bad = tmp_path / "not-a-model"

@@ -26,6 +26,8 @@ import tempfile
 import threading
 import time
 
+from . import options
+
 log = logging.getLogger("gpu_anchor.serve")
 
 
@@ -50,11 +52,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 if available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | float64 (default: bf16 on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (one way to size the KV cache)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (another way)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device's memory for weights, activations and KV cache; the KV cache gets "
+                        "the rest, as in vLLM (default: 0.9 on CUDA; on the CPU, 1 GiB of KV cache, and a fraction "
+                        "given here is of the host's RAM)")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step (default 2048)")
+    p.add_argument("--max-batched-tokens", dest="max_batched_tokens_deprecated", type=int, default=None,
+                   help="deprecated alias of --max-num-batched-tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="only 1 for now: tensor parallelism is not built yet")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template: a file, or the template itself (default: the model directory's)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")
     p.add_argument("--socket", default=None, help="daemon socket (default: the device's standard one)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the engine on the CPU")
@@ -127,21 +141,16 @@ def _follow_migration(cfg, path: str) -> None:
 def engine_config(args, mc):
     import torch
     from .engine import EngineConfig
-    from .model_runner import head_dim
     if args.device is None:
         # The NVML check does not initialise the CUDA driver here: forked engines could not use it.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    num_blocks = args.num_blocks
-    if num_blocks is None:
-        per_block = 2 * mc.num_hidden_layers * args.block_size * mc.num_key_value_heads * head_dim(mc)
-        per_block *= {"float64": 8, "float32": 4}.get(dtype, 2)
-        num_blocks = max(4, int(args.kv_cache_gib * (1 << 30) // per_block))
+    num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
-                        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
                         namespace=args.namespace or f"serve-{name}", socket=args.socket,
                         cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None)
@@ -149,6 +158,12 @@ def engine_config(args, mc):
 
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    started_at = time.time()
+    try:
+        options.check(args)
+    except options.OptionError as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        return 2
     args.warm_pool |= args.prewarm
     # The zygote role: import the heavy modules once, run nothing that starts threads.
     import torch  # noqa: F401
@@ -161,7 +176,13 @@ def main(args) -> int:
     from . import worker
     from .model_runner import meta_model
     meta_model(mc)        # imports the modeling code once, here, for every forked engine
-    cfg = engine_config(args, mc)
+    rundir = tempfile.mkdtemp(prefix="gpu-anchor-serve-")
+    try:
+        cfg = engine_config(args, mc)
+        template = options.chat_template_file(args.chat_template, rundir)
+    except options.OptionError as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        return 2
     if cfg.anchor:
         from gpu_anchor.daemon import control
         from gpu_anchor.paths import default_socket, normalize_device
@@ -171,18 +192,20 @@ def main(args) -> int:
             control.start(dev, path)
             log.info("started the anchor daemon for %s at %s", dev, path)
         cfg.socket = path
-    rundir = tempfile.mkdtemp(prefix="gpu-anchor-serve-")
     esock = os.path.join(rundir, "engine.sock")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     tok = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
     fe_cmd = [sys.executable, "-m", "gpu_anchor.serve.frontend", "--engine-socket", esock,
               "--vocab-size", str(mc.vocab_size), "--model-name", name, "--max-model-len", str(cfg.max_model_len),
-              "--host", args.host, "--port", str(args.port)]
+              "--host", args.host, "--port", str(args.port), "--started-at", repr(started_at)]
     if tok:
         fe_cmd += ["--tokenizer", tok]
+    if template:
+        fe_cmd += ["--chat-template", template]
     if args.port_file:
         fe_cmd += ["--port-file", args.port_file]
-    frontend = subprocess.Popen(fe_cmd)
+    key = options.api_key(args)      # in the environment: a command line is visible to every user
+    frontend = subprocess.Popen(fe_cmd, env=dict(os.environ, GPU_ANCHOR_SERVE_API_KEY=key or ""))
     if threading.active_count() != 1:
         log.warning("%d threads before forking engines: fork may be unsafe", threading.active_count())
     stopping = False

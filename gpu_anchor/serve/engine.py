@@ -14,6 +14,7 @@ Construction rebinds anchored memory and restores every committed sequence.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -31,9 +32,9 @@ from .attention import AttnMeta
 from .block_manager import BlockManager
 from .cuda_graphs import DecodeGraphs
 from .model_runner import Model, head_dim, init_random, load_config, load_weights, param_specs, weights_fingerprint
-from .sampling import sample
+from .sampling import sample, token_logprobs
 from .scheduler import Scheduler, Work
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, Status
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -79,9 +80,14 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, progress=None) -> None:
+        """``progress(phase, done=None, total=None)``, if given, hears how the start-up goes:
+        phases ``cuda_init``, ``bind`` (mapping or creating the anchored objects),
+        ``weights`` (bytes loaded of the total; only when they are not already anchored),
+        ``restore`` (reading the journal)."""
         t0 = time.perf_counter()
         self.cfg = cfg
+        report = progress or (lambda phase, done=None, total=None: None)
         self.timings: dict[str, float] = {}
         if cfg.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
@@ -90,6 +96,7 @@ class Engine:
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         if self.device.type == "cuda":
+            report("cuda_init")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
@@ -102,6 +109,7 @@ class Engine:
         L, hkv, d = self.mc.num_hidden_layers, self.mc.num_key_value_heads, head_dim(self.mc)
         kshape = (2, cfg.num_blocks, cfg.block_size, hkv, d)
         kspecs = [(f"kv_cache[{i}]", kshape, self.dtype) for i in range(L)]
+        report("bind", None, sum(math.prod(shape) * dt.itemsize for _, shape, dt in wspecs + kspecs))
         try:
             tensors, status = self.anchor.bind(wspecs + kspecs)
         except ConflictError as e:   # another layout or model under these names: start them afresh
@@ -119,10 +127,12 @@ class Engine:
         if not weights_matched:
             if journal is not None:
                 journal.commit({}, [C.WEIGHTS])      # a crash mid-load must not look complete
+            total = sum(t.numel() * t.element_size() for t in weights.values())
+            report("weights", 0, total)
             if cfg.random_weights:
-                init_random(weights, self.mc, cfg.seed)
+                init_random(weights, self.mc, cfg.seed, progress=lambda done: report("weights", done, total))
             else:
-                load_weights(cfg.model, weights)
+                load_weights(cfg.model, weights, progress=lambda done: report("weights", done, total))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if journal is not None:
@@ -141,7 +151,10 @@ class Engine:
         t3 = time.perf_counter()
         self.recovery_notes: list[str] = []
         self.restored: list[Sequence] = []
+        # log-probabilities of sampled tokens not yet published: rid -> {output index: (lp, top)}
+        self._logprobs: dict[str, dict[int, tuple]] = {}
         if journal is not None:
+            report("restore")
             self._restore(journal, fp, kspecs)
         self.timings["restore_s"] = time.perf_counter() - t3
         self.steps = 0
@@ -236,6 +249,7 @@ class Engine:
         if self.scheduler.abort(rid) is not None:
             self.committer.forget(rid)
         self._drop_unpublished(rid)
+        self._logprobs.pop(rid, None)
         return self.add_request(rid, prompt_ids, params, output_ids)
 
     def _drop_unpublished(self, rid: str) -> None:
@@ -246,9 +260,34 @@ class Engine:
         if self.scheduler.abort(rid) is not None:
             self._gone.append(rid)
         self._drop_unpublished(rid)
+        self._logprobs.pop(rid, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def load(self) -> dict:
+        """What the scheduler holds now: requests running (holding KV) and waiting, and the
+        KV blocks in use (blocks released by a step count until its commit lands)."""
+        running = sum(s.status is Status.RUNNING for s in self.scheduler.seqs.values())
+        return {"running": running, "waiting": len(self.scheduler.seqs) - running,
+                "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
+                "preemptions": self.scheduler.preemptions}
+
+    def take_logprobs(self, events) -> list[list]:
+        """The log-probabilities of the tokens in ``events`` (published ones), as
+        ``[[rid, index, logprob, [[id, logprob], ...]], ...]``; they are forgotten here."""
+        out = []
+        for rid, i, ids, _ in events:
+            held = self._logprobs.get(rid)
+            if held is None:
+                continue
+            for k in range(i, i + len(ids)):
+                if k in held:
+                    lp, top = held.pop(k)
+                    out.append([rid, k, lp, top])
+            if not held:
+                del self._logprobs[rid]
+        return out
 
     # ------------------------------------------------------------------ stepping
     def _fault(self, phase: str) -> None:
@@ -357,6 +396,12 @@ class Engine:
             if sw:
                 toks = sample(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
                 sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
+                want = [b for b, w in enumerate(sw) if w.seq.params.logprobs is not None]
+                if want:
+                    lps = token_logprobs(logits[want], [toks[b] for b in want],
+                                         [sw[b].seq.params.logprobs for b in want])
+                    for b, lp in zip(want, lps):
+                        self._logprobs.setdefault(sw[b].seq.rid, {})[len(sw[b].seq.output_ids)] = lp
         t3 = clock()
         st["sample"] += t3 - self._t_mark       # includes waiting for the GPU (the .tolist())
         grown, finished = self.scheduler.finish_step(work, sampled)

@@ -3,19 +3,26 @@
     python -m gpu_anchor.serve.frontend --engine-socket PATH --model-dir DIR [--port 8000]
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (JSON or SSE streams), ``/v1/models``,
-``/health``, ``/metrics`` (Prometheus text), ``POST /admin/migrate`` (``gpu-anchor migrate``:
-the engine moves in place, the connection stays).  The engine process connects to
-``--engine-socket``; when it dies, open streams stay open and new requests queue.  When an
-engine (re)connects, its ``hello`` lists the requests it restored; every other open request
-is re-sent with the tokens its client already has.  Tokens carry their index, so
-duplicates from a replay are dropped — and compared: a replayed token that differs from
-the delivered one counts in ``gpu_anchor_serve_token_mismatch_total`` (must stay 0).
+``/health``, ``/metrics`` (Prometheus, ``serve/metrics.py``), ``POST /admin/migrate``
+(``gpu-anchor migrate``: the engine moves in place, the connection stays).  Request bodies
+are checked by ``serve/openai_api.py`` (400 naming the field).  With an API key (``serve
+--api-key`` or ``VLLM_API_KEY``), ``/v1/*`` and ``/admin/*`` need ``Authorization: Bearer KEY``.
+
+The engine process connects to ``--engine-socket``, reports its start-up (``loading``, shown
+by ``/health``, which stays 503 until the engine serves), then says ``hello``.  When it dies,
+open streams stay open and new requests queue.  When an engine (re)connects, its ``hello``
+lists the requests it restored; every other open request is re-sent with the tokens its
+client already has.  Tokens carry their index, so duplicates from a replay are dropped — and
+compared: a replayed token that differs from the delivered one counts in
+``gpu_anchor_serve_token_mismatch_total`` (must stay 0).  A request that wants
+log-probabilities never takes a token without them (a replay from the journal has none): the
+engine is made to recompute it from the delivered tokens instead (``readd``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import hmac
 import logging
 import os
 import random
@@ -25,35 +32,50 @@ import uuid
 
 from aiohttp import web
 
+from . import openai_api as api
 from . import wire
-from .tokenizer import Codec
+from .metrics import Metrics
+from .openai_api import ApiError, bad
+from .tokenizer import Codec, TemplateError
 
 log = logging.getLogger("gpu_anchor.serve.frontend")
 
 
 class Req:
-    def __init__(self, rid, prompt, params, stop):
-        self.rid, self.prompt, self.params, self.stop = rid, prompt, params, stop
+    def __init__(self, rid, prompt, params, q: api.Request):
+        self.rid, self.prompt, self.params, self.q = rid, prompt, params, q
+        self.stop = q.stop
         self.out: list[int] = []
+        self.lps: list = []              # (logprob, top) per output token, when q.logprobs is not None
         self.finish: str | None = None
         self.error: str | None = None
         self.changed = asyncio.Event()
-        self.resyncing = False       # a replay disagreed: ignore the engine until it adopts ours
+        self.resyncing = False       # the engine must recompute from our tokens; ignore it until it did
         self.text: str | None = None     # final text when a stop string cut it
         self.t0 = time.monotonic()
+        self.t_first: float | None = None    # when its first token arrived
+        self.t_last: float | None = None     # when its last token arrived
+        self.lost_at: float | None = None    # when the engine was lost while this request was open
 
 
 class Frontend:
-    def __init__(self, codec: Codec, model_name: str, max_model_len: int) -> None:
+    def __init__(self, codec: Codec, model_name: str, max_model_len: int, vocab_size: int,
+                 api_key: str | None = None, started_at: float | None = None) -> None:
         self.codec, self.model_name, self.max_model_len = codec, model_name, max_model_len
+        self.vocab_size, self.api_key, self.started_at = vocab_size, api_key, started_at
         self.reqs: dict[str, Req] = {}
         self.writer = None
         self.engine_pid = None
-        self.m = dict(requests=0, finished=0, tokens=0, connects=0, mismatch=0, dup=0, errors=0)
+        self.connects = 0
+        self.mismatches = 0
+        self.metrics = Metrics(model_name)
         self.last_timings: dict = {}
+        self.loading: dict | None = None     # the starting engine's last progress report
+        self.preemptions_seen = 0
         self.down_since = time.monotonic()
         self.migrations: dict[str, asyncio.Future] = {}   # mid -> cut-over report
         self.last_migration: dict = {}
+        self.url = ""
 
     # ------------------------------------------------------------- engine side
     def _send(self, obj) -> None:
@@ -63,21 +85,40 @@ class Frontend:
     def _add_msg(self, r: Req) -> dict:
         return {"t": "add", "rid": r.rid, "prompt": r.prompt, "params": r.params, "out": r.out}
 
+    def _resync(self, r: Req) -> None:
+        """Make the engine continue ``r`` from the tokens its client has (it recomputes the KV)."""
+        r.resyncing = True
+        self._send(dict(self._add_msg(r), t="readd"))
+
     async def on_engine(self, reader, writer) -> None:
+        m = self.metrics
         try:
-            hello = await wire.read(reader)
+            while True:
+                hello = await wire.read(reader)
+                if hello["t"] != "loading":
+                    break
+                self.loading = hello
+                m.engine_loading.set(1)
         except Exception:
             writer.close()
             return
+        finally:
+            self.loading = None
+            m.engine_loading.set(0)
         if self.writer is not None:            # a stale connection: the new engine wins
             self.writer.close()
         self.engine_pid = hello["pid"]
-        self.m["connects"] += 1
-        self.last_timings = dict(hello.get("timings", {}), down_s=time.monotonic() - self.down_since)
+        self.connects += 1
+        down = time.monotonic() - self.down_since
+        self.last_timings = dict(hello.get("timings", {}), down_s=down)
+        m.set_last_recovery(self.last_timings)
+        self._log_up(hello, down)
         for note in hello.get("notes", []):
             log.warning("engine %s: %s", self.engine_pid, note)
         held = set(hello["rids"])
         self.writer = writer
+        self.preemptions_seen = 0
+        m.engine_up.set(1)
         for r in self.reqs.values():
             r.resyncing = False          # the new engine replays; a mismatch re-triggers it
         for rid in held - set(self.reqs):
@@ -88,23 +129,32 @@ class Frontend:
         try:
             while True:
                 msg = await wire.read(reader)
-                if msg["t"] == "toks":
+                t = msg["t"]
+                if t == "toks":
+                    lps: dict = {}
+                    for rid, k, lp, top in msg.get("lp", ()):
+                        lps.setdefault(rid, {})[k] = (lp, top)
                     for rid, i, ids, fin in msg["ev"]:
-                        self._apply(rid, i, ids, fin)
-                elif msg["t"] == "err":
+                        self._apply(rid, i, ids, fin, lps.get(rid))
+                elif t == "load":
+                    m.set_load(msg["running"], msg["waiting"], msg["kv_blocks_used"], msg["kv_blocks"])
+                    m.num_preemptions.inc(max(0, msg["preemptions"] - self.preemptions_seen))
+                    self.preemptions_seen = msg["preemptions"]
+                elif t == "err":
                     r = self.reqs.get(msg["rid"])
                     if r is not None:
                         r.error, r.finish = msg["msg"], "error"
                         r.changed.set()
-                elif msg["t"] == "readd_ok":
+                elif t == "readd_ok":
                     r = self.reqs.get(msg["rid"])
                     if r is not None:
                         r.resyncing = False
-                elif msg["t"] == "stats":
+                elif t == "stats":
                     self.last_timings.update({k: v for k, v in msg.items() if k != "t"})
-                elif msg["t"] in ("migrated", "migrate_done"):
-                    self.last_migration = dict(msg, phase=msg["t"])
-                    fut = self.migrations.pop(msg.get("mid"), None) if msg["t"] == "migrated" else None
+                    m.set_last_recovery(self.last_timings)
+                elif t in ("migrated", "migrate_done"):
+                    self.last_migration = dict(msg, phase=t)
+                    fut = self.migrations.pop(msg.get("mid"), None) if t == "migrated" else None
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -118,185 +168,186 @@ class Frontend:
                 self.migrations.clear()
                 self.writer = None
                 self.engine_pid = None
-                self.down_since = time.monotonic()
+                self.down_since = now = time.monotonic()
+                m.engine_up.set(0)
+                for r in self.reqs.values():
+                    if r.finish is None and r.lost_at is None:
+                        r.lost_at = now
                 log.warning("engine disconnected; %d open request(s) wait for the next one", len(self.reqs))
             writer.close()
 
-    def _apply(self, rid, i, ids, fin) -> None:
+    def _log_up(self, hello: dict, down: float) -> None:
+        t = hello.get("timings", {})
+        parts = ", ".join(f"{k[:-2]} {t[k]:.2f} s" for k in ("bind_s", "weights_s", "restore_s") if k in t)
+        if self.connects == 1:
+            since = f"{time.time() - self.started_at:.1f} s after start; " if self.started_at else ""
+            log.info("ready: %s at %s (%sengine built in %.2f s: %s)", self.model_name, self.url, since,
+                     t.get("init_s", 0.0), parts)
+        else:
+            self.metrics.restarts.inc()
+            self.metrics.down.observe(down)
+            log.info("engine %s serving again %.2f s after the last one was lost; %d restored request(s), "
+                     "%d open (%s)", hello["pid"], down, len(hello["rids"]), len(self.reqs), parts)
+
+    def _apply(self, rid, i, ids, fin, lps=None) -> None:
         r = self.reqs.get(rid)
         if r is None or r.finish is not None or r.resyncing:
             return
+        new = 0
         for j, t in enumerate(ids):
             k = i + j
             if k < len(r.out):
-                self.m["dup"] += 1
+                self.metrics.replayed.inc()
                 if r.out[k] != t:
                     # The client has token r.out[k]: make the engine continue from what was
                     # delivered (it recomputes the KV), never from its own different replay.
-                    self.m["mismatch"] += 1
+                    self.metrics.mismatch.inc()
+                    self.mismatches += 1
                     log.error("request %s: replayed token %d is %d, delivered %d; resyncing", rid, k, t,
                               r.out[k])
-                    r.resyncing = True
-                    self._send(dict(self._add_msg(r), t="readd"))
+                    self._resync(r)
                     return
             elif k == len(r.out):
+                if r.q.logprobs is not None:
+                    lp = (lps or {}).get(k)
+                    if lp is None:     # replayed from the journal, which keeps no log-probabilities
+                        log.info("request %s: token %d came without its log-probabilities (a replay); the "
+                                 "engine recomputes it", rid, k)
+                        self._resync(r)
+                        break
+                    r.lps.append(lp)
                 r.out.append(t)
-                self.m["tokens"] += 1
+                new += 1
+        if new:
+            self._arrived(r, new)
+        if r.resyncing:
+            r.changed.set()
+            return
         if r.stop:
-            text = self.codec.decode(r.out)
-            cut = min((text.find(s) for s in r.stop if s in text), default=-1)
-            if cut >= 0:
-                r.text = text[:cut]
+            text = self.codec.decode(r.out, r.q.skip_special_tokens)
+            hits = [(text.find(s), s) for s in r.stop if s in text]
+            if hits:
+                at, s = min(hits)
+                r.text = text[:at + len(s)] if r.q.include_stop_str else text[:at]
                 fin = "stop"
                 self._send({"t": "abort", "rid": rid})
         if fin:
             r.finish = fin
         r.changed.set()
 
-    def submit(self, prompt, params, stop) -> Req:
-        r = Req(f"cmpl-{uuid.uuid4().hex}", prompt, params, stop)
+    def _arrived(self, r: Req, new: int) -> None:
+        m, now = self.metrics, time.monotonic()
+        if r.t_last is None:
+            m.ttft.observe(now - r.t0)
+            r.t_first = now
+        else:
+            m.itl.observe(now - r.t_last)
+        if r.lost_at is not None:
+            m.stream_gap.observe(now - r.lost_at)
+            r.lost_at = None
+        r.t_last = now
+        m.generation_tokens.inc(new)
+        m.generated.inc(new)
+
+    def submit(self, prompt, params, q: api.Request) -> Req:
+        r = Req(f"{'chatcmpl' if q.chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, params, q)
         self.reqs[r.rid] = r
-        self.m["requests"] += 1
+        self.metrics.requests.inc()
+        self.metrics.prompt_tokens.inc(len(prompt))
         self._send(self._add_msg(r))
         return r
 
     def drop(self, r: Req) -> None:
-        if self.reqs.pop(r.rid, None) is not None:
-            if r.finish is None:
-                self._send({"t": "abort", "rid": r.rid})
-            else:
-                self.m["finished"] += 1
+        if self.reqs.pop(r.rid, None) is None:
+            return
+        m = self.metrics
+        if r.finish is None:
+            self._send({"t": "abort", "rid": r.rid})
+        elif r.finish != "error":
+            m.finished.inc()
+            m.e2e.observe((r.t_last or time.monotonic()) - r.t0)
+            m.prompt_len.observe(len(r.prompt))
+            m.gen_len.observe(len(r.out))
+            if len(r.out) > 1:
+                m.tpot.observe((r.t_last - r.t_first) / (len(r.out) - 1))
+        m.success.labels(self.model_name, r.finish or "abort").inc()
 
     # ------------------------------------------------------------- HTTP side
-    def _params(self, body: dict, prompt_len: int) -> tuple[dict, list[str]]:
-        if body.get("n", 1) != 1:
-            raise web.HTTPBadRequest(text=_err("only n=1 is supported"), content_type="application/json")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = max(1, min(256, self.max_model_len - prompt_len - 1))
-        temperature = body.get("temperature")
-        seed = body.get("seed")
-        temperature = 1.0 if temperature is None else float(temperature)
-        if temperature > 0 and seed is None:   # fixed now, so a replay after a crash draws the same tokens
-            seed = random.getrandbits(62)
-        params = {"max_tokens": int(max_tokens), "temperature": temperature,
-                  "top_p": float(body.get("top_p") if body.get("top_p") is not None else 1.0),
-                  "top_k": int(body.get("top_k") or 0), "seed": seed,
-                  "stop_token_ids": list(body.get("stop_token_ids") or []),
-                  "ignore_eos": bool(body.get("ignore_eos", False))}
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
+    @web.middleware
+    async def guard(self, request, handler):
+        """The API key, and errors as OpenAI-shaped JSON (never a traceback)."""
         try:
-            from .sequence import SamplingParams
-            SamplingParams.from_dict(params)
-        except (ValueError, TypeError) as e:
-            raise web.HTTPBadRequest(text=_err(str(e)), content_type="application/json")
-        if prompt_len + params["max_tokens"] > self.max_model_len:
-            raise web.HTTPBadRequest(text=_err(f"prompt ({prompt_len}) + max_tokens ({params['max_tokens']}) "
-                                               f"exceeds the context length {self.max_model_len}"),
-                                     content_type="application/json")
-        return params, stop
+            if self.api_key and request.path.startswith(("/v1/", "/admin/")):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, b"Bearer " + self.api_key.encode()):
+                    raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)")
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return web.json_response(ApiError(500, "internal server error (logged by the server)").body(),
+                                     status=500)
 
     async def _body(self, request) -> dict:
         try:
-            body = await request.json()
+            return await request.json()
         except Exception:
-            raise web.HTTPBadRequest(text=_err("body must be JSON"), content_type="application/json")
-        if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text=_err("body must be a JSON object"), content_type="application/json")
-        return body
+            raise ApiError(400, "the request body must be JSON") from None
 
     async def completions(self, request):
-        body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.codec.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            raise web.HTTPBadRequest(text=_err("prompt must be a non-empty string or a list of token ids"),
-                                     content_type="application/json")
-        if not ids:
-            raise web.HTTPBadRequest(text=_err("the prompt encodes to no tokens"), content_type="application/json")
-        return await self._serve(request, body, ids, chat=False)
+        return await self._serve(request, chat=False)
 
     async def chat(self, request):
-        body = await self._body(request)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise web.HTTPBadRequest(text=_err("messages must be a non-empty list"), content_type="application/json")
+        return await self._serve(request, chat=True)
+
+    def _prompt_ids(self, q: api.Request) -> list[int]:
+        if q.chat:
+            try:
+                text = self.codec.chat(q.messages, q.add_generation_prompt, **q.template_kwargs)
+            except TemplateError as e:
+                raise bad("messages", str(e)) from None
+            ids, where = self.codec.encode(text, q.add_special_tokens), "messages"
+        else:
+            where = "prompt"
+            ids = self.codec.encode(q.prompt, q.add_special_tokens) if isinstance(q.prompt, str) else q.prompt
+        if not ids:
+            raise bad(where, "encodes to no tokens")
+        if len(ids) >= self.max_model_len:
+            raise bad(where, f"{len(ids)} tokens; the context length is {self.max_model_len}")
+        return ids
+
+    def _params(self, q: api.Request, prompt_len: int) -> dict:
+        max_tokens = q.max_tokens if q.max_tokens is not None else self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise bad("max_completion_tokens" if q.chat and q.max_tokens is not None else "max_tokens",
+                      f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                      f"{self.max_model_len}")
+        params = dict(q.sampling, max_tokens=max_tokens, logprobs=q.logprobs)
+        if params["temperature"] > 0 and params["seed"] is None:
+            params["seed"] = random.getrandbits(62)   # fixed now: a replay after a crash draws the same tokens
+        from .sequence import SamplingParams
         try:
-            ids = self.codec.encode(self.codec.chat(msgs))
-        except ValueError as e:
-            raise web.HTTPBadRequest(text=_err(str(e)), content_type="application/json")
-        return await self._serve(request, body, ids, chat=True)
+            SamplingParams.from_dict(params)          # the engine's own check, to fail here and not there
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e)) from None
+        return params
 
-    async def _serve(self, request, body, ids, chat: bool):
-        params, stop = self._params(body, len(ids))
-        r = self.submit(ids, params, stop)
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
+    async def _serve(self, request, chat: bool):
+        q = api.parse(await self._body(request), chat, [self.model_name], self.vocab_size)
+        ids = self._prompt_ids(q)
+        r = self.submit(ids, self._params(q, len(ids)), q)
         try:
-            if not body.get("stream"):
-                while r.finish is None:
-                    r.changed.clear()
-                    await r.changed.wait()
-                if r.error:
-                    return web.json_response({"error": {"message": r.error, "type": "invalid_request_error"}},
-                                             status=400)
-                text = r.text if r.text is not None else self.codec.decode(r.out)
-                choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                           "finish_reason": r.finish} if chat else
-                          {"index": 0, "text": text, "finish_reason": r.finish, "logprobs": None})
-                return web.json_response({"id": r.rid, "object": kind, "created": created,
-                                          "model": self.model_name, "choices": [choice],
-                                          "usage": _usage(len(ids), len(r.out))})
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            obj = kind + ".chunk" if chat else kind
-            first = True
-            sent = ""
-            hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
-
-            async def emit(delta: str, fin):
-                nonlocal first
-                if chat:
-                    d = {"content": delta} if delta else {}
-                    if first:
-                        d["role"] = "assistant"
-                    choice = {"index": 0, "delta": d, "finish_reason": fin}
-                else:
-                    choice = {"index": 0, "text": delta, "finish_reason": fin, "logprobs": None}
-                first = False
-                chunk = {"id": r.rid, "object": obj, "created": created, "model": self.model_name,
-                         "choices": [choice]}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-
-            n_seen = 0
-            while True:
+            if q.stream:
+                return await api.stream(request, self.codec, r)
+            while r.finish is None:
                 r.changed.clear()
-                done = r.finish is not None
-                if r.error:
-                    await resp.write(b"data: " + json.dumps({"error": {"message": r.error}}).encode() + b"\n\n")
-                    break
-                if len(r.out) > n_seen or done:
-                    n_seen = len(r.out)
-                    target = r.text if r.text is not None else self.codec.decode(r.out)
-                    if not done:
-                        target = target[:len(target) - hold] if hold else target
-                        target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
-                    delta = target[len(sent):] if target.startswith(sent) else ""
-                    # one chunk per token batch even when its text is held back or empty
-                    # (special tokens, partial UTF-8): clients see progress token by token
-                    sent += delta
-                    await emit(delta, r.finish if done else None)
-                if done:
-                    break
                 await r.changed.wait()
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            if r.error:
+                raise ApiError(400, r.error)
+            return web.json_response(api.reply(self.codec, r))
         finally:
             self.drop(r)
 
@@ -304,62 +355,58 @@ class Frontend:
         """``POST /admin/migrate {"device", "socket"?}``: move the live engine there (see
         ``gpu-anchor migrate``).  Answers after the cut-over, with its timings."""
         body = await self._body(request)
-        if not isinstance(body.get("device"), str):
-            raise web.HTTPBadRequest(text=_err("give the destination device, e.g. cuda:1 or cpu"),
-                                     content_type="application/json")
+        if not isinstance(body, dict) or not isinstance(body.get("device"), str):
+            raise bad("device", "give the destination device, e.g. cuda:1 or cpu")
         if self.writer is None:
-            return web.json_response({"error": {"message": "no engine is connected"}}, status=503)
+            raise ApiError(503, "no engine is connected")
         mid = uuid.uuid4().hex
         fut = self.migrations[mid] = asyncio.get_running_loop().create_future()
         self._send({"t": "migrate", "mid": mid, "device": body["device"], "socket": body.get("socket")})
         res = await fut
         return web.json_response(res, status=400 if res.get("error") else 200)
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gpu-anchor",
+                "max_model_len": self.max_model_len}
+
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                              "created": 0, "owned_by": "gpu-anchor"}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        if request.match_info["name"] != self.model_name:
+            raise ApiError(404, f"The model `{request.match_info['name']}` does not exist.", "model")
+        return web.json_response(self._model_card())
 
     async def health(self, request):
         up = self.writer is not None
-        return web.json_response({"status": "ok" if up else "engine_down", "engine_pid": self.engine_pid,
-                                  "engine_restarts": max(0, self.m["connects"] - 1), "open_requests": len(self.reqs),
-                                  "last_recovery": self.last_timings, "token_mismatches": self.m["mismatch"],
-                                  "last_migration": self.last_migration},
-                                 status=200 if up else 503)
+        # starting: no engine connected yet; loading: one is building; engine_down: lost, the next one comes
+        status = "ok" if up else "loading" if self.loading else "starting" if not self.connects else "engine_down"
+        body = {"status": status,
+                "engine_pid": self.engine_pid, "engine_restarts": max(0, self.connects - 1),
+                "open_requests": len(self.reqs), "last_recovery": self.last_timings,
+                "token_mismatches": self.mismatches, "last_migration": self.last_migration}
+        if self.loading and not up:
+            body["loading"] = dict(self.loading, message=wire.describe_loading(self.loading))
+        return web.json_response(body, status=200 if up else 503)
 
-    async def metrics(self, request):
-        p = "gpu_anchor_serve_"
-        lines = [f"# TYPE {p}requests_total counter", f"{p}requests_total {self.m['requests']}",
-                 f"# TYPE {p}requests_finished_total counter", f"{p}requests_finished_total {self.m['finished']}",
-                 f"# TYPE {p}requests_open gauge", f"{p}requests_open {len(self.reqs)}",
-                 f"# TYPE {p}generated_tokens_total counter", f"{p}generated_tokens_total {self.m['tokens']}",
-                 f"# TYPE {p}replayed_tokens_total counter", f"{p}replayed_tokens_total {self.m['dup']}",
-                 f"# TYPE {p}token_mismatch_total counter", f"{p}token_mismatch_total {self.m['mismatch']}",
-                 f"# TYPE {p}engine_up gauge", f"{p}engine_up {int(self.writer is not None)}",
-                 f"# TYPE {p}engine_restarts_total counter",
-                 f"{p}engine_restarts_total {max(0, self.m['connects'] - 1)}",
-                 f"# TYPE {p}last_recovery_seconds gauge"]
-        for k, v in sorted(self.last_timings.items()):
-            if isinstance(v, (int, float)):
-                lines.append(f'{p}last_recovery_seconds{{phase="{k}"}} {v:.6f}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-
-
-def _err(msg: str) -> str:
-    return json.dumps({"error": {"message": msg, "type": "invalid_request_error"}})
-
-
-def _usage(p: int, c: int) -> dict:
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    async def metrics_page(self, request):
+        m = self.metrics
+        m.open.set(len(self.reqs))
+        if self.writer is None:                 # no engine: every open request waits for one
+            m.running.set(0)
+            m.waiting.set(sum(r.finish is None for r in self.reqs.values()))
+        data, ctype = m.exposition(request.headers.get("Accept"))
+        return web.Response(body=data, headers={"Content-Type": ctype})
 
 
 def make_app(fe: Frontend) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[fe.guard])
     app.router.add_post("/v1/completions", fe.completions)
     app.router.add_post("/v1/chat/completions", fe.chat)
     app.router.add_get("/v1/models", fe.models)
+    app.router.add_get("/v1/models/{name}", fe.model)
     app.router.add_get("/health", fe.health)
-    app.router.add_get("/metrics", fe.metrics)
+    app.router.add_get("/metrics", fe.metrics_page)
     app.router.add_post("/admin/migrate", fe.migrate)
     return app
 
@@ -368,15 +415,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gpu_anchor.serve.frontend")
     ap.add_argument("--engine-socket", required=True)
     ap.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (else byte fallback)")
+    ap.add_argument("--chat-template", default=None, help="a file holding the Jinja chat template")
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--model-name", required=True)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--port-file", default=None, help="write the bound port here (use with --port 0)")
+    ap.add_argument("--started-at", type=float, default=None, help="wall time the server was started (for the "
+                                                                    "ready line)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
-    fe = Frontend(Codec(args.tokenizer, args.vocab_size), args.model_name, args.max_model_len)
+    template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            template = f.read()
+    try:
+        codec = Codec(args.tokenizer, args.vocab_size, chat_template=template)
+    except ValueError as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        return 2
+    # The key comes in the environment, not on the command line (where `ps` would show it).
+    fe = Frontend(codec, args.model_name, args.max_model_len, args.vocab_size,
+                  api_key=os.environ.get("GPU_ANCHOR_SERVE_API_KEY") or None, started_at=args.started_at)
 
     async def run():
         if os.path.exists(args.engine_socket):
@@ -387,12 +448,13 @@ def main(argv=None) -> int:
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
+        fe.url = f"http://{args.host}:{port}"
         if args.port_file:
             tmp = args.port_file + ".tmp"
             with open(tmp, "w") as f:
                 f.write(str(port))
             os.replace(tmp, args.port_file)
-        log.info("listening on http://%s:%d", args.host, port)
+        log.info("listening on %s; /health answers 503 until the engine is loaded", fe.url)
         async with server:
             await asyncio.Event().wait()
 

@@ -74,28 +74,36 @@ def weights_fingerprint(source: str, cfg, dtype: torch.dtype, seed: int | None) 
 
 
 @torch.no_grad()
-def load_weights(model_dir: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy safetensors checkpoint values into the (anchored) tensors."""
+def load_weights(model_dir: str, tensors: dict[str, torch.Tensor], progress=None) -> None:
+    """Copy safetensors checkpoint values into the (anchored) tensors; ``progress(bytes_done)``
+    after each tensor, if given."""
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     seen = set()
+    done = 0
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
                 if name in tensors:
-                    tensors[name].copy_(sf.get_tensor(name))
+                    t = tensors[name]
+                    t.copy_(sf.get_tensor(name))
                     seen.add(name)
+                    done += t.numel() * t.element_size()
+                    if progress is not None:
+                        progress(done)
     missing = set(tensors) - seen
     if missing:
         raise ValueError(f"{model_dir} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
 
 
 @torch.no_grad()
-def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int) -> None:
-    """Seeded random weights (normal(0, initializer_range); norms 1, biases 0)."""
+def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None) -> None:
+    """Seeded random weights (normal(0, initializer_range); norms 1, biases 0);
+    ``progress(bytes_done)`` after each tensor, if given."""
     std = getattr(cfg, "initializer_range", 0.02)
+    done = 0
     for i, (name, t) in enumerate(sorted(tensors.items())):
         if name.endswith("norm.weight"):
             t.fill_(1.0)
@@ -104,6 +112,9 @@ def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int) -> None:
         else:
             g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
             t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * std)
+        done += t.numel() * t.element_size()
+        if progress is not None:
+            progress(done)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

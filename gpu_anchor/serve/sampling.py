@@ -49,3 +49,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
         chosen = torch.gather(si, 1, pick).squeeze(1)
         out[rows] = chosen
     return out.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[tuple[float, list]]:
+    """Log-probabilities of the model's distribution (the raw logits, before temperature,
+    top-k and top-p, as vLLM reports them by default): for each row ``b`` the chosen token's
+    and the ``ks[b]`` most likely tokens' ``[[id, logprob], ...]``, most likely first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None]).squeeze(1).tolist()
+    k = max(ks)
+    if k == 0:
+        return [(p, []) for p in picked]
+    vals, ids = lp.topk(k, dim=-1)
+    vals, ids = vals.tolist(), ids.tolist()
+    return [(p, [[i, v] for i, v in zip(ids[b][:ks[b]], vals[b][:ks[b]])]) for b, p in enumerate(picked)]

@@ -20,6 +20,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+MAX_LOGPROBS = 20     # the most top log-probabilities a request may ask for per token (as vLLM's default)
+
+
 @dataclass
 class SamplingParams:
     """``temperature == 0`` is greedy.  ``seed`` drives a counter-based RNG: the random
@@ -32,6 +35,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; k >= 0: the chosen token's and the k most likely ones'
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if int(self.max_tokens) < 1:
@@ -42,11 +47,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.top_k) < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if self.seed is not None:
             self.seed = int(self.seed)
+        if self.logprobs is not None:
+            self.logprobs = int(self.logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -55,7 +64,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-                "ignore_eos": self.ignore_eos}
+                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":

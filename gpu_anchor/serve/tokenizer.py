@@ -2,8 +2,11 @@
 
 A model directory's ``tokenizer.json`` (Hugging Face ``tokenizers``) is used when present;
 otherwise a byte-level fallback maps each UTF-8 byte to the id of the same value (needs a
-vocabulary of at least 256).  Chat prompts use ``chat_template`` from
-``tokenizer_config.json`` (Jinja) when present, else a ChatML-style text template.
+vocabulary of at least 256).  Chat prompts are rendered with Jinja from, in this order: the
+template given to ``serve --chat-template`` (as vLLM), the model directory's
+``chat_template.jinja`` or ``chat_template`` in ``tokenizer_config.json``; without any, a
+ChatML-style text template.  Templates run in Jinja's sandbox, with HF's
+``raise_exception`` (a template's refusal is the client's error: HTTP 400).
 """
 from __future__ import annotations
 
@@ -11,12 +14,32 @@ import json
 import os
 
 
+class TemplateError(ValueError):
+    """The chat template refused the messages (or failed on them)."""
+
+
+def compile_template(text: str):
+    """A Jinja chat template, compiled in the sandbox; ``ValueError`` if it does not parse."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
+
+
 class Codec:
-    def __init__(self, model_dir: str | None, vocab_size: int) -> None:
+    def __init__(self, model_dir: str | None, vocab_size: int, chat_template: str | None = None) -> None:
         self.tok = None
         self.template = None
         self.special: dict = {}
-        path = os.path.join(model_dir, "tokenizer.json") if model_dir and os.path.isdir(model_dir) else None
+        d = model_dir if model_dir and os.path.isdir(model_dir) else None
+        path = os.path.join(d, "tokenizer.json") if d else None
         if path and os.path.exists(path):
             from tokenizers import Tokenizer
             self.tok = Tokenizer.from_file(path)
@@ -25,33 +48,45 @@ class Codec:
             if vocab_size < 256:
                 raise ValueError(f"no tokenizer.json and vocab_size {vocab_size} < 256: byte fallback impossible")
             self.kind = "bytes"
-        cfg = os.path.join(model_dir, "tokenizer_config.json") if model_dir and os.path.isdir(model_dir) else None
+        cfg = os.path.join(d, "tokenizer_config.json") if d else None
         if cfg and os.path.exists(cfg):
             with open(cfg) as f:
                 tc = json.load(f)
             self.template = tc.get("chat_template")
+            if isinstance(self.template, list):          # named templates: the default one
+                self.template = next((t.get("template") for t in self.template if t.get("name") == "default"), None)
             self.special = {k: tc[k] for k in ("bos_token", "eos_token") if isinstance(tc.get(k), str)}
+        jinja_file = os.path.join(d, "chat_template.jinja") if d else None
+        if jinja_file and os.path.exists(jinja_file):     # newer transformers save the template here
+            with open(jinja_file) as f:
+                self.template = f.read()
+        if chat_template is not None:
+            self.template = chat_template
+        self._compiled = compile_template(self.template) if self.template else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if self.tok is not None:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tok is not None:
-            return self.tok.decode(ids, skip_special_tokens=True)
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def chat(self, messages: list[dict]) -> str:
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError("each message needs a role and content")
-            if not isinstance(m.get("content", ""), str):
-                m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
-        if self.template:
-            import jinja2
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-            return env.from_string(self.template).render(messages=messages, add_generation_prompt=True,
-                                                         **self.special)
+    def token_text(self, tid: int) -> str:
+        """One token as text, special tokens included (a partial UTF-8 sequence shows as U+FFFD)."""
+        return self.decode([tid], skip_special_tokens=False)
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render checked messages (``content``: a string or None) to the prompt text."""
+        if self._compiled is not None:
+            try:
+                return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             **{**self.special, **kwargs})
+            except TemplateError:
+                raise
+            except Exception as e:      # a template failing on these messages: the client's request
+                raise TemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
         text = "".join(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
-        return text + "<|im_start|>assistant\n"
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

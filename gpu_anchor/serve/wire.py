@@ -2,8 +2,12 @@
 
 frontend -> engine: ``{"t": "add", "rid", "prompt": [ids], "params": {...}, "out": [ids already delivered]}``,
                     ``{"t": "abort", "rid"}``, ``{"t": "readd", ...like add}`` (replace the history)
-engine -> frontend: ``{"t": "hello", "pid", "rids": [...], "timings": {...}, "notes": [...]}`` (first),
-                    ``{"t": "toks", "ev": [[rid, first_index, [ids], finish_reason|null], ...]}``,
+engine -> frontend: ``{"t": "loading", "pid", "phase", "done", "total", "elapsed_s"}`` (while it starts),
+                    ``{"t": "hello", "pid", "rids": [...], "timings": {...}, "notes": [...]}`` (once built),
+                    ``{"t": "toks", "ev": [[rid, first_index, [ids], finish_reason|null], ...],
+                    "lp": [[rid, index, logprob, [[id, logprob], ...]], ...]}`` ("lp" only for requests
+                    that asked for log-probabilities), ``{"t": "load", "running", "waiting",
+                    "kv_blocks_used", "kv_blocks", "preemptions"}``,
                     ``{"t": "err", "rid", "msg"}``, ``{"t": "stats", ...}``, ``{"t": "readd_ok", "rid"}``
 Token events carry their index, so the receiver can drop duplicates after a restart.
 """
@@ -47,3 +51,20 @@ async def read(reader):
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
     return json.loads(await reader.readexactly(n))
+
+
+def describe_loading(msg: dict) -> str:
+    """One line for a ``loading`` message: what is happening, how far along, since when."""
+    what = {"cuda_init": "creating the CUDA context", "bind": "mapping the anchored weights and KV cache",
+            "weights": "loading weights", "restore": "restoring requests from the journal"}.get(msg["phase"],
+                                                                                            msg["phase"])
+    done, total = msg.get("done"), msg.get("total")
+    if msg["phase"] == "weights" and total:
+        what += f" {_size(done or 0)} of {_size(total)} ({100 * (done or 0) / total:.0f} %)"
+    elif total:
+        what += f" ({_size(total)})"
+    return f"{what}, {msg['elapsed_s']:.1f} s since the engine started"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

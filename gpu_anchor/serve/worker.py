@@ -1,9 +1,12 @@
 """The engine process: build (or rebind) the engine, connect to the frontend, serve.
 
 Runs in a child forked by the supervisor (``gpu-anchor serve``), which restarts it when it
-dies.  On connect it says which requests it restored (``hello``) and replays their
-committed tokens from index 0; the frontend drops what it already has and re-sends every
-request the engine does not know, with the tokens its client already received.
+dies.  It connects first and reports its start-up as it goes (``loading``: phase, bytes
+done; the frontend's ``/health`` shows it and this process logs it); once built it says
+which requests it restored (``hello``) and replays their committed tokens from index 0;
+the frontend drops what it already has and re-sends every request the engine does not
+know, with the tokens its client already received.  While serving it sends the
+scheduler's ``load`` (running, waiting, KV blocks in use) for the frontend's metrics.
 """
 from __future__ import annotations
 
@@ -33,6 +36,37 @@ def _connect(path: str, timeout: float = 120.0) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+class _Progress:
+    """The engine's start-up, reported to the frontend (at most every 0.5 s, and at each new
+    phase) and logged (at most every 5 s, and at each new phase)."""
+
+    def __init__(self, sock: socket.socket, t0: float) -> None:
+        self.sock, self.t0 = sock, t0
+        self.phase, self.sent, self.logged = None, 0.0, 0.0
+
+    def __call__(self, phase: str, done=None, total=None) -> None:
+        now = time.time()
+        new = phase != self.phase
+        self.phase = phase
+        msg = {"t": "loading", "pid": os.getpid(), "phase": phase, "done": done, "total": total,
+               "elapsed_s": round(now - self.t0, 3)}
+        if new or now - self.sent >= 0.5:
+            self.sent = now
+            self.sock.sendall(wire.encode(msg))
+        if new or now - self.logged >= 5.0:
+            self.logged = now
+            log.info("engine %d loading: %s", os.getpid(), wire.describe_loading(msg))
+
+
+def _toks(eng, events) -> bytes:
+    """A ``toks`` message, with the log-probabilities of its tokens for requests that asked."""
+    msg = {"t": "toks", "ev": [list(e) for e in events]}
+    lp = eng.take_logprobs(events)
+    if lp:
+        msg["lp"] = lp
+    return wire.encode(msg)
 
 
 def placement_path(frontend_socket: str) -> str:
@@ -65,11 +99,11 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
     decided to start this engine (for the recovery breakdown); ``standby``: this process
     is a warm standby taking over (``launch.warm_pool``)."""
     t0 = time.time()
-    eng = Engine(cfg)
+    sock = _connect(frontend_socket)
+    eng = Engine(cfg, progress=_Progress(sock, t0))
     timings = dict(eng.timings, warm_standby=int(standby))
     if started_at is not None:
         timings["process_start_s"] = t0 - started_at
-    sock = _connect(frontend_socket)
     sock.sendall(wire.encode({"t": "hello", "pid": os.getpid(), "rids": [s.rid for s in eng.restored],
                               "timings": timings, "notes": eng.recovery_notes,
                               "weights_loaded": eng.weights_loaded}))
@@ -79,6 +113,7 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
     first_step = True
     mg: _Migrating | None = None
     last_sent = None
+    load_sent, last_load = 0.0, None
     while True:
         timeout = 0.0 if eng.has_work() else (0.01 if mg is not None else 0.5)
         r, _, _ = select.select([sock], [], [], timeout)
@@ -91,16 +126,14 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
             for msg in dec.feed(data):
                 if msg["t"] == "add":
                     try:
-                        ev = eng.add_request(msg["rid"], msg["prompt"], SamplingParams.from_dict(msg["params"]),
-                                             msg.get("out", ()))
-                        out += [list(e) for e in ev]
+                        out += eng.add_request(msg["rid"], msg["prompt"], SamplingParams.from_dict(msg["params"]),
+                                               msg.get("out", ()))
                     except ValueError as e:
                         sock.sendall(wire.encode({"t": "err", "rid": msg["rid"], "msg": str(e)}))
                 elif msg["t"] == "readd":
-                    out += [list(e) for e in eng.readd(msg["rid"], msg["prompt"],
-                                                       SamplingParams.from_dict(msg["params"]), msg["out"])]
+                    out += eng.readd(msg["rid"], msg["prompt"], SamplingParams.from_dict(msg["params"]), msg["out"])
                     if out:
-                        sock.sendall(wire.encode({"t": "toks", "ev": out}))
+                        sock.sendall(_toks(eng, out))
                         out = []
                     sock.sendall(wire.encode({"t": "readd_ok", "rid": msg["rid"]}))
                 elif msg["t"] == "abort":
@@ -114,26 +147,32 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                         log.exception("migration refused")
                         sock.sendall(wire.encode({"t": "migrated", "mid": msg.get("mid"), "error": str(e)}))
             if out:
-                sock.sendall(wire.encode({"t": "toks", "ev": out}))
+                sock.sendall(_toks(eng, out))
         if mg is not None and mg.cut_at is None and mg.mig.ready():
             mg.cut_at, mg.last_old = time.perf_counter(), last_sent
             events = eng.flush()        # the old engine's last tokens go out before the cut-over
             if events:
-                sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
+                sock.sendall(_toks(eng, events))
                 mg.last_old = time.perf_counter()
             eng, events = mg.mig.cutover()
             if events:
-                sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
+                sock.sendall(_toks(eng, events))
         if eng.has_work():
             ts = time.perf_counter()
             events = eng.step()
             if events:
-                sock.sendall(wire.encode({"t": "toks", "ev": [list(e) for e in events]}))
+                sock.sendall(_toks(eng, events))
                 last_sent = time.perf_counter()
             if first_step:
                 first_step = False
                 sock.sendall(wire.encode({"t": "stats", "first_step_s": time.perf_counter() - ts,
                                           "ready_s": time.time() - t0}))
+        now = time.monotonic()
+        if now - load_sent >= 0.1 or not eng.has_work():
+            load = eng.load()
+            if load != last_load:        # for the frontend's gauges; idle engines send nothing new
+                sock.sendall(wire.encode(dict(load, t="load")))
+                load_sent, last_load = now, load
         if mg is not None and mg.cut_at is not None:
             if not mg.reported and (last_sent and last_sent > mg.cut_at or not eng.has_work()):
                 # downtime as a client sees it: last token from the old engine -> first from the new

@@ -1,0 +1,410 @@
+"""The OpenAI / vLLM request surface: checking request bodies and shaping replies (torch-free).
+
+Every field a request may carry is listed here with its check.  A field this server does not
+know, a value of the wrong type or out of range, or a feature that vLLM has and this server
+does not (``n`` > 1, beam search, penalties, prompt log-probabilities, tools, ...) is an
+``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
+default and never a 500.  The error body has OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+
+Replies (``reply``, ``stream``) are built from the frontend's request record ``r``: its
+checked request ``r.q``, the prompt ids ``r.prompt``, the tokens ``r.out`` (with ``r.lps``,
+their log-probabilities, when asked), ``r.finish`` / ``r.error`` / ``r.text`` (the text cut
+at a stop string) and ``r.changed`` (set when any of them changed).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from .sequence import MAX_LOGPROBS
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "Error"), "param": self.param,
+                          "code": self.status}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param)
+
+
+@dataclass
+class Request:
+    """A checked completion or chat request."""
+    chat: bool
+    model: str
+    prompt: str | list[int] | None = None          # completions: text or token ids
+    messages: list[dict] | None = None             # chat
+    max_tokens: int | None = None                  # None: up to the context length
+    sampling: dict = field(default_factory=dict)   # SamplingParams fields but max_tokens and seed's default
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False                    # stream_options.include_usage: a last chunk with usage
+    continuous_usage: bool = False                 # stream_options.continuous_usage_stats (vLLM): usage each chunk
+    logprobs: int | None = None                    # None, or how many top log-probabilities per token
+    echo: bool = False
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False                    # return_tokens_as_token_ids (vLLM): "token_id:123"
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    template_kwargs: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ value checks
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+
+
+def _int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
+    if not _is_int(v):
+        raise bad(name, f"must be an integer, got {v!r}")
+    v = int(v)
+    if lo is not None and v < lo or hi is not None and v > hi:
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(name, f"must be {rng}, got {v}")
+    return v
+
+
+def _num(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(name, f"must be a number, got {v!r}")
+    if not (lo < v if lo_open else lo <= v) or v > hi:
+        raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _bool(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise bad(name, f"must be true or false, got {v!r}")
+    return v
+
+
+def _object(name: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise bad(name, "must be an object")
+    return v
+
+
+def _ids(name: str, v, vocab_size: int) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise bad(name, "must be a list of token ids")
+    out = [int(t) for t in v]
+    for t in out:
+        if not 0 <= t < vocab_size:
+            raise bad(name, f"token id {t} is outside the vocabulary (size {vocab_size})")
+    return out
+
+
+# Fields vLLM has that this server accepts only at their neutral value (None always passes).
+_NEUTRAL = {
+    "n": ((1,), "only n=1 is supported: send one request per sample"),
+    "best_of": ((1,), "best_of > 1 is not supported"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
+    "presence_penalty": ((0, 0.0), "presence_penalty is not supported (only 0)"),
+    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported (only 0)"),
+    "repetition_penalty": ((1, 1.0), "repetition_penalty is not supported (only 1)"),
+    "min_p": ((0, 0.0), "min_p is not supported (only 0)"),
+    "min_tokens": ((0,), "min_tokens is not supported (only 0)"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "suffix": (("",), "suffix is not supported"),
+    "prompt_logprobs": ((), "prompt log-probabilities are not computed by this server"),
+    "tools": (([],), "tools / function calling are not supported"),
+    "functions": (([],), "tools / function calling are not supported"),
+    "tool_choice": (("none",), "tools / function calling are not supported"),
+    "function_call": (("none",), "tools / function calling are not supported"),
+    "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+    "continue_final_message": ((False,), "continue_final_message is not supported"),
+    "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens=true is supported"),
+    "store": ((False,), "this server does not store completions"),
+}
+# Fields that change nothing in the output (metadata): accepted after a type check.
+_METADATA = {"user": str, "metadata": dict, "parallel_tool_calls": bool}
+# true/false fields -> Request attribute
+_FLAGS = {"stream": "stream", "echo": "echo", "add_generation_prompt": "add_generation_prompt",
+          "skip_special_tokens": "skip_special_tokens", "include_stop_str_in_output": "include_stop_str",
+          "return_tokens_as_token_ids": "tokens_as_ids", "add_special_tokens": "add_special_tokens"}
+
+
+def _neutral(name: str, v) -> None:
+    allowed, why = _NEUTRAL[name]
+    if v is not None and not any(type(v) is type(a) and v == a or _is_int(v) and _is_int(a) and v == a
+                                 for a in allowed):
+        raise bad(name, why)
+
+
+# ------------------------------------------------------------------ requests
+_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+           "ignore_eos", "max_tokens", "logprobs", "skip_special_tokens", "include_stop_str_in_output",
+           "return_tokens_as_token_ids", "add_special_tokens"} | set(_NEUTRAL) | set(_METADATA)
+_COMPLETION = _COMMON | {"prompt", "echo"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                   "chat_template_kwargs"}
+
+
+def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
+    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    known = _CHAT if chat else _COMPLETION
+    for k in body:
+        if k not in known:
+            raise bad(k, "unknown field (this server refuses fields it would otherwise ignore)")
+    for k in _NEUTRAL:
+        if k in body:
+            _neutral(k, body[k])
+    for k, t in _METADATA.items():
+        if body.get(k) is not None and not isinstance(body[k], t):
+            raise bad(k, f"must be a {t.__name__}")
+    model = body.get("model")
+    if model is None:
+        model = served[0]
+    elif not isinstance(model, str):
+        raise bad("model", f"must be a string, got {model!r}")
+    elif model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    # chat: the template writes the special tokens (vLLM's defaults)
+    r = Request(chat=chat, model=model, add_special_tokens=not chat)
+    g = body.get
+    for name, attr in _FLAGS.items():
+        if g(name) is not None:                     # unknown to this endpoint: refused above
+            setattr(r, attr, _bool(name, g(name)))
+    if chat:
+        r.messages = _messages(g("messages"))
+    else:
+        r.prompt = _prompt(g("prompt"), vocab_size)
+    # sampling
+    s = r.sampling
+    s["temperature"] = 1.0 if g("temperature") is None else _num("temperature", g("temperature"), 0.0, 100.0)
+    s["top_p"] = 1.0 if g("top_p") is None else _num("top_p", g("top_p"), 0.0, 1.0, lo_open=True)
+    top_k = 0 if g("top_k") is None else _int("top_k", g("top_k"), -1)
+    s["top_k"] = max(0, top_k)                      # -1 and 0 both mean "no top-k", as in vLLM
+    s["seed"] = None if g("seed") is None else _int("seed", g("seed"), -(1 << 63), (1 << 63) - 1)
+    s["stop_token_ids"] = [] if g("stop_token_ids") is None else _ids("stop_token_ids", g("stop_token_ids"),
+                                                                        1 << 62)
+    s["ignore_eos"] = False if g("ignore_eos") is None else _bool("ignore_eos", g("ignore_eos"))
+    for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
+        if g(name) is not None:                     # max_completion_tokens wins (OpenAI's newer name)
+            r.max_tokens = _int(name, g(name), 1)
+            break
+    else:
+        r.max_tokens = None if chat else 16         # vLLM's defaults: the context for chat, 16 for completions
+    stop = g("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        r.stop = stop
+    so = g("stream_options")
+    if so is not None:
+        _object("stream_options", so)
+        if not r.stream:
+            raise bad("stream_options", "only allowed with stream=true")
+        for k, v in so.items():
+            if k == "include_usage":
+                r.include_usage = v is not None and _bool("stream_options.include_usage", v)
+            elif k == "continuous_usage_stats":
+                r.continuous_usage = v is not None and _bool("stream_options.continuous_usage_stats", v)
+            else:
+                raise bad(f"stream_options.{k}", "unknown field")
+    # output shaping
+    lp = g("logprobs")
+    if chat:
+        want = lp is not None and _bool("logprobs", lp)
+        top = g("top_logprobs")
+        if top is not None:
+            top = _int("top_logprobs", top, 0, MAX_LOGPROBS)
+            if not want:
+                raise bad("top_logprobs", "needs logprobs=true")
+        r.logprobs = (top or 0) if want else None
+        if g("chat_template_kwargs") is not None:
+            r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
+    else:
+        if lp is not None:
+            if isinstance(lp, bool):
+                raise bad("logprobs", "must be an integer (how many top log-probabilities per token) or null")
+            r.logprobs = _int("logprobs", lp, 0, MAX_LOGPROBS)
+        if r.echo and r.logprobs is not None:
+            raise bad("echo", "echo with logprobs needs prompt log-probabilities, which this server does not "
+                              "compute; use echo or logprobs")
+    return r
+
+
+def _prompt(p, vocab_size: int) -> str | list[int]:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]                                    # a batch of one
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        return _ids("prompt", p, vocab_size)
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise bad("prompt", "batched prompts are not supported: send one request per prompt")
+    raise bad("prompt", "must be a string or a non-empty list of token ids")
+
+
+def _messages(msgs) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(where, "each message must be an object with a string role")
+        c = m.get("content")
+        if isinstance(c, list):
+            parts = []
+            for j, part in enumerate(c):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"{where}.content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                                                       "supported")
+                parts.append(part["text"])
+            m = dict(m, content="".join(parts))
+        elif c is not None and not isinstance(c, str):
+            raise bad(f"{where}.content", "must be a string, a list of text parts or null")
+        out.append(m)
+    return out
+
+
+# ------------------------------------------------------------------ replies
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def token_text(codec, tid: int, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids else codec.token_text(tid)
+
+
+def completion_logprobs(codec, ids: list[int], lps: list, as_ids: bool, offset: int) -> dict:
+    """The completions API's ``logprobs`` object for ``ids`` (``lps[k] = (logprob, [[id, lp], ...])``);
+    ``offset``: the text offset of the first token."""
+    tokens = [token_text(codec, t, as_ids) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{token_text(codec, i, as_ids): v for i, v in top} for _, top in lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(codec, ids: list[int], lps: list, as_ids: bool) -> dict:
+    """The chat API's ``logprobs`` object (``{"content": [...]}``) for ``ids``."""
+    def entry(tid, lp):
+        s = token_text(codec, tid, as_ids)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    return {"content": [dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top])
+                        for t, (lp, top) in zip(ids, lps)]}
+
+
+def _text(codec, r) -> str:
+    return r.text if r.text is not None else codec.decode(r.out, r.q.skip_special_tokens)
+
+
+def _echo(codec, r) -> str:
+    return r.q.prompt if isinstance(r.q.prompt, str) else codec.decode(r.prompt, r.q.skip_special_tokens)
+
+
+def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
+    """The ``logprobs`` object of output tokens ``a..b-1`` (None if the request did not ask)."""
+    if r.q.logprobs is None:
+        return None
+    if r.q.chat:
+        return chat_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids)
+    return completion_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids, offset)
+
+
+def reply(codec, r) -> dict:
+    """The JSON body of a finished, non-streamed request."""
+    q, lp = r.q, _logprobs(codec, r, 0, len(r.out), 0)
+    if q.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": _text(codec, r)}, "logprobs": lp,
+                  "finish_reason": r.finish}
+    else:
+        choice = {"index": 0, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r), "logprobs": lp,
+                  "finish_reason": r.finish}
+    return {"id": r.rid, "object": "chat.completion" if q.chat else "text_completion", "created": int(time.time()),
+            "model": q.model, "choices": [choice], "usage": usage(len(r.prompt), len(r.out))}
+
+
+async def stream(request, codec, r):
+    """Serve ``r`` as server-sent events: one chunk per batch of tokens from the engine (text
+    held back while a stop string or a UTF-8 character may still be forming), then the usage
+    chunk if asked, then ``[DONE]``."""
+    from aiohttp import web
+    q = r.q
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    head = {"id": r.rid, "object": "chat.completion.chunk" if q.chat else "text_completion",
+            "created": int(time.time()), "model": q.model}
+
+    async def write(obj: dict) -> None:
+        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    try:
+        await _events(codec, r, head, write)
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:      # the client went away; the caller aborts the request
+        pass
+    return resp
+
+
+async def _events(codec, r, head: dict, write) -> None:
+    """The chunks of ``stream``, written as the request progresses."""
+    q = r.q
+    sent = ""                     # text sent so far
+    n_sent = 0                    # tokens covered by the chunks sent so far
+    offset = 0                    # text offset of the next token (completions' logprobs)
+    hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
+
+    if q.echo:                    # the prompt first, as vLLM streams it
+        await write(dict(head, choices=[{"index": 0, "text": _echo(codec, r), "logprobs": None,
+                                         "finish_reason": None}]))
+    while True:
+        r.changed.clear()
+        done = r.finish is not None
+        if r.error:
+            await write(ApiError(400, r.error).body())
+            break
+        if len(r.out) > n_sent or done:
+            n = len(r.out)
+            target = _text(codec, r)
+            if not done:
+                target = target[:len(target) - hold] if hold else target
+                target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
+            delta = target[len(sent):] if target.startswith(sent) else ""
+            # one chunk per token batch even when its text is held back or empty
+            # (special tokens, partial UTF-8): clients see progress token by token
+            sent += delta
+            lp = _logprobs(codec, r, n_sent, n, offset) if n > n_sent else None
+            if lp is not None and not q.chat:
+                offset += sum(len(t) for t in lp["tokens"])
+            fin = r.finish if done else None
+            if q.chat:
+                d = {"content": delta} if delta else {}
+                if n_sent == 0:
+                    d = {"role": "assistant", **d}
+                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": fin}
+            else:
+                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": fin}
+            chunk = dict(head, choices=[choice])
+            if q.continuous_usage:
+                chunk["usage"] = usage(len(r.prompt), n)
+            n_sent = n
+            await write(chunk)
+        if done:
+            if q.include_usage:
+                await write(dict(head, choices=[], usage=usage(len(r.prompt), len(r.out))))
+            break
+        await r.changed.wait()

@@ -1,0 +1,176 @@
+"""``gpu-anchor serve``'s vLLM-compatible options, checked and resolved before anything starts.
+
+- ``--tensor-parallel-size``: accepted; only 1 runs (tensor parallelism is not built yet).
+- ``--max-num-batched-tokens`` (vLLM's name); ``--max-batched-tokens`` still works, with a
+  deprecation warning.
+- KV-cache size, one of: ``--num-blocks N``; ``--kv-cache-gib G``; ``--gpu-memory-utilization F``
+  (as vLLM: the server may use the fraction F of the device's total memory for weights,
+  activations and KV cache; the KV cache gets what is left).  Default: F = 0.9 on CUDA (vLLM's
+  default), 1 GiB of KV cache on the CPU; on the CPU, F is a fraction of the host's RAM
+  (``MemTotal``).  vLLM profiles a forward pass to learn its activation memory; the supervisor
+  here runs no torch op (it is the engines' fork server), so activations are estimated from
+  the model's shapes and the batch limits, plus a fixed allowance on CUDA for the CUDA
+  context, cuBLAS workspaces, CUDA graphs and a warm standby's context.  The device's total
+  memory comes from NVML (no CUDA context) on CUDA and ``/proc/meminfo`` on the CPU.
+- ``--chat-template``: a file, or the template itself inline (as vLLM).
+- ``--api-key``, else the ``VLLM_API_KEY`` environment variable (as vLLM).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("gpu_anchor.serve")
+
+GIB = 1 << 30
+DEFAULT_CUDA_UTILIZATION = 0.9
+DEFAULT_CPU_KV_GIB = 1.0
+CUDA_FIXED_BYTES = 2 * GIB    # context, cuBLAS workspace, graph pool, allocator slack, a standby's context
+
+
+class OptionError(ValueError):
+    """A bad command line: ``serve`` prints it and exits with status 2."""
+
+
+def check(args) -> None:
+    """Checks that need nothing loaded; fills in the deprecated alias."""
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
+        raise OptionError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not built "
+                          "yet; this server runs one engine on one device (use --tensor-parallel-size 1)")
+    old = args.max_batched_tokens_deprecated
+    if old is not None:
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens != old:
+            raise OptionError(f"--max-batched-tokens {old} and --max-num-batched-tokens "
+                              f"{args.max_num_batched_tokens} disagree; give --max-num-batched-tokens only")
+        log.warning("--max-batched-tokens is deprecated; use --max-num-batched-tokens (vLLM's name)")
+        args.max_num_batched_tokens = old
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 2048
+    if args.max_num_batched_tokens < 1:
+        raise OptionError("--max-num-batched-tokens must be >= 1")
+    given = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "kv_cache_gib", "gpu_memory_utilization")
+             if getattr(args, n) is not None]
+    if len(given) > 1:
+        raise OptionError(f"{' and '.join(given)}: give one way to size the KV cache")
+    u = args.gpu_memory_utilization
+    if u is not None and not 0.0 < u <= 1.0:
+        raise OptionError(f"--gpu-memory-utilization must be in (0, 1], got {u}")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise OptionError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise OptionError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+
+
+def api_key(args) -> str | None:
+    return args.api_key or os.environ.get("VLLM_API_KEY") or None
+
+
+def chat_template_file(value: str | None, rundir: str) -> str | None:
+    """``--chat-template``: a file path, or (like vLLM) the template text itself, which is then
+    written into the server's run directory.  Returns the file for the frontend."""
+    from .tokenizer import compile_template
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            text, path = f.read(), value
+    elif any(c in value for c in "{}\n"):
+        text, path = value, os.path.join(rundir, "chat_template.jinja")
+        with open(path, "w") as f:
+            f.write(value)
+    else:
+        raise OptionError(f"--chat-template {value!r}: no such file (and it does not look like a Jinja template)")
+    try:
+        compile_template(text)
+    except ValueError as e:
+        raise OptionError(f"--chat-template: {e}") from None
+    return path
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(total, available) bytes of ``device`` without creating a CUDA context."""
+    if device == "cpu":
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception as e:
+        raise OptionError("sizing the KV cache from --gpu-memory-utilization (the default on CUDA) reads the GPU's "
+                          "memory with NVML: pip install nvidia-ml-py (in gpu-anchor[cuda]); or give "
+                          f"--kv-cache-gib / --num-blocks ({type(e).__name__}: {e})") from None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible):        # CUDA_VISIBLE_DEVICES renumbers devices; NVML does not
+        v = visible[index]
+        h = pynvml.nvmlDeviceGetHandleByIndex(int(v)) if v.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(v)
+    else:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+    return int(mem.total), int(mem.free)
+
+
+def activation_bytes(mc, max_batched_tokens: int, max_num_seqs: int, dtype_bytes: int) -> int:
+    """An upper estimate of the engine's working memory besides weights and KV cache: a
+    step's hidden states, attention and MLP intermediates (twice, for temporaries) and the
+    float32 logits of the sampled rows with the sampler's copies of them."""
+    from .model_runner import head_dim
+    d = head_dim(mc)
+    per_token = (2 * mc.hidden_size + 3 * mc.intermediate_size + mc.num_attention_heads * d
+                 + 2 * mc.num_key_value_heads * d)
+    return 2 * max_batched_tokens * per_token * dtype_bytes + 4 * max_num_seqs * mc.vocab_size * 4
+
+
+def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
+    """The number of KV blocks from ``--num-blocks``, ``--kv-cache-gib`` or
+    ``--gpu-memory-utilization`` (see the module's doc); logs how it was sized."""
+    import torch
+
+    from .engine import DTYPES
+    from .model_runner import head_dim, param_specs
+    tdt = DTYPES.get(dtype)
+    if tdt is None:
+        raise OptionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    b = tdt.itemsize
+    per_block = 2 * mc.num_hidden_layers * args.block_size * mc.num_key_value_heads * head_dim(mc) * b
+    if args.num_blocks is not None:
+        return args.num_blocks
+    cuda = device.startswith("cuda")
+    util = args.gpu_memory_utilization
+    if args.kv_cache_gib is None and util is None and cuda:
+        util = DEFAULT_CUDA_UTILIZATION
+    if util is None:
+        gib = args.kv_cache_gib if args.kv_cache_gib is not None else DEFAULT_CPU_KV_GIB
+        n = max(4, int(gib * GIB // per_block))
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, from %s)", n, args.block_size,
+                 n * args.block_size, n * per_block / GIB,
+                 f"--kv-cache-gib {gib}" if args.kv_cache_gib is not None else "the CPU default of 1 GiB")
+        return n
+    total, available = device_memory("cpu" if not cuda else device)
+    weights = sum(torch.Size(shape).numel() for _, shape, _ in param_specs(mc, tdt)) * b
+    act = activation_bytes(mc, args.max_num_batched_tokens, args.max_num_seqs, b)
+    fixed = CUDA_FIXED_BYTES if cuda else 0
+    budget = int(util * total)
+    kv = budget - weights - act - fixed
+    need = -(-args.max_model_len // args.block_size) * per_block
+    where = f"{util} of {total / GIB:.1f} GiB = {budget / GIB:.2f} GiB: weights {weights / GIB:.2f} GiB, " \
+            f"activations ~{act / GIB:.2f} GiB (estimated), {fixed / GIB:.1f} GiB reserved"
+    if kv < need:
+        raise OptionError(f"--gpu-memory-utilization {where}, leaves {max(kv, 0) / GIB:.2f} GiB for the KV cache; "
+                          f"one sequence of --max-model-len {args.max_model_len} needs {need / GIB:.2f} GiB: raise "
+                          "--gpu-memory-utilization, lower --max-model-len / --max-num-batched-tokens, or give "
+                          "--kv-cache-gib")
+    n = int(kv // per_block)
+    if budget > available:
+        log.warning("the device has %.2f GiB available and --gpu-memory-utilization %s asks for %.2f GiB: fine if "
+                    "the anchor daemon already holds this model's weights and KV cache from an earlier run; "
+                    "otherwise allocation will fail (lower it, or stop what else uses the device)",
+                    available / GIB, util, budget / GIB)
+    log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB; %.1f sequences of %d tokens), from "
+             "--gpu-memory-utilization %s", n, args.block_size, n * args.block_size, n * per_block / GIB,
+             n * args.block_size / args.max_model_len, args.max_model_len, where)
+    return n

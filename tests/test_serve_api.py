@@ -1,0 +1,514 @@
+"""The vLLM-compatible surface of ``gpu-anchor serve``, through the stock ``openai`` client and
+plain HTTP against a real server on the CPU: every invalid field is a 400 naming it, an unknown
+model a 404, the API key a 401; ``stream_options``; ``logprobs`` / ``top_logprobs`` checked
+against transformers' own forward pass; ``echo``; ``/metrics`` read with Prometheus' parser;
+the loading progress and the ready line; and the options (``--tensor-parallel-size``,
+``--max-batched-tokens`` alias, KV sizing from ``--gpu-memory-utilization``, ``--chat-template``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from gpu_anchor.daemon import control
+from gpu_anchor.serve.tiny import make_tiny_model
+from test_serve_http import _get, scrape
+
+KEY = "test-key-123"
+MODEL = "tiny-qwen3"
+# A template of our own: a chat prompt's tokens show which template rendered it.
+TEMPLATE = ("{% if messages[0]['role'] == 'bad' %}{{ raise_exception('bad is not a role') }}{% endif %}"
+            "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "400",
+         "--max-num-batched-tokens", "32", "--max-model-len", "256", "--cpu-threads", "1"]
+
+
+def start_server(d, model, *extra, env=None):
+    """``gpu-anchor serve`` as a user starts it; returns (process, base URL, log path)."""
+    port_file, log_path = os.path.join(d, "port"), os.path.join(d, "serve.log")
+    if os.path.exists(port_file):
+        os.unlink(port_file)
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                             port_file, *SERVE, *extra], stdout=subprocess.DEVNULL,
+                            stderr=open(log_path, "ab"), env=env)
+    deadline = time.time() + 180
+    while not os.path.exists(port_file):
+        assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.1)
+    base = f"http://127.0.0.1:{open(port_file).read()}"
+    while _get(base + "/health")[0] != 200:
+        assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.05)
+    return proc, base, log_path
+
+
+def stop_server(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("api"))
+    model = make_tiny_model(os.path.join(d, MODEL), "qwen3", seed=3)
+    sock = os.path.join(d, "cpu.sock")
+    daemon = control.start("cpu", sock)
+    proc, base, log_path = start_server(d, model, "--socket", sock, "--api-key", KEY, "--chat-template", TEMPLATE)
+    yield {"base": base, "model": model, "log": log_path}
+    stop_server(proc)
+    control.stop("cpu", sock)
+    daemon.wait(10)
+
+
+def post(base, path, body, key=KEY):
+    """(status, parsed JSON or SSE events)."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    if text.startswith("data: "):
+        events = [x[len("data: "):] for x in text.split("\n\n") if x.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return status, [json.loads(x) for x in events[:-1]]
+    return status, json.loads(text)
+
+
+def client(base, key=KEY):
+    import openai
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+
+# ------------------------------------------------------------------ 400 naming the field
+C, CH = "/v1/completions", "/v1/chat/completions"
+P = {"model": MODEL, "prompt": "hello world", "max_tokens": 4}
+M = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD = [
+    (C, dict(P, temperature="hot"), "temperature"),
+    (C, dict(P, temperature=-1), "temperature"),
+    (C, dict(P, max_tokens=-5), "max_tokens"),
+    (C, dict(P, max_tokens=0), "max_tokens"),
+    (C, dict(P, max_tokens="ten"), "max_tokens"),
+    (C, dict(P, max_tokens=10_000), "max_tokens"),
+    (CH, dict(M, max_completion_tokens=True), "max_completion_tokens"),
+    (C, dict(P, n=2), "n"),
+    (C, dict(P, best_of=3), "best_of"),
+    (C, dict(P, top_p=0), "top_p"),
+    (C, dict(P, top_p=1.5), "top_p"),
+    (C, dict(P, top_k="x"), "top_k"),
+    (C, dict(P, seed=1.5), "seed"),
+    (C, dict(P, stop=5), "stop"),
+    (C, dict(P, stop=["ok", ""]), "stop"),
+    (C, dict(P, stop_token_ids=["a"]), "stop_token_ids"),
+    (C, dict(P, stream="yes"), "stream"),
+    (C, dict(P, stream_options={"include_usage": True}), "stream_options"),
+    (C, dict(P, stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (C, dict(P, stream=True, stream_options={"nope": True}), "stream_options.nope"),
+    (C, dict(P, logprobs=50), "logprobs"),
+    (C, dict(P, logprobs=True), "logprobs"),
+    (C, dict(P, echo=True, logprobs=1), "echo"),
+    (C, dict(P, echo="yes"), "echo"),
+    (C, dict(P, prompt_logprobs=1), "prompt_logprobs"),
+    (CH, dict(M, top_logprobs=2), "top_logprobs"),
+    (CH, dict(M, logprobs=True, top_logprobs=21), "top_logprobs"),
+    (CH, dict(M, logprobs=3), "logprobs"),
+    (C, dict(P, presence_penalty=0.5), "presence_penalty"),
+    (C, dict(P, frequency_penalty=1), "frequency_penalty"),
+    (C, dict(P, repetition_penalty=1.2), "repetition_penalty"),
+    (C, dict(P, logit_bias={"5": 10}), "logit_bias"),
+    (C, dict(P, suffix="end"), "suffix"),
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CH, dict(M, response_format={"type": "json_object"}), "response_format"),
+    (C, dict(P, guided_json={"type": "object"}), "guided_json"),
+    (C, dict(P, foo=1), "foo"),
+    (CH, dict(M, echo=True), "echo"),                       # a completions field, unknown to chat
+    (C, dict(P, prompt=["one", "two"]), "prompt"),
+    (C, dict(P, prompt=[1, 2, 99999]), "prompt"),
+    (C, dict(P, prompt={"text": "x"}), "prompt"),
+    (C, dict(P, prompt=""), "prompt"),
+    (C, dict(P, model=7), "model"),
+    (C, dict(P, user=5), "user"),
+    (CH, dict(M, messages="hi"), "messages"),
+    (CH, dict(M, messages=[]), "messages"),
+    (CH, dict(M, messages=[{"content": "no role"}]), "messages[0]"),
+    (CH, dict(M, messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    (CH, dict(M, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]"),
+    (CH, dict(M, messages=[{"role": "bad", "content": "x"}]), "messages"),   # the template refuses it
+    (CH, dict(M, chat_template_kwargs=[1]), "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", BAD, ids=[f"{f}:{json.dumps(b)[:60]}" for _, b, f in BAD])
+def test_invalid_field_is_400_naming_it(srv, path, body, field):
+    status, reply = post(srv["base"], path, body)
+    assert status == 400, reply
+    err = reply["error"]
+    assert err["param"] == field and field in err["message"] and err["code"] == 400, err
+    assert "Traceback" not in err["message"]
+
+
+def test_bad_bodies_and_the_openai_client(srv):
+    import openai
+    base = srv["base"]
+    assert post(base, C, b"{not json")[0] == 400
+    assert post(base, C, b"[1, 2]")[0] == 400
+    c = client(base)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature="hot")
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    assert "n=1" in str(e.value)
+
+
+def test_unknown_model_is_404(srv):
+    import openai
+    c = client(srv["base"])
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert "gpt-4" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}], stream=True)
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+    assert c.models.retrieve(MODEL).id == MODEL
+    status, reply = post(srv["base"], C, {"prompt": "hello", "max_tokens": 2})      # no model: the served one
+    assert status == 200 and reply["model"] == MODEL
+
+
+def test_api_key(srv):
+    import openai
+    base = srv["base"]
+    for key in (None, "wrong"):
+        status, reply = post(base, C, P, key=key)
+        assert status == 401 and reply["error"]["code"] == 401
+        assert _get(base + "/v1/models")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(base, key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert post(base, "/admin/migrate", {"device": "cpu"}, key=None)[0] == 401      # migration needs it too
+    assert _get(base + "/health")[0] == 200 and _get(base + "/metrics")[0] == 200    # as vLLM: open
+    assert client(base).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+# ------------------------------------------------------------------ streaming options
+def test_include_usage_and_continuous_usage(srv):
+    c = client(srv["base"])
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == whole.choices[0].text
+    plain = list(c.completions.create(stream=True, **kw))
+    assert all(ch.usage is None and ch.choices for ch in plain)
+    msgs = [{"role": "user", "content": "Hello world!"}]
+    cont = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in cont]
+    assert counts == sorted(counts) and cont[-1].choices == [] and counts[-1] == cont[-2].usage.completion_tokens
+    assert cont[0].choices[0].delta.role == "assistant"
+
+
+# ------------------------------------------------------------------ logprobs, echo, chat template
+def _hf_logprobs(model_dir, prompt_ids, out_ids):
+    """log-softmax of transformers' own forward over prompt + output, at each output token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    ids = torch.tensor([prompt_ids + out_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(m(ids).logits[0].float(), dim=-1)
+    return lp[len(prompt_ids) - 1:len(prompt_ids) + len(out_ids) - 1]
+
+
+def test_logprobs_match_transformers(srv):
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    codec = Codec(model, 384)
+    prompt = "The quick brown fox jumps"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    out = [int(t.split(":")[1]) for t in lp.tokens]
+    assert len(out) == r.usage.completion_tokens == 8 and codec.decode(out) == r.choices[0].text
+    ref = _hf_logprobs(model, codec.encode(prompt), out)
+    for k, t in enumerate(out):
+        assert abs(lp.token_logprobs[k] - ref[k, t].item()) < 1e-4
+        top = sorted(lp.top_logprobs[k].items(), key=lambda kv: -kv[1])
+        want = ref[k].topk(3)
+        assert [int(s.split(":")[1]) for s, _ in top] == want.indices.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(top, want.values.tolist())) < 1e-4
+        assert lp.token_logprobs[k] == top[0][1]                   # greedy: the chosen one is the top one
+    # streamed, the same numbers; the text offsets add up
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                       stream=True, extra_body={"ignore_eos": True}))
+    toks = [t for ch in chunks for t in (ch.choices[0].logprobs.tokens if ch.choices[0].logprobs else [])]
+    vals = [t for ch in chunks for t in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])]
+    offs = [t for ch in chunks for t in (ch.choices[0].logprobs.text_offset if ch.choices[0].logprobs else [])]
+    assert toks == [codec.token_text(t) for t in out] and vals == lp.token_logprobs
+    assert offs == [sum(len(x) for x in toks[:k]) for k in range(len(toks))]
+    # chat, sampled with a seed: the chosen token's log-probability is still the model's
+    msgs = [{"role": "user", "content": "Hello world!"}]
+    ch = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.9, seed=11,
+                                   logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True,
+                                                                              "return_tokens_as_token_ids": True})
+    content = ch.choices[0].logprobs.content
+    got = [int(e.token.split(":")[1]) for e in content]
+    assert len(got) == 6 and all(len(e.top_logprobs) == 2 for e in content)
+    chat_ids = codec.encode(Codec(model, 384, chat_template=TEMPLATE).chat(msgs))
+    assert ch.usage.prompt_tokens == len(chat_ids)
+    ref = _hf_logprobs(model, chat_ids, got)
+    assert max(abs(e.logprob - ref[k, t].item()) for k, (e, t) in enumerate(zip(content, got))) < 1e-4
+    streamed = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.9, seed=11,
+                                              logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    assert [e.logprob for x in streamed if x.choices[0].logprobs for e in x.choices[0].logprobs.content] == \
+        [e.logprob for e in content]
+    # no logprobs asked: none given
+    assert c.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].logprobs is None
+
+
+def test_echo(srv):
+    c = client(srv["base"])
+    kw = dict(model=MODEL, prompt="Hello world! How", max_tokens=5, temperature=0)
+    plain = c.completions.create(**kw).choices[0].text
+    assert c.completions.create(echo=True, **kw).choices[0].text == "Hello world! How" + plain
+    chunks = list(c.completions.create(echo=True, stream=True, **kw))
+    assert chunks[0].choices[0].text == "Hello world! How"
+    assert "".join(ch.choices[0].text for ch in chunks) == "Hello world! How" + plain
+
+
+def test_chat_template_from_the_command_line(srv):
+    from gpu_anchor.serve.tokenizer import Codec
+    codec = Codec(srv["model"], 384)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    r = client(srv["base"]).chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert r.usage.prompt_tokens == len(codec.encode("[system] Be brief.\n[user] Hello\n[assistant] "))
+    status, reply = post(srv["base"], CH, dict(M, messages=msgs, add_generation_prompt=False))
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(codec.encode("[system] Be brief.\n[user] Hello\n"))
+
+
+# ------------------------------------------------------------------ metrics, loading, ready
+def test_metrics_vllm_names(srv):
+    base = srv["base"]
+    before = scrape(base)
+    c = client(base)
+    n = [c.completions.create(model=MODEL, prompt="fox " * (i + 1), max_tokens=4 + i, temperature=0,
+                              extra_body={"ignore_eos": True}).usage.completion_tokens for i in range(3)]
+    deadline = time.time() + 30
+    while True:
+        m = scrape(base)
+        if m["vllm:num_requests_running"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+
+    def d(k):
+        return m[k] - before.get(k, 0.0)
+    assert d("vllm:time_to_first_token_seconds_count") == 3 and d("vllm:e2e_request_latency_seconds_count") == 3
+    assert d("vllm:inter_token_latency_seconds_count") == sum(n) - 3
+    assert d("vllm:generation_tokens_total") == sum(n) and d('vllm:request_success_total{finished_reason="length"}') == 3
+    assert d("vllm:request_generation_tokens_sum") == sum(n)
+    assert d("vllm:request_time_per_output_token_seconds_count") == 3
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert 0.0 <= m["vllm:kv_cache_usage_perc"] <= 1.0
+    assert m["gpu_anchor_serve_engine_up"] == 1 and m["gpu_anchor_serve_engine_loading"] == 0
+    assert m['gpu_anchor_serve_last_recovery_seconds{phase="bind_s"}'] >= 0
+    # an OpenMetrics scraper gets OpenMetrics
+    req = urllib.request.Request(base + "/metrics", headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text") and r.read().endswith(b"# EOF\n")
+
+
+def test_loading_progress_and_ready_lines(srv):
+    text = open(srv["log"]).read()
+    assert "loading: mapping the anchored weights and KV cache" in text
+    assert "loading: loading weights" in text
+    ready = [line for line in text.splitlines() if "ready: tiny-qwen3 at http://127.0.0.1:" in line]
+    assert len(ready) == 1 and "s after start; engine built in" in ready[0], text[-3000:]
+
+
+def test_health_says_what_a_loading_engine_does(tmp_path):
+    """The frontend alone, with this test playing an engine that is still loading."""
+    from gpu_anchor.serve import wire
+    from gpu_anchor.serve.tiny import train_tokenizer
+    os.makedirs(tmp_path / "tok")
+    train_tokenizer(384, str(tmp_path / "tok" / "tokenizer.json"))
+    esock, port_file = str(tmp_path / "e.sock"), str(tmp_path / "port")
+    fe = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve.frontend", "--engine-socket", esock, "--tokenizer",
+                           str(tmp_path / "tok"), "--vocab-size", "384", "--model-name", "m", "--port", "0",
+                           "--port-file", port_file], stderr=subprocess.DEVNULL)
+    try:
+        while not os.path.exists(port_file):
+            assert fe.poll() is None
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{open(port_file).read()}"
+        code, body = _get(base + "/health")
+        assert code == 503 and json.loads(body)["status"] == "starting"
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(esock)
+        s.sendall(wire.encode({"t": "loading", "pid": 1, "phase": "weights", "done": 3 << 30, "total": 12 << 30,
+                               "elapsed_s": 4.5}))
+
+        def health():
+            deadline = time.time() + 30
+            while True:
+                code, body = _get(base + "/health")
+                h = json.loads(body)
+                if h["status"] != "starting" or time.time() > deadline:
+                    return code, h
+                time.sleep(0.02)
+        code, h = health()
+        assert code == 503 and h["status"] == "loading"
+        assert h["loading"]["message"] == "loading weights 3.00 GiB of 12.00 GiB (25 %), 4.5 s since the engine started"
+        s.sendall(wire.encode({"t": "hello", "pid": 1, "rids": [], "timings": {"init_s": 5.0}, "notes": []}))
+        deadline = time.time() + 30
+        while _get(base + "/health")[0] != 200:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        s.close()
+    finally:
+        fe.terminate()
+        fe.wait(10)
+
+
+# ------------------------------------------------------------------ options
+def _args(*argv):
+    from gpu_anchor.serve.cli import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(["model", *argv])
+
+
+def test_tensor_parallel_size_above_one_is_refused_clearly(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path), "--tensor-parallel-size", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "tensor parallelism is not built yet" in r.stderr, r.stderr
+    from gpu_anchor.serve import options
+    options.check(_args("--tensor-parallel-size", "1"))        # 1 is fine
+
+
+def test_max_batched_tokens_alias(caplog):
+    from gpu_anchor.serve import options
+    a = _args("--max-batched-tokens", "48")
+    options.check(a)
+    assert a.max_num_batched_tokens == 48 and "deprecated" in caplog.text
+    a = _args("--max-num-batched-tokens", "64")
+    options.check(a)
+    assert a.max_num_batched_tokens == 64
+    with pytest.raises(options.OptionError, match="disagree"):
+        options.check(_args("--max-batched-tokens", "48", "--max-num-batched-tokens", "64"))
+    options.check(a := _args())
+    assert a.max_num_batched_tokens == 2048
+
+
+def test_kv_cache_sizing(tmp_path):
+    from gpu_anchor.serve import options
+    from gpu_anchor.serve.model_runner import load_config, meta_model
+    from gpu_anchor.serve.tiny import tiny_config
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(tiny_config("qwen3")))
+    mc = load_config(str(cfg))
+    per_block = 2 * 2 * 16 * 2 * 16 * 4          # K and V, 2 layers, 16 tokens, 2 KV heads, head_dim 16, fp32
+
+    def blocks(*argv):
+        a = _args(*argv)
+        options.check(a)
+        return options.kv_cache_blocks(a, mc, "cpu", "float32")
+    assert blocks() == (1 << 30) // per_block                     # the CPU default: 1 GiB
+    assert blocks("--kv-cache-gib", "0.5") == (1 << 29) // per_block
+    assert blocks("--num-blocks", "77") == 77
+    total, _ = options.device_memory("cpu")
+    weights = sum(p.numel() for p in meta_model(mc).parameters()) * 4
+    act = options.activation_bytes(mc, 2048, 64, 4)
+    assert blocks("--gpu-memory-utilization", "0.01") == int((int(0.01 * total) - weights - act) // per_block)
+    with pytest.raises(options.OptionError, match="one sequence of --max-model-len"):
+        blocks("--gpu-memory-utilization", "1e-9")
+    with pytest.raises(options.OptionError, match="one way to size"):
+        blocks("--gpu-memory-utilization", "0.5", "--kv-cache-gib", "1")
+    with pytest.raises(options.OptionError, match=r"\(0, 1\]"):
+        blocks("--gpu-memory-utilization", "1.5")
+
+
+def test_chat_template_option(tmp_path):
+    from gpu_anchor.serve import options
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert options.chat_template_file(str(f), str(tmp_path)) == str(f)
+    inline = options.chat_template_file(TEMPLATE, str(tmp_path))
+    assert open(inline).read() == TEMPLATE
+    with pytest.raises(options.OptionError, match="no such file"):
+        options.chat_template_file(str(tmp_path / "missing.jinja"), str(tmp_path))
+    with pytest.raises(options.OptionError, match="does not parse"):
+        options.chat_template_file("{% for m in messages %}", str(tmp_path))
+    assert options.chat_template_file(None, str(tmp_path)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
+    """On a GPU with no KV size given, the KV cache takes what vLLM's default 0.9 of the
+    device leaves after the weights and the activation estimate, and the whole server (daemon
+    allocations + engine) stays within that 0.9 after a full-width batch has run."""
+    import threading
+
+    import pynvml
+
+    from bench.serve_throughput import QWEN3_8B
+    from gpu_anchor.serve.tiny import train_tokenizer
+    cfg = dict(QWEN3_8B, num_hidden_layers=4)          # Qwen3-8B widths, 4 layers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    os.makedirs(tmp_path / "tok")
+    train_tokenizer(384, str(tmp_path / "tok" / "tokenizer.json"))
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+    total, used_before = pynvml.nvmlDeviceGetMemoryInfo(h).total, pynvml.nvmlDeviceGetMemoryInfo(h).used
+    port_file, log_path = tmp_path / "port", tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path / "config.json"), "--random-weights",
+                             "--tokenizer", str(tmp_path / "tok"), "--device", "cuda:0", "--socket", cuda_daemon[0],
+                             "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "64"],
+                            stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"))
+    try:
+        deadline = time.time() + 600
+        while not port_file.exists() or _get(f"http://127.0.0.1:{port_file.read_text()}/health")[0] != 200:
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        base = f"http://127.0.0.1:{port_file.read_text()}"
+        text = log_path.read_text()
+        assert "from --gpu-memory-utilization 0.9 of" in text, text[-3000:]
+        c = client(base, key="unused")
+        outs = [None] * 64
+
+        def run(i):
+            outs[i] = c.completions.create(model="config.json", prompt="hello world " * 40, max_tokens=32,
+                                           temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(o.usage.completion_tokens == 32 for o in outs)
+        used = pynvml.nvmlDeviceGetMemoryInfo(h).used - used_before
+        assert 0.8 * total < used <= 0.9 * total, (used / total, text[-2000:])
+    finally:
+        stop_server(proc)
+
