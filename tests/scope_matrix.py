@@ -219,6 +219,9 @@ def _worker(case, dev, files, ns, stage, train, q):
         if dev.startswith("cuda"):
             torch.cuda.manual_seed_all(0)
         report = None
+        opens = _count_weight_opens()
+        import transformers  # noqa: F401  (model classes resolved before the timed block, as a warm restart has them)
+        transformers.Qwen3ForCausalLM
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if ns is None:
@@ -231,8 +234,9 @@ def _worker(case, dev, files, ns, stage, train, q):
                 block_s = time.perf_counter() - t0
                 rep = scope.report
                 report = {k: getattr(rep, k) for k in ("matched", "created", "conflicts", "adopted", "not_anchored",
-                                                       "rng", "replayed_ops")}
+                                                       "rng", "replayed_ops", "resident_loads")}
                 report["block_s"] = block_s
+                report["weight_file_opens"] = opens[0]
                 del scope
         after = torch.rand(4).numpy().tobytes()
         if dev.startswith("cuda"):
@@ -251,7 +255,28 @@ def _worker(case, dev, files, ns, stage, train, q):
         q.put(out)
     except BaseException:
         q.put({"error": traceback.format_exc()})
+    if os.environ.get("MATRIX_NO_PAUSE"): return
     signal.pause()
+
+
+def _count_weight_opens() -> list:
+    """Count openings of weight files by the loaders the cases use (transformers' safe_open,
+    safetensors, torch.load): a restart served from anchored memory must open none."""
+    import safetensors
+    import safetensors.torch
+    import transformers.modeling_utils as mu
+    n = [0]
+
+    def counting(fn):
+        def wrapper(*a, **k):
+            n[0] += 1
+            return fn(*a, **k)
+        return wrapper
+    mu.safe_open = counting(mu.safe_open)
+    safetensors.safe_open = counting(safetensors.safe_open)
+    safetensors.torch.safe_open = counting(safetensors.torch.safe_open)
+    torch.load = counting(torch.load)
+    return n
 
 
 def _build(case, build, dev, files, stage):
@@ -352,6 +377,9 @@ def run_case(case: str, dev: str, files: dict) -> dict:
                  f"first created {len(r1['created'])}")
     if r2["replayed_ops"]:
         p.append(f"restart replayed {r2['replayed_ops']} recorded ops")
+    if case.startswith("from_pretrained") and (r2["resident_loads"] != 1 or r2["weight_file_opens"]):
+        p.append(f"from_pretrained restart: {r2['resident_loads']} loads served from anchored memory, "
+                 f"{r2['weight_file_opens']} weight files opened")
     if restart["state"] != first["trained_state"]:
         p.append(f"restart lost the trained bytes: {_diff(restart['state'], first['trained_state'])}")
     if restart["forward"] != first["trained_forward"]:
@@ -399,6 +427,19 @@ def _cli(*args):
                           text=True, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
 
 
+def preload() -> None:
+    """Import what the cases use once, here, so that forked workers do not each pay it (~3 s)."""
+    import accelerate  # noqa: F401
+    import peft  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import transformers
+    import transformers.modeling_utils  # noqa: F401
+    transformers.Qwen3ForCausalLM, transformers.AutoModelForCausalLM, transformers.GenerationConfig
+    import gpu_anchor.scope  # noqa: F401
+    import gpu_anchor.train  # noqa: F401
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -413,6 +454,7 @@ def main(argv=None) -> int:
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     os.environ.pop("GPU_ANCHOR_SOCKET", None)
     results = []
+    preload()
     try:
         _cli("daemon", "--device", dev, "--detach")   # CUDA runs have no host daemon: host tensors stay native
         files = prepare_files(work)

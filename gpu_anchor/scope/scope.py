@@ -67,6 +67,7 @@ class Report:
     not_anchored: dict[str, str] = field(default_factory=dict)
     native: list[str] = field(default_factory=list)
     rng: str = "untouched"          # untouched / journal / replayed / advanced
+    resident_loads: int = 0          # from_pretrained calls served from anchored memory (no file read)
     eager_evaluations: int = 0       # placeholder reads that forced a replay inside the block
     replayed_ops: int = 0            # recorded ops actually run (0 on a fully-matching restart)
     timings_ms: dict = field(default_factory=dict)
@@ -102,6 +103,7 @@ class ManagedScope:
         self.report = Report()
         self._before: dict[int, weakref.ref] = {}
         self._unprotected: list[str] = []
+        self._pretrained: list = []          # (load key, model) for from_pretrained calls in the block
         self.objects: dict[str, torch.Tensor] = {}
         self._mode: ScopeMode | None = None
         self._anchored: dict[str, object] = {}
@@ -256,6 +258,7 @@ class ManagedScope:
             rep.adopted.append(s.name)
             self.objects[s.name] = s.real
         adoption.swap_all(adopted, binding.swap)
+        self._settle_pretrained()
         for dev in sorted({s.device for s in adopted if s.device.startswith("cuda")}):
             torch.cuda.empty_cache()              # the adopted native copies: give the memory back
         t4 = time.perf_counter()
@@ -264,6 +267,23 @@ class ManagedScope:
                           "swap": 1e3 * (t4 - t3), "total": 1e3 * (t4 - t0)}
         self._state = "bound"
         self._warn_if_unprotected()
+
+    def _settle_pretrained(self) -> None:
+        """Models from_pretrained served from anchored memory are matched objects too; every
+        model it returned leaves a load hint for the next restart (see pretrained.py)."""
+        from gpu_anchor.client.client import anchored_name
+        from . import pretrained
+        rep, known = self.report, set(self.report.matched) | set(self.report.created)
+        for key, model in self._pretrained:
+            for t in model.state_dict(keep_vars=True).values():
+                named = anchored_name(t) if t.device.type in ("cpu", "cuda") else None
+                if named is not None and named[1] not in known:
+                    known.add(named[1])
+                    rep.matched.append(named[1])
+                    rep.adopted.append(named[1])
+                    self.objects[named[1]] = t
+            pretrained.record(self, key, model)
+        self._pretrained = []
 
     def _check_coverage(self, named: list[Store], adopted: list) -> None:
         """``require=True``: refuse, before the daemon is asked anything, if any parameter,
