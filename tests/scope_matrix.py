@@ -101,6 +101,7 @@ CASES = {
     "to_device": ("lm", lambda dev, f: qwen().to(dev)),
     "cuda": ("lm", _gpu_host_build),
     "to_dtype": ("lm", lambda dev, f: _within(dev, qwen).to(torch.float64)),
+    "native_then_to_dtype": ("lm", lambda dev, f: _native(lambda: _within(dev, qwen)).to(torch.float64)),
     "half": ("lm", lambda dev, f: _within(dev, qwen).half()),
     "bfloat16": ("lm", lambda dev, f: _within(dev, qwen).bfloat16()),
     "meta_to_empty": ("mlp", lambda dev, f: _reset(_within("meta", mlp).to_empty(device=dev))),
@@ -136,6 +137,16 @@ GPU_ONLY = {"cuda"}
 
 def _within(dev, fn):
     with torch.device(dev):
+        return fn()
+
+
+def _native(fn):
+    """Build with interception off, as a device without a daemon would (``param.data =
+    placeholder`` then runs on native parameters, as ``Model(cfg).cuda()`` does)."""
+    from gpu_anchor.scope import current, suspended
+    if current() is None:
+        return fn()
+    with suspended():
         return fn()
 
 

@@ -173,9 +173,10 @@ def swap_native(ph: Placeholder, real: torch.Tensor) -> None:
     ph.__dict__.update(attrs)
 
 
-def become_placeholder(t: torch.Tensor, ph: Placeholder) -> None:
+def become_placeholder(t: torch.Tensor, ph: Placeholder) -> torch.Tensor:
     """``t.data = ph`` for a native ``t``: ``t`` becomes a placeholder over ``ph``'s store with
-    ``ph``'s geometry, in place (its identity, ``Parameter``-ness and attributes kept)."""
+    ``ph``'s geometry, in place (its identity, ``Parameter``-ness and attributes kept).
+    Returns a tensor object that now holds ``t``'s former native data."""
     new = Placeholder(ph._ga_store, ph._ga_meta, requires_grad=t.requires_grad)
     if isinstance(t, torch.nn.Parameter):
         new._is_param = True
@@ -183,6 +184,7 @@ def become_placeholder(t: torch.Tensor, ph: Placeholder) -> None:
     swap_placeholder_objects(t, new)
     for k, v in attrs.items():
         t.__dict__.setdefault(k, v)
+    return new
 
 
 def swap_placeholder_objects(t1: torch.Tensor, t2: torch.Tensor) -> None:

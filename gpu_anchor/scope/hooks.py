@@ -38,17 +38,27 @@ _depth = 0
 _saved: list[tuple[object, str, object]] = []
 
 
-_DATA_SET = torch._C.TensorBase.data.__set__
+_DATA = torch._C.TensorBase.data          # its ``__set__`` arrives as a new method-wrapper each time
 _STORAGES = (torch.UntypedStorage, torch.TypedStorage)
 
 
 class FunctionMode(TorchFunctionMode):
     """See the module docstring; every other call passes straight through."""
 
+    def __init__(self, dispatch_mode) -> None:
+        super().__init__()
+        self.dispatch_mode = dispatch_mode
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is _DATA_SET and isinstance(args[1], Placeholder) and not isinstance(args[0], Placeholder):
+        if (getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__"
+                and isinstance(args[1], Placeholder) and not isinstance(args[0], Placeholder)):
             from .binding import become_placeholder
-            return become_placeholder(args[0], args[1])
+            t = args[0]
+            holders = [h for h in self.dispatch_mode.holders_of(t) if h.t is t]
+            old = become_placeholder(t, args[1])
+            for h in holders:          # a recipe read t's data (``t.to(...)``): it now lives in ``old``
+                h.t = old
+            return None
         if func is torch.asarray and args and isinstance(args[0], _STORAGES):
             with torch.utils._python_dispatch._disable_current_modes():
                 return func(*args, **(kwargs or {}))

@@ -254,6 +254,9 @@ class ScopeMode(TorchDispatchMode):
         self._held.setdefault(key, []).append(h)
         return h
 
+    def holders_of(self, t: torch.Tensor) -> list:
+        return self._held.get(_storage_key(t), []) if self._held else []
+
     def _copy_before_write(self, written) -> None:
         for w in written:
             if isinstance(w, torch.Tensor) and not isinstance(w, Placeholder):

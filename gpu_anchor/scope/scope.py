@@ -148,7 +148,7 @@ class ManagedScope:
         self._mode = ScopeMode(self._is_anchored)
         self._mode.stop_frame = frame
         del frame
-        self._fmode = hooks.FunctionMode()
+        self._fmode = hooks.FunctionMode(self._mode)
         hooks.install()
         try:
             self._mode.__enter__()
