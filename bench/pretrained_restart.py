@@ -79,10 +79,13 @@ def _opens():
     return n
 
 
-def _worker(path, device, ns, mark, q):
+def _worker(path, device, ns, mark, sockdir, q):
     try:
+        if sockdir:
+            os.environ["GPU_ANCHOR_SOCKET_DIR"] = sockdir   # the fork server predates our daemon
         import torch
         from transformers import AutoModelForCausalLM
+        AutoModelForCausalLM.from_config           # resolve the lazy module before the clock starts
         if device.startswith("cuda"):
             torch.cuda.init()
             torch.empty(1, device=device)               # the CUDA context, as a warm worker has it
@@ -119,10 +122,23 @@ def _worker(path, device, ns, mark, q):
     signal.pause()
 
 
+_PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+            "transformers.models.qwen3.modeling_qwen3", "safetensors.torch", "gpu_anchor.scope", "gpu_anchor.client",
+            "bench.pretrained_restart"]
+
+
+def _context():
+    """Workers fork from a server that imported torch, transformers and gpu-anchor and never
+    touched CUDA (a warm restart), whatever this process has done."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _run(path, device, ns, mark=None) -> dict:
-    ctx = mp.get_context("fork")
+    ctx = _context()
     q = ctx.Queue()
-    p = ctx.Process(target=_worker, args=(path, device, ns, mark, q))
+    p = ctx.Process(target=_worker, args=(path, device, ns, mark, os.environ.get("GPU_ANCHOR_SOCKET_DIR"), q))
     p.start()
     try:
         out = q.get(timeout=900)
@@ -146,15 +162,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where to save the model (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     a = ap.parse_args(argv)
-    import transformers  # noqa: F401  (imported here, before forking: workers start warm)
-    import transformers.modeling_utils  # noqa: F401
-    import safetensors.torch  # noqa: F401
-    import gpu_anchor.scope  # noqa: F401
-    transformers.AutoModelForCausalLM, transformers.Qwen3ForCausalLM, transformers.GenerationConfig
     work = a.dir or tempfile.mkdtemp(prefix="ga-pretrained-")
     path = os.path.join(work, a.preset)
     try:
-        ctx = mp.get_context("fork")
+        ctx = _context()
         q = ctx.Queue()
         t0 = time.perf_counter()
         p = ctx.Process(target=_save, args=(a.preset, path, a.device, q))

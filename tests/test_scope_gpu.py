@@ -93,3 +93,14 @@ def test_bind_time_benchmark_1b(tmp_path):
         assert r["restart_all_matched"] and r["restart_replayed_ops"] == 0
         print(f"{r['preset']}: {r['params'] / 1e9:.2f} B params, restart bind {r['restart_bind_ms_median']:.1f} ms, "
               f"block {r['restart_block_ms_median']:.1f} ms, memory overhead {r['memory_overhead_pct']:.3f} %")
+
+
+def test_what_works_matrix_on_cuda(tmp_path):
+    """Every case of tests/scope_matrix.py on cuda:0 (no host daemon: host-built weights stay
+    native until moved to the GPU), first run / SIGKILL / restart, as on CPU."""
+    out = tmp_path / "matrix_cuda.json"
+    res = _script("tests/scope_matrix.py", "--device", "cuda:0", "--out", str(out), timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    results = json.loads(out.read_text())
+    bad = {r["case"]: r["problems"] for r in results if r["problems"]}
+    assert not bad, json.dumps(bad, indent=1)[-6000:]

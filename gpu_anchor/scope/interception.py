@@ -328,6 +328,11 @@ class ScopeMode(TorchDispatchMode):
             return meta_out                      # e.g. ``.to("meta")`` (accelerate's init_empty_weights)
         if dev is None or not self.anchored(dev) or not flat or not all(isinstance(m, torch.Tensor) for m in flat):
             return self._eager(func, args, kwargs)
+        if all(m.numel() == 0 for m in flat) and not any(isinstance(x, Placeholder) for x in leaves((args, kwargs))):
+            # Nothing to anchor, and C++ callers (``torch.load`` moving a storage to the GPU:
+            # ``at::empty({0}).set_(storage).copy_(src)``) go on using the very tensor they got.
+            self._flush_for(func, args, kwargs)
+            return func(*args, **kwargs)
         named = _named(func, args, kwargs)
         if name in _FACTORIES:
             ph = self._new_placeholder(dev, flat[0])

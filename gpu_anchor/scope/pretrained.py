@@ -136,6 +136,8 @@ def _from_pretrained(orig_cm):
         if key is None or kwargs.get("output_loading_info"):
             return orig(cls, pretrained_model_name_or_path, *args, **kwargs)
         found = resident(scope, key, kwargs.get("device_map"))
+        if found is not None and kwargs.get("device_map") is None and found["devices"] != ["cpu"]:
+            found = None     # the call returns a host model (moved later, by the program): load it as asked
         model = None
         if found is not None:
             model = _fast_load(cls, orig, pretrained_model_name_or_path, args, kwargs, found)
