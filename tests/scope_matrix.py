@@ -133,6 +133,37 @@ CASES = {
     "peft": ("peft", None),
 }
 GPU_ONLY = {"cuda"}
+IDIOM = {  # what the user wrote inside ``with managed_scope():`` (docs/scope.md's table)
+    "torch_device": "`with torch.device(dev): model = Qwen3ForCausalLM(cfg)`",
+    "factory_kwargs": "`nn.Linear(..., device=dev, dtype=torch.float64)`",
+    "to_device": "`Qwen3ForCausalLM(cfg).to(dev)`",
+    "cuda": "`Qwen3ForCausalLM(cfg).cuda()` (no host daemon)",
+    "to_dtype": "`.to(torch.float64)`",
+    "native_then_to_dtype": "native parameters, then `.to(torch.float64)` (`param.data = ...`)",
+    "half": "`.half()`",
+    "bfloat16": "`.bfloat16()`",
+    "meta_to_empty": "meta build, `to_empty(device=dev)`, `reset_parameters()`",
+    "accelerate": "`init_empty_weights()` + `load_checkpoint_and_dispatch`",
+    "torch_load": "`load_state_dict(torch.load(p, map_location=dev, weights_only=True))`",
+    "torch_load_mmap": "the same with `mmap=True`",
+    "load_assign": "meta build + `load_state_dict(torch.load(...), assign=True)`",
+    "safetensors_load_file": "`load_state_dict(safetensors.torch.load_file(p, device=dev))`",
+    "safetensors_load_model": "`safetensors.torch.load_model(model, p, device=dev)`",
+    "from_pretrained": "`AutoModelForCausalLM.from_pretrained(d).to(dev)`",
+    "from_pretrained_device_map": "`from_pretrained(d, device_map=dev)`",
+    "from_pretrained_auto": "`from_pretrained(d, device_map=\"auto\")`",
+    "from_pretrained_dtype": "`from_pretrained(d, device_map=dev, dtype=torch.float64)`",
+    "from_pretrained_sharded": "`from_pretrained(sharded d, device_map=dev)`",
+    "gru": "`nn.GRU(8, 16, 2, device=dev)`",
+    "lstm": "`nn.LSTM(...)`",
+    "rnn": "`nn.RNN(...)`",
+    "multihead_attention": "`nn.MultiheadAttention(16, 4, device=dev)`",
+    "tied_embeddings": "tied embeddings (`tie_word_embeddings=True`)",
+    "resize_token_embeddings": "`resize_token_embeddings(160, mean_resizing=False)`",
+    "gradient_checkpointing": "`gradient_checkpointing_enable()` (then forward + backward)",
+    "torch_compile_after": "`torch.compile(model)` after the block",
+    "peft": "`get_peft_model(model, LoraConfig(...))` on a base an earlier run trained",
+}
 
 
 def _within(dev, fn):
@@ -454,7 +485,37 @@ def preload() -> None:
     import gpu_anchor.train  # noqa: F401
 
 
+def markdown(paths: list[str]) -> str:
+    """The "what works" table of docs/scope.md from result files (one column pair per device)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)
+        runs.append((rows[0]["device"] if rows else "?", {r["case"]: r for r in rows}))
+    head = "| what the block does | " + " | ".join(f"{d}: result | {d}: restart block" for d, _ in runs) + " |"
+    out = [head, "|" + " --- |" * (1 + 2 * len(runs))]
+    for case, idiom in IDIOM.items():
+        cells = []
+        for _, by in runs:
+            r = by.get(case)
+            if r is None:
+                cells += ["—", "—"]
+                continue
+            ok = "✓" if not r["problems"] else "✗ " + r["problems"][0].splitlines()[-1][:80]
+            rs = (r.get("reports") or {}).get("restart") or {}
+            if case == "peft":
+                rs = (r.get("reports") or {}).get("restart") or {}
+            block = rs.get("block_s")
+            extra = " (no weight file opened)" if rs.get("resident_loads") else ""
+            cells += [ok + extra, f"{block * 1e3:.0f} ms" if block is not None else "—"]
+        out.append(f"| {idiom} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cases", default=None, help="comma-separated (default: all for the device)")
