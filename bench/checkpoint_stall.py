@@ -131,7 +131,7 @@ def _migrate(args, dest: str, sock: str) -> dict:
     from gpu_anchor.checkpoint.migrate import Migration
     from gpu_anchor.checkpoint.workload import Job
     from gpu_anchor.checkpoint.writeset import WriteSetTracker
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     path = os.path.join(sock, dest.replace(":", "") + ".sock")
     proc = control.start(dest, path)
     try:
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     os.environ["GPU_ANCHOR_CHECKPOINT_KEEP"] = "1"  # one full checkpoint on disk at a time (disk space at 1B)
     base_dir = args.dir or tempfile.mkdtemp(prefix="ga-ckpt-")
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     devices = ["cpu"] + ([args.device] if args.device != "cpu" else [])
     for d in devices:
         control.start(d)

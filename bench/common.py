@@ -78,7 +78,7 @@ class private_daemon:
     def __enter__(self) -> str:
         import tempfile
 
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         self._old = os.environ.get("GPU_ANCHOR_SOCKET_DIR")
         self.dir = tempfile.mkdtemp(prefix="ga-bench-")
         os.environ["GPU_ANCHOR_SOCKET_DIR"] = self.dir
@@ -87,7 +87,7 @@ class private_daemon:
         return self.dir
 
     def __exit__(self, *exc) -> None:
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         for d in self.devices:
             try:
                 control.stop(d)

@@ -133,7 +133,7 @@ def one_run(i: int, steps: int, timeout: float) -> dict:
         sock = os.path.join(work, "sock")
         if os.path.isdir(sock):
             sys.path.insert(0, ROOT)
-            from gpu_anchor.daemon import control
+            from gpu_anchor.client import control
             for dev, path in control.discover(sock).items():
                 control.stop(dev, path)
         shutil.rmtree(work, ignore_errors=True)

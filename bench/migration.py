@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     sock = tempfile.mkdtemp(prefix="ga-migbench-")
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     from bench.models import config
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     from gpu_anchor.serve.model_runner import head_dim
     mc = config(args.shape, tiny=tiny)
     per_block = 2 * mc.num_hidden_layers * 16 * mc.num_key_value_heads * head_dim(mc) * (4 if tiny else 2)

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
     os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
     import gpu_anchor
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     from gpu_anchor.train import campaign as C
 
     sock = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cpu.sock")

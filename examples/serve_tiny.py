@@ -49,7 +49,7 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait()
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         control.stop("cpu")
 
 

@@ -18,7 +18,7 @@ import sys
 
 from gpu_anchor import errors
 from gpu_anchor.client.channel import Channel
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 from gpu_anchor.paths import default_socket, normalize_device, socket_dir
 
 

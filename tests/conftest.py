@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 from launch_reference import reference  # noqa: F401  (one fault-free reference run per session)
 
 try:

@@ -67,7 +67,7 @@ def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int | None
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, _ = p.communicate()
-        from gpu_anchor.daemon import control   # the job's daemons live in their own session
+        from gpu_anchor.client import control   # the job's daemons live in their own session
         for dev, path in control.discover(env["GPU_ANCHOR_SOCKET_DIR"]).items():
             control.stop(dev, path)
         return None, f"{' '.join(cmd[-8:])} ran over {timeout} s.\n--- process table\n{table}\n" \

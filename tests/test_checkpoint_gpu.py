@@ -123,7 +123,7 @@ def test_gpu_migration_cuda0_to_cuda1(cuda_daemon, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     from gpu_anchor.checkpoint.migrate import Migration
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
     proc = control.start("cuda:1", path)
     try:
@@ -170,7 +170,7 @@ def test_gpu_serving_engine_migrates_cuda0_to_cuda1(cuda_daemon, tmp_path):
     import random
 
     from gpu_anchor.checkpoint.engine_migration import EngineMigration
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     from gpu_anchor.serve.tiny import make_tiny_model

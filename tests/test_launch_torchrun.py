@@ -13,7 +13,7 @@ import time
 import torch
 
 from gpu_anchor.client.channel import Channel
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 
 from launch_reference import DEMO, ROOT, STEPS
 

@@ -163,7 +163,7 @@ def main(args) -> int:
     meta_model(mc)        # imports the modeling code once, here, for every forked engine
     cfg = engine_config(args, mc)
     if cfg.anchor:
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         from gpu_anchor.paths import default_socket, normalize_device
         dev = "cpu" if cfg.device == "cpu" else normalize_device(cfg.device)
         path = args.socket or default_socket(dev)

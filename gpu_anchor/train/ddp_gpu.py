@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
 
     from . import campaign as C
     from . import ddp_campaign as D

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     import torch  # noqa: F401  (imported before fork on purpose)
     import transformers  # noqa: F401
 
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
 
     torch.set_num_threads(1)   # no OpenMP team before fork (libgomp is not fork-safe)
     build(True, "cpu")         # resolve transformers' lazy imports once, here, not in every worker
