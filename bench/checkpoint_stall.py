@@ -91,8 +91,8 @@ def _restore(directory, device, args, mode):
     from gpu_anchor.checkpoint import restore as od
     from gpu_anchor.checkpoint.workload import Job
     from gpu_anchor.checkpoint.writeset import WriteSetTracker
-    from gpu_anchor.launch import snapshot
-    from gpu_anchor.launch.snapshot_paths import latest_complete
+    from gpu_anchor.checkpoint import snapshot
+    from gpu_anchor.checkpoint.format import latest_complete
     step = latest_complete(directory, 1)
     gpu_anchor.connect(device, namespace="job").drop_namespace()
     tracker = WriteSetTracker()

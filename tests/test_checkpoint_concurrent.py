@@ -15,8 +15,8 @@ from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
 from gpu_anchor.checkpoint.validation import Validator
 from gpu_anchor.checkpoint.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.launch.health import STEP_KEY
-from gpu_anchor.launch.snapshot_paths import latest_complete, step_dir
+from gpu_anchor.journal_keys import STEP_KEY
+from gpu_anchor.checkpoint.format import latest_complete, step_dir
 
 STEPS = 8
 

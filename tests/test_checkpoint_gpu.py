@@ -19,9 +19,9 @@ from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
 from gpu_anchor.checkpoint.guard import GroupGuard
 from gpu_anchor.checkpoint.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.launch import snapshot
-from gpu_anchor.launch.health import STEP_KEY
-from gpu_anchor.launch.snapshot_paths import step_dir
+from gpu_anchor.checkpoint import snapshot
+from gpu_anchor.journal_keys import STEP_KEY
+from gpu_anchor.checkpoint.format import step_dir
 
 pytestmark = pytest.mark.gpu
 STEPS, AT, H = 7, 3, 512

@@ -27,7 +27,10 @@ import time
 
 from gpu_anchor.paths import socket_dir
 
-from . import classify, daemons as daemons_mod, events, health, jobstate, snapshot_paths
+from gpu_anchor.checkpoint import format as ckpt_format
+from gpu_anchor.checkpoint.settings import RESTORE_ENV, CheckpointSettings
+
+from . import classify, daemons as daemons_mod, events, health, jobstate
 from .chaos import Chaos
 from .config import RunConfig, free_port, split_python  # noqa: F401  (RunConfig re-exported)
 
@@ -118,7 +121,7 @@ class Supervisor:
 
     def _chaos_tick(self) -> None:
         if self.chaos.target == "daemon" and self.cfg.checkpoint_dir and self.chaos.timeout() == 0 and \
-                snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) is None:
+                ckpt_format.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) is None:
             return  # a daemon kill before the first complete checkpoint could only end the job: wait
         fired = self.chaos.fire({r: w.pid for r, w in self.workers.items() if w.status is None},
                                 self._daemon_pids())
@@ -160,15 +163,13 @@ class Supervisor:
                     "GPU_ANCHOR_NAMESPACE": self.namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir(),
                     "GPU_ANCHOR_RESTART_COUNT": str(self.gen), events.ENV: self.events.path})
         env.pop("GPU_ANCHOR_SOCKET", None)
-        if self.cfg.checkpoint_dir and self.cfg.checkpoint_every:
-            env[snapshot_paths.DIR_ENV] = os.path.abspath(self.cfg.checkpoint_dir)
-            env[snapshot_paths.EVERY_ENV] = str(self.cfg.checkpoint_every)
-            env[snapshot_paths.KEEP_ENV] = str(self.cfg.checkpoint_keep)
-            env[snapshot_paths.MODE_ENV] = self.cfg.checkpoint_mode
-        env[snapshot_paths.RESTORE_MODE_ENV] = self.cfg.restore_mode
-        env.pop(snapshot_paths.RESTORE_ENV, None)
+        env.pop(RESTORE_ENV, None)
+        restore = None
         if self.pending_restore is not None:
-            env[snapshot_paths.RESTORE_ENV] = f"{os.path.abspath(self.cfg.checkpoint_dir)}:{self.pending_restore}"
+            restore = f"{os.path.abspath(self.cfg.checkpoint_dir)}:{self.pending_restore}"
+        env.update(CheckpointSettings(self.cfg.checkpoint_dir if self.cfg.checkpoint_every else None,
+                                      self.cfg.checkpoint_every, self.cfg.checkpoint_keep, self.cfg.checkpoint_mode,
+                                      self.cfg.restore_mode, restore).to_env())
         return env
 
     def _start_group(self) -> None:
@@ -270,7 +271,7 @@ class Supervisor:
         if code_changed:
             self.crash.reset()
         loop = False if by_chaos else self.crash.record(step, exits[0].key())
-        ckpt = snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) \
+        ckpt = ckpt_format.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) \
             if self.cfg.checkpoint_dir else None
         obs = classify.Observation(
             tuple(exits), self.cfg.nproc, alive, same, healthy, dev_problem, not jproblem, jproblem,
@@ -322,7 +323,7 @@ class Supervisor:
         """Resume from the newest complete checkpoint if the daemons hold nothing of this job."""
         if not (self.cfg.resume and self.cfg.checkpoint_dir):
             return None
-        ckpt = snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc)
+        ckpt = ckpt_format.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc)
         if ckpt is None:
             return None
         for d in self.daemons.devices:

@@ -22,7 +22,7 @@ import threading
 from gpu_anchor.paths import socket_dir
 
 from . import daemons as daemons_mod
-from .snapshot_paths import DIR_ENV, EVERY_ENV, KEEP_ENV, RESTORE_ENV
+from gpu_anchor.checkpoint.settings import CheckpointSettings
 
 
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -54,9 +54,8 @@ def main(argv: list[str]) -> int:
     env = {"GPU_ANCHOR_NAMESPACE": namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir()}
     if ours.checkpoint_dir:
         d = os.path.abspath(ours.checkpoint_dir)
-        env[RESTORE_ENV] = f"auto:{d}"
-        if ours.checkpoint_every:
-            env.update({DIR_ENV: d, EVERY_ENV: str(ours.checkpoint_every), KEEP_ENV: str(ours.checkpoint_keep)})
+        env.update(CheckpointSettings(d if ours.checkpoint_every else None, ours.checkpoint_every,
+                                      ours.checkpoint_keep, restore=f"auto:{d}").to_env())
     # With the rendezvous TCP store shared with the workers (torch's default), a restarted
     # group finds the previous round's process-group keys in that same store and hangs or
     # fails in init_process_group (seen with gloo on torch 2.13): give each round its own.

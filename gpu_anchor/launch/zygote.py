@@ -68,6 +68,7 @@ def _child(sock: socket.socket, req: dict, how: str = "warm") -> None:
         os.chdir(req["cwd"])
         from . import events, worker
         worker.debug_hooks()
+        worker.subscribe()
         events.mark("user_code", how=how)
         worker.restore_if_asked()
         keep = worker.run_target(req["target"])
