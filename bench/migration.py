@@ -4,7 +4,7 @@
     python -m bench migration --tiny                # toy size, host daemon -> another host daemon
 
 One engine on the source serves ``--requests`` greedy requests; once each has produced
-``--warm-tokens`` tokens it is migrated (``checkpoint.engine_migration``: pre-copy while it
+``--warm-tokens`` tokens it is migrated (``serve.migration``: pre-copy while it
 keeps serving, cut-over between two steps, on-demand restore on the destination).
 Downtime = the old engine's last published token → the new engine's first, as a client
 sees it.  Baseline (stop-and-restart): a fresh engine on the destination loads the same
@@ -52,7 +52,7 @@ def _requests(args, vocab: int):
 
 def _run_migration(args, model, result, save):
     import gpu_anchor
-    from gpu_anchor.checkpoint.engine_migration import EngineMigration
+    from gpu_anchor.serve.migration import EngineMigration
     from gpu_anchor.serve.engine import Engine
     from gpu_anchor.serve.sequence import SamplingParams
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import pytest
 
 from gpu_anchor.launch.warm_pool import Standby, wait_exit
 from gpu_anchor.serve.tiny import make_tiny_model
-from test_checkpoint_engine_migration import SERVE, _get, serve_process
+from test_serve_migration import SERVE, _get, serve_process
 from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
 
 

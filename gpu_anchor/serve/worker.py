@@ -48,10 +48,10 @@ def _write_placement(path: str, placement: dict) -> None:
 
 
 class _Migrating:
-    """One ``migrate`` request's progress inside the serve loop (see ``checkpoint.engine_migration``)."""
+    """One ``migrate`` request's progress inside the serve loop (see ``serve.migration``)."""
 
     def __init__(self, eng, msg: dict) -> None:
-        from gpu_anchor.checkpoint.engine_migration import EngineMigration
+        from gpu_anchor.serve.migration import EngineMigration
         self.mid = msg.get("mid")
         self.mig = EngineMigration(eng, msg["device"], msg.get("socket"))
         self.mig.start()

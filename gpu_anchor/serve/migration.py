@@ -9,7 +9,9 @@
 
 Runs inside the engine process (``serve.worker``), so the frontend connection, the
 client streams and the process's interpreter/imports stay as they are; only the engine
-object is rebuilt on the destination.  The state moves through ``Migration`` (soft
+object is rebuilt on the destination.  It uses the checkpoint library through
+``gpu_anchor.checkpoint.migrate``, the one checkpoint module serving may import
+(docs/serving.md, "Layering").  The state moves through ``Migration`` (soft
 recopy pre-copy, then an on-demand restore from host memory): the new engine binds the
 same names at the destination daemon, finds them "matched" with the journal's weight
 fingerprint and KV layout, and restores every committed sequence with its KV — no
@@ -36,10 +38,10 @@ import dataclasses
 import logging
 import time
 
-from .migrate import Migration
-from .writeset import WriteSetTracker
+# serve's one way into the checkpoint library (the named interface the layering test allows)
+from gpu_anchor.checkpoint.migrate import Migration, WriteSetTracker
 
-log = logging.getLogger("gpu_anchor.checkpoint")
+log = logging.getLogger("gpu_anchor.serve")
 
 
 class EngineMigration:
@@ -76,7 +78,7 @@ class EngineMigration:
         """Stop the old engine for good and rebuild it on the destination.  Returns
         ``(new_engine, events)``: ``events`` are tokens the old engine's last commit made
         publishable (publish them before the new engine's)."""
-        from gpu_anchor.serve.engine import Engine
+        from .engine import Engine
         old = self.old
         t0 = time.perf_counter()
         self.stats["precopy_s"] = t0 - self._t0 if self._t0 else 0.0
