@@ -6,7 +6,7 @@ flight; restore time to first step, on-demand vs full.
     python -m bench checkpoint_stall --tiny                         # smoke: toy size, CPU, throttled copier
     python -m bench checkpoint_stall --device cuda:0 --hidden 4096 --layers 20 --batch 512   # ≈1B values on an H200
 
-The job is ``gpu_anchor.checkpoint.workload.Job`` (an MLP + Adam, everything
+The job is ``gpu_anchor.testing.workload.Job`` (an MLP + Adam, everything
 anchored): ``--hidden``² × ``--layers`` parameters, ×3 with the Adam moments.  Every
 variant runs in the same warm interpreter against the same daemon.  "stall" is the
 time the job's own thread was blocked by the checkpoint (copy at the start, copies
@@ -89,7 +89,7 @@ def _dcp(job, directory, device, step, base, inflight_steps):
 def _restore(directory, device, args, mode):
     import gpu_anchor
     from gpu_anchor.checkpoint import restore as od
-    from gpu_anchor.checkpoint.workload import Job
+    from gpu_anchor.testing.workload import Job
     from gpu_anchor.checkpoint.writeset import WriteSetTracker
     from gpu_anchor.checkpoint import snapshot
     from gpu_anchor.checkpoint.format import latest_complete
@@ -129,7 +129,7 @@ def _migrate(args, dest: str, sock: str) -> dict:
     import torch
     import gpu_anchor
     from gpu_anchor.checkpoint.migrate import Migration
-    from gpu_anchor.checkpoint.workload import Job
+    from gpu_anchor.testing.workload import Job
     from gpu_anchor.checkpoint.writeset import WriteSetTracker
     from gpu_anchor.client import control
     path = os.path.join(sock, dest.replace(":", "") + ".sock")
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         import torch
         import gpu_anchor
         from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
-        from gpu_anchor.checkpoint.workload import Job
+        from gpu_anchor.testing.workload import Job
         from gpu_anchor.checkpoint.writeset import WriteSetTracker
         client = gpu_anchor.connect(args.device, namespace="job")
         t0 = time.perf_counter()

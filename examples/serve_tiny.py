@@ -16,7 +16,7 @@ import urllib.request
 
 import openai
 
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 
 
 def main() -> None:

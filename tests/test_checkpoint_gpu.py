@@ -17,7 +17,7 @@ import gpu_anchor
 from gpu_anchor.checkpoint import restore as od
 from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
 from gpu_anchor.checkpoint.guard import GroupGuard
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
 from gpu_anchor.checkpoint import snapshot
 from gpu_anchor.journal_keys import STEP_KEY
@@ -173,7 +173,7 @@ def test_gpu_serving_engine_migrates_cuda0_to_cuda1(cuda_daemon, tmp_path):
     from gpu_anchor.client import control
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
-    from gpu_anchor.serve.tiny import make_tiny_model
+    from gpu_anchor.testing.tiny import make_tiny_model
     model = make_tiny_model(str(tmp_path / "tiny"), "qwen3", seed=3)
     path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
     proc = control.start("cuda:1", path)

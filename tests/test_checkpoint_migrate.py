@@ -9,7 +9,7 @@ import torch
 import gpu_anchor
 from gpu_anchor.checkpoint.migrate import Migration
 from gpu_anchor.checkpoint.restore import incomplete
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
 from gpu_anchor.client import control
 

@@ -14,7 +14,7 @@ import torch
 import gpu_anchor
 from gpu_anchor.checkpoint import restore as od
 from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
 from gpu_anchor.checkpoint import snapshot
 

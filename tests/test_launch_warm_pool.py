@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gpu_anchor.launch.warm_pool import Standby, wait_exit
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_migration import SERVE, _get, serve_process
 from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
 

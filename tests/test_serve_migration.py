@@ -21,7 +21,7 @@ import pytest
 
 from bench.common import get_json as _get
 from gpu_anchor.client import control
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 
 CFG = dict(dtype="float64", block_size=4, num_blocks=600, max_batched_tokens=32, max_model_len=512, cpu_threads=1)
 

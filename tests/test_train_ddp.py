@@ -9,13 +9,13 @@ import random
 import pytest
 
 import gpu_anchor
-from gpu_anchor.train import campaign as C
-from gpu_anchor.train import ddp_campaign as D
+from gpu_anchor.testing import campaign as C
+from gpu_anchor.testing import ddp_campaign as D
 
 
 @pytest.fixture
 def ddp_reference(host_daemon, tmp_path):
-    cfg = C.RunConfig(steps=8)
+    cfg = C.CampaignConfig(steps=8)
     d = tmp_path / "ref"
     d.mkdir()
     res = D.run_group("dref", cfg, str(d))
@@ -74,7 +74,7 @@ def test_device_progress_ranks_a_boundary_apart(host_daemon, tmp_path):
     rank 0 dies just before committing a boundary, rank 1 may already have committed it (and
     landed the previous step) while rank 0 has not landed that step yet.  The group must still
     agree: rank 0 lands the step its word shows written, rank 1 discards the announced one."""
-    cfg = C.RunConfig(steps=8, progress="device")
+    cfg = C.CampaignConfig(steps=8, progress="device")
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     ref = D.run_group("dpref", cfg, str(ref_dir))

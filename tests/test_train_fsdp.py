@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import gpu_anchor
-from gpu_anchor.train import campaign as C
-from gpu_anchor.train import ddp_campaign as D
+from gpu_anchor.testing import campaign as C
+from gpu_anchor.testing import ddp_campaign as D
 from test_train_ddp import _same_as_reference as ddp_check   # same per-rank comparison
 
 
 @pytest.fixture
 def fsdp_reference(host_daemon, tmp_path):
-    cfg = C.RunConfig(steps=8)
+    cfg = C.CampaignConfig(steps=8)
     d = tmp_path / "ref"
     d.mkdir()
     return cfg, D.run_group("fref", cfg, str(d), parallel="fsdp")
@@ -110,7 +110,7 @@ def _zero_copy_worker(store):
 
 
 def test_shards_and_gradients_live_in_anchored_memory(host_daemon, tmp_path):
-    C.prewarm(C.RunConfig())
+    C.prewarm(C.CampaignConfig())
     pid = C._child(_zero_copy_worker, str(tmp_path / "store"))
     assert C._wait(pid) == 0
 
@@ -125,7 +125,7 @@ def test_fsdp_with_gradscaler(host_daemon, tmp_path):
     """fp16 autocast + GradScaler on FSDP2: the inf/NaN flag is agreed over the ranks, the
     scale resumes with the step; kills give the fault-free run, which gives plain FSDP2 +
     ``GradScaler.step``."""
-    cfg = C.RunConfig(steps=8, amp=True)
+    cfg = C.CampaignConfig(steps=8, amp=True)
     runs = {}
     for name, kw in [("fa-ref", {}), ("fa-plain", {"plain": True}),
                      ("fa-k", {"faults_seq": [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "before_boundary@4"),
@@ -145,7 +145,7 @@ def test_fsdp_with_gradscaler(host_daemon, tmp_path):
 def test_device_progress_mode_one_rank_killed(fsdp_reference, tmp_path):
     """The device-progress protocol (the default on CUDA) on FSDP2 shards: same end state."""
     cfg, ref = fsdp_reference
-    cfg = C.RunConfig(steps=cfg.steps, progress="device")
+    cfg = C.CampaignConfig(steps=cfg.steps, progress="device")
     specs = [(1, "mid_chunk@1:1"), (0, "before_boundary@2"), (1, "after_update@3:0"), (0, "after_commit@4:1"),
              (1, "between_steps@5")]
     res = D.run_group("fdev", cfg, str(tmp_path), faults_seq=specs, parallel="fsdp")

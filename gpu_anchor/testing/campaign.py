@@ -23,15 +23,15 @@ import torch
 
 import gpu_anchor
 
-from . import faults
-from .anchor import anchor_module
-from .optimizer import AnchoredOptimizer
+from gpu_anchor.train import faults
+from gpu_anchor.train.anchor import anchor_module
+from gpu_anchor.train.optimizer import AnchoredOptimizer
 
 D_IN, HIDDEN, D_OUT, BATCH = 24, 48, 8, 16
 
 
 @dataclass
-class RunConfig:
+class CampaignConfig:
     steps: int = 12
     optimizer: str = "adamw"        # adamw | adam | sgd
     flavour: str = "default"        # default | foreach | single | fused
@@ -55,7 +55,7 @@ def warmup(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     other = [p for n, p in model.named_parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
@@ -96,7 +96,7 @@ def _log(fd: int, step: int, loss: torch.Tensor, scaler=None) -> None:
     os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}{extra}\n".encode())
 
 
-def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = None) -> int:
+def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None = None) -> int:
     """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
     faults.arm(fault)
     scaler = make_scaler() if cfg.amp else None
@@ -135,7 +135,7 @@ def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = Non
 _warm = False
 
 
-def prewarm(cfg: RunConfig) -> None:
+def prewarm(cfg: CampaignConfig) -> None:
     """Run one plain step here so torch's lazy imports happen before any fork."""
     global _warm
     if _warm:
@@ -188,11 +188,11 @@ class RunResult:
 
 
 def _journal_state(client, prefix="train"):
-    from .protocol import StepState, key
+    from gpu_anchor.train.protocol import StepState, key
     return StepState.decode(client.journal.get(key(prefix, "state")))
 
 
-def run(namespace: str, cfg: RunConfig, log_path: str, faults_seq=(), random_kills: int = 0,
+def run(namespace: str, cfg: CampaignConfig, log_path: str, faults_seq=(), random_kills: int = 0,
         max_delay_s: float = 0.05, rng: random.Random | None = None, client=None) -> RunResult:
     """Train to the end in ``namespace``, killing workers: first at each spec of
     ``faults_seq`` (one per worker), then up to ``random_kills`` times at random

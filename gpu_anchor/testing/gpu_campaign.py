@@ -1,7 +1,7 @@
 """Ten SIGKILLs at the five protocol phases on a ~1B Llama (transformers, bf16, AdamW).
 
-    PYTHONPATH=. python -m gpu_anchor.train.gpu_campaign --out train_gpu_faults.json
-    python -m gpu_anchor.train.gpu_campaign --device cpu --tiny      # the same on a toy model
+    PYTHONPATH=. python -m gpu_anchor.testing.gpu_campaign --out train_gpu_faults.json
+    python -m gpu_anchor.testing.gpu_campaign --device cpu --tiny      # the same on a toy model
 
 This process imports torch and transformers but never touches CUDA; every worker is
 forked from it (CUDA starts in the child, ~0.5 s instead of a cold interpreter).  It
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from gpu_anchor.train.campaign import _child, _wait
+from gpu_anchor.testing.campaign import _child, _wait
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
@@ -46,9 +46,9 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
 
     import gpu_anchor
 
-    from . import faults
-    from .anchor import anchor_module
-    from .optimizer import AnchoredOptimizer
+    from gpu_anchor.train import faults
+    from gpu_anchor.train.anchor import anchor_module
+    from gpu_anchor.train.optimizer import AnchoredOptimizer
 
     t0 = time.perf_counter()
     faults.arm(fault)
