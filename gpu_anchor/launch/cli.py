@@ -68,7 +68,7 @@ def cmd_run(args) -> int:
         print("gpu-anchor run: give the command to run after --", file=sys.stderr)
         return 2
     if args.prewarm:
-        from .warm_pool import check_prewarm_spec
+        from gpu_anchor.runtime.warm import check_prewarm_spec
         try:
             check_prewarm_spec(args.prewarm)
         except ValueError as e:

@@ -35,7 +35,7 @@ class RunConfig:
     # a standby worker per rank (CUDA context made) takes over after a failure; the env
     # default lets benchmarks that drive `gpu-anchor run` compare both ways
     warm_pool: bool = field(default_factory=lambda: os.environ.get("GPU_ANCHOR_WARM_POOL") == "1")
-    # module:function each standby runs on scratch tensors before any failure (warm_pool.run_prewarm)
+    # module:function each standby runs on scratch tensors before any failure (runtime.warm.run_prewarm)
     prewarm: str | None = None
     preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
     keep_daemons: bool = False

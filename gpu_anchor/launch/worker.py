@@ -114,16 +114,10 @@ def run_target(target: list[str]) -> dict:
         return runpy.run_path(script, run_name="__main__")
 
 
-def debug_hooks() -> None:
-    """``kill -USR1 <worker>`` dumps every thread's Python stack to stderr (hung collectives)."""
-    import faulthandler
-    import signal
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug_hooks()
+    from gpu_anchor.runtime import install_stack_dumps
+    install_stack_dumps()       # as in a forked worker: stacks on SIGABRT, and on SIGUSR1
     if argv[:1] == ["--restore-only"]:   # for a non-Python job: nothing of ours runs its ops
         from gpu_anchor.checkpoint.settings import RESTORE_MODE_ENV
         os.environ[RESTORE_MODE_ENV] = "full"

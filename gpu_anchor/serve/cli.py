@@ -96,7 +96,7 @@ def _dtype(name: str):
 def _standby_prepare(cfg, prewarm: bool) -> dict:
     """A standby's start-up, on scratch tensors only: CUDA context and cuBLAS, then (``--prewarm``)
     the scratch engine of ``serve.prewarm``."""
-    from gpu_anchor.launch.warm_pool import warm_cuda
+    from gpu_anchor.runtime.warm import warm_cuda
     info = warm_cuda(cfg.device, _dtype(cfg.dtype))
     if prewarm:
         from .prewarm import warm_engine
@@ -193,7 +193,7 @@ def main(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    from gpu_anchor.launch.warm_pool import Standby, wait_exit
+    from gpu_anchor.runtime import Standby, wait_exit
     incarnation, engine, quick_failures = 0, None, 0
     standby = None
     started = 0.0

@@ -63,7 +63,7 @@ class _Migrating:
 def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown); ``standby``: this process
-    is a warm standby taking over (``launch.warm_pool``)."""
+    is a warm standby taking over (``runtime.Standby``)."""
     t0 = time.time()
     eng = Engine(cfg)
     timings = dict(eng.timings, warm_standby=int(standby))
