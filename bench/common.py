@@ -188,6 +188,10 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 60) -> None:
 
 
 def _isolated_child(conn, env, fn, args):
+    # forked by multiprocessing's fork server (it only imported modules, FORKSERVER_PRELOAD):
+    # the rest of what a fork of ours does (gpu_anchor.runtime), here in the child
+    from gpu_anchor import runtime
+    runtime.after_fork_in_child()
     os.environ.clear()
     os.environ.update(env)  # the fork server's environment is from when it started, not from now
     try:

@@ -12,16 +12,15 @@ from launch_reference import reference  # noqa: F401  (one fault-free reference 
 try:
     import torch
 
+    # Tests fork workers from this interpreter, which runs many tests' threads (the product
+    # forks only through gpu_anchor.runtime, from processes that run none: docs/runtime.md).
     # A child forked after the parent ran parallel CPU ops inherits OpenMP's thread-pool
-    # bookkeeping but not its threads: its next parallel op waits forever (seen here with
-    # torch 2.13's GNU OpenMP).  Kill campaigns fork from this interpreter, so every forked
-    # child runs intra-op work on one thread.  Production workers fork from a zygote that
-    # never ran an op, and are not affected.
-    #
-    # Objects a forked child inherits are frozen out of its garbage collector: finalizers of
-    # the parent's garbage (event loops, tokenizers, thread pools left by earlier tests) must
-    # not run in a child that lacks the parent's threads — seen hanging a forked DDP rank
-    # before its first instruction when the serve tests ran earlier in the same session.
+    # bookkeeping but not its threads: its next parallel op waits forever (GNU OpenMP), so
+    # every forked child runs intra-op work on one thread.  Objects a forked child inherits
+    # are frozen out of its garbage collector: finalizers of the parent's garbage (event
+    # loops, tokenizers, thread pools left by earlier tests) must not run in a child that
+    # lacks the parent's threads — seen hanging a forked DDP rank before its first
+    # instruction.  (``runtime.fork`` does both itself; this covers multiprocessing's forks.)
     def _after_fork_in_child() -> None:
         gc.freeze()
         torch.set_num_threads(1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 import gpu_anchor
+from gpu_anchor import runtime
 
 from gpu_anchor.train import faults
 from gpu_anchor.train.anchor import anchor_module
@@ -152,23 +153,16 @@ def prewarm(cfg: CampaignConfig) -> None:
     _warm = True
 
 
-def _child(fn, *args) -> int:
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            # torch's CPU thread pool does not survive fork: rebuild it here, in the child's only
-            # thread.  Left to the first op, the autograd engine's per-GPU threads all rebuild it at
-            # once at the first backward and race ("Invalid thread pool!", SIGABRT, seen on 2 H200s).
-            torch.set_num_threads(torch.get_num_threads())
-            fn(*args)
-            code = 0
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
+# Campaign workers are forked from the test process (pytest), which may still run threads of
+# earlier tests.  Safe here: this process runs torch on one thread (``prewarm``), so no OpenMP
+# team is shared with the children, and the children touch no state of those threads.
+IN_TEST_PROCESS = "a test driver's process: torch on one thread; children touch no other thread's state"
+
+
+def _child(fn, *args, unsafe_ok: str | None = IN_TEST_PROCESS) -> int:
+    """Fork a worker running ``fn(*args)`` (``gpu_anchor.runtime.fork``: thread pool rebuilt,
+    exit path, ...).  ``unsafe_ok=None``: refuse if this process runs other threads."""
+    return runtime.fork(lambda: fn(*args), unsafe_ok=unsafe_ok)
 
 
 def _wait(pid: int) -> int:

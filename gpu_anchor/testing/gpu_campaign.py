@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         ref_log = os.path.join(tmp, "ref.log")
-        code = _wait(_child(worker, "ref", a, ref_log, None))
+        code = _wait(_child(worker, "ref", a, ref_log, None, unsafe_ok=None))
         if code != 0:
             raise RuntimeError(f"fault-free run failed ({code})")
         out["fault_free_wall_s"] = time.perf_counter() - t0
@@ -162,8 +162,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         codes = []
         for spec in specs:
-            codes.append(_wait(_child(worker, "run", a, run_log, spec)))
-        codes.append(_wait(_child(worker, "run", a, run_log, None, "ref")))
+            codes.append(_wait(_child(worker, "run", a, run_log, spec, unsafe_ok=None)))
+        codes.append(_wait(_child(worker, "run", a, run_log, None, "ref", unsafe_ok=None)))
         out["faulted_wall_s"] = time.perf_counter() - t0
         run = _parse(open(run_log).read())
         kills = sum(c == -signal.SIGKILL for c in codes[:-1])
