@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gpu_anchor.launch.cli import add_run_parser, add_torchrun_parser
     add_run_parser(sub)
     add_torchrun_parser(sub)
-    from gpu_anchor.serve.cli import add_parser as add_serve_parser  # torch loads only when serve runs
+    from gpu_anchor.launch.serve import add_parser as add_serve_parser  # torch loads only when serve runs
     add_serve_parser(sub)
     return p
 
