@@ -52,7 +52,9 @@ def _requests(args, vocab: int):
 
 def _run_migration(args, model, result, save):
     import gpu_anchor
-    from gpu_anchor.serve.migration import EngineMigration
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)     # what gpu-anchor serve does for its engines
     from gpu_anchor.serve.engine import Engine
     from gpu_anchor.serve.sequence import SamplingParams
     t0 = time.perf_counter()

@@ -169,7 +169,9 @@ def test_gpu_serving_engine_migrates_cuda0_to_cuda1(cuda_daemon, tmp_path):
         pytest.skip("needs two GPUs")
     import random
 
-    from gpu_anchor.serve.migration import EngineMigration
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)     # what gpu-anchor serve does for its engines
     from gpu_anchor.client import control
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams

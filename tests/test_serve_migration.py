@@ -50,7 +50,9 @@ def _jobs(n=10, seed=0):
 def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemons):
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from gpu_anchor.serve.migration import EngineMigration
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)     # what gpu-anchor serve does for its engines
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     src, dst = two_daemons

@@ -46,7 +46,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -55,10 +55,9 @@ from gpu_anchor.journal_keys import TOUCH_KEY
 
 from . import snapshot
 from .format import complete_ranks, step_dir
-from .settings import CheckpointSettings
-
 from .object_table import ObjectTable
 from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
+from .settings import CheckpointSettings
 from .writeset import Recorder, WriteSetTracker
 
 POLICIES = ("auto", "cow", "recopy", "stw")
@@ -102,8 +101,7 @@ class ConcurrentCheckpointer:
                  recopy_threshold: float = 0.25, expected_dirty_fraction: float | None = None,
                  gpu_buffer_fraction: float = 0.5, validator=None, rank: int | None = None,
                  world: int | None = None, throttle_s: float | None = None, write: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES, manage_mode: bool = True,
-                 settings: CheckpointSettings | None = None) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, manage_mode: bool = True, settings=None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not 0.0 <= recopy_threshold <= 1.0:
@@ -112,7 +110,7 @@ class ConcurrentCheckpointer:
         if not self.clients:
             raise ValueError("give at least one client whose namespace to checkpoint")
         self.directory, self.tracker, self.policy = directory, tracker, policy
-        self.settings = settings or CheckpointSettings(directory, 0)   # when ``boundary`` takes one
+        self.settings = settings or replace(CheckpointSettings.from_env(), directory=directory)  # when due
         self.recopy_threshold, self.expected_dirty_fraction = recopy_threshold, expected_dirty_fraction
         self.gpu_buffer_fraction = gpu_buffer_fraction
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
@@ -142,13 +140,10 @@ class ConcurrentCheckpointer:
             validator.on_miss.append(self._on_miss)
 
     @classmethod
-    def from_env(cls, clients, tracker: WriteSetTracker, settings: CheckpointSettings | None = None,
-                 **kw) -> "ConcurrentCheckpointer":
-        """The supervisor's configuration (``CheckpointSettings``, by default from the environment
-        it gave this worker): call ``boundary(step)`` after every step commit instead of
-        ``snapshot.at_step``."""
-        settings = settings or CheckpointSettings.from_env()
-        if not settings.directory:
+    def from_env(cls, clients, tracker: WriteSetTracker, settings=None, **kw) -> "ConcurrentCheckpointer":
+        """The supervisor's ``CheckpointSettings`` (default: from this worker's environment): call
+        ``boundary(step)`` after every step commit instead of ``snapshot.at_step``."""
+        if not (settings := settings or CheckpointSettings.from_env()).directory:
             raise RuntimeError("no checkpoint directory: the supervisor did not ask for checkpoints")
         return cls(clients, settings.directory, tracker, settings=settings, **kw)
 
@@ -230,11 +225,10 @@ class ConcurrentCheckpointer:
             fl.dirty.update(n for n in names if n in fl.entries)
 
     def boundary(self, step: int, due: bool | None = None) -> CheckpointResult | None:
-        """Call at every committed step boundary: completes a finished flight (recopy: at
-        this step), retakes an invalid one, starts one if ``due`` (``None``: when the
-        settings' ``every`` says so and the step is not on disk
-        yet; a checkpoint due while another is in flight starts at the first boundary
-        after that one completes).  Returns the result of a checkpoint completed here."""
+        """Call at every committed step boundary: completes a finished flight (recopy: at this
+        step), retakes an invalid one, starts one if ``due`` (``None``: when ``settings.every``
+        says so and the step is not on disk yet; one due while another is in flight starts at
+        the first boundary after that one completes).  Returns the checkpoint completed here."""
         if due is None:
             due = self.settings.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
         done = None

@@ -29,7 +29,7 @@ from .concurrent import ConcurrentCheckpointer
 from .restore import OnDemandRestore
 from .writeset import WriteSetTracker
 
-# The interface serving uses (``gpu_anchor.serve.migration``): keep these names stable.
+# The interface serving is given (``gpu_anchor.serve.migration.provide``): keep these names stable.
 __all__ = ["Migration", "WriteSetTracker"]
 
 

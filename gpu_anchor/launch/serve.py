@@ -116,7 +116,9 @@ def main(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    from gpu_anchor.serve import worker
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve import migration, worker
+    migration.provide(migrate)   # `gpu-anchor migrate` moves engine state with the checkpoint library
     meta_model(mc)        # imports the modeling code once, here, for every forked engine
     cfg = engine_cli.engine_config(args, mc)
     if cfg.anchor:
