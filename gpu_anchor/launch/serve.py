@@ -34,6 +34,7 @@ import time
 from gpu_anchor import runtime
 
 from . import classify, health, jobstate
+from .config import RestartPolicy
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -158,8 +159,8 @@ class _EngineSupervisor:
     def __init__(self, args, cfg, esock, worker, engine_cli, anchor, state, frontend) -> None:
         self.args, self.cfg, self.esock, self.worker, self.ecli = args, cfg, esock, worker, engine_cli
         self.anchor, self.state, self.frontend = anchor, state, frontend
-        self.max_restarts = sys.maxsize if args.max_restarts is None else args.max_restarts
-        self.crash = classify.CrashLoop(3)
+        self.policy = RestartPolicy(max_restarts=sys.maxsize if args.max_restarts is None else args.max_restarts)
+        self.crash = classify.CrashLoop(self.policy.crash_loop)
         self.health = classify_health(cfg)
         self.engine: int | None = None
         self.standby = None
@@ -228,7 +229,7 @@ class _EngineSupervisor:
         outside = ex.signal in (signal.SIGKILL, signal.SIGTERM)
         loop = self.crash.record(None if alive_s < STARTUP_S and not outside else self.incarnation, ex.key())
         obs = classify.Observation((ex,), 1, device_healthy=healthy, device_problem=dev_problem,
-                                   restarts_done=self.restarts, max_restarts=self.max_restarts,
+                                   restarts_done=self.restarts, max_restarts=self.policy.max_restarts,
                                    # serving's restore: the frontend re-sends every open request
                                    have_checkpoint=True, crash_loop=loop,
                                    crash_loop_detail=(self.crash.detail() + f", each within {STARTUP_S:.0f} s "
