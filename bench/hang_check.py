@@ -1,7 +1,7 @@
 """The CI hang check: many consecutive fault-free 2-rank CPU runs of the demo under
 ``gpu-anchor run``, with busy loops loading every core, counting hangs.
 
-    python -m bench hang_check [--runs 200] [--busy 2] [--steps 120] [--timeout 180] [--json out.json]
+    python -m bench hang_check [--runs 200] [--busy 2] [--steps 120] [--timeout 180] [--out DIR]
 
 Each run is ``gpu-anchor run --device-type cpu --nproc-per-node 2 -- python
 examples/demo_train.py --steps N`` in a fresh socket directory and session, exactly as the
@@ -9,13 +9,13 @@ test suite's fault-free reference job.  A run that outlives ``--timeout`` is a h
 it is killed, every process of the job (supervisor, fork server, workers, daemons) is
 described from /proc (state, wait channel, each thread's name) and, where gdb is installed,
 its native and Python stacks are taken, so a hang explains itself.  A run that exits non-zero
-is a failure (its output tail is kept).  Prints one line per run and a summary; ``--json``
-writes everything (the stacks included).  Needs no GPU; loads the whole machine.
+is a failure (its output tail is kept).  Prints one line per run and a summary, and writes
+``hang_check.json`` (summary, every run's record, a hang's stacks included) to bench/results
+or ``--out``.  ``--tiny``: two short runs, no busy loops.  Needs no GPU; loads the whole machine.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -147,8 +147,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds after which a run counts as hung")
     ap.add_argument("--stop-at-hang", action="store_true", help="stop at the first hang (diagnosis)")
-    ap.add_argument("--json", help="write every run's record here")
+    ap.add_argument("--tiny", action="store_true", help="smoke size: 2 runs of 20 steps, no busy loops")
+    ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     a = ap.parse_args(argv)
+    if a.tiny:
+        a.runs, a.steps, a.busy = 2, 20, 0
     busy = _busy_loops(a.busy)
     records, t_start = [], time.monotonic()
     try:
@@ -178,10 +181,23 @@ def main(argv=None) -> int:
     print(f"hang check: {summary['runs']} runs, {hangs} hang(s), {fails} failure(s); "
           f"{a.busy} busy loops; run time min/median/max {summary['run_s_min_median_max']} s; "
           f"total {summary['wall_s']} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"summary": summary, "runs": records}, f, indent=1)
+    from bench.common import write_result
+    write_result("hang_check" + ("_tiny" if a.tiny else ""), {"summary": summary, "runs": records}, a.out)
     return 0 if hangs == 0 and fails == 0 else 1
+
+
+def title(result: dict) -> str:
+    return "CI hang check: consecutive fault-free 2-rank CPU runs of the demo under load"
+
+
+def render(result: dict) -> str:
+    s = result["summary"]
+    lo, med, hi = s["run_s_min_median_max"] or ("-", "-", "-")
+    return (f"| runs | hangs | failures | busy loops | steps per run | run time min / median / max (s) | total (s) |\n"
+            f"| --- | --- | --- | --- | --- | --- | --- |\n"
+            f"| {s['runs']} | {s['hangs']} | {s['failures']} | {s['busy_loops']} | {s['steps']} | "
+            f"{lo} / {med} / {hi} | {s['wall_s']} |\n\n"
+            f"A run that outlives {s['timeout_s']:.0f} s counts as a hang (docs/supervisor.md, \"The CI hang\").")
 
 
 if __name__ == "__main__":

@@ -81,3 +81,41 @@ def host_daemon(socket_dir):
 def cuda_daemon(socket_dir):
     """A real daemon for cuda:0 (GPU tests only)."""
     yield from _daemon("cuda:0", socket_dir)
+
+
+class _References:
+    """Fault-free reference runs, each computed once per test session in a daemon of their own
+    (the tests' daemons are per test; references outlive them)."""
+
+    def __init__(self, directory: str, path: str) -> None:
+        self.dir, self.path, self.made = directory, path, {}
+
+    def get(self, key, compute):
+        """``compute()`` once per session, run with this daemon as every client's default."""
+        if key not in self.made:
+            saved = {k: os.environ.get(k) for k in ("GPU_ANCHOR_SOCKET_DIR", "GPU_ANCHOR_SOCKET")}
+            os.environ["GPU_ANCHOR_SOCKET_DIR"] = self.dir
+            os.environ.pop("GPU_ANCHOR_SOCKET", None)
+            try:
+                self.made[key] = compute()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return self.made[key]
+
+    def connect(self, namespace: str):
+        import gpu_anchor
+        return gpu_anchor.connect("cpu", namespace=namespace, socket=self.path)
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    d = tmp_path_factory.mktemp("refs") / "sock"
+    d.mkdir(mode=0o700)
+    gen = _daemon("cpu", str(d))
+    path, _ = next(gen)
+    yield _References(str(d), path)
+    next(gen, None)

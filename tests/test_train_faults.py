@@ -17,16 +17,16 @@ KILLS = int(os.environ.get("GA_TRAIN_KILLS", "200"))
 
 
 @pytest.fixture
-def reference(host_daemon, tmp_path):
-    made = {}
-
+def reference(host_daemon, references, tmp_path_factory):
+    """The fault-free run of a configuration, once per session (conftest's ``references``)."""
     def get(cfg):
         k = (cfg.optimizer, cfg.flavour, cfg.steps, cfg.chunk_bytes, cfg.progress, cfg.scope)
-        if k not in made:
-            ns = "ref-" + "-".join(map(str, k))
-            res = C.run(ns, cfg, str(tmp_path / f"{ns}.log"))
-            made[k] = (gpu_anchor.connect("cpu", namespace=ns), *C.trajectory(res.log), res.wall_s)
-        return made[k]
+        ns = "ref-" + "-".join(map(str, k))
+
+        def run():
+            res = C.run(ns, cfg, str(tmp_path_factory.mktemp("ref") / f"{ns}.log"))
+            return (references.connect(ns), *C.trajectory(res.log), res.wall_s)
+        return references.get(("train_faults", k), run)
     return get
 
 
@@ -100,7 +100,9 @@ def test_other_optimizers_mid_chunk(reference, tmp_path, name, flavour):
     _check(reference, cfg, ns, res)
 
 
-@pytest.mark.parametrize("progress,kills", [("journal", KILLS), ("device", max(1, KILLS // 2))])
+# campaigns above 100 kills run with the slow tests (`make test-all`)
+@pytest.mark.parametrize("progress,kills", [("journal", min(100, KILLS)), ("device", min(100, KILLS // 2)),
+                                            pytest.param("journal", KILLS, marks=pytest.mark.slow)])
 def test_random_kill_campaign(reference, tmp_path, progress, kills):
     """>= 200 SIGKILLs at random instants (parent-timed, so anywhere: start-up, forward,
     backward, inside the protocol, inside recovery)."""

@@ -18,11 +18,12 @@ from test_train_ddp import _same_as_reference as ddp_check   # same per-rank com
 
 
 @pytest.fixture
-def fsdp_reference(host_daemon, tmp_path):
+def fsdp_reference(host_daemon, references, tmp_path_factory):
+    """The fault-free group, once per session (conftest's ``references``)."""
     cfg = C.CampaignConfig(steps=8)
-    d = tmp_path / "ref"
-    d.mkdir()
-    return cfg, D.run_group("fref", cfg, str(d), parallel="fsdp")
+    res = references.get("fsdp", lambda: D.run_group("fref", cfg, str(tmp_path_factory.mktemp("fref")),
+                                                      parallel="fsdp"))
+    return cfg, dict(res, ref_client=references.connect)
 
 
 def _same_as_reference(ns, res, ref):
@@ -36,7 +37,7 @@ def test_reference_matches_plain_fsdp_and_shards_differ(fsdp_reference, tmp_path
         losses = C.trajectory(ref["logs"][r])[0]
         assert losses == C.trajectory(plain["logs"][r])[0]
         assert len(set(losses.values())) == cfg.steps
-    objs = gpu_anchor.connect("cpu", namespace="fref/rank0").objects()
+    objs = ref["ref_client"]("fref/rank0").objects()
     w = objs["model.0.weight"]          # Linear(24, 48): 48 rows sharded over 2 ranks
     assert tuple(w.shape) == (24, 24)
     assert C.digests(ref["logs"][0]) != C.digests(ref["logs"][1])     # each rank holds its own shard
