@@ -18,10 +18,11 @@ import argparse
 import os
 import sys
 import threading
+import time
 
 from gpu_anchor.paths import socket_dir
 
-from . import daemons as daemons_mod
+from . import daemons as daemons_mod, jobstate
 from gpu_anchor.checkpoint.settings import CheckpointSettings
 
 
@@ -65,15 +66,22 @@ def main(argv: list[str]) -> int:
     log = lambda m: print(f"[gpu-anchor] {m}", file=sys.stderr, flush=True)  # noqa: E731
     dm = daemons_mod.JobDaemons(devices, namespace, ours.keep_daemons, log)
     dm.ensure()
+    # the job record `gpu-anchor status` shows (torch elastic restarts the workers itself: what
+    # this process decides, and records, is the daemons' replacement)
+    state = jobstate.JobState(namespace, ["gpu-anchor", "torchrun", *argv], nproc, devices, False, kind="torchrun")
+    state.set(state="running")
     stop = threading.Event()
 
     def watch():  # a dead daemon is replaced so that elastic's next restart can restore into it
         while not stop.wait(1.0):
             alive, _, problems = dm.check()
             if not alive:
-                log(f"daemon problem ({'; '.join(problems)}): starting a fresh one; workers will restore "
-                    "from the checkpoint on their next start")
+                reason = (f"daemon problem ({'; '.join(problems)}): a fresh daemon; workers restore from the "
+                          "checkpoint on their next start")
+                log(reason)
                 dm.replace_dead()
+                state.add_restart({"action": "restore", "kind": "destructive", "reason": reason, "step": None,
+                                   "t_detect": time.time(), "recovery_s": None})
     threading.Thread(target=watch, name="gpu-anchor-daemon-watch", daemon=True).start()
 
     args.module = True
@@ -83,9 +91,11 @@ def main(argv: list[str]) -> int:
     try:
         trun.run(args)
         ok = True
+        state.set(state="done", result="success")
         return 0
     except Exception as e:  # ChildFailedError: torch elastic already printed the details
         log(f"torchrun failed: {type(e).__name__}; anchored state kept in namespace {namespace!r}")
+        state.set(state="stopped", result=f"torchrun failed: {type(e).__name__}")
         dm.keep = True
         return 1
     finally:
