@@ -35,9 +35,13 @@ class Standby:
         ready_r, ready_w = os.pipe()
         self.forked_at = time.time()
 
+        caller_before = fork_options.pop("before_main", None)
+
         def close_parent_ends() -> None:
             os.close(go_w)
             os.close(ready_r)
+            if caller_before is not None:
+                caller_before()
 
         try:
             pid = fork(lambda: _child(prepare, run, go_r, ready_w), before_main=close_parent_ends, **fork_options)
