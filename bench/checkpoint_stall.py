@@ -6,7 +6,7 @@ flight; restore time to first step, on-demand vs full.
     python -m bench checkpoint_stall --tiny                         # smoke: toy size, CPU, throttled copier
     python -m bench checkpoint_stall --device cuda:0 --hidden 4096 --layers 20 --batch 512   # ≈1B values on an H200
 
-The job is ``gpu_anchor.checkpoint.workload.Job`` (an MLP + Adam, everything
+The job is ``gpu_anchor.testing.workload.Job`` (an MLP + Adam, everything
 anchored): ``--hidden``² × ``--layers`` parameters, ×3 with the Adam moments.  Every
 variant runs in the same warm interpreter against the same daemon.  "stall" is the
 time the job's own thread was blocked by the checkpoint (copy at the start, copies
@@ -89,10 +89,10 @@ def _dcp(job, directory, device, step, base, inflight_steps):
 def _restore(directory, device, args, mode):
     import gpu_anchor
     from gpu_anchor.checkpoint import restore as od
-    from gpu_anchor.checkpoint.workload import Job
+    from gpu_anchor.testing.workload import Job
     from gpu_anchor.checkpoint.writeset import WriteSetTracker
-    from gpu_anchor.launch import snapshot
-    from gpu_anchor.launch.snapshot_paths import latest_complete
+    from gpu_anchor.checkpoint import snapshot
+    from gpu_anchor.checkpoint.format import latest_complete
     step = latest_complete(directory, 1)
     gpu_anchor.connect(device, namespace="job").drop_namespace()
     tracker = WriteSetTracker()
@@ -129,9 +129,9 @@ def _migrate(args, dest: str, sock: str) -> dict:
     import torch
     import gpu_anchor
     from gpu_anchor.checkpoint.migrate import Migration
-    from gpu_anchor.checkpoint.workload import Job
+    from gpu_anchor.testing.workload import Job
     from gpu_anchor.checkpoint.writeset import WriteSetTracker
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     path = os.path.join(sock, dest.replace(":", "") + ".sock")
     proc = control.start(dest, path)
     try:
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     os.environ["GPU_ANCHOR_CHECKPOINT_KEEP"] = "1"  # one full checkpoint on disk at a time (disk space at 1B)
     base_dir = args.dir or tempfile.mkdtemp(prefix="ga-ckpt-")
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     devices = ["cpu"] + ([args.device] if args.device != "cpu" else [])
     for d in devices:
         control.start(d)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         import torch
         import gpu_anchor
         from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
-        from gpu_anchor.checkpoint.workload import Job
+        from gpu_anchor.testing.workload import Job
         from gpu_anchor.checkpoint.writeset import WriteSetTracker
         client = gpu_anchor.connect(args.device, namespace="job")
         t0 = time.perf_counter()

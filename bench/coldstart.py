@@ -138,7 +138,7 @@ def main(argv=None) -> int:
               "paper": "PhoenixOS: 622 ms cold start to first token from a host-memory checkpoint",
               "notes": "kill_to_token = SIGKILL of the engine -> next token on the open stream (client side); "
                        "state survives in the anchor daemon in both modes"}
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     try:
         for key in modes:
             try:

@@ -78,7 +78,7 @@ class private_daemon:
     def __enter__(self) -> str:
         import tempfile
 
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         self._old = os.environ.get("GPU_ANCHOR_SOCKET_DIR")
         self.dir = tempfile.mkdtemp(prefix="ga-bench-")
         os.environ["GPU_ANCHOR_SOCKET_DIR"] = self.dir
@@ -87,7 +87,7 @@ class private_daemon:
         return self.dir
 
     def __exit__(self, *exc) -> None:
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         for d in self.devices:
             try:
                 control.stop(d)
@@ -188,6 +188,10 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 60) -> None:
 
 
 def _isolated_child(conn, env, fn, args):
+    # forked by multiprocessing's fork server (it only imported modules, FORKSERVER_PRELOAD):
+    # the rest of what a fork of ours does (gpu_anchor.runtime), here in the child
+    from gpu_anchor import runtime
+    runtime.after_fork_in_child()
     os.environ.clear()
     os.environ.update(env)  # the fork server's environment is from when it started, not from now
     try:

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         args.big_mib, args.small, args.segments, args.bw_mib, args.repeat = 8, 50, 8, 8, 3

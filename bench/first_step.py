@@ -12,7 +12,7 @@ variant in a fresh process with a fresh CUDA context (``run_isolated``), the fir
 steady step of the real model after a *pre-warm* done beforehand on scratch tensors only:
 
 * ``none``      — CUDA context only (what a restarted worker has today);
-* ``cublas``    — plus a bf16 matmul (``warm_pool.warm_cuda``: the serving standby's warm-up);
+* ``cublas``    — plus a bf16 matmul (``runtime.warm.warm_cuda``: the serving standby's warm-up);
 * ``shape``     — plus one training step of a 1-layer model of the same shapes (hidden
   size, heads, vocabulary, batch, sequence) on its own random weights;
 * ``shape_release`` — ``shape``, then ``torch.cuda.empty_cache()``: the kernels and
@@ -42,7 +42,7 @@ def _prewarm(variant, name, device, tiny, bsz, seq) -> float:
     from bench.baselines.trainer import scratch_step
     t0 = time.perf_counter()
     if variant in ("cublas", "shape", "shape_release") and device.startswith("cuda"):
-        from gpu_anchor.launch.warm_pool import warm_cuda
+        from gpu_anchor.runtime.warm import warm_cuda
         warm_cuda(device)
     if variant in ("shape", "shape_release"):
         scratch_step(name, device, tiny, bsz, seq, release=variant == "shape_release")

@@ -4,7 +4,7 @@
     python -m bench migration --tiny                # toy size, host daemon -> another host daemon
 
 One engine on the source serves ``--requests`` greedy requests; once each has produced
-``--warm-tokens`` tokens it is migrated (``checkpoint.engine_migration``: pre-copy while it
+``--warm-tokens`` tokens it is migrated (``serve.migration``: pre-copy while it
 keeps serving, cut-over between two steps, on-demand restore on the destination).
 Downtime = the old engine's last published token → the new engine's first, as a client
 sees it.  Baseline (stop-and-restart): a fresh engine on the destination loads the same
@@ -52,7 +52,9 @@ def _requests(args, vocab: int):
 
 def _run_migration(args, model, result, save):
     import gpu_anchor
-    from gpu_anchor.checkpoint.engine_migration import EngineMigration
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)     # what gpu-anchor serve does for its engines
     from gpu_anchor.serve.engine import Engine
     from gpu_anchor.serve.sequence import SamplingParams
     t0 = time.perf_counter()
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     sock = tempfile.mkdtemp(prefix="ga-migbench-")
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     from bench.models import config
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     from gpu_anchor.serve.model_runner import head_dim
     mc = config(args.shape, tiny=tiny)
     per_block = 2 * mc.num_hidden_layers * 16 * mc.num_key_value_heads * head_dim(mc) * (4 if tiny else 2)

@@ -200,7 +200,7 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
                 pass
         # a stopped supervisor leaves its daemons running (the state is kept for a rerun): stop them,
         # or they outlive the benchmark (and the test suite)
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         for dev, path in control.discover(sockets).items():
             control.stop(dev, path)
         shutil.rmtree(sockets, ignore_errors=True)

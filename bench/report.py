@@ -57,7 +57,7 @@ def _module(name: str):
 
 
 def _test_table(r: dict) -> str:
-    """A GPU fault-injection test's output (gpu_anchor/train/gpu_campaign.py's JSON)."""
+    """A GPU fault-injection test's output (gpu_anchor/testing/gpu_campaign.py's JSON)."""
     def yn(v, want=True):
         return "—" if v is None else ("yes" if v else "**no**" if want else "no")
     rows = [("Model", f"{r.get('model', '?')} ({r.get('dtype', '?')}, {r.get('optimizer', '?')}), "
@@ -87,7 +87,7 @@ def _test_table(r: dict) -> str:
 
 
 def _ddp_table(r: dict) -> str:
-    """gpu_anchor/train/ddp_gpu.py's JSON: DDP ranks SIGKILLed, the group restarted, compared per rank."""
+    """gpu_anchor/testing/ddp_gpu.py's JSON: DDP ranks SIGKILLed, the group restarted, compared per rank."""
     ranks = sorted({int(k[4:].split("_")[0]) for k in r if k.startswith("rank") and k.endswith("_losses_identical")})
     rows = [("Devices", ", ".join(r.get("devices", [])) + f"; campaign MLP width {r.get('width', '?')} (fp32), "
                                                             f"{r.get('steps', '?')} steps", ""),

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     result = {"size": a.size, "device": a.device, "model": SIZES[a.size], "warm_pool": a.warm_pool,
               "prewarm": a.prewarm,
               "kills": a.kills, "modes": {}}
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     with tempfile.TemporaryDirectory(prefix="ga-restart-") as d:
         try:
             for mode in a.modes.split(","):

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         args.rounds, args.eager_rounds = min(args.rounds, 1), min(args.eager_rounds, 1)
     args.device = args.device or "cuda:0"
     args.dtype = args.dtype or "bfloat16"
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     sockdir = tempfile.mkdtemp(prefix="serve-bench-sock-")
     args.socket = os.path.join(sockdir, args.device.replace(":", "") + ".sock")
     daemon = control.start(args.device, args.socket)

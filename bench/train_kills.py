@@ -36,13 +36,13 @@ def main(argv=None) -> int:
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
     os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
     import gpu_anchor
-    from gpu_anchor.daemon import control
-    from gpu_anchor.train import campaign as C
+    from gpu_anchor.client import control
+    from gpu_anchor.testing import campaign as C
 
     sock = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cpu.sock")
     daemon = control.start("cpu", sock)
     try:
-        cfg = C.RunConfig(steps=args.steps, progress=args.progress, optimizer=args.optimizer)
+        cfg = C.CampaignConfig(steps=args.steps, progress=args.progress, optimizer=args.optimizer)
         ref = C.run("ref", cfg, os.path.join(tmp, "ref.log"))
         ref = C.run("ref2", cfg, os.path.join(tmp, "ref2.log"))     # warm timing
         ref_client = gpu_anchor.connect("cpu", namespace="ref2")

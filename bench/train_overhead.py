@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     import torch
 
     import gpu_anchor
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     from gpu_anchor.train import AnchoredOptimizer, anchor_module
 
     tmp = tempfile.mkdtemp(prefix="ga-train-overhead-")

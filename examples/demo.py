@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             summary["runs"][name] = {"identical": same, "seconds": round(secs, 2), "restarts": [
                 {k: r.get(k) for k in ("action", "kind", "step", "recovery_s", "restore_step", "how", "reason")}
                 for r in job["restarts"]]}
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         for device, path in control.discover(sock).items():  # a failed run leaves its daemons up
             control.stop(device, path)
     summary["ok"] = ok

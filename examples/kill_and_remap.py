@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import torch
 
     import gpu_anchor
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
 
     os.environ.setdefault("GPU_ANCHOR_SOCKET_DIR", tempfile.mkdtemp(prefix="gpu-anchor-demo-"))
     daemon = control.start(args.device)

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=256)
     a = ap.parse_args(argv)
     from transformers import LlamaForCausalLM  # noqa: F401 — imported once, inherited by the workers
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     if "GPU_ANCHOR_SOCKET_DIR" not in os.environ:
         os.environ["GPU_ANCHOR_SOCKET_DIR"] = tempfile.mkdtemp(prefix="ga-llama-")
     sock = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], a.device.replace(":", "") + ".sock")

@@ -319,7 +319,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     import argparse
     import tempfile
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON line at the end")

@@ -16,7 +16,7 @@ import urllib.request
 
 import openai
 
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait()
-        from gpu_anchor.daemon import control
+        from gpu_anchor.client import control
         control.stop("cpu")
 
 

@@ -18,8 +18,8 @@ import os
 import sys
 
 from gpu_anchor import errors
+from gpu_anchor.client import control
 from gpu_anchor.client.channel import Channel, resolve_socket
-from gpu_anchor.daemon import control
 from gpu_anchor.paths import default_socket, normalize_device, socket_dir
 
 
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gpu_anchor.launch.cli import add_run_parser, add_torchrun_parser
     add_run_parser(sub)
     add_torchrun_parser(sub)
-    from gpu_anchor.serve.cli import add_parser as add_serve_parser  # torch loads only when serve runs
+    from gpu_anchor.launch.serve import add_parser as add_serve_parser  # torch loads only when serve runs
     add_serve_parser(sub)
     return p
 

@@ -6,22 +6,21 @@ import os
 
 import pytest
 
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 from launch_reference import reference  # noqa: F401  (one fault-free reference run per session)
 
 try:
     import torch
 
+    # Tests fork workers from this interpreter, which runs many tests' threads (the product
+    # forks only through gpu_anchor.runtime, from processes that run none: docs/runtime.md).
     # A child forked after the parent ran parallel CPU ops inherits OpenMP's thread-pool
-    # bookkeeping but not its threads: its next parallel op waits forever (seen here with
-    # torch 2.13's GNU OpenMP).  Kill campaigns fork from this interpreter, so every forked
-    # child runs intra-op work on one thread.  Production workers fork from a zygote that
-    # never ran an op, and are not affected.
-    #
-    # Objects a forked child inherits are frozen out of its garbage collector: finalizers of
-    # the parent's garbage (event loops, tokenizers, thread pools left by earlier tests) must
-    # not run in a child that lacks the parent's threads — seen hanging a forked DDP rank
-    # before its first instruction when the serve tests ran earlier in the same session.
+    # bookkeeping but not its threads: its next parallel op waits forever (GNU OpenMP), so
+    # every forked child runs intra-op work on one thread.  Objects a forked child inherits
+    # are frozen out of its garbage collector: finalizers of the parent's garbage (event
+    # loops, tokenizers, thread pools left by earlier tests) must not run in a child that
+    # lacks the parent's threads — seen hanging a forked DDP rank before its first
+    # instruction.  (``runtime.fork`` does both itself; this covers multiprocessing's forks.)
     def _after_fork_in_child() -> None:
         gc.freeze()
         torch.set_num_threads(1)
@@ -82,3 +81,41 @@ def host_daemon(socket_dir):
 def cuda_daemon(socket_dir):
     """A real daemon for cuda:0 (GPU tests only)."""
     yield from _daemon("cuda:0", socket_dir)
+
+
+class _References:
+    """Fault-free reference runs, each computed once per test session in a daemon of their own
+    (the tests' daemons are per test; references outlive them)."""
+
+    def __init__(self, directory: str, path: str) -> None:
+        self.dir, self.path, self.made = directory, path, {}
+
+    def get(self, key, compute):
+        """``compute()`` once per session, run with this daemon as every client's default."""
+        if key not in self.made:
+            saved = {k: os.environ.get(k) for k in ("GPU_ANCHOR_SOCKET_DIR", "GPU_ANCHOR_SOCKET")}
+            os.environ["GPU_ANCHOR_SOCKET_DIR"] = self.dir
+            os.environ.pop("GPU_ANCHOR_SOCKET", None)
+            try:
+                self.made[key] = compute()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return self.made[key]
+
+    def connect(self, namespace: str):
+        import gpu_anchor
+        return gpu_anchor.connect("cpu", namespace=namespace, socket=self.path)
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    d = tmp_path_factory.mktemp("refs") / "sock"
+    d.mkdir(mode=0o700)
+    gen = _daemon("cpu", str(d))
+    path, _ = next(gen)
+    yield _References(str(d), path)
+    next(gen, None)

@@ -10,6 +10,8 @@ import warnings
 import pytest
 import torch
 
+from bench.hang_check import descendants
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "demo_train.py")
 STEPS = int(os.environ.get("GPU_ANCHOR_TEST_STEPS", "120"))
@@ -54,7 +56,7 @@ def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int | None
     except subprocess.TimeoutExpired:
         # workers forked by the fork server have process groups of their own: abort them by pid,
         # deepest first, so that each prints its stack before its parent notices
-        for pid in reversed(_descendants(p.pid)):
+        for pid in reversed(descendants(p.pid)):
             try:
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
@@ -67,27 +69,8 @@ def _run_job(cmd: list[str], cwd, env: dict, timeout: float) -> tuple[int | None
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, _ = p.communicate()
-        from gpu_anchor.daemon import control   # the job's daemons live in their own session
+        from gpu_anchor.client import control   # the job's daemons live in their own session
         for dev, path in control.discover(env["GPU_ANCHOR_SOCKET_DIR"]).items():
             control.stop(dev, path)
         return None, f"{' '.join(cmd[-8:])} ran over {timeout} s.\n--- process table\n{table}\n" \
                      f"--- output and stacks (faulthandler)\n{out}"
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live descendant of ``root`` (from /proc), parents before children."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out

@@ -97,7 +97,7 @@ def test_fault_free_baselines_agree(harness, reference):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from gpu_anchor.serve.tiny import make_tiny_model
+    from gpu_anchor.testing.tiny import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("serve-model")), family="qwen3")
 
 

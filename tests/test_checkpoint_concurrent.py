@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 import gpu_anchor
 from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
 from gpu_anchor.checkpoint.validation import Validator
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.launch.health import STEP_KEY
-from gpu_anchor.launch.snapshot_paths import latest_complete, step_dir
+from gpu_anchor.journal_keys import STEP_KEY
+from gpu_anchor.checkpoint.format import latest_complete, step_dir
 
 STEPS = 8
 

@@ -17,11 +17,11 @@ import gpu_anchor
 from gpu_anchor.checkpoint import restore as od
 from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
 from gpu_anchor.checkpoint.guard import GroupGuard
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.launch import snapshot
-from gpu_anchor.launch.health import STEP_KEY
-from gpu_anchor.launch.snapshot_paths import step_dir
+from gpu_anchor.checkpoint import snapshot
+from gpu_anchor.journal_keys import STEP_KEY
+from gpu_anchor.checkpoint.format import step_dir
 
 pytestmark = pytest.mark.gpu
 STEPS, AT, H = 7, 3, 512
@@ -123,7 +123,7 @@ def test_gpu_migration_cuda0_to_cuda1(cuda_daemon, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     from gpu_anchor.checkpoint.migrate import Migration
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
     proc = control.start("cuda:1", path)
     try:
@@ -169,11 +169,13 @@ def test_gpu_serving_engine_migrates_cuda0_to_cuda1(cuda_daemon, tmp_path):
         pytest.skip("needs two GPUs")
     import random
 
-    from gpu_anchor.checkpoint.engine_migration import EngineMigration
-    from gpu_anchor.daemon import control
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)     # what gpu-anchor serve does for its engines
+    from gpu_anchor.client import control
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
-    from gpu_anchor.serve.tiny import make_tiny_model
+    from gpu_anchor.testing.tiny import make_tiny_model
     model = make_tiny_model(str(tmp_path / "tiny"), "qwen3", seed=3)
     path = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "cuda1.sock")
     proc = control.start("cuda:1", path)

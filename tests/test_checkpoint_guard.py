@@ -19,9 +19,9 @@ import torch._dynamo  # noqa: F401  -- imported lazily under a dispatch mode (3 
 
 import gpu_anchor
 from gpu_anchor.checkpoint.guard import GroupGuard
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.launch.health import STEP_KEY
+from gpu_anchor.journal_keys import STEP_KEY
 
 STEPS = 12
 KILLS = int(os.environ.get("GPU_ANCHOR_GUARD_KILLS", "10"))

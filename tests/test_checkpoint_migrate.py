@@ -9,9 +9,9 @@ import torch
 import gpu_anchor
 from gpu_anchor.checkpoint.migrate import Migration
 from gpu_anchor.checkpoint.restore import incomplete
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 
 @pytest.fixture
 def second_daemon(host_daemon, tmp_path):

@@ -14,9 +14,9 @@ import torch
 import gpu_anchor
 from gpu_anchor.checkpoint import restore as od
 from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
-from gpu_anchor.checkpoint.workload import Job
+from gpu_anchor.testing.workload import Job
 from gpu_anchor.checkpoint.writeset import WriteSetTracker
-from gpu_anchor.launch import snapshot
+from gpu_anchor.checkpoint import snapshot
 
 STEPS, AT = 7, 3
 
@@ -125,7 +125,8 @@ def test_crash_during_on_demand_restore_is_detected_and_redone(host_daemon, tmp_
 
 
 def test_supervisor_env_checkpoints_and_on_demand_context(host_daemon, tmp_path, monkeypatch):
-    from gpu_anchor.launch.snapshot_paths import DIR_ENV, EVERY_ENV, KEEP_ENV, latest_complete, list_steps
+    from gpu_anchor.checkpoint.format import latest_complete, list_steps
+    from gpu_anchor.checkpoint.settings import DIR_ENV, EVERY_ENV, KEEP_ENV
     want = _train("ref")
     ckdir = str(tmp_path / "ck")
     monkeypatch.setenv(DIR_ENV, ckdir)

@@ -9,7 +9,7 @@ import torch
 
 from gpu_anchor.checkpoint.transfer import Runner, TransferQueue
 from gpu_anchor.checkpoint.validation import Validator
-from gpu_anchor.checkpoint.workload import undeclared_scale_op
+from gpu_anchor.testing.workload import undeclared_scale_op
 from gpu_anchor.checkpoint.writeset import ObjectMap, Recorder, WriteSetTracker, written_tensors
 
 

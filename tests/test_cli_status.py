@@ -13,7 +13,7 @@ import time
 import torch
 
 import gpu_anchor
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "gpu_anchor.cli"]

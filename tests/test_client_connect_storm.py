@@ -17,7 +17,7 @@ import pytest
 
 from gpu_anchor import errors, protocol
 from gpu_anchor.client.channel import Channel
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 from gpu_anchor.paths import lock_path, process_identity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -195,7 +195,7 @@ def _run_as_nobody(path: str) -> subprocess.CompletedProcess:
 def test_other_user_is_refused_by_directory_and_by_peer_uid():
     d = tempfile.mkdtemp(prefix="ga-uid-", dir="/tmp")
     path = os.path.join(d, "cpu.sock")
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
     proc = control.start("cpu", path)
     try:
         assert (os.stat(d).st_mode & 0o777) == 0o700

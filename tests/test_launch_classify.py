@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from gpu_anchor.launch import classify, jobstate, snapshot_paths
+from gpu_anchor.checkpoint import format as snapshot_paths
+from gpu_anchor.launch import classify, jobstate
 from gpu_anchor.launch.chaos import Chaos
 from gpu_anchor.launch.classify import Exit, Observation, decide
 from gpu_anchor.launch.supervisor import split_python

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import gpu_anchor
-from gpu_anchor.launch import snapshot, snapshot_paths
+from gpu_anchor.checkpoint import format as snapshot_paths, settings as ckpt_settings, snapshot
+from gpu_anchor.journal_keys import RESTORED_KEY
 
 
 def _fill(client, step):
@@ -49,7 +50,7 @@ def test_roundtrip_restores_objects_and_journal(host_daemon, tmp_path):
         got = fresh.lookup(name, t.shape, t.dtype)
         assert got is not None and torch.equal(got, t), name
     j = fresh.journal.get_many()
-    assert j.pop(snapshot.RESTORED_KEY) == b"7"
+    assert j.pop(RESTORED_KEY) == b"7"
     assert j == want_journal
 
 
@@ -66,8 +67,8 @@ def _fill_in_child(namespace, step, sock_dir):
 
 
 def test_at_step_only_when_due_and_objects_not_freed(host_daemon, socket_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(snapshot.DIR_ENV, str(tmp_path))
-    monkeypatch.setenv(snapshot.EVERY_ENV, "5")
+    monkeypatch.setenv(ckpt_settings.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(ckpt_settings.EVERY_ENV, "5")
     ctx = mp.get_context("fork")
     p = ctx.Process(target=_fill_in_child, args=("snap3", 4, socket_dir))
     p.start(), p.join()

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 
 from launch_reference import DEMO, ROOT, STEPS
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 from gpu_anchor.client.channel import Channel
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 
 from launch_reference import DEMO, ROOT, STEPS
 
@@ -93,3 +93,7 @@ def test_two_nodes_c10d_one_worker_killed(reference, tmp_path):
     result = [tmp_path / f"node{n}.pt" for n in range(2) if (tmp_path / f"node{n}.pt").exists()]
     assert len(result) == 1  # written by rank 0, on one of the nodes
     assert torch.equal(torch.load(result[0]), reference[2])  # the same 2-rank job under `gpu-anchor run`
+    from gpu_anchor.launch import jobstate         # each node's job record, as `gpu-anchor status` reads it
+    for n in range(2):
+        jobs = jobstate.load_all(str(tmp_path / f"node{n}" / "jobs"))
+        assert [(j["kind"], j["state"], j["result"]) for j in jobs] == [("torchrun", "done", "success")], jobs

@@ -1,4 +1,4 @@
-"""The warm standby (``launch.warm_pool``) with real processes, and ``gpu-anchor serve
+"""The warm standby (``runtime.Standby``) with real processes, and ``gpu-anchor serve
 --warm-pool``: engines SIGKILLed mid-stream are replaced by the standby, every stream's
 text equal to the fault-free run."""
 from __future__ import annotations
@@ -12,10 +12,15 @@ import time
 
 import pytest
 
-from gpu_anchor.launch.warm_pool import Standby, wait_exit
-from gpu_anchor.serve.tiny import make_tiny_model
-from test_checkpoint_engine_migration import SERVE, _get, serve_process
+from gpu_anchor.runtime import Standby, wait_exit
+from gpu_anchor.testing.tiny import make_tiny_model
+from test_serve_migration import SERVE, _get, serve_process
 from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
+
+
+# forked from pytest's process, which may run threads of earlier tests: these children run
+# plain Python only (the fork rules themselves are tested in test_runtime.py, from clean processes)
+PYTEST = "pytest process; the children touch no state of its other threads"
 
 
 def test_standby_prepares_once_then_runs_the_handed_work(tmp_path):
@@ -24,7 +29,7 @@ def test_standby_prepares_once_then_runs_the_handed_work(tmp_path):
     def run(go):
         out.write_text(json.dumps({"go": go, "pid": os.getpid()}))
 
-    sb = Standby(lambda: {"prepared": os.getpid()}, run)
+    sb = Standby(lambda: {"prepared": os.getpid()}, run, unsafe_ok=PYTEST)
     assert sb.ready(timeout=30) and sb.info["prepared"] == sb.pid
     assert not out.exists(), "nothing runs before go"
     pid = sb.go({"x": 1})
@@ -32,11 +37,11 @@ def test_standby_prepares_once_then_runs_the_handed_work(tmp_path):
     assert status is not None and os.WIFEXITED(status[1]) and os.WEXITSTATUS(status[1]) == 0
     assert json.loads(out.read_text()) == {"go": {"x": 1}, "pid": pid}
 
-    idle = Standby(lambda: None, run)
+    idle = Standby(lambda: None, run, unsafe_ok=PYTEST)
     assert idle.ready(timeout=30)
     idle.close()                                   # dismissed: killed and reaped, never runs
     assert json.loads(out.read_text())["pid"] == pid
-    failing = Standby(lambda: 1 / 0, run)
+    failing = Standby(lambda: 1 / 0, run, unsafe_ok=PYTEST)
     assert not failing.ready(timeout=30) and "failed" in failing.info
     failing.close()
 
@@ -142,7 +147,7 @@ def test_run_prewarm_runs_in_each_standby_before_it_takes_over(reference, clean_
 
 
 def test_prewarm_spec_is_checked_before_anything_starts(tmp_path):
-    from gpu_anchor.launch.warm_pool import check_prewarm_spec
+    from gpu_anchor.runtime.warm import check_prewarm_spec
     assert check_prewarm_spec("pkg.mod:fn") == "pkg.mod:fn"
     for bad in ("mod", "mod:", ":fn", "mod:fn-x"):
         try:

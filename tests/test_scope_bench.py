@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow   # three scenarios run end to end in `make test` (tests/test_bench_smoke.py says which)
 def test_scope_bind_bench_smoke(tmp_path, monkeypatch):
     from bench import scope_bind
     monkeypatch.delenv("GPU_ANCHOR_SOCKET_DIR", raising=False)

@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 from gpu_anchor.serve.tiny import make_tiny_model
 from test_serve_http import _get, scrape
 

@@ -18,7 +18,7 @@ import torch
 
 from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_KILLS", "40"))
 

@@ -12,7 +12,7 @@ import torch
 
 from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 

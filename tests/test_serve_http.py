@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_HTTP_KILLS", "60"))
 SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
@@ -162,6 +162,15 @@ def test_streams_survive_engine_sigkills(server):
         assert metrics["gpu_anchor_serve_token_mismatch_total"] == 0
     assert restarts >= KILLS, restarts
     assert metrics["gpu_anchor_serve_replayed_tokens_total"] > 0
+    # the one supervisor's job record, as `gpu-anchor status` shows it: every engine death was
+    # classified by the decision table as shallow and restarted in place
+    from gpu_anchor.launch import jobstate
+    job = {j["namespace"]: j for j in jobstate.load_all()}["serve-tiny-qwen3"]
+    assert job["kind"] == "serve" and job["state"] == "running" and job["supervisor_alive"]
+    assert len(job["restarts"]) >= KILLS and {(r["action"], r["kind"]) for r in job["restarts"]} == \
+        {("restart", "shallow")}, job["restarts"][:3]
+    text = jobstate.format_jobs([job])
+    assert "serving engine" in text and "engine: pid" in text and "restart in place" in text
 
 
 def _two_kill_jobs():

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import gpu_anchor
-from gpu_anchor.train import campaign as C
+from gpu_anchor.testing import campaign as C
 
-CFG = C.RunConfig(steps=10, amp=True)
+CFG = C.CampaignConfig(steps=10, amp=True)
 
 
 def _plain():

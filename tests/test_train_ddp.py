@@ -9,23 +9,22 @@ import random
 import pytest
 
 import gpu_anchor
-from gpu_anchor.train import campaign as C
-from gpu_anchor.train import ddp_campaign as D
+from gpu_anchor.testing import campaign as C
+from gpu_anchor.testing import ddp_campaign as D
 
 
 @pytest.fixture
-def ddp_reference(host_daemon, tmp_path):
-    cfg = C.RunConfig(steps=8)
-    d = tmp_path / "ref"
-    d.mkdir()
-    res = D.run_group("dref", cfg, str(d))
-    return cfg, res
+def ddp_reference(host_daemon, references, tmp_path_factory):
+    """The fault-free group, once per session (conftest's ``references``)."""
+    cfg = C.CampaignConfig(steps=8)
+    res = references.get("ddp", lambda: D.run_group("dref", cfg, str(tmp_path_factory.mktemp("dref"))))
+    return cfg, dict(res, ref_client=references.connect)
 
 
 def _same_as_reference(ns, ref_ns, res, ref):
     for r in range(2):
         assert C.trajectory(res["logs"][r])[0] == C.trajectory(ref["logs"][r])[0], f"rank {r} losses"
-        a = gpu_anchor.connect("cpu", namespace=f"{ref_ns}/rank{r}")
+        a = ref.get("ref_client", lambda n: gpu_anchor.connect("cpu", namespace=n))(f"{ref_ns}/rank{r}")
         b = gpu_anchor.connect("cpu", namespace=f"{ns}/rank{r}")
         assert C.compare(a, b) == [], f"rank {r} state"
         # a rank that had finished prints its digest again when a peer's death restarts the group
@@ -39,8 +38,7 @@ def test_reference_matches_plain_ddp(ddp_reference, tmp_path):
         losses = C.trajectory(ref["logs"][r])[0]
         assert losses == C.trajectory(plain["logs"][r])[0]
         assert len(set(losses.values())) == cfg.steps      # it does train
-    a0 = gpu_anchor.connect("cpu", namespace="dref/rank0")
-    a1 = gpu_anchor.connect("cpu", namespace="dref/rank1")
+    a0, a1 = ref["ref_client"]("dref/rank0"), ref["ref_client"]("dref/rank1")
     assert C.compare(a0, a1, skip_prefixes=("train.undo.", "train.progress", "train.grad.")) == []   # replicas agree
 
 
@@ -74,7 +72,7 @@ def test_device_progress_ranks_a_boundary_apart(host_daemon, tmp_path):
     rank 0 dies just before committing a boundary, rank 1 may already have committed it (and
     landed the previous step) while rank 0 has not landed that step yet.  The group must still
     agree: rank 0 lands the step its word shows written, rank 1 discards the announced one."""
-    cfg = C.RunConfig(steps=8, progress="device")
+    cfg = C.CampaignConfig(steps=8, progress="device")
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     ref = D.run_group("dpref", cfg, str(ref_dir))

@@ -11,22 +11,22 @@ import random
 import pytest
 
 import gpu_anchor
-from gpu_anchor.train import campaign as C
+from gpu_anchor.testing import campaign as C
 
 KILLS = int(os.environ.get("GA_TRAIN_KILLS", "200"))
 
 
 @pytest.fixture
-def reference(host_daemon, tmp_path):
-    made = {}
-
+def reference(host_daemon, references, tmp_path_factory):
+    """The fault-free run of a configuration, once per session (conftest's ``references``)."""
     def get(cfg):
         k = (cfg.optimizer, cfg.flavour, cfg.steps, cfg.chunk_bytes, cfg.progress, cfg.scope)
-        if k not in made:
-            ns = "ref-" + "-".join(map(str, k))
-            res = C.run(ns, cfg, str(tmp_path / f"{ns}.log"))
-            made[k] = (gpu_anchor.connect("cpu", namespace=ns), *C.trajectory(res.log), res.wall_s)
-        return made[k]
+        ns = "ref-" + "-".join(map(str, k))
+
+        def run():
+            res = C.run(ns, cfg, str(tmp_path_factory.mktemp("ref") / f"{ns}.log"))
+            return (references.connect(ns), *C.trajectory(res.log), res.wall_s)
+        return references.get(("train_faults", k), run)
     return get
 
 
@@ -50,7 +50,7 @@ def _num_chunks(cfg):
 @pytest.mark.parametrize("progress", ["journal", "device"])
 @pytest.mark.parametrize("phase", ["before_update", "mid_chunk", "after_update", "after_commit"])
 def test_each_phase_at_every_chunk(reference, tmp_path, phase, progress):
-    cfg = C.RunConfig(steps=10, progress=progress)
+    cfg = C.CampaignConfig(steps=10, progress=progress)
     n = _num_chunks(cfg)
     assert n >= 3
     specs = [f"{phase}@{1 + c}:{c}" for c in range(n)]
@@ -66,7 +66,7 @@ def test_each_phase_at_every_chunk(reference, tmp_path, phase, progress):
 
 
 def test_between_steps_and_before_boundary(reference, tmp_path):
-    cfg = C.RunConfig(steps=10)
+    cfg = C.CampaignConfig(steps=10)
     specs = ["between_steps@0", "before_boundary@2", "between_steps@4", "before_boundary@6", "before_boundary@6",
              "before_boundary@9"]
     ns = "between"
@@ -79,7 +79,7 @@ def test_between_steps_and_before_boundary(reference, tmp_path):
 @pytest.mark.parametrize("progress", ["journal", "device"])
 def test_killed_again_while_recovering(reference, tmp_path, progress):
     """The redo in the next worker's constructor is itself killed, at each of its points."""
-    cfg = C.RunConfig(steps=8, progress=progress)
+    cfg = C.CampaignConfig(steps=8, progress=progress)
     n = _num_chunks(cfg)
     specs = ["mid_chunk@3:0", "before_update@3:0", "mid_chunk@3:0", "after_update@3:1",
              f"mid_chunk@3:{n - 1}", f"after_update@3:{n - 1}", f"after_commit@3:{n - 1}"]
@@ -91,7 +91,7 @@ def test_killed_again_while_recovering(reference, tmp_path, progress):
 
 @pytest.mark.parametrize("name,flavour", [("sgd", "foreach"), ("adam", "single"), ("adamw", "fused")])
 def test_other_optimizers_mid_chunk(reference, tmp_path, name, flavour):
-    cfg = C.RunConfig(steps=6, optimizer=name, flavour=flavour)
+    cfg = C.CampaignConfig(steps=6, optimizer=name, flavour=flavour)
     n = _num_chunks(cfg)
     cfg.steps = n + 2
     specs = ["after_update@0:0"] + [f"mid_chunk@{1 + c}:{c}" for c in range(n)]
@@ -100,11 +100,13 @@ def test_other_optimizers_mid_chunk(reference, tmp_path, name, flavour):
     _check(reference, cfg, ns, res)
 
 
-@pytest.mark.parametrize("progress,kills", [("journal", KILLS), ("device", max(1, KILLS // 2))])
+# campaigns above 100 kills run with the slow tests (`make test-all`)
+@pytest.mark.parametrize("progress,kills", [("journal", min(100, KILLS)), ("device", min(100, KILLS // 2)),
+                                            pytest.param("journal", KILLS, marks=pytest.mark.slow)])
 def test_random_kill_campaign(reference, tmp_path, progress, kills):
     """>= 200 SIGKILLs at random instants (parent-timed, so anywhere: start-up, forward,
     backward, inside the protocol, inside recovery)."""
-    cfg = C.RunConfig(steps=16, progress=progress)
+    cfg = C.CampaignConfig(steps=16, progress=progress)
     _, _, _, ref_wall = reference(cfg)
     rng = random.Random(20261130)
     total = in_flight = rollbacks = runs = 0
@@ -128,7 +130,7 @@ def test_random_kill_campaign(reference, tmp_path, progress, kills):
 def test_under_managed_scope(reference, tmp_path):
     """The issue's usage: model and AnchoredOptimizer built inside managed_scope (the
     optimizer attaches when the scope has bound); killed at each phase and at random."""
-    cfg = C.RunConfig(steps=10, scope=True)
+    cfg = C.CampaignConfig(steps=10, scope=True)
     n = _num_chunks(cfg)
     specs = ["mid_chunk@1:0", f"after_update@2:{n - 1}", "before_update@3:1", "after_commit@4:0",
              "between_steps@5", "before_boundary@7"]

@@ -12,17 +12,18 @@ import pytest
 import torch
 
 import gpu_anchor
-from gpu_anchor.train import campaign as C
-from gpu_anchor.train import ddp_campaign as D
+from gpu_anchor.testing import campaign as C
+from gpu_anchor.testing import ddp_campaign as D
 from test_train_ddp import _same_as_reference as ddp_check   # same per-rank comparison
 
 
 @pytest.fixture
-def fsdp_reference(host_daemon, tmp_path):
-    cfg = C.RunConfig(steps=8)
-    d = tmp_path / "ref"
-    d.mkdir()
-    return cfg, D.run_group("fref", cfg, str(d), parallel="fsdp")
+def fsdp_reference(host_daemon, references, tmp_path_factory):
+    """The fault-free group, once per session (conftest's ``references``)."""
+    cfg = C.CampaignConfig(steps=8)
+    res = references.get("fsdp", lambda: D.run_group("fref", cfg, str(tmp_path_factory.mktemp("fref")),
+                                                      parallel="fsdp"))
+    return cfg, dict(res, ref_client=references.connect)
 
 
 def _same_as_reference(ns, res, ref):
@@ -36,7 +37,7 @@ def test_reference_matches_plain_fsdp_and_shards_differ(fsdp_reference, tmp_path
         losses = C.trajectory(ref["logs"][r])[0]
         assert losses == C.trajectory(plain["logs"][r])[0]
         assert len(set(losses.values())) == cfg.steps
-    objs = gpu_anchor.connect("cpu", namespace="fref/rank0").objects()
+    objs = ref["ref_client"]("fref/rank0").objects()
     w = objs["model.0.weight"]          # Linear(24, 48): 48 rows sharded over 2 ranks
     assert tuple(w.shape) == (24, 24)
     assert C.digests(ref["logs"][0]) != C.digests(ref["logs"][1])     # each rank holds its own shard
@@ -110,7 +111,7 @@ def _zero_copy_worker(store):
 
 
 def test_shards_and_gradients_live_in_anchored_memory(host_daemon, tmp_path):
-    C.prewarm(C.RunConfig())
+    C.prewarm(C.CampaignConfig())
     pid = C._child(_zero_copy_worker, str(tmp_path / "store"))
     assert C._wait(pid) == 0
 
@@ -125,7 +126,7 @@ def test_fsdp_with_gradscaler(host_daemon, tmp_path):
     """fp16 autocast + GradScaler on FSDP2: the inf/NaN flag is agreed over the ranks, the
     scale resumes with the step; kills give the fault-free run, which gives plain FSDP2 +
     ``GradScaler.step``."""
-    cfg = C.RunConfig(steps=8, amp=True)
+    cfg = C.CampaignConfig(steps=8, amp=True)
     runs = {}
     for name, kw in [("fa-ref", {}), ("fa-plain", {"plain": True}),
                      ("fa-k", {"faults_seq": [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "before_boundary@4"),
@@ -145,7 +146,7 @@ def test_fsdp_with_gradscaler(host_daemon, tmp_path):
 def test_device_progress_mode_one_rank_killed(fsdp_reference, tmp_path):
     """The device-progress protocol (the default on CUDA) on FSDP2 shards: same end state."""
     cfg, ref = fsdp_reference
-    cfg = C.RunConfig(steps=cfg.steps, progress="device")
+    cfg = C.CampaignConfig(steps=cfg.steps, progress="device")
     specs = [(1, "mid_chunk@1:1"), (0, "before_boundary@2"), (1, "after_update@3:0"), (0, "after_commit@4:1"),
              (1, "between_steps@5")]
     res = D.run_group("fdev", cfg, str(tmp_path), faults_seq=specs, parallel="fsdp")

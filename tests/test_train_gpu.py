@@ -30,7 +30,7 @@ def _run(args, timeout):
 @pytest.mark.gpu
 def test_llama_1b_ten_kills_at_the_five_phases(tmp_path):
     path = _out("train_gpu_faults.json", tmp_path)
-    proc = _run(["-m", "gpu_anchor.train.gpu_campaign", "--out", path], timeout=540)
+    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--out", path], timeout=540)
     r = json.load(open(path))
     print(f"kills={r['kills']} max per-step loss diff={r['max_step_loss_diff']} "
           f"bit-identical={r['losses_bit_identical']} state={r['state_compare']}")
@@ -46,7 +46,7 @@ def test_ddp_two_gpus_one_rank_killed(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     path = _out("train_gpu_ddp.json", tmp_path)
-    proc = _run(["-m", "gpu_anchor.train.ddp_gpu", "--out", path], timeout=540)
+    proc = _run(["-m", "gpu_anchor.testing.ddp_gpu", "--out", path], timeout=540)
     r = json.load(open(path))
     print(json.dumps({k: v for k, v in r.items() if k != "logs"}))
     assert proc.returncode == 0 and r["ok"]
@@ -55,7 +55,7 @@ def test_ddp_two_gpus_one_rank_killed(tmp_path):
 def test_gpu_campaign_driver_on_cpu_tiny(tmp_path):
     """The GPU campaign's driver logic (fork workers, ten kills, compare) on a toy Llama on CPU."""
     path = str(tmp_path / "tiny.json")
-    proc = _run(["-m", "gpu_anchor.train.gpu_campaign", "--device", "cpu", "--tiny", "--chunk-bytes", "65536",
+    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--device", "cpu", "--tiny", "--chunk-bytes", "65536",
                  "--out", path], timeout=300)
     r = json.load(open(path))
     assert proc.returncode == 0 and r["ok"] and r["kills"] == 10
@@ -69,7 +69,7 @@ def test_fsdp2_two_gpus_one_rank_killed(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     path = _out("train_gpu_fsdp.json", tmp_path)
-    proc = _run(["-m", "gpu_anchor.train.ddp_gpu", "--parallel", "fsdp:small", "--out", path], timeout=290)
+    proc = _run(["-m", "gpu_anchor.testing.ddp_gpu", "--parallel", "fsdp:small", "--out", path], timeout=290)
     r = json.load(open(path))
     print(json.dumps({k: v for k, v in r.items() if not k.startswith("rank")}, default=list))
     for k in ("rank0", "rank1"):
@@ -83,7 +83,7 @@ def test_fsdp2_two_gpus_one_rank_killed(tmp_path):
 def test_fsdp2_driver_on_cpu_tiny(tmp_path):
     """The FSDP2 GPU driver (fresh group per kill, per-rank comparison) on a toy Llama, gloo on CPU."""
     path = str(tmp_path / "fsdp.json")
-    proc = _run(["-m", "gpu_anchor.train.ddp_gpu", "--parallel", "fsdp:tiny", "--devices", "cpu,cpu", "--width", "64",
+    proc = _run(["-m", "gpu_anchor.testing.ddp_gpu", "--parallel", "fsdp:tiny", "--devices", "cpu,cpu", "--width", "64",
                  "--chunk-bytes", "32768", "--out", path], timeout=300)
     r = json.load(open(path))
     assert proc.returncode == 0 and r["ok"] and r["kills"] == 5

@@ -4,7 +4,7 @@ import torch
 
 import gpu_anchor
 from gpu_anchor.train import AnchoredOptimizer, LoopState, anchor_module, position, training_state
-from gpu_anchor.train import campaign as C
+from gpu_anchor.testing import campaign as C
 from gpu_anchor.train.loop_state import LoopPosition as LoopPosition_
 
 FLAVOURS = [("adamw", "default"), ("adamw", "foreach"), ("adamw", "single"), ("adamw", "fused"),
@@ -27,7 +27,7 @@ def _pair(ns, cfg, chunk_bytes=4096):
 
 @pytest.mark.parametrize("name,flavour", FLAVOURS)
 def test_bit_identical_to_plain_pytorch(host_daemon, name, flavour):
-    cfg = C.RunConfig(optimizer=name, flavour=flavour)
+    cfg = C.CampaignConfig(optimizer=name, flavour=flavour)
     client, (ref, ropt, rsched), (model, opt) = _pair(f"bit-{name}-{flavour}", cfg)
     assert opt.num_chunks >= 3
     for step in range(6):
@@ -57,7 +57,7 @@ def test_bit_identical_to_plain_pytorch(host_daemon, name, flavour):
 
 
 def test_unused_parameter_is_skipped_like_set_to_none(host_daemon):
-    cfg = C.RunConfig()
+    cfg = C.CampaignConfig()
     client, (ref, ropt, rsched), (model, opt) = _pair("unused", cfg)
     for step in range(4):
         x, y = C.batch(step, cfg.seed)
@@ -75,7 +75,7 @@ def test_unused_parameter_is_skipped_like_set_to_none(host_daemon):
 
 
 def test_gradient_accumulation_and_replaced_grads(host_daemon):
-    cfg = C.RunConfig(optimizer="adam", flavour="single")
+    cfg = C.CampaignConfig(optimizer="adam", flavour="single")
     client, (ref, ropt, rsched), (model, opt) = _pair("accum", cfg)
     for step in range(3):
         for m, o in ((ref, ropt), (model, opt)):
@@ -95,7 +95,7 @@ def test_gradient_accumulation_and_replaced_grads(host_daemon):
 
 
 def test_state_is_anchored_and_named(host_daemon):
-    cfg = C.RunConfig()
+    cfg = C.CampaignConfig()
     client, _, (model, opt) = _pair("names", cfg)
     names = set(client.names())
     assert "model.0.weight" in names and "train.grad.0.weight" in names
@@ -123,7 +123,7 @@ def test_bad_inputs(host_daemon):
 
 
 def test_lost_state_is_refused_not_silently_reinitialised(host_daemon, tmp_path):
-    cfg = C.RunConfig(steps=3)
+    cfg = C.CampaignConfig(steps=3)
     C.run("lost", cfg, str(tmp_path / "log"))
     client = gpu_anchor.connect("cpu", namespace="lost")
     client.free(*[n for n in client.names() if n.startswith("train.state.")])
@@ -134,13 +134,13 @@ def test_lost_state_is_refused_not_silently_reinitialised(host_daemon, tmp_path)
 
 
 def test_fallback_hook_reads_the_journal(host_daemon, tmp_path):
-    cfg = C.RunConfig(steps=5)
+    cfg = C.CampaignConfig(steps=5)
     assert training_state("cpu", namespace="hook")["present"] is False
     C.run("hook", cfg, str(tmp_path / "log"), faults_seq=["mid_chunk@3:1"] , random_kills=0)
     d = training_state("cpu", namespace="hook")
     assert d["consistent"] and d["completed_steps"] == 5 and d["phase"] == "idle"
     # a worker killed mid-step leaves an in-flight step that the hook calls consistent
-    pid = C._child(C.train, "hook2", C.RunConfig(steps=5), str(tmp_path / "log2"), "after_update@2:1")
+    pid = C._child(C.train, "hook2", C.CampaignConfig(steps=5), str(tmp_path / "log2"), "after_update@2:1")
     assert C._wait(pid) == -9
     d = training_state("cpu", namespace="hook2")
     assert d["consistent"] and d["in_flight_step"] == 2 and d["cursor"] == 1 and d["completed_steps"] == 3
@@ -163,7 +163,7 @@ def test_loop_position():
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_load_state_dict_from_plain_pytorch(host_daemon, name):
-    cfg = C.RunConfig(optimizer=name, flavour="single")
+    cfg = C.CampaignConfig(optimizer=name, flavour="single")
     ref = C.build_model(cfg.seed)
     ropt = C.build_optimizer(ref, cfg)
 

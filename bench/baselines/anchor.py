@@ -5,7 +5,7 @@ parameters the previous worker left in the daemon (matched: no copy), and
 ``AnchoredOptimizer`` maps gradients and optimizer state and finishes or rolls back an
 in-flight step from its journal.  The loop resumes at ``completed_steps``: no work is
 lost beyond the interrupted step.  Needs a running daemon for the device
-(``gpu_anchor.daemon.control.start``) and ``gpu_anchor.train`` (issue 3).
+(``gpu_anchor.client.control.start``) and ``gpu_anchor.train`` (issue 3).
 """
 from __future__ import annotations
 

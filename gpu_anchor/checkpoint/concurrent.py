@@ -36,7 +36,7 @@ tracker during the previous checkpoint, or ``expected_dirty_fraction``) are belo
 ``recopy_threshold`` of the total, else ``cow``.  With a ``Validator`` attached, an
 undeclared write during the flight marks the checkpoint invalid; it is not written,
 the op is then treated as writing all its inputs, and the checkpoint is retaken at
-the next boundary.  Files: ``gpu_anchor.launch.snapshot`` layout, which
+the next boundary.  Files: ``gpu_anchor.checkpoint.format`` layout, which
 ``snapshot.restore`` and the supervisor read.
 """
 from __future__ import annotations
@@ -46,19 +46,20 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from gpu_anchor.launch import snapshot
-from gpu_anchor.launch.snapshot_paths import DIR_ENV, complete_ranks, step_dir
+from gpu_anchor.journal_keys import TOUCH_KEY
 
+from . import snapshot
+from .format import complete_ranks, step_dir
 from .object_table import ObjectTable
 from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
+from .settings import CheckpointSettings
 from .writeset import Recorder, WriteSetTracker
 
-TOUCH_KEY = "gpu_anchor/checkpoint/touch_order"
 POLICIES = ("auto", "cow", "recopy", "stw")
 
 
@@ -100,7 +101,7 @@ class ConcurrentCheckpointer:
                  recopy_threshold: float = 0.25, expected_dirty_fraction: float | None = None,
                  gpu_buffer_fraction: float = 0.5, validator=None, rank: int | None = None,
                  world: int | None = None, throttle_s: float | None = None, write: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES, manage_mode: bool = True) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, manage_mode: bool = True, settings=None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if not 0.0 <= recopy_threshold <= 1.0:
@@ -109,6 +110,7 @@ class ConcurrentCheckpointer:
         if not self.clients:
             raise ValueError("give at least one client whose namespace to checkpoint")
         self.directory, self.tracker, self.policy = directory, tracker, policy
+        self.settings = settings or replace(CheckpointSettings.from_env(), directory=directory)  # when due
         self.recopy_threshold, self.expected_dirty_fraction = recopy_threshold, expected_dirty_fraction
         self.gpu_buffer_fraction = gpu_buffer_fraction
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
@@ -138,13 +140,12 @@ class ConcurrentCheckpointer:
             validator.on_miss.append(self._on_miss)
 
     @classmethod
-    def from_env(cls, clients, tracker: WriteSetTracker, **kw) -> "ConcurrentCheckpointer":
-        """The supervisor's configuration (``GPU_ANCHOR_CHECKPOINT_DIR``/``_EVERY``): call
+    def from_env(cls, clients, tracker: WriteSetTracker, settings=None, **kw) -> "ConcurrentCheckpointer":
+        """The supervisor's ``CheckpointSettings`` (default: from this worker's environment): call
         ``boundary(step)`` after every step commit instead of ``snapshot.at_step``."""
-        directory = os.environ.get(DIR_ENV)
-        if not directory:
-            raise RuntimeError(f"{DIR_ENV} is not set: the supervisor did not ask for checkpoints")
-        return cls(clients, directory, tracker, **kw)
+        if not (settings := settings or CheckpointSettings.from_env()).directory:
+            raise RuntimeError("no checkpoint directory: the supervisor did not ask for checkpoints")
+        return cls(clients, settings.directory, tracker, settings=settings, **kw)
 
     # ------------------------------------------------------------------ public
     @property
@@ -224,13 +225,12 @@ class ConcurrentCheckpointer:
             fl.dirty.update(n for n in names if n in fl.entries)
 
     def boundary(self, step: int, due: bool | None = None) -> CheckpointResult | None:
-        """Call at every committed step boundary: completes a finished flight (recopy: at
-        this step), retakes an invalid one, starts one if ``due`` (``None``: when the
-        supervisor's ``GPU_ANCHOR_CHECKPOINT_EVERY`` says so and the step is not on disk
-        yet; a checkpoint due while another is in flight starts at the first boundary
-        after that one completes).  Returns the result of a checkpoint completed here."""
+        """Call at every committed step boundary: completes a finished flight (recopy: at this
+        step), retakes an invalid one, starts one if ``due`` (``None``: when ``settings.every``
+        says so and the step is not on disk yet; one due while another is in flight starts at
+        the first boundary after that one completes).  Returns the checkpoint completed here."""
         if due is None:
-            due = snapshot.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
+            due = self.settings.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
         done = None
         fl = self._flight
         if fl is not None and fl.queue.done():
@@ -485,7 +485,8 @@ class ConcurrentCheckpointer:
         def run():
             try:
                 self._drain(fl)
-                res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured)
+                res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured,
+                                          self.settings.keep)
             except BaseException as e:
                 self._writer_error.append(e)
         self._writer = threading.Thread(target=run, name="gpu-anchor-ckpt-writer", daemon=True)

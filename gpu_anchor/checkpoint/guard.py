@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from gpu_anchor.client.client import Client
-from gpu_anchor.launch.health import INCONSISTENT_KEY
+from gpu_anchor.journal_keys import INCONSISTENT_KEY
 
 PREFIX = "gpu_anchor/guard/"
 

@@ -29,6 +29,9 @@ from .concurrent import ConcurrentCheckpointer
 from .restore import OnDemandRestore
 from .writeset import WriteSetTracker
 
+# The interface serving is given (``gpu_anchor.serve.migration.provide``): keep these names stable.
+__all__ = ["Migration", "WriteSetTracker"]
+
 
 class Migration:
     def __init__(self, clients, tracker: WriteSetTracker, device_map: dict[str, str],

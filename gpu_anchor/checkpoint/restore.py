@@ -35,15 +35,12 @@ import time
 import torch
 
 from gpu_anchor.client.client import Client
-from gpu_anchor.launch import snapshot
-from gpu_anchor.launch.health import INCONSISTENT_KEY, STEP_KEY
-from gpu_anchor.launch.snapshot_paths import latest_complete, read_manifest, step_dir
+from gpu_anchor.journal_keys import INCONSISTENT_KEY, RESTORED_KEY, RESTORING_KEY, STEP_KEY, TOUCH_KEY
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .concurrent import TOUCH_KEY
+from . import snapshot
+from .format import latest_complete, read_manifest, step_dir
 from .transfer import TransferQueue, chunked_copy
-
-RESTORING_KEY = "gpu_anchor/checkpoint/restoring"
 
 
 @contextlib.contextmanager
@@ -140,7 +137,7 @@ class OnDemandRestore:
             order += first + [keys[n] for n in sorted(keys) if keys[n] not in seen]
             if device.startswith("cuda") and self._stream is None:
                 self._stream = torch.cuda.Stream(device=torch.device(device), priority=0)
-            journal[snapshot.RESTORED_KEY] = b"%d" % self.step
+            journal[RESTORED_KEY] = b"%d" % self.step
             journal[RESTORING_KEY] = b"%d" % self.step
             # the supervisor's contract: a namespace marked inconsistent is restored, not reused
             journal[INCONSISTENT_KEY] = b"on-demand restore of step %d not finished" % self.step

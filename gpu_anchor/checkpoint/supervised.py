@@ -1,8 +1,8 @@
 """The worker side of ``gpu-anchor run --checkpoint-every`` and of on-demand restore.
 
-``gpu_anchor.launch.step_boundary`` calls ``boundary`` after every committed step when the
-supervisor asked for checkpoints in ``concurrent`` mode (the default;
-``GPU_ANCHOR_CHECKPOINT_MODE=stop-the-world`` keeps ``snapshot.at_step``).  One
+The supervisor's step listener (``gpu_anchor.launch.boundary``) calls ``boundary`` after
+every committed step when the supervisor asked for checkpoints in ``concurrent`` mode (the
+default; ``--checkpoint-mode stop-the-world`` keeps ``snapshot.at_step``).  One
 ``ConcurrentCheckpointer`` per process, created at the first due step with the clients
 passed there, policy soft copy-on-write: the checkpoint is the state of the due step (a
 consistent point the caller guarantees), copied while the job runs on; a flight that is
@@ -21,27 +21,25 @@ pointers) must call ``ensure_restored()`` first.
 from __future__ import annotations
 
 import atexit
-import os
 
-from gpu_anchor.launch import snapshot
-from gpu_anchor.launch.snapshot_paths import DIR_ENV
+from .settings import CheckpointSettings
 
 _ckpt = None
 _restoring = None     # (OnDemandRestore, tracker) while objects stream in
 
 
-def boundary(step: int, clients) -> bool:
+def boundary(step: int, clients, settings: CheckpointSettings) -> bool:
     """Checkpoint bookkeeping at a committed step; True if a checkpoint started here."""
     global _ckpt
     poll()
-    if not os.environ.get(DIR_ENV):
+    if not settings.directory:
         return False
     if _ckpt is None:
-        if not snapshot.due(step):
+        if not settings.due(step):
             return False
         from .concurrent import ConcurrentCheckpointer
         from .writeset import WriteSetTracker
-        _ckpt = ConcurrentCheckpointer.from_env(list(clients), WriteSetTracker(), policy="cow")
+        _ckpt = ConcurrentCheckpointer.from_env(list(clients), WriteSetTracker(), settings, policy="cow")
         atexit.register(finish)
     before = len(_ckpt.results), _ckpt.in_flight
     _ckpt.boundary(step)

@@ -1,4 +1,4 @@
-"""Worker-side access to anchored memory.  ``channel`` is torch-free; the rest loads torch."""
+"""Worker-side access to anchored memory.  ``channel`` and ``control`` are torch-free; the rest loads torch."""
 
 
 def __getattr__(name):

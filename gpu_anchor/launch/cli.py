@@ -59,8 +59,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_run(args) -> int:
+    from gpu_anchor.checkpoint.settings import CheckpointSettings
+    from .config import ChaosConfig, RestartPolicy, SupervisorConfig, WarmStart
     from .jobstate import JobBusy
-    from .supervisor import RunConfig, Supervisor
+    from .supervisor import Supervisor
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -68,23 +70,25 @@ def cmd_run(args) -> int:
         print("gpu-anchor run: give the command to run after --", file=sys.stderr)
         return 2
     if args.prewarm:
-        from .warm_pool import check_prewarm_spec
+        from gpu_anchor.runtime.warm import check_prewarm_spec
         try:
             check_prewarm_spec(args.prewarm)
         except ValueError as e:
             print(f"gpu-anchor run: {e}", file=sys.stderr)
             return 2
-    cfg = RunConfig(command=command, nproc=args.nproc, namespace=args.namespace, max_restarts=args.max_restarts,
-                    backoff=args.backoff, crash_loop=args.crash_loop, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
-                    checkpoint_mode=args.checkpoint_mode, restore_mode=args.restore_mode,
-                    **({"warm_pool": True} if args.warm_pool or args.prewarm else {}),
-                    prewarm=args.prewarm,
-                    device_type=args.device_type, warm=args.warm,
-                    preload=[m for m in args.preload.split(",") if m], keep_daemons=args.keep_daemons,
-                    resume=args.resume, chaos_kills=args.chaos_kills, chaos_every=args.chaos_every,
-                    chaos_seed=args.chaos_seed, chaos_target=args.chaos_target, hang_timeout=args.hang_timeout,
-                    quiet=args.quiet)
+    try:
+        cfg = SupervisorConfig(
+            command=command, nproc=args.nproc, namespace=args.namespace, device_type=args.device_type,
+            keep_daemons=args.keep_daemons, resume=args.resume, quiet=args.quiet,
+            restart=RestartPolicy(args.max_restarts, args.backoff, args.crash_loop, args.hang_timeout),
+            warm=WarmStart(enabled=args.warm, prewarm=args.prewarm, preload=[m for m in args.preload.split(",") if m],
+                           **({"standby": True} if args.warm_pool or args.prewarm else {})),
+            checkpoint=CheckpointSettings(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep,
+                                          args.checkpoint_mode, args.restore_mode),
+            chaos=ChaosConfig(args.chaos_kills, args.chaos_every, args.chaos_seed, args.chaos_target))
+    except ValueError as e:
+        print(f"gpu-anchor run: {e}", file=sys.stderr)
+        return 2
     try:
         sup = Supervisor(cfg)
         return sup.run()

@@ -1,4 +1,5 @@
-"""What ``gpu-anchor run`` was asked to do, and how to read its command line (torch-free)."""
+"""What ``gpu-anchor run`` was asked to do (``SupervisorConfig``, nested per concern), and how to
+read its command line (torch-free)."""
 from __future__ import annotations
 
 import os
@@ -6,6 +7,8 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass, field
+
+from gpu_anchor.checkpoint.settings import CheckpointSettings
 
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 _PY_FLAGS_NOARG = {"-u", "-O", "-OO", "-B", "-E", "-s", "-I", "-S", "-q", "-b", "-bb", "-P"}
@@ -18,35 +21,50 @@ DEFAULT_PRELOAD = ("torch", "gpu_anchor.scope", "gpu_anchor.train.optimizer")
 
 
 @dataclass
-class RunConfig:
+class RestartPolicy:
+    """The decision table's knobs (docs/supervisor.md), for ``run`` and ``serve`` alike."""
+    max_restarts: int = 3          # restarts and restores before the job stops
+    backoff: float = 1.0           # seconds before a restart that follows a failure without progress (doubles)
+    crash_loop: int = 3            # failures in a row at the same step with the same exit: stop (0: never)
+    hang_timeout: float = 0.0      # no new committed step for this long: kill the group (0: off)
+
+
+@dataclass
+class WarmStart:
+    """How a (re)started worker gets its interpreter."""
+    enabled: bool = True           # a fork server (zygote) that preloaded ``preload``; False: cold starts
+    # a standby worker per rank (CUDA context made) takes over after a failure; the env default lets
+    # benchmarks that drive `gpu-anchor run` compare both ways (the one env read here: a parent's choice)
+    standby: bool = field(default_factory=lambda: os.environ.get("GPU_ANCHOR_WARM_POOL") == "1")
+    # module:function each standby runs on scratch tensors before any failure (runtime.warm.run_prewarm)
+    prewarm: str | None = None
+    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+
+
+@dataclass
+class ChaosConfig:
+    """Fault injection (``launch.chaos``)."""
+    kills: int = 0
+    every: float = 2.0
+    seed: int | None = None
+    target: str = "worker"         # worker | daemon
+
+
+@dataclass
+class SupervisorConfig:
+    """Everything ``gpu-anchor run`` was asked (nested, one dataclass per concern)."""
     command: list[str]
     nproc: int = 1
     namespace: str | None = None
-    max_restarts: int = 3
-    backoff: float = 1.0
-    crash_loop: int = 3
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 2
-    checkpoint_mode: str = "concurrent"
-    restore_mode: str = "full"
     device_type: str = "auto"
-    warm: bool = True
-    # a standby worker per rank (CUDA context made) takes over after a failure; the env
-    # default lets benchmarks that drive `gpu-anchor run` compare both ways
-    warm_pool: bool = field(default_factory=lambda: os.environ.get("GPU_ANCHOR_WARM_POOL") == "1")
-    # module:function each standby runs on scratch tensors before any failure (warm_pool.run_prewarm)
-    prewarm: str | None = None
-    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
-    keep_daemons: bool = False
-    resume: bool = True
-    chaos_kills: int = 0
-    chaos_every: float = 2.0
-    chaos_seed: int | None = None
-    chaos_target: str = "worker"
     master_addr: str = "127.0.0.1"
-    hang_timeout: float = 0.0
+    keep_daemons: bool = False
+    resume: bool = True            # restore the newest checkpoint when the daemons hold nothing of the job
     quiet: bool = False
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    warm: WarmStart = field(default_factory=WarmStart)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
 
 def split_python(command: list[str]) -> tuple[str, list[str]] | None:

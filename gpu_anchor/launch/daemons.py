@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpu_anchor.daemon import control
+from gpu_anchor.client import control
 from gpu_anchor.paths import default_socket, normalize_device
 
 from . import health

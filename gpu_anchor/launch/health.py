@@ -12,12 +12,7 @@ from dataclasses import dataclass
 from gpu_anchor import errors
 from gpu_anchor.client.channel import Channel
 
-# Journal contract (documented in docs/supervisor.md): a job commits STEP_KEY
-# (ASCII integer) in the same atomic commit that makes a step durable; a
-# consistency protocol that finds state it cannot roll back writes
-# INCONSISTENT_KEY (UTF-8 reason) so that the supervisor restores instead.
-STEP_KEY = "gpu_anchor/step"
-INCONSISTENT_KEY = "gpu_anchor/inconsistent"
+from gpu_anchor.journal_keys import INCONSISTENT_KEY, STEP_KEY  # the journal contract (docs/supervisor.md)
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""A job's record: ranks, restarts with their classification and recovery times
-(torch-free).  The supervisor rewrites it atomically after every event;
-``gpu-anchor status`` reads it.
+"""A job's record: ranks (or the serving engine), restarts with their classification and
+recovery times (torch-free).  The supervisor — of ``run`` and of ``serve`` alike — rewrites
+it atomically after every event; ``gpu-anchor status`` reads it.
 
 File: ``<socket dir>/jobs/<namespace>.json``.
 """
@@ -52,9 +52,10 @@ def lock(namespace: str):
 
 
 class JobState:
-    def __init__(self, namespace: str, command: list[str], nproc: int, devices: list[str], warm: bool) -> None:
+    def __init__(self, namespace: str, command: list[str], nproc: int, devices: list[str], warm: bool,
+                 kind: str = "run") -> None:
         self.path = path_for(namespace)
-        self.data = {"namespace": namespace, "command": command, "nproc": nproc, "devices": devices,
+        self.data = {"namespace": namespace, "kind": kind, "command": command, "nproc": nproc, "devices": devices,
                      "warm": warm, "supervisor_pid": os.getpid(), "started": time.time(), "state": "starting",
                      "generation": 0, "ranks": {}, "restarts": [], "checkpoints": [], "result": None}
         ensure_private_dir(os.path.dirname(self.path))
@@ -120,12 +121,16 @@ def format_jobs(jobs: list[dict]) -> str:
     for job in jobs:
         state = job["state"] if job.get("supervisor_alive") or job["state"] in ("done", "stopped") else \
             f"{job['state']} (supervisor gone)"
-        lines.append(f"job {job['namespace']!r}: {state}, {job['nproc']} rank(s) on "
+        serving = job.get("kind") == "serve"
+        what = "serving engine" if serving else f"{job['nproc']} rank(s)"
+        lines.append(f"job {job['namespace']!r}: {state}, {what} on "
                      f"{', '.join(job['devices']) or 'cpu'}, {'warm' if job.get('warm') else 'cold'} starts, "
                      f"{len(job['restarts'])} restart(s)")
         lines.append(f"  command: {' '.join(job['command'])}")
+        if serving and job.get("frontend_pid"):
+            lines.append(f"  frontend: pid {job['frontend_pid']}")
         for r, info in sorted(job.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-            lines.append(f"  rank {r}: pid {info.get('pid')}, {info.get('how', '')}")
+            lines.append(f"  {'engine' if serving else f'rank {r}'}: pid {info.get('pid')}, {info.get('how', '')}")
         for i, rs in enumerate(job["restarts"], 1):
             rec = rs.get("recovery_s")
             rec_s = f"{rec:.3f} s to first step" if rec is not None else "recovery not yet measured"

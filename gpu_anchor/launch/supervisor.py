@@ -19,6 +19,7 @@ until all its ranks have restored.  Every decision is logged as one line.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import signal
@@ -27,9 +28,12 @@ import time
 
 from gpu_anchor.paths import socket_dir
 
-from . import classify, daemons as daemons_mod, events, health, jobstate, snapshot_paths
+from gpu_anchor.checkpoint import format as ckpt_format
+from gpu_anchor.checkpoint.settings import RESTORE_ENV
+
+from . import classify, daemons as daemons_mod, events, health, jobstate
 from .chaos import Chaos
-from .config import RunConfig, free_port, split_python  # noqa: F401  (RunConfig re-exported)
+from .config import SupervisorConfig, free_port, split_python  # noqa: F401  (re-exported)
 
 class _Worker:
     __slots__ = ("rank", "pid", "popen", "status", "t_exit")
@@ -39,12 +43,12 @@ class _Worker:
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: SupervisorConfig) -> None:
         if cfg.nproc < 1:
             raise ValueError("--nproc-per-node must be >= 1")
         if not cfg.command:
             raise ValueError("nothing to run: give the command after --")
-        if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        if cfg.checkpoint.every and not cfg.checkpoint.directory:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         self.cfg = cfg
         self.py = split_python(cfg.command)
@@ -54,8 +58,8 @@ class Supervisor:
         self.devices = daemons_mod.local_devices(cfg.device_type, cfg.nproc)
         self.daemons = daemons_mod.JobDaemons(self.devices, self.namespace, cfg.keep_daemons, self.log)
         self.health = health.DeviceHealth([int(d.split(":")[1]) for d in self.devices])
-        self.chaos = Chaos(cfg.chaos_kills, cfg.chaos_every, cfg.chaos_seed, cfg.chaos_target)
-        self.crash = classify.CrashLoop(cfg.crash_loop)
+        self.chaos = Chaos(cfg.chaos.kills, cfg.chaos.every, cfg.chaos.seed, cfg.chaos.target)
+        self.crash = classify.CrashLoop(cfg.restart.crash_loop)
         self.zygote = None
         self.workers: dict[int, _Worker] = {}
         self.gen = 0
@@ -82,7 +86,7 @@ class Supervisor:
         self._lock = jobstate.lock(self.namespace)  # one supervisor per job namespace
         self.daemons.ensure()
         self.state = jobstate.JobState(self.namespace, self.cfg.command, self.cfg.nproc, self.devices,
-                                       bool(self.py and self.cfg.warm))
+                                       bool(self.py and self.cfg.warm.enabled))
         self.events = events.Receiver(jobstate.events_path(self.namespace))
         self._install_signals()
         try:
@@ -117,8 +121,8 @@ class Supervisor:
                 return 0
 
     def _chaos_tick(self) -> None:
-        if self.chaos.target == "daemon" and self.cfg.checkpoint_dir and self.chaos.timeout() == 0 and \
-                snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) is None:
+        if self.chaos.target == "daemon" and self.cfg.checkpoint.directory and self.chaos.timeout() == 0 and \
+                ckpt_format.latest_complete(self.cfg.checkpoint.directory, self.cfg.nproc) is None:
             return  # a daemon kill before the first complete checkpoint could only end the job: wait
         fired = self.chaos.fire({r: w.pid for r, w in self.workers.items() if w.status is None},
                                 self._daemon_pids())
@@ -129,18 +133,18 @@ class Supervisor:
 
     def _hang_tick(self) -> None:
         """Kill a group whose committed step stopped advancing (a hung collective, a deadlock)."""
-        if not self.cfg.hang_timeout or not self._gen_stepped or any(w.status is not None
+        if not self.cfg.restart.hang_timeout or not self._gen_stepped or any(w.status is not None
                                                                       for w in self.workers.values()):
             return
         now = time.monotonic()
-        if now - self._hang_polled < min(1.0, self.cfg.hang_timeout / 4):
+        if now - self._hang_polled < min(1.0, self.cfg.restart.hang_timeout / 4):
             return
         self._hang_polled = now
         steps = [v["step"] for v in self._views() if v and v["step"] is not None]
         step = min(steps) if steps else None
         if step != self._hang_step:
             self._hang_step, self._hang_since = step, now
-        elif now - self._hang_since > self.cfg.hang_timeout:
+        elif now - self._hang_since > self.cfg.restart.hang_timeout:
             self._hang_reason = f"hang: no new committed step for {now - self._hang_since:.0f} s (step {step})"
             self.log(f"{self._hang_reason}: killing the group")
             self._kill_group()  # every rank now has an exit status: the loop classifies it
@@ -160,15 +164,11 @@ class Supervisor:
                     "GPU_ANCHOR_NAMESPACE": self.namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir(),
                     "GPU_ANCHOR_RESTART_COUNT": str(self.gen), events.ENV: self.events.path})
         env.pop("GPU_ANCHOR_SOCKET", None)
-        if self.cfg.checkpoint_dir and self.cfg.checkpoint_every:
-            env[snapshot_paths.DIR_ENV] = os.path.abspath(self.cfg.checkpoint_dir)
-            env[snapshot_paths.EVERY_ENV] = str(self.cfg.checkpoint_every)
-            env[snapshot_paths.KEEP_ENV] = str(self.cfg.checkpoint_keep)
-            env[snapshot_paths.MODE_ENV] = self.cfg.checkpoint_mode
-        env[snapshot_paths.RESTORE_MODE_ENV] = self.cfg.restore_mode
-        env.pop(snapshot_paths.RESTORE_ENV, None)
+        env.pop(RESTORE_ENV, None)
+        restore = None
         if self.pending_restore is not None:
-            env[snapshot_paths.RESTORE_ENV] = f"{os.path.abspath(self.cfg.checkpoint_dir)}:{self.pending_restore}"
+            restore = f"{os.path.abspath(self.cfg.checkpoint.directory)}:{self.pending_restore}"
+        env.update(dataclasses.replace(self.cfg.checkpoint, restore=restore).to_env())
         return env
 
     def _start_group(self) -> None:
@@ -210,10 +210,11 @@ class Supervisor:
         return _Worker(rank, p.pid, p)
 
     def _start_zygote(self) -> None:
-        if self.py and self.cfg.warm:
+        if self.py and self.cfg.warm.enabled:
             from .zygote import start_server
-            self.zygote = start_server(self.py[0], self.cfg.preload, self.log,
-                                       standby=self.cfg.nproc if self.cfg.warm_pool else 0, prewarm=self.cfg.prewarm)
+            w = self.cfg.warm
+            self.zygote = start_server(self.py[0], w.preload, self.log, standby=self.cfg.nproc if w.standby else 0,
+                                       prewarm=w.prewarm)
 
     def _collect_exits(self) -> None:
         now = time.time()
@@ -270,11 +271,11 @@ class Supervisor:
         if code_changed:
             self.crash.reset()
         loop = False if by_chaos else self.crash.record(step, exits[0].key())
-        ckpt = snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc) \
-            if self.cfg.checkpoint_dir else None
+        ckpt = ckpt_format.latest_complete(self.cfg.checkpoint.directory, self.cfg.nproc) \
+            if self.cfg.checkpoint.directory else None
         obs = classify.Observation(
             tuple(exits), self.cfg.nproc, alive, same, healthy, dev_problem, not jproblem, jproblem,
-            self.restarts, self.cfg.max_restarts, ckpt is not None, loop, self.crash.detail() if loop else "")
+            self.restarts, self.cfg.restart.max_restarts, ckpt is not None, loop, self.crash.detail() if loop else "")
         d = classify.decide(obs)
         if d.action == "restart" and self.pending_restore is not None:
             d = classify.Decision("restore", d.reason + "; the previous restore did not finish -> restore again",
@@ -301,8 +302,8 @@ class Supervisor:
         progressed = step is not None and (self.last_fail_step is None or step > self.last_fail_step)
         self.no_progress = 0 if (progressed or by_chaos) else self.no_progress + 1
         self.last_fail_step = step
-        if self.no_progress and self.cfg.backoff > 0:
-            delay = min(30.0, self.cfg.backoff * 2 ** (self.no_progress - 1))
+        if self.no_progress and self.cfg.restart.backoff > 0:
+            delay = min(30.0, self.cfg.restart.backoff * 2 ** (self.no_progress - 1))
             self.log(f"no progress since the last failure: waiting {delay:.1f} s")
             time.sleep(delay)
         if d.action == "restore":
@@ -320,9 +321,9 @@ class Supervisor:
 
     def _initial_restore(self) -> int | None:
         """Resume from the newest complete checkpoint if the daemons hold nothing of this job."""
-        if not (self.cfg.resume and self.cfg.checkpoint_dir):
+        if not (self.cfg.resume and self.cfg.checkpoint.directory):
             return None
-        ckpt = snapshot_paths.latest_complete(self.cfg.checkpoint_dir, self.cfg.nproc)
+        ckpt = ckpt_format.latest_complete(self.cfg.checkpoint.directory, self.cfg.nproc)
         if ckpt is None:
             return None
         for d in self.daemons.devices:

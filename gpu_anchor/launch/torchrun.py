@@ -18,11 +18,12 @@ import argparse
 import os
 import sys
 import threading
+import time
 
 from gpu_anchor.paths import socket_dir
 
-from . import daemons as daemons_mod
-from .snapshot_paths import DIR_ENV, EVERY_ENV, KEEP_ENV, RESTORE_ENV
+from . import daemons as daemons_mod, jobstate
+from gpu_anchor.checkpoint.settings import CheckpointSettings
 
 
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -54,9 +55,8 @@ def main(argv: list[str]) -> int:
     env = {"GPU_ANCHOR_NAMESPACE": namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir()}
     if ours.checkpoint_dir:
         d = os.path.abspath(ours.checkpoint_dir)
-        env[RESTORE_ENV] = f"auto:{d}"
-        if ours.checkpoint_every:
-            env.update({DIR_ENV: d, EVERY_ENV: str(ours.checkpoint_every), KEEP_ENV: str(ours.checkpoint_keep)})
+        env.update(CheckpointSettings(d if ours.checkpoint_every else None, ours.checkpoint_every,
+                                      ours.checkpoint_keep, restore=f"auto:{d}").to_env())
     # With the rendezvous TCP store shared with the workers (torch's default), a restarted
     # group finds the previous round's process-group keys in that same store and hangs or
     # fails in init_process_group (seen with gloo on torch 2.13): give each round its own.
@@ -66,15 +66,22 @@ def main(argv: list[str]) -> int:
     log = lambda m: print(f"[gpu-anchor] {m}", file=sys.stderr, flush=True)  # noqa: E731
     dm = daemons_mod.JobDaemons(devices, namespace, ours.keep_daemons, log)
     dm.ensure()
+    # the job record `gpu-anchor status` shows (torch elastic restarts the workers itself: what
+    # this process decides, and records, is the daemons' replacement)
+    state = jobstate.JobState(namespace, ["gpu-anchor", "torchrun", *argv], nproc, devices, False, kind="torchrun")
+    state.set(state="running")
     stop = threading.Event()
 
     def watch():  # a dead daemon is replaced so that elastic's next restart can restore into it
         while not stop.wait(1.0):
             alive, _, problems = dm.check()
             if not alive:
-                log(f"daemon problem ({'; '.join(problems)}): starting a fresh one; workers will restore "
-                    "from the checkpoint on their next start")
+                reason = (f"daemon problem ({'; '.join(problems)}): a fresh daemon; workers restore from the "
+                          "checkpoint on their next start")
+                log(reason)
                 dm.replace_dead()
+                state.add_restart({"action": "restore", "kind": "destructive", "reason": reason, "step": None,
+                                   "t_detect": time.time(), "recovery_s": None})
     threading.Thread(target=watch, name="gpu-anchor-daemon-watch", daemon=True).start()
 
     args.module = True
@@ -84,9 +91,11 @@ def main(argv: list[str]) -> int:
     try:
         trun.run(args)
         ok = True
+        state.set(state="done", result="success")
         return 0
     except Exception as e:  # ChildFailedError: torch elastic already printed the details
         log(f"torchrun failed: {type(e).__name__}; anchored state kept in namespace {namespace!r}")
+        state.set(state="stopped", result=f"torchrun failed: {type(e).__name__}")
         dm.keep = True
         return 1
     finally:

@@ -3,6 +3,8 @@
 Shared by the warm path (a child forked from the zygote) and the cold path
 (``python -m gpu_anchor.launch.worker TARGET...``):
 
+0. subscribe the supervisor to the training protocol's "step committed" event
+   (``subscribe``: checkpoints, recovery timing);
 1. if the supervisor asked for a restore (``GPU_ANCHOR_RESTORE=DIR:STEP``), fill this
    rank's daemons from that checkpoint step — the user's code then binds
    exactly as after a shallow failure (``GPU_ANCHOR_RESTORE_MODE=on_demand``: the
@@ -19,16 +21,24 @@ import runpy
 import sys
 import time
 
+from gpu_anchor.checkpoint.settings import CheckpointSettings
+
 from . import events
 
-from .snapshot_paths import RESTORE_ENV
+
+def subscribe() -> None:
+    """The supervisor listens to this worker's committed steps (``boundary.SupervisedSteps``)."""
+    from gpu_anchor.train import step_hooks
+    from .boundary import STEPS
+    step_hooks.subscribe(STEPS)
 
 
 def restore_if_asked() -> None:
-    spec = os.environ.get(RESTORE_ENV)
+    settings = CheckpointSettings.from_env()
+    spec = settings.restore
     if not spec:
         return
-    from . import snapshot
+    from gpu_anchor.checkpoint import snapshot
     import torch
     if spec.startswith("auto:"):
         directory, step = spec[5:], _auto_step(spec[5:])
@@ -40,12 +50,11 @@ def restore_if_asked() -> None:
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     # every recorded GPU of this rank goes to the GPU this rank now runs on
     here = f"cuda:{local}"
-    man_devices = _recorded_devices(snapshot, directory, int(step), rank)
+    man_devices = _recorded_devices(directory, int(step), rank)
     device_map = {d: here for d in man_devices if d.startswith("cuda")}
     if device_map and not torch.cuda.is_available():
         raise RuntimeError(f"checkpoint step {step} of rank {rank} holds GPU state but no GPU is visible")
-    from .snapshot_paths import RESTORE_MODE_ENV
-    if os.environ.get(RESTORE_MODE_ENV) == "on_demand":
+    if settings.restore_mode == "on_demand":
         # objects bound, journal back (marked restoring); each loads when first touched
         from gpu_anchor.checkpoint import supervised
         stats = supervised.restore_on_demand(directory, int(step), rank, device_map)
@@ -56,8 +65,9 @@ def restore_if_asked() -> None:
 
 def _auto_step(directory: str) -> int | None:
     """Under torchrun: the checkpoint to restore if this rank's daemons hold no committed step."""
+    from gpu_anchor.checkpoint.format import latest_complete
     from gpu_anchor.paths import default_socket
-    from . import health, snapshot_paths
+    from . import health
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     ns = os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
     import torch
@@ -68,13 +78,15 @@ def _auto_step(directory: str) -> int | None:
         view = health.read_namespace(device, default_socket(device), namespace)
         if view is not None and view["step"] is not None:
             return None
-    return snapshot_paths.latest_complete(directory, world)
+    return latest_complete(directory, world)
 
 
-def _recorded_devices(snapshot, directory: str, step: int, rank: int) -> list[str]:
-    import json
-    with open(os.path.join(snapshot.step_dir(directory, step), f"rank{rank}", "manifest.json")) as f:
-        return [e["device"] for e in json.load(f)["files"]]
+def _recorded_devices(directory: str, step: int, rank: int) -> list[str]:
+    from gpu_anchor.checkpoint.format import rank_dir, read_manifest
+    man = read_manifest(rank_dir(directory, step, rank))
+    if man is None:
+        raise FileNotFoundError(f"checkpoint step {step} of rank {rank} in {directory} is not complete")
+    return [e["device"] for e in man["files"]]
 
 
 def run_target(target: list[str]) -> dict:
@@ -102,20 +114,16 @@ def run_target(target: list[str]) -> dict:
         return runpy.run_path(script, run_name="__main__")
 
 
-def debug_hooks() -> None:
-    """``kill -USR1 <worker>`` dumps every thread's Python stack to stderr (hung collectives)."""
-    import faulthandler
-    import signal
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug_hooks()
+    from gpu_anchor.runtime import install_stack_dumps
+    install_stack_dumps()       # as in a forked worker: stacks on SIGABRT, and on SIGUSR1
     if argv[:1] == ["--restore-only"]:   # for a non-Python job: nothing of ours runs its ops
-        os.environ["GPU_ANCHOR_RESTORE_MODE"] = "full"
+        from gpu_anchor.checkpoint.settings import RESTORE_MODE_ENV
+        os.environ[RESTORE_MODE_ENV] = "full"
         restore_if_asked()
         return
+    subscribe()
     events.mark("user_code", how="cold")
     restore_if_asked()
     run_target(argv)

@@ -9,20 +9,19 @@ Protocol on the inherited socket (JSON lines), supervisor → zygote:
 ``{"op": "spawned", "id", "pid"}`` and ``{"op": "exit", "pid", "status"}``
 (status as ``Popen.returncode``: negative = killed by that signal).
 
-Fork safety: the zygote runs one Python thread.  It imports modules, never runs
-their work (no CUDA, no parallel ops that would start OpenMP's pool), and reports
-its Python and OS thread counts at ``ready``: the supervisor refuses the warm
-path if a preload started a Python thread (a lock held across fork would be
-copied held).  Idle native pools that exist right after ``import torch``
-(e.g. OpenBLAS) register their own fork handlers.  Each child
-gets a fresh process group, ``PR_SET_PDEATHSIG`` (it dies with the zygote), the
-job's environment and working directory, then runs the target via
-``gpu_anchor.launch.worker``.  The zygote dies with the supervisor.
+Forks go through ``gpu_anchor.runtime.fork`` (docs/runtime.md): the zygote imports
+modules and never runs their work (no CUDA, no parallel ops that would start OpenMP's
+pool), and the runtime refuses a fork while any thread but OpenBLAS's (which stops itself
+for a fork) runs; at ``ready`` the zygote reports its threads, and the supervisor refuses
+the warm path if a preload left a foreign one running.  Each child gets a fresh process
+group, ``PR_SET_PDEATHSIG`` (it dies with the zygote), faulthandler, torch's thread pool
+rebuilt, the job's environment and working directory, then runs the target via
+``gpu_anchor.launch.worker`` and exits through ``runtime.exit_path``.  The zygote dies
+with the supervisor.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import os
@@ -31,81 +30,33 @@ import signal
 import socket
 import sys
 import time
-import warnings
+
+from gpu_anchor import runtime
 
 
-def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+def _run_request(req: dict, how: str = "warm"):
+    """In the forked worker (or a standby taking over): the job's environment, then its target.
+    Returns the script's globals (``runtime.exit_path`` holds them until the process ends)."""
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    from . import events, worker
+    worker.subscribe()
+    events.mark("user_code", how=how)
+    worker.restore_if_asked()
+    return worker.run_target(req["target"])
 
 
-def os_threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 1
-
-
-def _child(sock: socket.socket, req: dict, how: str = "warm") -> None:
-    """In the forked worker (or a standby taking over): never returns."""
-    code = 1
-    # Held until os._exit: the script's globals and the frames of an exception.
-    # Letting them die here would free their anchored objects (see worker.run_target).
-    keep = None
-    try:
-        sock.close()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.setpgid(0, 0)
-        set_pdeathsig()
-        os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
-        from . import events, worker
-        worker.debug_hooks()
-        events.mark("user_code", how=how)
-        worker.restore_if_asked()
-        keep = worker.run_target(req["target"])
-        code = 0
-    except SystemExit as e:
-        keep = e
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
-    except BaseException as e:
-        keep = e
-        import traceback
-        traceback.print_exc()
-        code = 1
-    # a normal interpreter exit: non-daemon threads, then atexit, then flush
-    try:
-        import threading
-        threading._shutdown()
-    except Exception:
-        pass
-    try:
-        import atexit
-        atexit._run_exitfuncs()
-    except Exception:
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
+def _fork_worker(sock: socket.socket, req: dict) -> int:
+    return runtime.fork(lambda: _run_request(req), new_process_group=True, sigint_raises=True,
+                        before_main=sock.close)
 
 
 STANDBY_AFTER_S = 2.0
 
 
 class _Pool:
-    """``--standby N``: one warm standby per local rank (``warm_pool.Standby``), its CUDA
+    """``--standby N``: one warm standby per local rank (``runtime.Standby``), its CUDA
     context created for ``cuda:<rank>``; a spawn for that rank is handed to it instead of
     a fork.  A standby is (re)made ``STANDBY_AFTER_S`` after the server starts or after its
     slot was used, so its CUDA init does not compete with a starting worker."""
@@ -116,11 +67,13 @@ class _Pool:
         self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def refill(self) -> None:
-        from .warm_pool import Standby
         now = time.monotonic()
         for r in range(self.n):
             if r not in self.sb and now >= self.due[r]:
-                self.sb[r] = Standby(lambda r=r: _prepare_rank(r), lambda req: _child(self.sock, req, "standby"))
+                # made in a new process group, like a forked worker: the supervisor kills groups
+                self.sb[r] = runtime.Standby(lambda r=r: _prepare_rank(r), lambda req: _run_request(req, "standby"),
+                                             new_process_group=True, sigint_raises=True,
+                                             before_main=self.sock.close)
 
     def take(self, req: dict) -> int | None:
         """The standby's pid, now running ``req``; None: fork as usual."""
@@ -146,7 +99,7 @@ class _Pool:
 
 def _prepare_rank(rank: int) -> dict:
     import torch
-    from .warm_pool import PREWARM_ENV, run_prewarm, warm_cuda
+    from gpu_anchor.runtime.warm import PREWARM_ENV, run_prewarm, warm_cuda
     info, device = {}, "cpu"
     if torch.cuda.is_available() and rank < torch.cuda.device_count():
         device = f"cuda:{rank}"
@@ -158,7 +111,7 @@ def _prepare_rank(rank: int) -> dict:
 
 
 def serve(fd: int, preload: list[str], standby: int = 0) -> None:
-    set_pdeathsig(signal.SIGTERM)
+    runtime.set_pdeathsig(signal.SIGTERM)
     sock = socket.socket(fileno=fd)
     t0 = time.perf_counter()
     failed = {}
@@ -174,8 +127,9 @@ def serve(fd: int, preload: list[str], standby: int = 0) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         failed["cuda"] = "a preloaded module initialised CUDA: children could not use it"
-    send({"op": "ready", "preload_s": time.perf_counter() - t0, "threads": os_threads(),
-          "python_threads": threading.active_count(), "failed": failed, "pid": os.getpid()})
+    send({"op": "ready", "preload_s": time.perf_counter() - t0, "threads": len(runtime.os_threads()),
+          "python_threads": threading.active_count(), "foreign_threads": runtime.foreign_threads(),
+          "failed": failed, "pid": os.getpid()})
     rfd, wfd = os.pipe()
     os.set_blocking(rfd, False), os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
@@ -210,11 +164,7 @@ def serve(fd: int, preload: list[str], standby: int = 0) -> None:
             if req.get("op") == "spawn":
                 pid = pool.take(req) if pool is not None else None
                 if pid is None:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", DeprecationWarning)  # threads: see module docstring
-                        pid = os.fork()
-                    if pid == 0:
-                        _child(sock, req)
+                    pid = _fork_worker(sock, req)
                 send({"op": "spawned", "id": req["id"], "pid": pid})
 
 
@@ -336,8 +286,8 @@ class Zygote:
 def start_server(python: str, preload: list[str], log, standby: int = 0,
                  prewarm: str | None = None) -> "Zygote | None":
     """A ready warm-worker server, or None (logged why) when the warm path is unusable.
-    ``prewarm``: ``module:function`` each standby calls after its CUDA init (``warm_pool.run_prewarm``)."""
-    from .warm_pool import PREWARM_ENV
+    ``prewarm``: ``module:function`` each standby calls after its CUDA init (``runtime.warm.run_prewarm``)."""
+    from gpu_anchor.runtime.warm import PREWARM_ENV
     env = dict(os.environ)
     env.pop(PREWARM_ENV, None)
     if prewarm and standby:
@@ -353,8 +303,9 @@ def start_server(python: str, preload: list[str], log, standby: int = 0,
     problem = None
     if "cuda" in r["failed"]:
         problem = r["failed"]["cuda"]
-    elif r.get("python_threads", 1) > 1:
-        problem = f"{r['python_threads']} Python threads after preloading {','.join(preload)}: forking is unsafe"
+    elif r.get("foreign_threads"):
+        problem = f"threads running after preloading {','.join(preload)}: {', '.join(r['foreign_threads'])}; " \
+                  "forking is unsafe"
     if problem:
         log(f"warm-worker server unusable: {problem}; cold starts")
         z.close()

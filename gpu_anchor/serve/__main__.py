@@ -1,6 +1,9 @@
-"""``python -m gpu_anchor.serve MODEL_DIR ...`` = ``gpu-anchor serve MODEL_DIR ...``."""
+"""``python -m gpu_anchor.serve MODEL_DIR ...`` = ``gpu-anchor serve MODEL_DIR ...``.
+
+An entry point, not library code: it starts the supervisor (``gpu_anchor.launch.serve``),
+the one import of ``launch`` the layering rules allow under serve/ (nothing imports this)."""
 import sys
 
-from .cli import cli
+from gpu_anchor.launch.serve import cli
 
 sys.exit(cli())

@@ -1,16 +1,8 @@
-"""``gpu-anchor serve MODEL_DIR [--random-weights]``: frontend process + engine supervisor.
+"""The engine side of ``gpu-anchor serve``: its arguments, its ``EngineConfig``, the fault
+plan, what a warm standby engine does before and at take-over, and following a migration.
 
-Process tree::
-
-    gpu-anchor serve            supervisor + zygote: imports torch/transformers, runs no torch op
-      ├── frontend              python -m gpu_anchor.serve.frontend (torch-free, owns HTTP clients)
-      └── engine (forked)       maps anchored weights/KV, restores, serves; re-forked when it dies
-
-The supervisor forks each engine from an interpreter that has imported torch and
-transformers but never started a thread pool or touched CUDA, so a new engine is ready in
-well under a second plus its bind/restore.  It ensures the device's anchor daemon runs
-(``--no-anchor`` skips it: the benchmark baseline; a restarted engine then starts empty and
-the frontend re-sends every open request).
+The supervisor (frontend process, engine forks and restarts, decisions, job record) is
+``gpu_anchor.launch.serve``; it calls into this module, never the other way round.
 """
 from __future__ import annotations
 
@@ -19,24 +11,10 @@ import json
 import logging
 import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 
 from . import options
 
 log = logging.getLogger("gpu_anchor.serve")
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible server whose requests survive engine crashes",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=main)
-    return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for the first LIMIT engines (default: all)")
 
 
-def _fault_for(plan: str | None, incarnation: int):
+def fault_for(plan: str | None, incarnation: int):
     if not plan:
         return None
     from .engine import PHASES
@@ -99,18 +77,15 @@ def _fault_for(plan: str | None, incarnation: int):
     return (rng.randint(0, maxstep), rng.choice(PHASES))
 
 
-STANDBY_AFTER_S = 2.0
-
-
 def _dtype(name: str):
     from .engine import DTYPES
     return DTYPES.get(name)
 
 
-def _standby_prepare(cfg, prewarm: bool) -> dict:
+def standby_prepare(cfg, prewarm: bool) -> dict:
     """A standby's start-up, on scratch tensors only: CUDA context and cuBLAS, then (``--prewarm``)
     the scratch engine of ``serve.prewarm``."""
-    from gpu_anchor.launch.warm_pool import warm_cuda
+    from gpu_anchor.runtime.warm import warm_cuda
     info = warm_cuda(cfg.device, _dtype(cfg.dtype))
     if prewarm:
         from .prewarm import warm_engine
@@ -118,7 +93,7 @@ def _standby_prepare(cfg, prewarm: bool) -> dict:
     return info
 
 
-def _standby_run(cfg, esock: str, go: dict, worker) -> None:
+def standby_run(cfg, esock: str, go: dict, worker) -> None:
     """The standby takes over: what is only known now comes in ``go``."""
     import dataclasses
     c = dataclasses.replace(cfg, device=go["device"], socket=go["socket"],
@@ -126,7 +101,7 @@ def _standby_run(cfg, esock: str, go: dict, worker) -> None:
     worker.run(c, esock, started_at=go["started"], standby=True)
 
 
-def _follow_migration(cfg, path: str) -> None:
+def follow_migration(cfg, path: str) -> None:
     """A finished ``gpu-anchor migrate`` moved the engine: the next one starts where it went."""
     try:
         with open(path) as f:
@@ -154,140 +129,3 @@ def engine_config(args, mc):
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
                         namespace=args.namespace or f"serve-{name}", socket=args.socket,
                         cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None)
-
-
-def main(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
-    started_at = time.time()
-    try:
-        options.check(args)
-    except options.OptionError as e:
-        print(f"gpu-anchor serve: {e}", file=sys.stderr)
-        return 2
-    args.warm_pool |= args.prewarm
-    # The zygote role: import the heavy modules once, run nothing that starts threads.
-    import torch  # noqa: F401
-    from .model_runner import load_config
-    try:
-        mc = load_config(args.model)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"gpu-anchor serve: {e}", file=sys.stderr)
-        return 2
-    from . import worker
-    from .model_runner import meta_model
-    meta_model(mc)        # imports the modeling code once, here, for every forked engine
-    rundir = tempfile.mkdtemp(prefix="gpu-anchor-serve-")
-    try:
-        cfg = engine_config(args, mc)
-        template = options.chat_template_file(args.chat_template, rundir)
-    except options.OptionError as e:
-        print(f"gpu-anchor serve: {e}", file=sys.stderr)
-        return 2
-    if cfg.anchor:
-        from gpu_anchor.daemon import control
-        from gpu_anchor.paths import default_socket, normalize_device
-        dev = "cpu" if cfg.device == "cpu" else normalize_device(cfg.device)
-        path = args.socket or default_socket(dev)
-        if control.ping(dev, path) is None:
-            control.start(dev, path)
-            log.info("started the anchor daemon for %s at %s", dev, path)
-        cfg.socket = path
-    esock = os.path.join(rundir, "engine.sock")
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    tok = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
-    fe_cmd = [sys.executable, "-m", "gpu_anchor.serve.frontend", "--engine-socket", esock,
-              "--vocab-size", str(mc.vocab_size), "--model-name", name, "--max-model-len", str(cfg.max_model_len),
-              "--host", args.host, "--port", str(args.port), "--started-at", repr(started_at)]
-    if tok:
-        fe_cmd += ["--tokenizer", tok]
-    if template:
-        fe_cmd += ["--chat-template", template]
-    if args.port_file:
-        fe_cmd += ["--port-file", args.port_file]
-    key = options.api_key(args)      # in the environment: a command line is visible to every user
-    frontend = subprocess.Popen(fe_cmd, env=dict(os.environ, GPU_ANCHOR_SERVE_API_KEY=key or ""))
-    if threading.active_count() != 1:
-        log.warning("%d threads before forking engines: fork may be unsafe", threading.active_count())
-    stopping = False
-
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    from gpu_anchor.launch.warm_pool import Standby, wait_exit
-    incarnation, engine, quick_failures = 0, None, 0
-    standby = None
-    started = 0.0
-    try:
-        while not stopping:
-            if frontend.poll() is not None:
-                log.error("frontend exited (%s); stopping", frontend.returncode)
-                break
-            if engine is None:
-                cfg.fault = _fault_for(args.fault_plan, incarnation)
-                _follow_migration(cfg, worker.placement_path(esock))
-                started = time.time()
-                if standby is not None and standby.ready(timeout=10.0):
-                    try:
-                        engine = standby.go({"started": started, "device": cfg.device, "socket": cfg.socket,
-                                             "fault": cfg.fault})
-                    except OSError:              # the standby died meanwhile: start one the usual way
-                        log.warning("the warm standby is gone; forking an engine")
-                if engine is None:
-                    if standby is not None:
-                        standby.close()
-                    engine = os.fork()
-                    if engine == 0:
-                        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                        signal.signal(signal.SIGINT, signal.SIG_DFL)
-                        code = 0
-                        try:
-                            worker.run(cfg, esock, started_at=started)
-                        except BaseException:
-                            logging.getLogger("gpu_anchor.serve").exception("engine failed")
-                            code = 1
-                        finally:
-                            os._exit(code)
-                standby = None
-                incarnation += 1
-            if args.warm_pool and standby is None and time.time() - started > STANDBY_AFTER_S:
-                # made once the engine has started, so its CUDA init does not slow that one's
-                standby = Standby(lambda: _standby_prepare(cfg, args.prewarm),
-                                  lambda go: _standby_run(cfg, esock, go, worker))
-            r = wait_exit(engine, 0.25)      # a pidfd: the death is seen when it happens
-            if r is None:
-                continue
-            pid, status = r
-            engine = None
-            how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
-            log.warning("engine %d died (%s) after %.2f s; restarting", pid, how, time.time() - started)
-            if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0 and time.time() - started < 30:
-                quick_failures += 1
-                if quick_failures >= 3:
-                    log.error("the engine failed 3 times in a row at start-up; giving up")
-                    return 1
-            else:
-                quick_failures = 0
-    finally:
-        if standby is not None:
-            standby.close()
-        if engine:
-            os.kill(engine, signal.SIGKILL)
-            os.waitpid(engine, 0)
-        if frontend.poll() is None:
-            frontend.terminate()
-            try:
-                frontend.wait(10)
-            except subprocess.TimeoutExpired:
-                frontend.kill()
-    return 0
-
-
-def cli(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="gpu-anchor")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    add_parser(sub)
-    args = ap.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)

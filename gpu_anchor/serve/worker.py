@@ -82,10 +82,10 @@ def _write_placement(path: str, placement: dict) -> None:
 
 
 class _Migrating:
-    """One ``migrate`` request's progress inside the serve loop (see ``checkpoint.engine_migration``)."""
+    """One ``migrate`` request's progress inside the serve loop (see ``serve.migration``)."""
 
     def __init__(self, eng, msg: dict) -> None:
-        from gpu_anchor.checkpoint.engine_migration import EngineMigration
+        from gpu_anchor.serve.migration import EngineMigration
         self.mid = msg.get("mid")
         self.mig = EngineMigration(eng, msg["device"], msg.get("socket"))
         self.mig.start()
@@ -97,7 +97,7 @@ class _Migrating:
 def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown); ``standby``: this process
-    is a warm standby taking over (``launch.warm_pool``)."""
+    is a warm standby taking over (``runtime.Standby``)."""
     t0 = time.time()
     sock = _connect(frontend_socket)
     eng = Engine(cfg, progress=_Progress(sock, t0))

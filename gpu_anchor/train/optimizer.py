@@ -37,7 +37,9 @@ from .hparams import set_hparams as _set_hparams
 from .state_dict import StateDictMixin
 from .kinds import kind_of
 from .protocol import StepState, key
-from gpu_anchor.launch import STEP_KEY, checkpoint_due, step_boundary
+from gpu_anchor.journal_keys import STEP_KEY
+
+from . import step_hooks
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -300,7 +302,7 @@ class AnchoredOptimizer(StateDictMixin):
             self._commit(puts)
             self._state = new
             if landed is not None:
-                step_boundary(landed, self.client)
+                step_hooks.step_committed(landed, self.client)
             if self._barrier is not None:
                 self._barrier()
             if device:
@@ -319,7 +321,7 @@ class AnchoredOptimizer(StateDictMixin):
         puts, landed = self._dev.take_pending()
         if landed is not None:
             self._commit(puts)
-            step_boundary(landed, self.client)
+            step_hooks.step_committed(landed, self.client)
 
     # ------------------------------------------------------------------ protocol
     def _run_from(self, c0: int, mask, counts, hps, carry) -> None:
@@ -368,14 +370,14 @@ class AnchoredOptimizer(StateDictMixin):
         if self.progress == "device":
             self._dev.step_written(new.step - 1, len(self._chunks), puts)
             # The first step of a worker lands at once (the supervisor times recovery by it),
-            # and so does one a checkpoint is due at (the snapshot must see it committed).
-            if not self._landed_one or checkpoint_due(new.step):
+            # and so does one a listener must see committed (a checkpoint due there).
+            if not self._landed_one or step_hooks.wants_landed(new.step):
                 self._landed_one = True
                 self.flush()
             return
         self._wait()
         self._commit(puts, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
-        step_boundary(new.step, self.client)  # checkpoints when `gpu-anchor run --checkpoint-every` asks
+        step_hooks.step_committed(new.step, self.client)  # the supervisor's checkpoints, recovery timing
 
     def _resume(self, vals: dict) -> None:
         p = self.prefix

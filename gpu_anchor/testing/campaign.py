@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 import torch
 
 import gpu_anchor
+from gpu_anchor import runtime
 
-from . import faults
-from .anchor import anchor_module
-from .optimizer import AnchoredOptimizer
+from gpu_anchor.train import faults
+from gpu_anchor.train.anchor import anchor_module
+from gpu_anchor.train.optimizer import AnchoredOptimizer
 
 D_IN, HIDDEN, D_OUT, BATCH = 24, 48, 8, 16
 
 
 @dataclass
-class RunConfig:
+class CampaignConfig:
     steps: int = 12
     optimizer: str = "adamw"        # adamw | adam | sgd
     flavour: str = "default"        # default | foreach | single | fused
@@ -55,7 +56,7 @@ def warmup(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: CampaignConfig) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
     other = [p for n, p in model.named_parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
@@ -96,7 +97,7 @@ def _log(fd: int, step: int, loss: torch.Tensor, scaler=None) -> None:
     os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}{extra}\n".encode())
 
 
-def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = None) -> int:
+def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None = None) -> int:
     """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
     faults.arm(fault)
     scaler = make_scaler() if cfg.amp else None
@@ -135,7 +136,7 @@ def train(namespace: str, cfg: RunConfig, log_path: str, fault: str | None = Non
 _warm = False
 
 
-def prewarm(cfg: RunConfig) -> None:
+def prewarm(cfg: CampaignConfig) -> None:
     """Run one plain step here so torch's lazy imports happen before any fork."""
     global _warm
     if _warm:
@@ -152,23 +153,16 @@ def prewarm(cfg: RunConfig) -> None:
     _warm = True
 
 
-def _child(fn, *args) -> int:
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            # torch's CPU thread pool does not survive fork: rebuild it here, in the child's only
-            # thread.  Left to the first op, the autograd engine's per-GPU threads all rebuild it at
-            # once at the first backward and race ("Invalid thread pool!", SIGABRT, seen on 2 H200s).
-            torch.set_num_threads(torch.get_num_threads())
-            fn(*args)
-            code = 0
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
+# Campaign workers are forked from the test process (pytest), which may still run threads of
+# earlier tests.  Safe here: this process runs torch on one thread (``prewarm``), so no OpenMP
+# team is shared with the children, and the children touch no state of those threads.
+IN_TEST_PROCESS = "a test driver's process: torch on one thread; children touch no other thread's state"
+
+
+def _child(fn, *args, unsafe_ok: str | None = IN_TEST_PROCESS) -> int:
+    """Fork a worker running ``fn(*args)`` (``gpu_anchor.runtime.fork``: thread pool rebuilt,
+    exit path, ...).  ``unsafe_ok=None``: refuse if this process runs other threads."""
+    return runtime.fork(lambda: fn(*args), unsafe_ok=unsafe_ok)
 
 
 def _wait(pid: int) -> int:
@@ -188,11 +182,11 @@ class RunResult:
 
 
 def _journal_state(client, prefix="train"):
-    from .protocol import StepState, key
+    from gpu_anchor.train.protocol import StepState, key
     return StepState.decode(client.journal.get(key(prefix, "state")))
 
 
-def run(namespace: str, cfg: RunConfig, log_path: str, faults_seq=(), random_kills: int = 0,
+def run(namespace: str, cfg: CampaignConfig, log_path: str, faults_seq=(), random_kills: int = 0,
         max_delay_s: float = 0.05, rng: random.Random | None = None, client=None) -> RunResult:
     """Train to the end in ``namespace``, killing workers: first at each spec of
     ``faults_seq`` (one per worker), then up to ``random_kills`` times at random

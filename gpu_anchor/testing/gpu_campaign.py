@@ -1,7 +1,7 @@
 """Ten SIGKILLs at the five protocol phases on a ~1B Llama (transformers, bf16, AdamW).
 
-    PYTHONPATH=. python -m gpu_anchor.train.gpu_campaign --out train_gpu_faults.json
-    python -m gpu_anchor.train.gpu_campaign --device cpu --tiny      # the same on a toy model
+    PYTHONPATH=. python -m gpu_anchor.testing.gpu_campaign --out train_gpu_faults.json
+    python -m gpu_anchor.testing.gpu_campaign --device cpu --tiny      # the same on a toy model
 
 This process imports torch and transformers but never touches CUDA; every worker is
 forked from it (CUDA starts in the child, ~0.5 s instead of a cold interpreter).  It
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from gpu_anchor.train.campaign import _child, _wait
+from gpu_anchor.testing.campaign import _child, _wait
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
@@ -46,9 +46,9 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
 
     import gpu_anchor
 
-    from . import faults
-    from .anchor import anchor_module
-    from .optimizer import AnchoredOptimizer
+    from gpu_anchor.train import faults
+    from gpu_anchor.train.anchor import anchor_module
+    from gpu_anchor.train.optimizer import AnchoredOptimizer
 
     t0 = time.perf_counter()
     faults.arm(fault)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     import torch  # noqa: F401  (imported before fork on purpose)
     import transformers  # noqa: F401
 
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
 
     torch.set_num_threads(1)   # no OpenMP team before fork (libgomp is not fork-safe)
     build(True, "cpu")         # resolve transformers' lazy imports once, here, not in every worker
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         ref_log = os.path.join(tmp, "ref.log")
-        code = _wait(_child(worker, "ref", a, ref_log, None))
+        code = _wait(_child(worker, "ref", a, ref_log, None, unsafe_ok=None))
         if code != 0:
             raise RuntimeError(f"fault-free run failed ({code})")
         out["fault_free_wall_s"] = time.perf_counter() - t0
@@ -162,8 +162,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         codes = []
         for spec in specs:
-            codes.append(_wait(_child(worker, "run", a, run_log, spec)))
-        codes.append(_wait(_child(worker, "run", a, run_log, None, "ref")))
+            codes.append(_wait(_child(worker, "run", a, run_log, spec, unsafe_ok=None)))
+        codes.append(_wait(_child(worker, "run", a, run_log, None, "ref", unsafe_ok=None)))
         out["faulted_wall_s"] = time.perf_counter() - t0
         run = _parse(open(run_log).read())
         kills = sum(c == -signal.SIGKILL for c in codes[:-1])

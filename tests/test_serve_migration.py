@@ -20,8 +20,8 @@ import time
 import pytest
 
 from bench.common import get_json as _get
-from gpu_anchor.daemon import control
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.client import control
+from gpu_anchor.testing.tiny import make_tiny_model
 
 CFG = dict(dtype="float64", block_size=4, num_blocks=600, max_batched_tokens=32, max_model_len=512, cpu_threads=1)
 
@@ -50,7 +50,9 @@ def _jobs(n=10, seed=0):
 def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemons):
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from gpu_anchor.checkpoint.engine_migration import EngineMigration
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)     # what gpu-anchor serve does for its engines
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     src, dst = two_daemons

@@ -6,7 +6,7 @@ Two ways to run a rank:
   calls ``rank_train`` with a file rendezvous and a per-rank namespace;
 * under ``gpu-anchor torchrun`` / ``gpu-anchor run`` (issue 9), as a script:
 
-      gpu-anchor torchrun --nproc-per-node 8 -m gpu_anchor.train.fsdp_llama \\
+      gpu-anchor torchrun --nproc-per-node 8 -m gpu_anchor.testing.fsdp_llama \\
           --shape qwen14b --steps 50 --log-dir /tmp/fsdp14b
 
   (env:// rendezvous from torchrun's variables, namespace from the supervisor).
@@ -72,9 +72,9 @@ def rank_train(rank: int, world: int, init_method: str, namespace: str | None, s
 
     import gpu_anchor
 
-    from . import faults
-    from .fsdp import anchor_fsdp
-    from .optimizer import AnchoredOptimizer
+    from gpu_anchor.train import faults
+    from gpu_anchor.train.fsdp import anchor_fsdp
+    from gpu_anchor.train.optimizer import AnchoredOptimizer
 
     t0 = time.perf_counter()
     faults.arm(fault)

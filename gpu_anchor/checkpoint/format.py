@@ -1,5 +1,17 @@
-"""Reading the checkpoint directory (torch-free, for the supervisor): which steps
-are complete.  Layout and commit rule: see ``gpu_anchor.launch.snapshot``."""
+"""The checkpoint format (torch-free): what the supervisor and the workers both read.
+
+Layout (open formats)::
+
+    DIR/step-000000500/rank0/cuda0.safetensors     objects of one namespace on one device
+    DIR/step-000000500/rank0/manifest.json         step, rank, world size, files, sizes, journals
+    DIR/step-000000500/rank0/COMMITTED             written last, after fsync of everything else
+
+A step is complete only when every rank 0..WORLD_SIZE-1 has COMMITTED and each file has
+the size its manifest names, so a snapshot torn by a crash (of the worker, the node, or the
+writer) is never taken for complete; the previous complete step is used instead.  The
+writer and the restore (torch) are ``gpu_anchor.checkpoint.snapshot``; the journal keys a
+checkpoint carries are in ``gpu_anchor.journal_keys``.
+"""
 from __future__ import annotations
 
 import json
@@ -7,16 +19,20 @@ import os
 import re
 import shutil
 
-DIR_ENV, EVERY_ENV, KEEP_ENV = "GPU_ANCHOR_CHECKPOINT_DIR", "GPU_ANCHOR_CHECKPOINT_EVERY", "GPU_ANCHOR_CHECKPOINT_KEEP"
-RESTORE_ENV = "GPU_ANCHOR_RESTORE"
-MODE_ENV = "GPU_ANCHOR_CHECKPOINT_MODE"          # concurrent (default) | stop-the-world
-RESTORE_MODE_ENV = "GPU_ANCHOR_RESTORE_MODE"     # full (default) | on_demand
-CHECKPOINT_MODES, RESTORE_MODES = ("concurrent", "stop-the-world"), ("full", "on_demand")
+FORMAT = "gpu-anchor-snapshot/1"      # manifest["format"]
+# torch dtype name -> safetensors dtype code (the object files are safetensors)
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                      "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _STEP_RE = re.compile(r"^step-(\d{9})$")
 
 
 def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}")
+
+
+def rank_dir(directory: str, step: int, rank: int) -> str:
+    return os.path.join(step_dir(directory, step), f"rank{rank}")
 
 
 def read_manifest(rdir: str) -> dict | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_anchor.launch.health import STEP_KEY
+from gpu_anchor.journal_keys import STEP_KEY
 from gpu_anchor.train.anchor import anchor_module
 
 _LIB = None

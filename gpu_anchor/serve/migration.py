@@ -9,7 +9,11 @@
 
 Runs inside the engine process (``serve.worker``), so the frontend connection, the
 client streams and the process's interpreter/imports stay as they are; only the engine
-object is rebuilt on the destination.  The state moves through ``Migration`` (soft
+object is rebuilt on the destination.  How state moves between daemons is the checkpoint
+library's (``gpu_anchor.checkpoint.migrate``: ``Migration``, ``WriteSetTracker``), which
+serving does not import (docs/serving.md, "Layering"): whoever starts the engine process
+hands it over with ``provide(gpu_anchor.checkpoint.migrate)`` — the supervisor before it
+forks engines, tests and benchmarks in their own process.  The state moves through ``Migration`` (soft
 recopy pre-copy, then an on-demand restore from host memory): the new engine binds the
 same names at the destination daemon, finds them "matched" with the journal's weight
 fingerprint and KV layout, and restores every committed sequence with its KV — no
@@ -36,16 +40,26 @@ import dataclasses
 import logging
 import time
 
-from .migrate import Migration
-from .writeset import WriteSetTracker
+log = logging.getLogger("gpu_anchor.serve")
 
-log = logging.getLogger("gpu_anchor.checkpoint")
+_library = None      # gpu_anchor.checkpoint.migrate, once provided
+
+
+def provide(library) -> None:
+    """Hand this process the state-migration library (a module with ``Migration`` and
+    ``WriteSetTracker``: ``gpu_anchor.checkpoint.migrate``)."""
+    global _library
+    _library = library
 
 
 class EngineMigration:
     def __init__(self, eng, device: str, socket: str | None = None, throttle_s: float | None = None) -> None:
         if eng.anchor.client is None:
             raise ValueError("migration needs an anchored engine (not --no-anchor)")
+        if _library is None:
+            raise RuntimeError("no state-migration library in this engine process: start it with gpu-anchor "
+                               "serve, or call gpu_anchor.serve.migration.provide(gpu_anchor.checkpoint.migrate)")
+        Migration, WriteSetTracker = _library.Migration, _library.WriteSetTracker
         self.old = eng
         self.src_device, self.src_socket = str(eng.device), eng.anchor.client.socket_path
         self.device = "cpu" if device == "cpu" else str(device)
@@ -76,7 +90,7 @@ class EngineMigration:
         """Stop the old engine for good and rebuild it on the destination.  Returns
         ``(new_engine, events)``: ``events`` are tokens the old engine's last commit made
         publishable (publish them before the new engine's)."""
-        from gpu_anchor.serve.engine import Engine
+        from .engine import Engine
         old = self.old
         t0 = time.perf_counter()
         self.stats["precopy_s"] = t0 - self._t0 if self._t0 else 0.0

@@ -5,25 +5,15 @@ Contract (worker side)::
     client.journal.commit({..., "gpu_anchor/step": b"%d" % step})   # the step is durable
     snapshot.at_step(step, client, host_client)                    # then, at the boundary
 
-``at_step`` does nothing unless the supervisor asked for checkpoints
-(``GPU_ANCHOR_CHECKPOINT_DIR`` / ``GPU_ANCHOR_CHECKPOINT_EVERY``) and ``step`` is
-due.  When due, it copies every object of each client's namespace and the
-whole journal to host memory *before returning* — the worker is at a committed
-step boundary and nothing is in flight, so the copy equals the state at exactly
-that step — then writes the copy in a background thread while training goes on.
-
-Layout (open formats)::
-
-    DIR/step-000000500/rank0/cuda0.safetensors     objects of one namespace on one device
-    DIR/step-000000500/rank0/manifest.json         step, rank, world size, files, sizes, journals
-    DIR/step-000000500/rank0/COMMITTED             written last, after fsync of everything else
-
-A step is complete only when every rank 0..WORLD_SIZE-1 has COMMITTED and each
-file has the size its manifest names, so a snapshot torn by a crash (of the
-worker, the node, or the writer) is never taken for complete; the previous
-complete step is used instead.  ``restore`` fills fresh daemons from a step:
-objects first, journal last (a crash during restore leaves no journal, so the
-supervisor restores again).  Not tied to any training protocol.
+``at_step`` does nothing unless the settings (``CheckpointSettings``; by default what the
+supervisor put in the environment) ask for a checkpoint at ``step``.  When due, it copies
+every object of each client's namespace and the whole journal to host memory *before
+returning* — the worker is at a committed step boundary and nothing is in flight, so the
+copy equals the state at exactly that step — then writes the copy in a background thread
+while training goes on.  Layout and commit rule: ``gpu_anchor.checkpoint.format``.
+``restore`` fills fresh daemons from a step: objects first, journal last (a crash during
+restore leaves no journal, so the supervisor restores again).  Not tied to any training
+protocol.
 """
 from __future__ import annotations
 
@@ -41,15 +31,12 @@ import torch
 from gpu_anchor.client import mapping
 from gpu_anchor.client.client import Client
 
-from .health import STEP_KEY
-from .snapshot_paths import (DIR_ENV, EVERY_ENV, KEEP_ENV, complete_ranks, latest_complete, read_manifest,  # noqa: F401
-                             list_steps, prune, step_dir)
+from gpu_anchor.journal_keys import RESTORED_KEY, STEP_KEY
 
-RESTORED_KEY = "gpu_anchor/restored_from"
-PROGRESS_MIN_BYTES = int(os.environ.get("GPU_ANCHOR_PROGRESS_MIN_BYTES", 1 << 30))
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
-              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-              "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+from .format import FORMAT, SAFETENSORS_DTYPES as _ST_DTYPES, complete_ranks, prune, read_manifest, step_dir
+from .settings import CheckpointSettings
+
+PROGRESS_MIN_BYTES = 1 << 30      # a progress bar for writes from this size on
 
 _writer: threading.Thread | None = None
 # Tensors this module bound that the program itself did not hold: dropping them
@@ -59,26 +46,26 @@ HELD: dict[tuple, torch.Tensor] = {}
 _writer_error: list[BaseException] = []
 
 
-def due(step: int) -> bool:
-    every = int(os.environ.get(EVERY_ENV, "0") or 0)
-    return bool(os.environ.get(DIR_ENV)) and every > 0 and step > 0 and step % every == 0
+def due(step: int, settings: CheckpointSettings | None = None) -> bool:
+    return (settings or CheckpointSettings.from_env()).due(step)
 
 
-def at_step(step: int, *clients: Client) -> bool:
+def at_step(step: int, *clients: Client, settings: CheckpointSettings | None = None) -> bool:
     """Snapshot ``clients``' namespaces if ``step`` is due; True if one was started.
 
     Call on every rank right after the journal commit that made ``step``
     durable, before touching anchored state again.
     """
-    if not due(step):
+    settings = settings or CheckpointSettings.from_env()
+    if not settings.due(step):
         return False
-    directory = os.environ[DIR_ENV]
+    directory = settings.directory
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if complete_ranks(step_dir(directory, step), world).get(rank):
         return False  # already on disk (a restarted worker re-reaching the step)
     wait()
     captured = [capture(c, step) for c in clients]
-    _start_writer(directory, step, rank, world, captured)
+    _start_writer(directory, step, rank, world, captured, settings.keep)
     return True
 
 
@@ -109,12 +96,12 @@ def wait() -> None:
         raise RuntimeError("writing the last snapshot failed") from _writer_error.pop()
 
 
-def _start_writer(directory, step, rank, world, captured) -> None:
+def _start_writer(directory, step, rank, world, captured, keep: int) -> None:
     global _writer
 
     def run():
         try:
-            write(directory, step, rank, world, captured)
+            write(directory, step, rank, world, captured, keep)
         except BaseException as e:  # reported by the next wait()
             _writer_error.append(e)
     _writer = threading.Thread(target=run, name="gpu-anchor-snapshot", daemon=True)
@@ -124,7 +111,7 @@ def _start_writer(directory, step, rank, world, captured) -> None:
         _start_writer._hooked = True
 
 
-def write(directory: str, step: int, rank: int, world: int, captured: list[dict]) -> str:
+def write(directory: str, step: int, rank: int, world: int, captured: list[dict], keep: int = 2) -> str:
     """Write one rank's part of ``step`` and commit it; returns the rank directory."""
     rdir = os.path.join(step_dir(directory, step), f"rank{rank}")
     if os.path.exists(rdir):
@@ -142,13 +129,13 @@ def write(directory: str, step: int, rank: int, world: int, captured: list[dict]
                       "journal": {k: base64.b64encode(v).decode() for k, v in c["journal"].items()}})
     if bar is not None:
         bar.close()
-    manifest = {"format": "gpu-anchor-snapshot/1", "step": step, "rank": rank, "world_size": world,
+    manifest = {"format": FORMAT, "step": step, "rank": rank, "world_size": world,
                 "time": time.time(), "files": files}
     _write_durable(os.path.join(rdir, "manifest.json"), json.dumps(manifest, indent=1).encode())
     _write_durable(os.path.join(rdir, "COMMITTED"), b"%d\n" % step)
     _fsync_dir(rdir)
     if rank == 0:
-        prune(directory, world, int(os.environ.get(KEEP_ENV, "2") or 2))
+        prune(directory, world, keep)
     return rdir
 
 

@@ -1,8 +1,8 @@
 """2-GPU DDP or FSDP2 (NCCL) with one rank SIGKILLed at protocol points, group restarted torchrun-style.
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python -m gpu_anchor.train.ddp_gpu --out train_gpu_ddp.json
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python -m gpu_anchor.train.ddp_gpu --parallel fsdp:small --out train_gpu_fsdp.json
-    python -m gpu_anchor.train.ddp_gpu --parallel fsdp:tiny --devices cpu,cpu --width 64 \
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python -m gpu_anchor.testing.ddp_gpu --out train_gpu_ddp.json
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python -m gpu_anchor.testing.ddp_gpu --parallel fsdp:small --out train_gpu_fsdp.json
+    python -m gpu_anchor.testing.ddp_gpu --parallel fsdp:tiny --devices cpu,cpu --width 64 \
         --chunk-bytes 32768 --out x.json     # CPU dry run
 
 Starts a daemon per device in a private socket directory, runs a fault-free reference
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    from gpu_anchor.daemon import control
+    from gpu_anchor.client import control
 
     from . import campaign as C
     from . import ddp_campaign as D
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     daemons = [(d, os.path.join(sock, d.replace(":", "") + ".sock")) for d in dict.fromkeys(devices)]
     procs = [control.start(d, p) for d, p in daemons]
     progress = "device" if devices[0] != "cpu" else "journal"
-    cfg = C.RunConfig(steps=args.steps, chunk_bytes=args.chunk_bytes, progress=progress)
+    cfg = C.CampaignConfig(steps=args.steps, chunk_bytes=args.chunk_bytes, progress=progress)
     specs = DDP_SPECS if args.parallel == "ddp" else FSDP_SPECS
     test = "train_gpu_ddp" if args.parallel == "ddp" else "train_gpu_fsdp"
     out = {"test": test, "parallel": args.parallel, "devices": devices, "width": width, "steps": args.steps,

@@ -5,7 +5,7 @@ started again (fresh file rendezvous, so no port can be taken by
 another job); every rank resumes at the agreed
 ``completed_steps``.  CPU ranks (gloo, host daemon, namespace ``<ns>/rank<r>``) are
 forked from the calling interpreter; GPU ranks (NCCL, one daemon per GPU) are fresh
-interpreters (``python -m gpu_anchor.train.ddp_campaign``), since CUDA does not
+interpreters (``python -m gpu_anchor.testing.ddp_campaign``), since CUDA does not
 survive ``fork``.
 
 Order that matters: ``anchor_module`` -> ``AnchoredOptimizer`` (recovery) ->
@@ -26,7 +26,7 @@ from datetime import timedelta
 from . import campaign as C
 
 
-def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConfig, log_path: str,
+def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.CampaignConfig, log_path: str,
                fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0,
                parallel: str = "ddp") -> None:
     """One rank's life.  ``parallel``: ``"ddp"`` (replicas), ``"fsdp"`` (FSDP2 ``fully_shard``
@@ -44,10 +44,10 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.RunConf
 
     import gpu_anchor
 
-    from . import faults
-    from .anchor import anchor_module
-    from .fsdp import anchor_fsdp
-    from .optimizer import AnchoredOptimizer
+    from gpu_anchor.train import faults
+    from gpu_anchor.train.anchor import anchor_module
+    from gpu_anchor.train.fsdp import anchor_fsdp
+    from gpu_anchor.train.optimizer import AnchoredOptimizer
 
     faults.arm(fault)
     dev = torch.device(device)
@@ -118,7 +118,7 @@ def state_digest(model, opt) -> str:
 
     import torch
 
-    from .fsdp import local
+    from gpu_anchor.train.fsdp import local
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(local(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -145,7 +145,7 @@ def _start(rank, world, store, namespace, cfg, log_path, fault, device, plain, w
         return C._child(_to_file(rank_train, log_path + ".err"), rank, world, store, namespace, cfg, log_path, fault,
                         device, plain, width, parallel)
     args = json.dumps([rank, world, store, namespace, cfg.__dict__, log_path, fault, device, plain, width, parallel])
-    return subprocess.Popen([sys.executable, "-m", "gpu_anchor.train.ddp_campaign", args])
+    return subprocess.Popen([sys.executable, "-m", "gpu_anchor.testing.ddp_campaign", args])
 
 
 def _poll(h):
@@ -164,7 +164,7 @@ def _kill(h):
         pass
 
 
-def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, faults_seq=(),
+def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 2, faults_seq=(),
               random_kills: int = 0, max_delay_s: float = 1.0, rng=None, devices=None, plain=False,
               width: int = 0, timeout_s: float = 150, parallel: str = "ddp", kill_all: bool = False) -> dict:
     """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``.  Returns counts and logs.
@@ -225,7 +225,7 @@ def run_group(namespace: str, cfg: C.RunConfig, log_dir: str, world: int = 2, fa
 
 def main() -> None:  # pragma: no cover - entry point of a GPU rank
     a = json.loads(sys.argv[1])
-    rank_train(a[0], a[1], a[2], a[3], C.RunConfig(**a[4]), a[5], a[6], a[7], a[8], a[9], a[10])
+    rank_train(a[0], a[1], a[2], a[3], C.CampaignConfig(**a[4]), a[5], a[6], a[7], a[8], a[9], a[10])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""The training protocol's one outward event: "step committed" (torch-free).
+
+``AnchoredOptimizer`` knows when a step became durable; what should happen then (report the
+first step of a restarted worker, take a checkpoint that is due) belongs to whoever
+supervises the job.  So the optimizer only emits, and a supervisor subscribes — the worker
+bootstrap of ``gpu-anchor run`` / ``gpu-anchor torchrun`` does, before the user's code
+runs — and ``train/`` imports nothing above it::
+
+    class Listener:
+        def wants_landed(self, step: int) -> bool: ...       # must this step's commit land now?
+        def step_committed(self, step: int, clients: tuple) -> None: ...
+
+    step_hooks.subscribe(Listener())
+
+``wants_landed``: with device-side progress a step's journal commit lands with the next
+step's; a listener that will read the journal at ``step`` (a checkpoint due there) says so
+and the optimizer lands it at once.  ``step_committed`` runs on the training thread right
+after the commit, before anchored state is touched again.  An exception in a listener
+propagates (a checkpoint that cannot be taken must not pass in silence).
+"""
+from __future__ import annotations
+
+_listeners: list = []
+
+
+def subscribe(listener) -> None:
+    """Add ``listener`` (once; subscribing it again changes nothing)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def unsubscribe(listener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def wants_landed(step: int) -> bool:
+    return any(li.wants_landed(step) for li in _listeners)
+
+
+def step_committed(step: int, *clients) -> None:
+    for li in list(_listeners):
+        li.step_committed(step, clients)
