@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from gpu_anchor.client import control
-from gpu_anchor.serve.tiny import make_tiny_model
+from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_http import _get, scrape
 
 KEY = "test-key-123"
@@ -351,7 +351,7 @@ def test_loading_progress_and_ready_lines(srv):
 def test_health_says_what_a_loading_engine_does(tmp_path):
     """The frontend alone, with this test playing an engine that is still loading."""
     from gpu_anchor.serve import wire
-    from gpu_anchor.serve.tiny import train_tokenizer
+    from gpu_anchor.testing.tiny import train_tokenizer
     os.makedirs(tmp_path / "tok")
     train_tokenizer(384, str(tmp_path / "tok" / "tokenizer.json"))
     esock, port_file = str(tmp_path / "e.sock"), str(tmp_path / "port")
@@ -425,7 +425,7 @@ def test_max_batched_tokens_alias(caplog):
 def test_kv_cache_sizing(tmp_path):
     from gpu_anchor.serve import options
     from gpu_anchor.serve.model_runner import load_config, meta_model
-    from gpu_anchor.serve.tiny import tiny_config
+    from gpu_anchor.testing.tiny import tiny_config
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(tiny_config("qwen3")))
     mc = load_config(str(cfg))
@@ -474,7 +474,7 @@ def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
     import pynvml
 
     from bench.serve_throughput import QWEN3_8B
-    from gpu_anchor.serve.tiny import train_tokenizer
+    from gpu_anchor.testing.tiny import train_tokenizer
     cfg = dict(QWEN3_8B, num_hidden_layers=4)          # Qwen3-8B widths, 4 layers
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     os.makedirs(tmp_path / "tok")
