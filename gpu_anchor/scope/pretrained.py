@@ -2,18 +2,18 @@
 
 First run: transformers loads as usual (its thread pool makes native tensors, which the
 scope adopts at exit).  At exit the scope records, in the namespace's journal, a *load
-hint* for each model ``from_pretrained`` returned in the block: for every state-dict key,
-the anchored object's name, shape, dtype and device.  The hint's key is a hash of the
-class, the resolved path and the keyword arguments that shape the weights.
+hint* for each model ``from_pretrained`` returned in the block: for every parameter and
+buffer, the anchored object's name, shape, dtype and device.  The hint's key is a hash of
+the class, the resolved path and the keyword arguments that shape the weights.
 
 Restart (same class, path and arguments): one ``lookup`` round trip per device; if every
-object is there with its shape and dtype, the model is built by transformers from a state
-dict of the anchored tensors (``from_pretrained(None, config=..., state_dict=...)``, the
-documented no-file path), with the device map the hint recorded, and the generation
-config read from the directory as usual.  No weight file is opened, nothing is copied,
-and the adopted objects are reported *matched*.  Anything else (no hint, a missing object,
-a model whose state dict does not come out as the anchored tensors) falls back to the
-ordinary load, which the scope adopts as on a first run: slower, never wrong.
+object is there with its shape and dtype, the model is built on the meta device from its
+config (``cls._from_config``: no weight touched, no loader run) and every parameter and
+buffer is set to its anchored tensor (tied weights stay one ``Parameter``); then what
+``from_pretrained`` does after loading: ``eval()``, the directory's generation config,
+``hf_device_map``.  No weight file is opened and nothing is copied.  Anything else (no
+hint, a missing object, a module the hint does not cover, an error while building) falls
+back to the ordinary load, which the scope adopts as on a first run: slower, never wrong.
 """
 from __future__ import annotations
 
@@ -52,17 +52,26 @@ def load_key(cls, path, kwargs: dict) -> str | None:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def tensors(model):
+    """Every parameter and buffer (non-persistent ones too), with duplicates: ``(dotted, tensor, kind)``."""
+    for n, p in model.named_parameters(remove_duplicate=False):
+        yield n, p, "p"
+    for n, b in model.named_buffers(remove_duplicate=False):
+        yield n, b, "b"
+
+
 def record(scope, key: str, model) -> None:
-    """After the bind: journal the hint for ``model`` (only if every state-dict tensor is a
-    whole anchored object, so that the restart can hand exactly those tensors back)."""
+    """After the bind: journal the hint for ``model`` (only if every parameter and buffer is a
+    whole anchored object, so that a restart can hand exactly those tensors back)."""
     from gpu_anchor.client.client import anchored_name
     hint, devices = {}, set()
-    for k, t in model.state_dict(keep_vars=True).items():
+    for k, t, kind in tensors(model):
         named = anchored_name(t) if t.device.type in ("cpu", "cuda") else None
         if named is None or t.storage_offset() != 0 or not t.is_contiguous():
             return
         dev = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index}"
-        hint[k] = [named[1], list(t.shape), str(t.dtype).removeprefix("torch."), dev]
+        hint[k] = [named[1], list(t.shape), str(t.dtype).removeprefix("torch."), dev, kind,
+                   bool(t.requires_grad)]
         devices.add(dev)
     blob = json.dumps(hint, sort_keys=True).encode()
     for dev in sorted(devices):
@@ -72,7 +81,7 @@ def record(scope, key: str, model) -> None:
 
 
 def resident(scope, key: str, device_hint) -> dict | None:
-    """``{state-dict key: anchored tensor}`` if the hint exists and every object matches."""
+    """The hint and its anchored tensors (by object name) if every object matches, else None."""
     from gpu_anchor.scope.interception import suspended
     candidates = [device_hint] if isinstance(device_hint, str) and device_hint != "auto" else []
     if torch.cuda.is_available():
@@ -91,39 +100,61 @@ def resident(scope, key: str, device_hint) -> dict | None:
                 break
     if not hint:
         return None
-    by_dev: dict[str, list] = {}
-    for k, (name, shape, dtype, dev) in hint.items():
-        by_dev.setdefault(dev, []).append((k, name, shape, getattr(torch, dtype)))
-    out = {}
+    by_dev: dict[str, dict] = {}
+    for name, shape, dtype, dev, *_ in hint.values():
+        by_dev.setdefault(dev, {})[name] = (shape, getattr(torch, dtype))
+    objects = {}
     with suspended():
-        for dev, items in by_dev.items():
+        for dev, wanted in by_dev.items():
             if not scope._is_anchored(dev):
                 return None
-            found = scope._client(dev).bind([(n, s, d) for _, n, s, d in items], "lookup")
+            names = sorted(wanted)
+            found = scope._client(dev).bind([(n, *wanted[n]) for n in names], "lookup")
             if any(b.status != "matched" for b in found):
                 return None
-            out.update({k: b.tensor for (k, *_), b in zip(items, found)})
-    return {"tensors": out, "devices": sorted(by_dev)}
+            objects.update({n: b.tensor for n, b in zip(names, found)})
+    return {"hint": hint, "objects": objects, "devices": sorted(by_dev)}
 
 
-def _fast_load(cls, orig, path, args, kwargs, found):
+def _build(cls, path, kwargs, found):
+    """The model from its config on the meta device, every parameter and buffer set to its
+    anchored tensor; None if the hint does not cover the module exactly."""
     from transformers import AutoConfig, GenerationConfig
-    kw = dict(kwargs)
-    config = kw.pop("config", None)
+    config = kwargs.get("config")
     if config is None or isinstance(config, (str, os.PathLike)):
-        config = AutoConfig.from_pretrained(config or path, trust_remote_code=kw.get("trust_remote_code", False))
-    if kw.get("generation_config") is None:
+        config = AutoConfig.from_pretrained(config or path, trust_remote_code=kwargs.get("trust_remote_code", False))
+    hint, objects = found["hint"], found["objects"]
+    dtypes = {v[2] for v in hint.values() if v[4] == "p"}
+    dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else None
+    with torch.device("meta"):
+        model = cls._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    params: dict[str, torch.nn.Parameter] = {}
+    for dotted, t, kind in list(tensors(model)):
+        h = hint.get(dotted)
+        if h is None or h[4] != kind or list(t.shape) != h[1]:
+            return None
+        mod_path, _, leaf = dotted.rpartition(".")
+        mod = model.get_submodule(mod_path)
+        real = objects[h[0]]
+        if kind == "p":
+            p = params.get(h[0])
+            if p is None:
+                p = params[h[0]] = torch.nn.Parameter(real, requires_grad=h[5])
+            mod._parameters[leaf] = p
+        else:
+            mod._buffers[leaf] = real
+    if any(t.device.type == "meta" for _, t, _ in tensors(model)):
+        return None
+    model.eval()
+    if kwargs.get("device_map") is not None:
+        model.hf_device_map = {"": found["devices"][0]} if len(found["devices"]) == 1 else kwargs["device_map"]
+    if model.can_generate():
+        gen = kwargs.get("generation_config")
         try:
-            kw["generation_config"] = GenerationConfig.from_pretrained(path)
+            model.generation_config = gen if gen is not None else GenerationConfig.from_pretrained(path)
         except (OSError, ValueError):
             pass
-    devs = found["devices"]
-    if kw.get("device_map") is not None:
-        kw["device_map"] = {"": devs[0]} if len(devs) == 1 else kw["device_map"]
-    for k in ("revision", "subfolder", "variant", "use_safetensors", "cache_dir", "local_files_only", "token",
-              "force_download", "proxies"):
-        kw.pop(k, None)
-    return orig(cls, None, *args, config=config, state_dict=found["tensors"], **kw)
+    return model
 
 
 def _from_pretrained(orig_cm):
@@ -140,11 +171,14 @@ def _from_pretrained(orig_cm):
             found = None     # the call returns a host model (moved later, by the program): load it as asked
         model = None
         if found is not None:
-            model = _fast_load(cls, orig, pretrained_model_name_or_path, args, kwargs, found)
-            sd = model.state_dict(keep_vars=True)
-            if any(k not in sd or sd[k].data_ptr() != t.data_ptr() for k, t in found["tensors"].items()):
-                model = None                        # transformers copied or dropped a tensor: load normally
-            else:
+            try:
+                model = _build(cls, pretrained_model_name_or_path, kwargs, found)
+            except Exception as e:   # a model class this path cannot build: the ordinary load is right
+                import logging
+                logging.getLogger("gpu_anchor.scope").info("from_pretrained from anchored memory failed (%s); "
+                                                           "loading the files", e)
+                model = None
+            if model is not None:
                 scope.report.resident_loads += 1
         if model is None:
             model = orig(cls, pretrained_model_name_or_path, *args, **kwargs)

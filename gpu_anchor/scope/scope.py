@@ -275,7 +275,7 @@ class ManagedScope:
         from . import pretrained
         rep, known = self.report, set(self.report.matched) | set(self.report.created)
         for key, model in self._pretrained:
-            for t in model.state_dict(keep_vars=True).values():
+            for _, t, _ in pretrained.tensors(model):
                 named = anchored_name(t) if t.device.type in ("cpu", "cuda") else None
                 if named is not None and named[1] not in known:
                     known.add(named[1])
