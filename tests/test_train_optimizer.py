@@ -192,3 +192,22 @@ def test_load_state_dict_from_plain_pytorch(host_daemon, name):
     sd = opt.state_dict()
     for k, v in ropt.state_dict()["state"][0].items():
         assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd["state"][0][k])), k
+
+
+def test_protocol_settings_are_one_record(host_daemon):
+    from gpu_anchor.train import AnchoredOptimizer, StepProtocolConfig
+    with pytest.raises(ValueError, match="progress"):
+        StepProtocolConfig(progress="disk")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        StepProtocolConfig(chunk_bytes=0)
+    lin = torch.nn.Linear(4, 4)
+    from gpu_anchor.train import anchor_module
+    import gpu_anchor
+    client = gpu_anchor.connect("cpu", namespace="cfg-record")
+    anchor_module(lin, client)
+    cfg = StepProtocolConfig(prefix="p1", progress="journal")
+    opt = AnchoredOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model=lin, client=client, config=cfg)
+    assert opt.config is cfg and opt.prefix == "p1" and opt.progress == "journal"
+    lin(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert opt.completed_steps == 1

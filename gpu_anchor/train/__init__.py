@@ -2,13 +2,14 @@
 
 ``AnchoredOptimizer`` (the protocol), ``anchor_module`` (anchor a model's parameters
 until managed_scope does it), ``LoopState`` / ``position`` (loop position from the
-committed step), ``training_state`` (torch-free fallback hook for the supervisor).
+committed step), ``training_state`` (torch-free fallback hook for the supervisor), ``StepProtocolConfig``
+(the protocol's settings as one record).
 Torch is imported only when a torch-using name is first used.
 """
 from __future__ import annotations
 
 _LAZY = {"AnchoredOptimizer": ".optimizer", "anchor_module": ".anchor", "LoopState": ".loop_state",
-         "position": ".loop_state", "training_state": ".status"}
+         "position": ".loop_state", "training_state": ".status", "StepProtocolConfig": ".config"}
 
 
 def __getattr__(name):

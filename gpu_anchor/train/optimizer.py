@@ -29,6 +29,7 @@ import torch
 from . import carry as carry_mod
 from . import chunking, distributed, faults
 from .chunk_exec import ChunkExecutor
+from .config import StepProtocolConfig
 from .device_progress import DeviceProgress
 from .fsdp import like as _like, local as _local
 from . import amp
@@ -89,13 +90,21 @@ class AnchoredOptimizer(StateDictMixin):
     and one device wait per chunk) or ``"device"`` (an anchored int64 written by the
     device stream between chunks: one journal commit per step and no device wait in
     steady state; see ``protocol``).  Default: ``"device"`` on CUDA, ``"journal"`` on the host.
+    ``config``: the same four settings as one ``StepProtocolConfig`` (then those keywords are not read).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,
                  client=None, prefix: str = "train", chunk_bytes: int | None = None,
-                 schedulers=(), track_rng: bool = True, progress: str | None = None, scaler=None) -> None:
+                 schedulers=(), track_rng: bool = True, progress: str | None = None, scaler=None,
+                 config: StepProtocolConfig | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("AnchoredOptimizer wraps a torch.optim.Optimizer")
+        if config is None:
+            config = StepProtocolConfig(prefix=prefix, chunk_bytes=chunk_bytes, progress=progress, track_rng=track_rng)
+        elif not isinstance(config, StepProtocolConfig):
+            raise TypeError(f"config must be a StepProtocolConfig, got {type(config).__name__}")
+        self.config = config
+        prefix, chunk_bytes, progress, track_rng = config.prefix, config.chunk_bytes, config.progress, config.track_rng
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("wrap the optimizer before its first step (its state must start anchored)")
         self.optimizer = optimizer

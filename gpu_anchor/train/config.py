@@ -1,0 +1,35 @@
+"""The training protocol's settings, as one record (the supervisor's and the engine's are
+``launch.config.SupervisorConfig`` and ``serve.engine.EngineConfig``).
+
+    opt = AnchoredOptimizer(torch.optim.AdamW(params), config=StepProtocolConfig(progress="journal"))
+
+``AnchoredOptimizer``'s keyword arguments of the same names fill this record when no
+``config`` is given; ``opt.config`` is what the optimizer runs with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROGRESS = ("journal", "device")
+
+
+@dataclass(frozen=True)
+class StepProtocolConfig:
+    """``prefix``: the optimizer's names in its namespace (two optimizers need two prefixes).
+    ``chunk_bytes``: undo bytes per chunk (None: both slots <= 2 % of the anchored state; a
+    restart keeps the first run's value).  ``progress``: where the per-chunk cursor lives,
+    ``"journal"`` or ``"device"`` (None: device on CUDA, journal on the host).  ``track_rng``:
+    journal torch's CPU and CUDA RNG state with each step."""
+
+    prefix: str = "train"
+    chunk_bytes: int | None = None
+    progress: str | None = None
+    track_rng: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise ValueError(f"prefix must be a non-empty string, got {self.prefix!r}")
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0):
+            raise ValueError(f"chunk_bytes must be a positive integer, got {self.chunk_bytes!r}")
+        if self.progress is not None and self.progress not in PROGRESS:
+            raise ValueError(f"progress must be one of {PROGRESS} or None, got {self.progress!r}")
