@@ -60,25 +60,6 @@ def _save(preset, path, device, q):
         q.put(traceback.format_exc())
 
 
-def _opens():
-    import safetensors
-    import safetensors.torch
-    import torch
-    import transformers.modeling_utils as mu
-    n = [0]
-
-    def counting(fn):
-        def wrapper(*a, **k):
-            n[0] += 1
-            return fn(*a, **k)
-        return wrapper
-    mu.safe_open = counting(mu.safe_open)
-    safetensors.safe_open = counting(safetensors.safe_open)
-    safetensors.torch.safe_open = counting(safetensors.torch.safe_open)
-    torch.load = counting(torch.load)
-    return n
-
-
 def _worker(path, device, ns, mark, sockdir, q):
     try:
         if sockdir:
@@ -89,7 +70,8 @@ def _worker(path, device, ns, mark, sockdir, q):
         if device.startswith("cuda"):
             torch.cuda.init()
             torch.empty(1, device=device)               # the CUDA context, as a warm worker has it
-        opened = _opens()
+        from gpu_anchor.testing.weight_files import count_opens
+        opened = count_opens()
         t0 = time.perf_counter()
         if ns is None:
             model = AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=torch.bfloat16)

@@ -261,7 +261,8 @@ def _worker(case, dev, files, ns, stage, train, q):
         if dev.startswith("cuda"):
             torch.cuda.manual_seed_all(0)
         report = None
-        opens = _count_weight_opens()
+        from gpu_anchor.testing.weight_files import count_opens
+        opens = count_opens()
         import transformers  # noqa: F401  (model classes resolved before the timed block, as a warm restart has them)
         transformers.Qwen3ForCausalLM
         with warnings.catch_warnings(record=True) as caught:
@@ -299,26 +300,6 @@ def _worker(case, dev, files, ns, stage, train, q):
         q.put({"error": traceback.format_exc()})
     if os.environ.get("MATRIX_NO_PAUSE"): return
     signal.pause()
-
-
-def _count_weight_opens() -> list:
-    """Count openings of weight files by the loaders the cases use (transformers' safe_open,
-    safetensors, torch.load): a restart served from anchored memory must open none."""
-    import safetensors
-    import safetensors.torch
-    import transformers.modeling_utils as mu
-    n = [0]
-
-    def counting(fn):
-        def wrapper(*a, **k):
-            n[0] += 1
-            return fn(*a, **k)
-        return wrapper
-    mu.safe_open = counting(mu.safe_open)
-    safetensors.safe_open = counting(safetensors.safe_open)
-    safetensors.torch.safe_open = counting(safetensors.torch.safe_open)
-    torch.load = counting(torch.load)
-    return n
 
 
 def _build(case, build, dev, files, stage):
