@@ -1,7 +1,7 @@
 """``from_pretrained`` inside ``managed_scope``: plain load, first anchored run, anchored restart.
 
     python -m bench pretrained_restart                        # H200: Qwen3-8B shape, bf16, sharded safetensors
-    python -m bench pretrained_restart --preset tiny --device cpu   # smoke
+    python -m bench pretrained_restart --tiny                         # smoke: tiny preset on CPU
 
 A model of the preset's shape with random weights is saved once with ``save_pretrained``
 (sharded safetensors).  Then, in workers forked from this process (torch and transformers
@@ -143,7 +143,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to save the model (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
+    ap.add_argument("--tiny", action="store_true", help="smoke size: --preset tiny --device cpu")
     a = ap.parse_args(argv)
+    if a.tiny:
+        a.preset, a.device = "tiny", "cpu"
     work = a.dir or tempfile.mkdtemp(prefix="ga-pretrained-")
     path = os.path.join(work, a.preset)
     try:
