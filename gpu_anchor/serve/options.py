@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -96,22 +98,33 @@ def device_memory(device: str) -> tuple[int, int]:
                 k, v = line.split(":", 1)
                 info[k] = int(v.split()[0]) * 1024
         return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception as e:
+    # NVML starts threads of its own (seen on an H200: a driver thread and a jemalloc one), and the
+    # supervisor forks engines: ask in a short-lived child, so that no thread is left behind here.
+    out = subprocess.run([sys.executable, "-c", _NVML_QUERY, device], capture_output=True, text=True, timeout=60,
+                         env=os.environ)
+    if out.returncode != 0:
         raise OptionError("sizing the KV cache from --gpu-memory-utilization (the default on CUDA) reads the GPU's "
                           "memory with NVML: pip install nvidia-ml-py (in gpu-anchor[cuda]); or give "
-                          f"--kv-cache-gib / --num-blocks ({type(e).__name__}: {e})") from None
-    index = int(device.split(":")[1]) if ":" in device else 0
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if index < len(visible):        # CUDA_VISIBLE_DEVICES renumbers devices; NVML does not
-        v = visible[index]
-        h = pynvml.nvmlDeviceGetHandleByIndex(int(v)) if v.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(v)
-    else:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-    return int(mem.total), int(mem.free)
+                          f"--kv-cache-gib / --num-blocks ({(out.stderr.strip().splitlines() or ['?'])[-1]})")
+    total, free = (int(x) for x in out.stdout.split())
+    return total, free
+
+
+_NVML_QUERY = """
+import os, sys
+import pynvml
+pynvml.nvmlInit()
+device = sys.argv[1]
+index = int(device.split(":")[1]) if ":" in device else 0
+visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+if index < len(visible):        # CUDA_VISIBLE_DEVICES renumbers devices; NVML does not
+    v = visible[index]
+    h = pynvml.nvmlDeviceGetHandleByIndex(int(v)) if v.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(v)
+else:
+    h = pynvml.nvmlDeviceGetHandleByIndex(index)
+mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+print(int(mem.total), int(mem.free))
+"""
 
 
 def activation_bytes(mc, max_batched_tokens: int, max_num_seqs: int, dtype_bytes: int) -> int:
