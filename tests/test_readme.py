@@ -71,7 +71,7 @@ def test_readme_blocks_run_as_written(tmp_path):
                                         f"{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}"
             ran.append(kind)
             if "|| python train.py" in code:
-                assert "done at step 300" in out.stdout, out.stdout[-2000:]
+                assert "done at step 100" in out.stdout, out.stdout[-2000:]
     finally:
         subprocess.run([sys.executable, "-m", "gpu_anchor.cli", "stop"], env=env, capture_output=True, timeout=60)
-    assert "demo" in ran and "python" in ran and ran.count("bash") >= 4, ran
+    assert "make demo" in ran and "python" in ran and ran.count("bash") >= 4, ran
