@@ -121,6 +121,9 @@ class ConcurrentCheckpointer:
         self.captured: list[dict] | None = None  # the last checkpoint, when write=False
         self.chunk_bytes = chunk_bytes
         self.manage_mode, self._entered = manage_mode, False
+        self._lost_at_arm = 0
+        # tests: called with each state of the flight as it is entered (docs/checkpoint.md)
+        self.transition_hook = None
         self.recorder = Recorder(tracker)
         self.results: list[CheckpointResult] = []
         self.retake_pending = False
@@ -167,20 +170,11 @@ class ConcurrentCheckpointer:
             self._derived = (entries, total, staging, dev)
         _, total, staging, dev = self._derived
         policy, reason = self._choose(policy or self.policy, total)
-        journals = [c.journal.get_many() for c in self.clients]
-        fl = self._flight = _Flight(step, policy, reason, entries, staging, journals)
+        fl = self._flight = _Flight(step, policy, reason, entries, staging, None)
         fl.t0 = t0  # the checkpoint's duration counts from the start() call, as its stall does
         fl.result.objects, fl.result.bytes = len(entries), total
-        if dev is not None:
-            self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
-            self._job_stream = torch.cuda.current_stream(dev)
-            self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
-            free = torch.cuda.mem_get_info(dev)[0]
-            self._gpu_budget = int(free * self.gpu_buffer_fraction)
-        self.recorder.first_touch.clear()
-        self.recorder._touched.clear()
-        self.recorder.group_written.clear()  # (write_order_last survives: it orders this copy)
         if policy == "stw":  # the baseline: every copy queued on the job's stream, one wait
+            self._capture_point(fl, dev)
             with _disable_current_modes(), torch.no_grad():
                 for k, (_, _, t) in entries.items():
                     staging[k].copy_(t, non_blocking=t.is_cuda)
@@ -195,18 +189,57 @@ class ConcurrentCheckpointer:
             order = first + [k for k in order if k not in seen]
             fl.result.reason += "; copy order: last step's first writes"
         fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
-        self.tracker.add_listener(self)
-        self.tracker.add_listener(self.recorder)
-        if self.manage_mode and not self.tracker.active:
-            self.tracker.__enter__()  # only while in flight: no per-op cost between checkpoints
-            self._entered = True
+        # docs/checkpoint.md, "When tracking is installed": ARMED (listeners attached and the mode on
+        # this thread's stack) before CAPTURED (the state the checkpoint records) before COPYING
+        self._arm()
+        self._transition("armed")
+        self._capture_point(fl, dev)
+        self._transition("captured")
         fl.queue.start(self._copier)
+        self._transition("copying")
         fl.result.stall_s += time.perf_counter() - t0
         return policy
 
+    def _arm(self) -> None:
+        self.recorder.reset()
+        self._lost_at_arm = self.tracker.lost
+        self.tracker.add_listener(self)
+        self.tracker.add_listener(self.recorder)
+        if self.manage_mode:
+            self.tracker.__enter__()  # a scope of the flight's own: the mode is installed only while in flight
+            self._entered = True
+        if not self.tracker.active:
+            self._detach()
+            self._flight = None
+            raise RuntimeError("this thread is in no scope of the tracker, so the checkpoint would miss the job's "
+                               "writes: use manage_mode=True (the default) or call start() inside `with tracker:`")
+
+    def _capture_point(self, fl: _Flight, dev) -> None:
+        """The state the checkpoint records: the journal now, and (CUDA) every write queued so far."""
+        fl.journals = [c.journal.get_many() for c in self.clients]
+        if dev is not None:
+            self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
+            self._job_stream = torch.cuda.current_stream(dev)
+            self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
+            free = torch.cuda.mem_get_info(dev)[0]
+            self._gpu_budget = int(free * self.gpu_buffer_fraction)
+
+    def _transition(self, name: str) -> None:
+        hook = self.transition_hook
+        if hook is not None:
+            hook(name)
+
+    @property
+    def copied(self) -> bool:
+        """Every object of the flight in flight is copied (it completes at the next ``boundary``)."""
+        fl = self._flight
+        return fl is not None and fl.queue is not None and fl.queue.done()
+
     def prepare(self) -> int:
-        """Pay now what the first ``start`` would (staging, object table, copier); returns bytes."""
+        """Pay now what the first ``start`` would (staging, object table, copier, the dispatch path's
+        one-time import); returns bytes."""
         self._copier.ensure_started()
+        self.tracker.warm()
         entries = self._table.entries()
         return sum(self._staging(k, t).nbytes for k, (_, _, t) in entries.items())
 
@@ -231,9 +264,11 @@ class ConcurrentCheckpointer:
         the first boundary after that one completes).  Returns the checkpoint completed here."""
         if due is None:
             due = self.settings.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
+        self.tracker.sync()  # a step boundary: the mode is installed on this thread iff someone listens
         done = None
         fl = self._flight
         if fl is not None and fl.queue.done():
+            self._transition("copied")
             done = self._complete(step)
         elif fl is not None:
             self.recorder.close_group()
@@ -256,6 +291,7 @@ class ConcurrentCheckpointer:
         fl.queue.join()
         if fl.result.policy == "recopy":
             fl.result.stall_s += time.perf_counter() - t0  # the job waits here
+        self._transition("copied")
         res = self._complete(step if step is not None else fl.result.step)
         self._wait_writer()
         return res
@@ -408,6 +444,12 @@ class ConcurrentCheckpointer:
         if self.validator is not None:
             self.validator.flush()  # a miss in the open op group must count before this completes
         if fl.queue is not None:
+            self.tracker.sync()  # finds a mode another mode's exit took off this thread's stack
+            if self.tracker.lost != self._lost_at_arm:
+                res.valid = False
+                res.misses.append({"op": "tracking was removed from the dispatch stack while in flight (a dispatch "
+                                         "mode entered inside the tracker's scope exited out of order)",
+                                   "objects": sorted(fl.entries)})
             self._detach()
             fl.queue.join()
             if res.policy == "cow":
@@ -432,6 +474,7 @@ class ConcurrentCheckpointer:
         self._flight = None
         res.seconds = time.perf_counter() - fl.t0
         self.results.append(res)
+        self._transition("completed")
         if not res.valid:
             self.retake_pending = True
             return res
@@ -485,8 +528,10 @@ class ConcurrentCheckpointer:
         def run():
             try:
                 self._drain(fl)
+                self._transition("writing")
                 res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured,
                                           self.settings.keep)
+                self._transition("committed")
             except BaseException as e:
                 self._writer_error.append(e)
         self._writer = threading.Thread(target=run, name="gpu-anchor-ckpt-writer", daemon=True)
