@@ -183,7 +183,7 @@ def _run(ns, directory, policy, due, steps=8, scope=True, at=None, never_install
             job.commit(s)
             if not ck.in_flight:
                 idle.append((tracker.active, tracker.ops_seen - before))
-            if s == due and stw is not None and policy == "cow":
+            if s == due and stw is not None and policy != "recopy":
                 stw.stop_the_world(s)  # what the concurrent one must equal: this step, copied stopped
             ck.boundary(s, due=s == due)
         ck.finish(steps)
@@ -202,7 +202,7 @@ def _write(job):
 
 
 @pytest.mark.parametrize("scope", [True, False], ids=["with-tracker", "managed"])
-@pytest.mark.parametrize("policy", ["cow", "recopy"])
+@pytest.mark.parametrize("policy", ["cow", "recopy", "device"])  # device: on host objects, copy-on-write
 def test_a_write_at_each_flight_state_keeps_the_checkpoint_exact(host_daemon, tmp_path, policy, scope):
     probes = {}
 
@@ -226,7 +226,7 @@ def test_a_write_at_each_flight_state_keeps_the_checkpoint_exact(host_daemon, tm
     got, _ = read_ckpt(str(tmp_path / "cc"), res.step)
     want, _ = read_ckpt(str(tmp_path / "stw"), res.step)
     assert_same(got, want)
-    if policy == "cow":
+    if policy != "recopy":
         assert res.step == 3 and res.cow_foreground, "writes in flight were copied first"
     else:
         assert res.step > 3 and "optim.4.weight.exp_avg_sq" in res.recopied

@@ -10,13 +10,14 @@
 
 Contract: call ``start``/``boundary``/``finish`` only at a consistent point (a committed
 step: nothing in flight that writes anchored state), on the thread that runs the job.
-While a checkpoint is in flight the tracker must see every write: by default
-(``manage_mode``) the checkpointer pushes the tracker's dispatch mode on that thread at
-``start`` and pops it when the flight completes, so between checkpoints ops pay nothing;
-with ``with tracker:`` around the loop it is simply already active.  Other threads that
-write anchored state must enter the tracker themselves.
+While a checkpoint is in flight the tracker must see every write: ``start`` attaches the
+flight's listeners and opens a tracker scope of its own on that thread (``manage_mode``),
+which installs the dispatch mode; the flight's completion removes both, so between
+checkpoints ops pay nothing, with or without ``with tracker:`` around the loop
+(docs/checkpoint.md, "When tracking is installed": the states, the invariant).  Other
+threads that write anchored state must enter the tracker themselves.
 
-Two policies (PhoenixOS §4), chosen per checkpoint and reported:
+Policies (PhoenixOS §4), chosen per checkpoint and reported:
 
 * **soft copy-on-write** (``cow``) — the checkpoint is the state at ``start``.  A
   background copier (a thread; on CUDA a low-priority side stream) moves every
@@ -30,8 +31,14 @@ Two policies (PhoenixOS §4), chosen per checkpoint and reported:
   are recopied there, with the job paused.  Invariant: staged = value at that
   boundary.  Cheap when little is written per step (inference: weights, append-only
   KV), no better than stop-the-world when everything is (training).
+* **device-side snapshot** (``device``) — copy-on-write at the coarsest grain: at
+  ``start`` every CUDA object that fits ``gpu_buffer_fraction`` of free device memory is
+  cloned on its device and the job thread waits for the clones (device-to-device, ~1/30
+  of a copy to host); they drain to host in the background.  Nothing cloned needs
+  tracking — if everything fit, no mode is installed and no op pays anything; the rest
+  (host objects, what did not fit) is soft copy-on-write.  Invariant as ``cow``.
 
-``policy="auto"`` picks ``recopy`` when the bytes written per step (measured by the
+``policy="auto"`` (never ``device``: it costs device memory the size of the state) picks ``recopy`` when the bytes written per step (measured by the
 tracker during the previous checkpoint, or ``expected_dirty_fraction``) are below
 ``recopy_threshold`` of the total, else ``cow``.  With a ``Validator`` attached, an
 undeclared write during the flight marks the checkpoint invalid; it is not written,
@@ -60,7 +67,7 @@ from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
 from .settings import CheckpointSettings
 from .writeset import Recorder, WriteSetTracker
 
-POLICIES = ("auto", "cow", "recopy", "stw")
+POLICIES = ("auto", "cow", "recopy", "stw", "device")
 
 
 @dataclass
@@ -188,12 +195,20 @@ class ConcurrentCheckpointer:
             seen = set(first)
             order = first + [k for k in order if k not in seen]
             fl.result.reason += "; copy order: last step's first writes"
-        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
+        self.recorder.reset()
+        self._lost_at_arm = self.tracker.lost
+        self._gpu_budget = int(torch.cuda.mem_get_info(dev)[0] * self.gpu_buffer_fraction) if dev is not None else 0
+        clone = self._plan_device_copy(fl, order) if policy == "device" else []
+        rest = [k for k in order if k not in set(clone)] if clone else order
+        fl.queue = TransferQueue(rest, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
         # docs/checkpoint.md, "When tracking is installed": ARMED (listeners attached and the mode on
         # this thread's stack) before CAPTURED (the state the checkpoint records) before COPYING
-        self._arm()
-        self._transition("armed")
+        if rest:
+            self._arm()
+            self._transition("armed")
         self._capture_point(fl, dev)
+        if clone:
+            self._copy_on_device(fl, clone)
         self._transition("captured")
         fl.queue.start(self._copier)
         self._transition("copying")
@@ -201,8 +216,6 @@ class ConcurrentCheckpointer:
         return policy
 
     def _arm(self) -> None:
-        self.recorder.reset()
-        self._lost_at_arm = self.tracker.lost
         self.tracker.add_listener(self)
         self.tracker.add_listener(self.recorder)
         if self.manage_mode:
@@ -221,8 +234,35 @@ class ConcurrentCheckpointer:
             self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
             self._job_stream = torch.cuda.current_stream(dev)
             self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
-            free = torch.cuda.mem_get_info(dev)[0]
-            self._gpu_budget = int(free * self.gpu_buffer_fraction)
+
+    def _plan_device_copy(self, fl: _Flight, order: list[str]) -> list[str]:
+        """``device``: the CUDA objects that fit the device-buffer budget, in copy order."""
+        fit = []
+        for k in order:
+            src = fl.entries[k][2]
+            n = src.numel() * src.element_size()
+            if src.is_cuda and n <= self._gpu_budget:
+                self._gpu_budget -= n
+                fit.append(k)
+        return fit
+
+    def _copy_on_device(self, fl: _Flight, keys: list[str]) -> None:
+        """``device``: clone ``keys`` on their device now, on the job's stream (after everything it
+        queued before this point), and wait for the clones: every write issued after ``start``
+        returns, on any stream and by any kernel (aten or not), runs after them.  They are drained
+        to host staging with the GPU-side copy-on-write buffers (``_drain``)."""
+        by_dev: dict = {}
+        for k in keys:
+            by_dev.setdefault(fl.entries[k][2].device, []).append(k)
+        with torch.no_grad(), _disable_current_modes():
+            for dev, ks in by_dev.items():
+                bufs = [fl.entries[k][2].clone() for k in ks]
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                fl.gpu_groups.append((ks, bufs, ev))
+            for _, _, ev in fl.gpu_groups:
+                ev.synchronize()
+        fl.result.gpu_buffered += len(keys)
 
     def _transition(self, name: str) -> None:
         hook = self.transition_hook
@@ -315,7 +355,7 @@ class ConcurrentCheckpointer:
         fl = self._flight
         if fl is None or not written:
             return
-        if fl.result.policy == "cow":
+        if fl.result.policy != "recopy":  # cow, device: copy before the write
             q = fl.queue
             if not q.left:  # everything copied (a hint read without the lock: it only decreases)
                 return
@@ -452,7 +492,7 @@ class ConcurrentCheckpointer:
                                    "objects": sorted(fl.entries)})
             self._detach()
             fl.queue.join()
-            if res.policy == "cow":
+            if res.policy != "recopy":
                 res.cow_foreground = list(fl.queue.foreground)
         if res.policy == "recopy":
             t0 = time.perf_counter()
