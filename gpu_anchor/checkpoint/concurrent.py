@@ -33,8 +33,8 @@ Policies (PhoenixOS §4), chosen per checkpoint and reported:
   KV), no better than stop-the-world when everything is (training).
 * **device-side snapshot** (``device``) — copy-on-write at the coarsest grain: at
   ``start`` every CUDA object that fits ``gpu_buffer_fraction`` of free device memory is
-  cloned on its device and the job thread waits for the clones (device-to-device, ~1/30
-  of a copy to host); they drain to host in the background.  Nothing cloned needs
+  cloned on its device and the job thread waits for the clones (device-to-device: HBM
+  bandwidth, not PCIe); they drain to host in the background.  Nothing cloned needs
   tracking — if everything fit, no mode is installed and no op pays anything; the rest
   (host objects, what did not fit) is soft copy-on-write.  Invariant as ``cow``.
 
