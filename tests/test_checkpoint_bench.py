@@ -16,7 +16,7 @@ def _checks(r: dict, policies, reps: int) -> dict:
             assert len(rep["window_s"]) == 1 + rep["inflight_steps"] + r["trail"], (p, rep)
     assert rows["stw"]["bytes"] == r["anchored_bytes"] and rows["stw"]["inflight_steps"]["max"] == 0
     assert rows["cow"]["policy"] == "cow" and rows["cow"]["valid"] and "extra_vs_stw" in rows["cow"]
-    for k in ("plain_step_s", "idle_step_s", "inflight_tracking_step_s"):
+    for k in ("plain_step_s", "idle_step_s", "inflight_tracking_step_s", "idle_vs_plain", "inflight_tracking_vs_plain"):
         assert r["overhead"][k]["n"] == 3, k
     text = checkpoint_stall.render(r)
     assert "job-level extra" in text and "tracker idle" in text

@@ -145,6 +145,23 @@ def test_detach_from_another_thread_leaves_the_mode_until_the_owner_syncs():
         assert tr.sync() is False and _stack() == [], "the owner's next sync takes it off"
 
 
+def test_a_scope_closed_from_another_thread_comes_off_at_the_owners_next_sync():
+    """A flight finished elsewhere (e.g. at interpreter exit on the main thread) closes its scope by token."""
+    tr, x, log = _tracked()
+    tr.add_listener(log)
+    token = tr.enter_scope()
+    assert _stack() == [tr]
+    t = threading.Thread(target=tr.exit_scope, args=(token,))
+    t.start()
+    t.join()
+    assert _stack() == [tr] and not tr.in_scope, "only the owner can change its stack"
+    x.add_(1)  # still heard: taking it off early could only lose ops, keeping it only costs time
+    assert tr.sync() is False and _stack() == [] and tr._scopes == {}
+    with pytest.raises(RuntimeError, match="never entered"):
+        tr.exit_scope(token)
+    assert log.ops == ["aten.add_.Tensor"]
+
+
 def test_a_mode_taken_off_the_stack_behind_its_back_is_counted_lost():
     tr, x, log = _tracked()
     tr.add_listener(log)

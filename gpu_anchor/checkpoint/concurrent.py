@@ -127,7 +127,7 @@ class ConcurrentCheckpointer:
         self.write_files = write
         self.captured: list[dict] | None = None  # the last checkpoint, when write=False
         self.chunk_bytes = chunk_bytes
-        self.manage_mode, self._entered = manage_mode, False
+        self.manage_mode, self._entered = manage_mode, None  # the job thread while its flight's scope is open
         self._lost_at_arm = 0
         # tests: called with each state of the flight as it is entered (docs/checkpoint.md)
         self.transition_hook = None
@@ -218,9 +218,8 @@ class ConcurrentCheckpointer:
     def _arm(self) -> None:
         self.tracker.add_listener(self)
         self.tracker.add_listener(self.recorder)
-        if self.manage_mode:
-            self.tracker.__enter__()  # a scope of the flight's own: the mode is installed only while in flight
-            self._entered = True
+        if self.manage_mode:  # a scope of the flight's own: the mode is installed only while in flight
+            self._entered = self.tracker.enter_scope()
         if not self.tracker.active:
             self._detach()
             self._flight = None
@@ -474,9 +473,9 @@ class ConcurrentCheckpointer:
     def _detach(self) -> None:
         self.tracker.remove_listener(self)
         self.tracker.remove_listener(self.recorder)
-        if self._entered:
-            self._entered = False
-            self.tracker.__exit__(None, None, None)
+        if self._entered is not None:
+            thread, self._entered = self._entered, None
+            self.tracker.exit_scope(thread)
 
     def _complete(self, step: int) -> CheckpointResult:
         fl = self._flight

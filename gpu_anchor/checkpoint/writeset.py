@@ -219,7 +219,7 @@ class WriteSetTracker(TorchDispatchMode):
             if listener in self.listeners:
                 return
             me = threading.get_ident()
-            blind = [sc.thread for t, sc in self._scopes.items() if t != me and not sc.installed]
+            blind = [sc.thread for t, sc in self._scopes.items() if t != me and sc.depth and not sc.installed]
             if blind:
                 raise RuntimeError(
                     f"thread {blind[0]!r} is in this tracker's scope with tracking not installed: attach "
@@ -256,15 +256,28 @@ class WriteSetTracker(TorchDispatchMode):
         return self
 
     def __exit__(self, exc_type=None, exc=None, tb=None):
-        with self._lock:
-            sc = self._scopes.get(threading.get_ident())
-            if sc is None:
-                raise RuntimeError("a tracker scope was exited on a thread that did not enter it")
-            sc.depth -= 1
-            if sc.depth == 0:
-                self._sync(sc)  # out of every scope: off the stack
-                del self._scopes[threading.get_ident()]
+        self.exit_scope(threading.get_ident())
         return False
+
+    def enter_scope(self) -> int:
+        """``__enter__`` for a holder that may close the scope from another thread: returns the
+        token (this thread) to pass to ``exit_scope``."""
+        self.__enter__()
+        return threading.get_ident()
+
+    def exit_scope(self, thread: int) -> None:
+        """Close one scope of ``thread``.  From that thread: as ``__exit__``.  From another (a
+        checkpoint finished at interpreter exit on the main thread): only the depth changes; the
+        owner takes the mode off at its next ``sync()`` or scope exit."""
+        with self._lock:
+            sc = self._scopes.get(thread)
+            if sc is None or sc.depth == 0:
+                raise RuntimeError("a tracker scope was exited that the thread never entered")
+            sc.depth -= 1
+            if thread == threading.get_ident():
+                self._sync(sc)  # out of every scope: off the stack
+                if sc.depth == 0:
+                    del self._scopes[thread]
 
     def sync(self) -> bool:
         """Match the calling thread's installation to its scope and the listeners (call at a step
@@ -289,6 +302,8 @@ class WriteSetTracker(TorchDispatchMode):
             return False
         if not getattr(self._tls, "calling", False):  # inside our own dispatch the mode is off the stack
             self._sync(sc)
+            if sc.depth == 0:  # its last scope was closed from another thread
+                del self._scopes[threading.get_ident()]
         return sc.installed
 
     def _sync(self, sc: _Scope) -> None:
