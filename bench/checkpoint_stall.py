@@ -462,6 +462,8 @@ def _cell(st) -> str:
         return "—"
     if not isinstance(st, dict):
         return f"{_fmt(st)} (n=1)"
+    if st["n"] < 3:
+        return f"{_fmt(st['median'])} (n={st['n']})"
     return f"{_fmt(st['median'])} ({_fmt(st['min'])}–{_fmt(st['max'])})"
 
 
@@ -483,13 +485,14 @@ def render(r: dict) -> str:
     from bench.common import verdict
     ck, rs, base = r.get("checkpoint", {}), r.get("restore", {}), r.get("baseline_step_s")
     legacy = "reps" not in r  # written before the job-level protocol: one checkpoint per row
-    gb = r.get("anchored_bytes", 0) / 1e9
+    nb = r.get("anchored_bytes", 0)
+    size = f"{nb / 1e9:.1f} GB" if nb >= 1e9 else f"{nb / 1e6:.1f} MB"
     if r.get("workload", "mlp") == "mlp":
         what = f"an MLP + Adam, everything anchored: hidden {r['hidden']} × {r['layers']} layers, batch {r['batch']}"
     else:
         what = (f"{r['workload']} ({r.get('dtype')}), `anchor_module` + `AnchoredOptimizer(AdamW)` (weights, "
                 f"gradients, moments, undo slots anchored), batch {r['batch']} × {r.get('seq')} tokens")
-    out = [f"Workload: {what}; {gb:.1f} GB anchored; step without a checkpoint {_cell(r.get('baseline_step', base))}. "
+    out = [f"Workload: {what}; {size} anchored; step without a checkpoint {_cell(r.get('baseline_step', base))}. "
            f"One warm process and daemon for every row; disk writes run in a background thread in every row."
            + (" Written before repetitions and job-level windows were measured: n = 1 per row." if legacy else
               f" {r['reps']} repetitions per row: median (min–max). Job-level extra = wall time of the steps from "
@@ -526,7 +529,8 @@ def render(r: dict) -> str:
         elif k in ("cow", "device", "recopy"):
             note = (f"of {x.get('objects', '?')} objects: {x.get('cow_foreground', 0)} copied before a write, "
                     f"{x.get('gpu_buffered', 0)} buffered on the device, {x.get('recopied', 0)} recopied; "
-                    + ("validated" if x.get("valid") else "**not valid**"))
+                    + ("validated" if x.get("valid") else "**not valid**")
+                    + ("; host objects, so this row is soft copy-on-write" if k == "device" and r["device"] == "cpu" else ""))
         one = "1×" if k == "stw" else None
         ev = one or (f"{100 * x['extra_vs_stw']:.1f} %" if "extra_vs_stw" in x else "—")
         sv = one or (f"{100 * x['stall_vs_stw']:.1f} %" if "stall_vs_stw" in x else "—")
@@ -537,10 +541,12 @@ def render(r: dict) -> str:
     t = ["", "| target | measured | verdict |", "| --- | --- | --- |"]
     for k in ("cow", "device"):
         x = ck.get(k, {})
-        if "extra_vs_stw" in x:
-            t.append(f"| {NAMES[k]}: job-level extra ≤ 10 % of stop-the-world's (issue 20) | "
-                     f"{100 * x['extra_vs_stw']:.1f} % ({_fmt(x['extra_s']['median'])} vs "
-                     f"{_fmt(ck['stw']['extra_s']['median'])}) | {verdict(x['extra_vs_stw'] <= 0.10)} |")
+        if "extra_vs_stw" in x:  # judged on the worst repetition: noise must not pass it
+            worst = x["extra_s"]["max"] / max(ck["stw"]["extra_s"]["median"], 1e-9)
+            t.append(f"| {NAMES[k]}: job-level extra ≤ 10 % of stop-the-world's, every repetition (issue 20) | "
+                     f"median {100 * x['extra_vs_stw']:.1f} %, worst {100 * worst:.1f} % "
+                     f"({_fmt(x['extra_s']['median'])}, worst {_fmt(x['extra_s']['max'])}, vs "
+                     f"{_fmt(ck['stw']['extra_s']['median'])}) | {verdict(worst <= 0.10)} |")
         if "stall_vs_stw" in x:
             st = x["stall_s"]["median"] if isinstance(x["stall_s"], dict) else x["stall_s"]
             sw = ck["stw"]["stall_s"]
