@@ -38,9 +38,10 @@ Policies (PhoenixOS §4), chosen per checkpoint and reported:
   tracking — if everything fit, no mode is installed and no op pays anything; the rest
   (host objects, what did not fit) is soft copy-on-write.  Invariant as ``cow``.
 
-``policy="auto"`` (never ``device``: it costs device memory the size of the state) picks ``recopy`` when the bytes written per step (measured by the
+``policy="auto"`` picks ``recopy`` when the bytes written per step (measured by the
 tracker during the previous checkpoint, or ``expected_dirty_fraction``) are below
-``recopy_threshold`` of the total, else ``cow``.  With a ``Validator`` attached, an
+``recopy_threshold`` of the total, else ``cow`` (never ``device``: it holds device memory
+the size of what it clones).  With a ``Validator`` attached, an
 undeclared write during the flight marks the checkpoint invalid; it is not written,
 the op is then treated as writing all its inputs, and the checkpoint is retaken at
 the next boundary.  Files: ``gpu_anchor.checkpoint.format`` layout, which
