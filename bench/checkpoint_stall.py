@@ -350,6 +350,7 @@ def main(argv=None) -> int:
     name = "checkpoint_stall" + (f"_{args.workload}" if llama else "") + ("_tiny" if args.tiny else "")
 
     sock = tempfile.mkdtemp(prefix="ga-ckbench-")
+    saved_env = {k: os.environ.get(k) for k in ("GPU_ANCHOR_SOCKET_DIR", "GPU_ANCHOR_CHECKPOINT_KEEP")}
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     os.environ["GPU_ANCHOR_CHECKPOINT_KEEP"] = "1"  # one full checkpoint on disk at a time (disk space at 1B)
     base_dir = args.dir or tempfile.mkdtemp(prefix="ga-ckpt-")
@@ -441,6 +442,11 @@ def main(argv=None) -> int:
         if args.dir is None:
             shutil.rmtree(base_dir, ignore_errors=True)
         shutil.rmtree(sock, ignore_errors=True)
+        for k, v in saved_env.items():  # an in-process caller (the smoke test) gets its environment back
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 

@@ -39,8 +39,11 @@ def test_checkpoint_stall_bench_runs_tiny(tmp_path, monkeypatch):
 def test_checkpoint_stall_bench_runs_the_llama_workload_tiny(tmp_path, monkeypatch):
     """The Llama + AnchoredOptimizer workload: the boundary is the optimizer's step-committed event."""
     monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(tmp_path / "unused"))
+    monkeypatch.delenv("GPU_ANCHOR_CHECKPOINT_KEEP", raising=False)
     assert checkpoint_stall.main(["--tiny", "--workload", "llama3.2-1b", "--out", str(tmp_path),
                                   "--policies", "stw,cow"]) == 0
+    import os
+    assert "GPU_ANCHOR_CHECKPOINT_KEEP" not in os.environ, "the bench gives the environment back"
     r = json.loads((tmp_path / "checkpoint_stall_llama3.2-1b_tiny.json").read_text())
     rows = _checks(r, ["stw", "cow"], 3)
     assert r["workload"] == "llama3.2-1b" and r["restore"] == {}
