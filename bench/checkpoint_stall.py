@@ -1,18 +1,37 @@
-"""Job stall per checkpoint: concurrent (soft CoW / soft recopy) vs stop-the-world vs
-``torch.distributed.checkpoint.async_save``; step slowdown while a checkpoint is in
-flight; restore time to first step, on-demand vs full.
+"""Checkpoint stall as the job sees it and as its thread is blocked: concurrent (soft CoW,
+device-side snapshot, soft recopy) vs stop-the-world vs ``torch.distributed.checkpoint.async_save``;
+the write-set tracker's step overhead idle and in flight; restore to first step, on-demand vs full.
 
-    python -m bench checkpoint_stall                                # toy size on CPU
-    python -m bench checkpoint_stall --tiny                         # smoke: toy size, CPU, throttled copier
-    python -m bench checkpoint_stall --device cuda:0 --hidden 4096 --layers 20 --batch 512   # ≈1B values on an H200
+    python -m bench checkpoint_stall --tiny                          # smoke: toy MLP, CPU, throttled copier
+    python -m bench checkpoint_stall --workload llama3.2-1b --tiny   # smoke: toy Llama + AnchoredOptimizer
+    python -m bench checkpoint_stall --device cuda:0 --hidden 4096 --layers 60 --batch 1024   # 12 GB MLP + Adam
+    python -m bench checkpoint_stall --device cuda:0 --workload llama3.2-1b                   # 1B Llama, AdamW
 
-The job is ``gpu_anchor.testing.workload.Job`` (an MLP + Adam, everything
-anchored): ``--hidden``² × ``--layers`` parameters, ×3 with the Adam moments.  Every
-variant runs in the same warm interpreter against the same daemon.  "stall" is the
-time the job's own thread was blocked by the checkpoint (copy at the start, copies
-forced by ops, the final recopy); ``extra_s`` is the wall time the in-flight steps
-took beyond the median baseline step — the job-level cost, including interference.
-Disk writes happen in background threads in every variant and are not stall.
+Workloads: ``mlp`` is ``gpu_anchor.testing.workload.Job`` (an MLP + Adam, everything anchored:
+``--hidden``² × ``--layers`` parameters, ×3 with the moments); ``llama3.2-1b`` is that shape
+(``bench.models``, random weights, ``--dtype``) anchored with ``anchor_module`` and trained by
+``AnchoredOptimizer(AdamW)`` (weights, gradients, moments and undo slots anchored), batch
+``--batch`` × ``--seq`` tokens; the checkpoint boundary is the optimizer's "step committed"
+event, as under ``gpu-anchor run`` (every step's commit lands at once, in every row).  One warm
+process and daemon for everything; every step is timed to a device synchronisation.
+
+Definitions (the same for every row):
+
+* **host blocking** — the time the job's thread was blocked by the checkpointer (``stall_s``:
+  the copy at the start, copies ops made before writing, the closing recopy).
+* **job-level extra** — the checkpoint's *window* is the step at whose boundary it starts, the
+  steps while it is in flight, and ``--trail`` steps after it completed (the device→host drain
+  of GPU-side buffers and the background writer start there); extra = wall time of the window −
+  its number of steps × the median step without a checkpoint (``--gap`` plain steps before every
+  repetition, pooled).  Disk writes run in a background thread in every row and are waited for
+  between repetitions, outside every window.
+* **tracker overhead** — median step time in windows of ``--window`` steps: plain (no tracker,
+  no checkpointer); idle (the loop inside ``with tracker:``, the checkpointer's ``boundary`` at
+  every step, no checkpoint in flight); in flight, tracking only (a copy-on-write flight whose
+  copies are all done, run without a boundary: the dispatch mode and the flight's listeners,
+  no copy traffic).  Plain and idle windows alternate, ``--rounds`` of each.
+
+``--reps`` repetitions per checkpoint row (n ≥ 3 for a published figure): min / median / max.
 """
 from __future__ import annotations
 
@@ -25,6 +44,8 @@ import time
 
 from bench.common import write_result
 
+POLICIES = ("stw", "cow", "device", "recopy", "dcp")
+
 
 def _sync(device):
     import torch
@@ -32,58 +53,176 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _steps(job, first, n, device, boundary=None):
-    times = []
-    for s in range(first, first + n):
-        t0 = time.perf_counter()
-        job.step(s)
-        job.commit(s)
-        _sync(device)
-        if boundary is not None:
-            boundary(s)
-        times.append(time.perf_counter() - t0)
-    return times
+def _stats(xs: list) -> dict:
+    """min / median / max of a non-empty list (samples kept)."""
+    return {"n": len(xs), "min": min(xs), "median": statistics.median(xs), "max": max(xs), "samples": xs}
 
 
-def _checkpoint_run(ck, job, tracker, policy, device, step, base, inflight_steps):
-    if policy == "stw":
-        t0 = time.perf_counter()
-        res = ck.stop_the_world(step - 1)
-        wall = time.perf_counter() - t0
-        return {"policy": "stw", "stall_s": res.stall_s, "with_disk_write_s": wall, "bytes": res.bytes}, step
-    finished = []
-    t0 = time.perf_counter()
-    ck.start(step - 1, policy=policy)
-    start_s = time.perf_counter() - t0
-    times = []  # the checkpointer keeps the tracker active only while in flight
-    while ck.in_flight and len(times) < inflight_steps:
-        times += _steps(job, step, 1, device, lambda s: finished.append(ck.boundary(s)))
-        step += 1
-    t1 = time.perf_counter()
-    res = ck.finish(step - 1)
-    tail = time.perf_counter() - t1
-    extra = sum(times) - base * len(times)
-    return {"policy": res.policy, "reason": res.reason, "stall_s": res.stall_s, "start_s": start_s,
-            "inflight_steps": len(times), "inflight_step_ms": [round(t * 1e3, 3) for t in times],
-            "extra_s": extra, "slowdown": (statistics.median(times) / base) if times else None,
-            "finish_wait_s": tail, "cow_foreground": len(res.cow_foreground), "gpu_buffered": res.gpu_buffered,
-            "recopied": len(res.recopied), "objects": res.objects, "bytes": res.bytes, "checkpoint_step": res.step,
-            "valid": res.valid, "seconds": res.seconds}, step
+# ---------------------------------------------------------------- workloads
+class _MLP:
+    def __init__(self, client, args) -> None:
+        from gpu_anchor.testing.workload import Job
+        self.client = client
+        self.job = Job(client, hidden=args.hidden, layers=args.layers, batch=args.batch)
+
+    def run(self, s: int, boundary) -> None:
+        self.job.step(s)
+        self.job.commit(s)
+        boundary(s)
+
+    def state(self) -> dict:
+        return self.job.tensors()
+
+    def close(self) -> None:
+        pass
 
 
-def _dcp(job, directory, device, step, base, inflight_steps):
-    import torch.distributed.checkpoint as dcp
-    state = {n: t for n, t in job.tensors().items()}
+class _Llama:
+    """``bench.models`` shape + ``anchor_module`` + ``AnchoredOptimizer(AdamW)``; the boundary is the
+    optimizer's "step committed" event (``gpu_anchor.train.step_hooks``), as under ``gpu-anchor run``."""
+
+    def __init__(self, client, args) -> None:
+        import torch
+        from bench.models import build
+        from gpu_anchor.train import AnchoredOptimizer, anchor_module, step_hooks
+        self.client, self._boundary, self._hooks = client, None, step_hooks
+        self.model = build(args.workload, args.device, dtype=getattr(torch, args.dtype), tiny=args.tiny)
+        anchor_module(self.model, client)
+        self.opt = AnchoredOptimizer(torch.optim.AdamW(self.model.parameters(), lr=1e-5), model=self.model,
+                                     client=client)
+        g = torch.Generator().manual_seed(0)
+        vocab = self.model.config.vocab_size
+        self.tokens = [torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(args.device) for _ in range(2)]
+        step_hooks.subscribe(self)
+
+    def wants_landed(self, step: int) -> bool:
+        return True  # every step's commit lands at its end: a boundary may start a checkpoint there
+
+    def step_committed(self, step: int, clients) -> None:
+        if self._boundary is not None:
+            self._boundary(step)
+
+    def run(self, s: int, boundary) -> None:
+        self._boundary = boundary
+        x = self.tokens[s % 2]
+        self.model(input_ids=x, labels=x).loss.backward()
+        self.opt.step()  # the step commits in here, then the boundary runs
+        self.opt.zero_grad()
+
+    def state(self) -> dict:
+        """What a user saves: the model's weights and the optimizer's state."""
+        import torch
+        out = {f"model.{n}": p.detach() for n, p in self.model.named_parameters()}
+        for i, st in enumerate(self.opt.optimizer.state.values()):
+            out.update({f"optim.{i}.{k}": v for k, v in st.items() if torch.is_tensor(v) and v.dim()})
+        return out
+
+    def close(self) -> None:
+        self._hooks.unsubscribe(self)
+
+
+# ---------------------------------------------------------------- measuring
+class _Runner:
+    """Runs timed steps; ``boundary`` decides what happens at each step's committed point."""
+
+    def __init__(self, wl, device: str) -> None:
+        self.wl, self.device, self.step, self.plain = wl, device, 0, []
+
+    def steps(self, n: int, boundary=lambda s: None) -> list[float]:
+        times = []
+        for _ in range(n):
+            self.step += 1
+            t0 = time.perf_counter()
+            self.wl.run(self.step, boundary)
+            _sync(self.device)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def gap(self, n: int) -> None:
+        """Plain steps (no checkpoint anywhere): the baseline every window is compared with."""
+        self.plain += self.steps(n)
+
+
+def _overhead(run: _Runner, ck, tracker, args) -> dict:
+    """Tracker cost per step, in rounds of three back-to-back windows (so a busy host's drift hits
+    all three alike): plain; idle (inside `with tracker:`, boundary each step); in flight with every
+    copy done (tracking only).  Ratios to the plain window of the same round."""
+    plain, idle, tracking = [], [], []
+    ck.write_files = False  # the tracking-only flights just hold the mode: nothing to write
     try:
-        t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=directory)
-        stall = time.perf_counter() - t0
-        times = _steps(job, step, inflight_steps, device)
-        fut.result()
-        return {"stall_s": stall, "inflight_steps": len(times), "extra_s": sum(times) - base * len(times),
-                "slowdown": statistics.median(times) / base}, step + inflight_steps
-    except Exception as e:  # reported, not fatal: the other rows still count
-        return {"error": f"{type(e).__name__}: {e}"}, step
+        for _ in range(args.rounds):
+            ts = run.steps(args.window)
+            run.plain += ts
+            plain.append(statistics.median(ts))
+            with tracker:
+                idle.append(statistics.median(run.steps(args.window, lambda s: ck.boundary(s, due=False))))
+                assert not tracker.active, "no checkpoint in flight, yet the tracker is installed"
+            ck.start(run.step, policy="cow")
+            while not ck.copied:
+                time.sleep(0.001)
+            tracking.append(statistics.median(run.steps(args.window)))  # no boundary: the flight stays open
+            ck.finish(run.step)
+    finally:
+        ck.write_files = True
+    return {"plain_step_s": _stats(plain), "idle_step_s": _stats(idle), "inflight_tracking_step_s": _stats(tracking),
+            "idle_vs_plain": _stats([i / p for i, p in zip(idle, plain)]),
+            "inflight_tracking_vs_plain": _stats([t / p for t, p in zip(tracking, plain)])}
+
+
+def _window(run: _Runner, start_at, done, args) -> tuple[list[float], int]:
+    """The due step (its boundary starts the checkpoint via ``start_at``), the steps until ``done()``,
+    then ``--trail`` steps.  Returns (step times, steps in flight)."""
+    times = run.steps(1, start_at)
+    inflight = 0
+    while not done() and inflight < args.inflight_steps:
+        times += run.steps(1, start_at)
+        inflight += 1
+    return times + run.steps(args.trail, start_at), inflight
+
+
+def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
+    if policy == "dcp":
+        import torch.distributed.checkpoint as dcp
+        box = {}
+
+        def at(s):
+            if "fut" not in box:
+                t0 = time.perf_counter()
+                box["fut"] = dcp.async_save(run.wl.state(), checkpoint_id=dcp_dir)
+                box["stall_s"] = time.perf_counter() - t0
+        times, _ = _window(run, at, lambda: True, args)
+        box["fut"].result()
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+        return {"stall_s": box["stall_s"], "window_s": times, "inflight_steps": 0}
+    before = len(ck.results)
+    ck.policy = policy
+    due = [True]
+
+    def at(s):
+        ck.boundary(s, due=due.pop() if due else False)
+    times, inflight = _window(run, at, lambda: len(ck.results) > before, args)
+    res = ck.finish(run.step)  # the disk write, outside the window
+    return {"stall_s": res.stall_s, "window_s": times, "inflight_steps": inflight, "policy": res.policy,
+            "valid": res.valid, "cow_foreground": len(res.cow_foreground), "gpu_buffered": res.gpu_buffered,
+            "recopied": len(res.recopied), "objects": res.objects, "bytes": res.bytes, "checkpoint_step": res.step,
+            "seconds": res.seconds, "reason": res.reason}
+
+
+def _summarise(row_reps: list[dict], base: float, trail: int) -> dict:
+    """Per policy: host blocking, job-level extra and in-flight step ratio over the repetitions."""
+    extra = [sum(r["window_s"]) - len(r["window_s"]) * base for r in row_reps]
+    out = {"reps": row_reps, "stall_s": _stats([r["stall_s"] for r in row_reps]), "extra_s": _stats(extra),
+           "inflight_steps": _stats([r["inflight_steps"] for r in row_reps])}
+    flight = [statistics.median(r["window_s"][1:1 + r["inflight_steps"]]) / base
+              for r in row_reps if r["inflight_steps"]]
+    if flight:
+        out["inflight_step_ratio"] = _stats(flight)
+    last = row_reps[-1]
+    for k in ("policy", "objects", "bytes", "cow_foreground", "gpu_buffered", "recopied"):
+        if k in last:
+            out[k] = last[k]
+    out["valid"] = all(r.get("valid", True) for r in row_reps)
+    return out
 
 
 def _restore(directory, device, args, mode):
@@ -172,26 +311,46 @@ def _migrate(args, dest: str, sock: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench checkpoint_stall")
+    ap = argparse.ArgumentParser(prog="python -m bench checkpoint_stall", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true",
                     help="smoke run: toy size on CPU, copier throttled so steps overlap it; writes *_tiny.json")
+    ap.add_argument("--workload", default="mlp", choices=["mlp", "llama3.2-1b"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=64, help="mlp: width")
+    ap.add_argument("--layers", type=int, default=3, help="mlp: layers")
+    ap.add_argument("--batch", type=int, default=None, help="mlp: rows (default 16); llama: sequences (default 8)")
+    ap.add_argument("--seq", type=int, default=2048, help="llama: tokens per sequence")
+    ap.add_argument("--dtype", default="bfloat16", help="llama: parameter (and AdamW state) dtype")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"checkpoint rows, of {','.join(POLICIES)}")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per checkpoint row")
+    ap.add_argument("--dcp-reps", type=int, default=None, help="repetitions of the async_save row (default --reps)")
+    ap.add_argument("--gap", type=int, default=3, help="plain steps before each repetition (the baseline)")
+    ap.add_argument("--trail", type=int, default=2, help="steps counted after a checkpoint completed")
+    ap.add_argument("--window", type=int, default=5, help="steps per tracker-overhead window")
+    ap.add_argument("--rounds", type=int, default=3, help="tracker-overhead windows of each kind")
     ap.add_argument("--inflight-steps", type=int, default=50, help="cap on steps run while a checkpoint is in flight")
     ap.add_argument("--throttle", type=float, default=0.0, help="sleep per object in the copier (smoke runs)")
+    ap.add_argument("--no-restore", action="store_true", help="skip the restore rows (mlp only anyway)")
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
     ap.add_argument("--migrate-to", default=None, help="also measure live migration to this device (e.g. cuda:1)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results or $GPU_ANCHOR_BENCH_OUT)")
     args = ap.parse_args(argv)
+    llama = args.workload != "mlp"
     if args.tiny:
-        args.device, args.hidden, args.layers, args.batch, args.migrate_to = "cpu", 64, 3, 16, None
+        args.device, args.hidden, args.layers, args.migrate_to = "cpu", 64, 3, None
+        args.batch, args.seq = (2, 32) if llama else (16, args.seq)
         args.inflight_steps, args.throttle = min(args.inflight_steps, 20), args.throttle or 0.002
-    name = "checkpoint_stall" + ("_tiny" if args.tiny else "")
+        args.window, args.gap = min(args.window, 3), min(args.gap, 2)
+    args.batch = args.batch or (8 if llama else 16)
+    policies = [p for p in args.policies.split(",") if p]
+    if set(policies) - set(POLICIES) or "stw" not in policies:
+        ap.error(f"--policies: a subset of {','.join(POLICIES)} that includes stw (the reference)")
+    name = "checkpoint_stall" + (f"_{args.workload}" if llama else "") + ("_tiny" if args.tiny else "")
 
     sock = tempfile.mkdtemp(prefix="ga-ckbench-")
+    saved_env = {k: os.environ.get(k) for k in ("GPU_ANCHOR_SOCKET_DIR", "GPU_ANCHOR_CHECKPOINT_KEEP")}
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = sock
     os.environ["GPU_ANCHOR_CHECKPOINT_KEEP"] = "1"  # one full checkpoint on disk at a time (disk space at 1B)
     base_dir = args.dir or tempfile.mkdtemp(prefix="ga-ckpt-")
@@ -203,58 +362,57 @@ def main(argv=None) -> int:
         import torch
         import gpu_anchor
         from gpu_anchor.checkpoint.concurrent import ConcurrentCheckpointer
-        from gpu_anchor.testing.workload import Job
         from gpu_anchor.checkpoint.writeset import WriteSetTracker
         client = gpu_anchor.connect(args.device, namespace="job")
         t0 = time.perf_counter()
-        job = Job(client, hidden=args.hidden, layers=args.layers, batch=args.batch)
+        wl = (_Llama if llama else _MLP)(client, args)
         build_s = time.perf_counter() - t0
-        n_values = sum(t.numel() for t in job.tensors().values())
+        run = _Runner(wl, args.device)
+        run.steps(args.warmup)
         tracker = WriteSetTracker()
-        step = 1
-        _steps(job, step, args.warmup, args.device)
-        step += args.warmup
-        plain_times = _steps(job, step, max(args.warmup, 5), args.device)
-        step += len(plain_times)
-        with tracker:  # for reference: the tracker's cost with no listener (a user's `with tracker:`)
-            idle_times = _steps(job, step, max(args.warmup, 5), args.device)
-        step += len(idle_times)
-        base = statistics.median(plain_times)  # between checkpoints no mode is active
-        rows, restore = {}, {}
-        result = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
-                  "anchored_values": n_values, "anchored_bytes": n_values * 4, "build_s": build_s,
-                  "baseline_step_s": base, "tracker_idle_step_s": statistics.median(idle_times),
-                  "checkpoint_dir": base_dir, "checkpoint": rows, "restore": restore,
-                  "notes": "same warm interpreter and daemon for every row; stall = job thread blocked; "
-                           "disk writes are background in every row"}
-
-        def save():  # after every section: a run cut short still leaves what it measured
-            return write_result(name, result, args.out)
-
         ck_dir = os.path.join(base_dir, "ga")
         ck = ConcurrentCheckpointer([client], ck_dir, tracker, throttle_s=args.throttle)
         t0 = time.perf_counter()
-        ck.prepare()  # pinned staging, shared by every row (allocated once, as a long-running job would)
-        result["staging_alloc_s"] = time.perf_counter() - t0
-        for policy in ("stw", "cow", "recopy"):
-            rows[policy], step = _checkpoint_run(ck, job, tracker, policy, args.device, step, base,
-                                                 args.inflight_steps)
+        ck.prepare()  # pinned staging + the dispatch path's one-time import, shared by every row
+        anchored = sum(o.nbytes for o in client.objects().values())
+        result = {"workload": args.workload, "device": args.device, "hidden": args.hidden, "layers": args.layers,
+                  "batch": args.batch, "seq": args.seq if llama else None, "dtype": args.dtype if llama else "float32",
+                  "anchored_bytes": anchored, "anchored_objects": len(client.objects()), "build_s": build_s,
+                  "setup_s": time.perf_counter() - t0, "reps": args.reps, "trail": args.trail,
+                  "checkpoint_dir": base_dir, "checkpoint": {}, "restore": {}}
+        if not llama:
+            result["anchored_values"] = sum(t.numel() for t in wl.state().values())
+
+        def save():  # after every section: a run cut short still leaves what it measured
+            if run.plain:
+                result["baseline_step_s"] = statistics.median(run.plain)
+                result["baseline_step"] = _stats(run.plain)
+                for p, reps in raw.items():
+                    result["checkpoint"][p] = _summarise(reps, result["baseline_step_s"], args.trail)
+                stw = result["checkpoint"].get("stw")
+                for p, row in result["checkpoint"].items():
+                    if stw and p != "stw":
+                        row["stall_vs_stw"] = row["stall_s"]["median"] / stw["stall_s"]["median"]
+                        row["extra_vs_stw"] = row["extra_s"]["median"] / max(stw["extra_s"]["median"], 1e-9)
+            return write_result(name, result, args.out)
+
+        raw: dict[str, list] = {}
+        result["overhead"] = _overhead(run, ck, tracker, args)
+        save()
+        for policy in policies:
+            raw[policy] = []
+            for _ in range((args.dcp_reps or args.reps) if policy == "dcp" else args.reps):
+                run.gap(args.gap)
+                raw[policy].append(_rep(run, ck, policy, args, os.path.join(base_dir, "dcp")))
             save()
         ck.close()
-        rows["dcp_async_save"], step = _dcp(job, os.path.join(base_dir, "dcp"), args.device, step, base,
-                                            min(args.inflight_steps, 10))
-        shutil.rmtree(os.path.join(base_dir, "dcp"), ignore_errors=True)
-        stw = rows["stw"]["stall_s"]
-        for k in ("cow", "recopy", "dcp_async_save"):
-            if "stall_s" in rows[k] and stw > 0:
-                rows[k]["stall_vs_stw"] = rows[k]["stall_s"] / stw
-        save()
-        del job
-        del ck, tracker
-        for m in ("full", "on_demand"):
-            restore[m] = _restore(ck_dir, args.device, args, m)
-            save()
-        if args.migrate_to:
+        wl.close()
+        del wl, ck, tracker
+        if not llama and not args.no_restore:
+            for m in ("full", "on_demand"):
+                result["restore"][m] = _restore(ck_dir, args.device, args, m)
+                save()
+        if args.migrate_to and not llama:
             if args.device.startswith("cuda") and torch.cuda.device_count() > 1:
                 try:
                     result["migration"] = _migrate(args, args.migrate_to, sock)
@@ -264,10 +422,15 @@ def main(argv=None) -> int:
                 result["migration"] = {"skipped": "needs a CUDA source and a second GPU"}
         path = save()
         print(f"wrote {path}")
-        for k, r in rows.items():
-            print(f"{k:15s} stall {r.get('stall_s', float('nan')) * 1e3:9.2f} ms  extra {r.get('extra_s', 0) * 1e3:9.2f} ms"
-                  f"  {r.get('error', '')}")
-        for k, r in restore.items():
+        base = result["baseline_step_s"]
+        ov = result["overhead"]
+        print(f"step {base * 1e3:.2f} ms; idle {ov['idle_vs_plain']['median'] - 1:+.1%}, "
+              f"in flight (tracking only) {ov['inflight_tracking_vs_plain']['median'] - 1:+.1%}")
+        for k, r in result["checkpoint"].items():
+            print(f"{k:7s} host blocking {r['stall_s']['median'] * 1e3:9.2f} ms   job-level extra "
+                  f"{r['extra_s']['median'] * 1e3:9.2f} ms (min {r['extra_s']['min'] * 1e3:.2f}, "
+                  f"max {r['extra_s']['max'] * 1e3:.2f})")
+        for k, r in result["restore"].items():
             print(f"restore {k:9s} first step after {r['time_to_first_step_s'] * 1e3:9.2f} ms")
         del torch
     finally:
@@ -279,63 +442,133 @@ def main(argv=None) -> int:
         if args.dir is None:
             shutil.rmtree(base_dir, ignore_errors=True)
         shutil.rmtree(sock, ignore_errors=True)
+        for k, v in saved_env.items():  # an in-process caller (the smoke test) gets its environment back
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 
 # ---------------------------------------------------------------- report
 def title(r: dict) -> str:
-    return f"Concurrent checkpoint: job stall, in-flight slowdown, restore ({r.get('device', '?')})"
+    what = "1B Llama + AdamW" if r.get("workload", "mlp") != "mlp" else "MLP + Adam"
+    return f"Concurrent checkpoint: stall as the job sees it, tracker overhead, restore ({what}, {r.get('device', '?')})"
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
+
+
+def _cell(st) -> str:
+    """median (min–max) of a stats dict; a bare number (results before n ≥ 3) as itself."""
+    if st is None:
+        return "—"
+    if not isinstance(st, dict):
+        return f"{_fmt(st)} (n=1)"
+    if st["n"] < 3:
+        return f"{_fmt(st['median'])} (n={st['n']})"
+    return f"{_fmt(st['median'])} ({_fmt(st['min'])}–{_fmt(st['max'])})"
+
+
+def _ratio(st) -> str:
+    """A stats dict of ratios to the plain step, as percent over it."""
+    return (f"{100 * (st['median'] - 1):+.1f} % ({100 * (st['min'] - 1):+.1f} to {100 * (st['max'] - 1):+.1f})")
+
+
+NAMES = {"stw": "stop-the-world (copy all to host, then resume)", "cow": "gpu-anchor soft copy-on-write",
+         "device": "gpu-anchor device-side snapshot (clone on the GPU, drain later)",
+         "recopy": "gpu-anchor soft recopy", "dcp": "`torch.distributed.checkpoint.async_save`",
+         "dcp_async_save": "`torch.distributed.checkpoint.async_save`"}
 
 
 def render(r: dict) -> str:
-    """Issue 8's targets: soft-CoW stall ≤ 10 % of the stop-the-world stall, vs DCP async_save; step slowdown
-    in flight; restore to first step, on-demand vs full [PhoenixOS figures where the seed gives one]."""
+    """Issue 8 / 20's targets: the checkpoint's cost to the job (extra wall time of the steps around it) and
+    its host blocking, each ≤ 10 % of stop-the-world; the tracker ≤ 1 % of a step idle, ≤ 10 % in flight;
+    restore to first step, on-demand vs full [PhoenixOS figures where the seed gives one]."""
     from bench.common import verdict
-
-    def fmt_s(v):
-        return "—" if v is None else f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
-    ck, rs = r.get("checkpoint", {}), r.get("restore", {})
-    base = r.get("baseline_step_s")
-    out = [f"Workload: an MLP + Adam, everything anchored: hidden {r['hidden']} × {r['layers']} layers, batch "
-           f"{r['batch']}; {r['anchored_values'] / 1e9:.2f} G values = {r['anchored_bytes'] / 1e9:.1f} GB of "
-           f"fp32 state; baseline step {fmt_s(base)}. One warm process and daemon for every row; disk writes "
-           f"run in the background in every row and are not stall.", "",
-           "| checkpoint | job stall | vs stop-the-world | steps in flight | median step while in flight | "
-           "extra wall time of those steps | notes |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    names = {"stw": "stop-the-world (copy all, then resume)", "cow": "gpu-anchor soft copy-on-write",
-             "recopy": "gpu-anchor soft recopy", "dcp_async_save": "`torch.distributed.checkpoint.async_save`"}
-    for k in ("stw", "cow", "recopy", "dcp_async_save"):
+    ck, rs, base = r.get("checkpoint", {}), r.get("restore", {}), r.get("baseline_step_s")
+    legacy = "reps" not in r  # written before the job-level protocol: one checkpoint per row
+    nb = r.get("anchored_bytes", 0)
+    size = f"{nb / 1e9:.1f} GB" if nb >= 1e9 else f"{nb / 1e6:.1f} MB"
+    if r.get("workload", "mlp") == "mlp":
+        what = f"an MLP + Adam, everything anchored: hidden {r['hidden']} × {r['layers']} layers, batch {r['batch']}"
+    else:
+        what = (f"{r['workload']} ({r.get('dtype')}), `anchor_module` + `AnchoredOptimizer(AdamW)` (weights, "
+                f"gradients, moments, undo slots anchored), batch {r['batch']} × {r.get('seq')} tokens")
+    out = [f"Workload: {what}; {size} anchored; step without a checkpoint {_cell(r.get('baseline_step', base))}. "
+           f"One warm process and daemon for every row; disk writes run in a background thread in every row."
+           + (" Written before repetitions and job-level windows were measured: n = 1 per row." if legacy else
+              f" {r['reps']} repetitions per row: median (min–max). Job-level extra = wall time of the steps from "
+              f"the one whose boundary starts the checkpoint to {r['trail']} steps after it completed, minus as "
+              f"many steps without one; host blocking = time the job's thread was blocked."), ""]
+    ov = r.get("overhead")
+    if ov:
+        out += [f"Write-set tracker: {ov['plain_step_s']['n']} rounds of three back-to-back windows (plain, idle, "
+                f"in flight); the overhead is each round's ratio to its own plain window, median (min to max).", "",
+                "| write-set tracker | step | vs no tracker | target |", "| --- | ---: | ---: | --- |",
+                f"| none (plain loop) | {_cell(ov['plain_step_s'])} | — | |",
+                f"| idle: loop inside `with tracker:`, checkpointer idle | {_cell(ov['idle_step_s'])} | "
+                f"{_ratio(ov['idle_vs_plain'])} | ≤ 1 % |",
+                f"| in flight, tracking only (copies done, no copy traffic) | {_cell(ov['inflight_tracking_step_s'])} | "
+                f"{_ratio(ov['inflight_tracking_vs_plain'])} | ≤ 10 % |"]
+        cow = ck.get("cow", {}).get("inflight_step_ratio")
+        if cow:
+            out.append(f"| in flight, copy-on-write steps (copies, tracking, drain) | — | "
+                       f"{100 * (cow['median'] - 1):+.1f} % ({100 * (cow['min'] - 1):+.1f} to "
+                       f"{100 * (cow['max'] - 1):+.1f}) | ≤ 10 % |")
+        out.append("")
+    out += ["| checkpoint | job-level extra | vs stop-the-world | host blocking | vs stop-the-world | steps in flight "
+            "| notes |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for k in ("stw", "cow", "device", "recopy", "dcp", "dcp_async_save"):
         x = ck.get(k)
         if x is None:
             continue
         if "error" in x:
-            out.append(f"| {names[k]} | — | — | — | — | — | failed: {x['error']} |")
+            out.append(f"| {NAMES[k]} | — | — | — | — | — | failed: {x['error']} |")
             continue
         note = ""
-        if k == "stw":
-            note = f"with the disk write: {fmt_s(x.get('with_disk_write_s'))}"
-        elif k in ("cow", "recopy"):
+        if k == "stw" and legacy:
+            note = f"with the disk write: {_fmt(x.get('with_disk_write_s'))}"
+        elif k in ("cow", "device", "recopy"):
             note = (f"of {x.get('objects', '?')} objects: {x.get('cow_foreground', 0)} copied before a write, "
                     f"{x.get('gpu_buffered', 0)} buffered on the device, {x.get('recopied', 0)} recopied; "
-                    + ("validated" if x.get("valid") else "**not valid**"))
-        slow = x.get("slowdown")
-        out.append(f"| {names[k]} | {fmt_s(x['stall_s'])} | "
-                   f"{'1' if k == 'stw' else format(x['stall_vs_stw'], '.3g') if 'stall_vs_stw' in x else '—'}× | "
-                   f"{x.get('inflight_steps', '—')} | {'—' if slow is None else f'{slow:.2f}× baseline'} | "
-                   f"{fmt_s(x.get('extra_s')) if 'extra_s' in x else '—'} | {note} |")
-    t = ["", "| target (issue 8) | measured | verdict |", "| --- | --- | --- |"]
-    cow, dcp = ck.get("cow", {}), ck.get("dcp_async_save", {})
-    if "stall_vs_stw" in cow:
-        t.append(f"| soft-CoW stall ≤ 10 % of the stop-the-world stall | {100 * cow['stall_vs_stw']:.1f} % "
-                 f"({fmt_s(cow['stall_s'])} vs {fmt_s(ck['stw']['stall_s'])}) | {verdict(cow['stall_vs_stw'] <= 0.10)} |")
-    if "stall_s" in cow and "stall_s" in dcp:
-        t.append(f"| stall vs DCP `async_save` | {fmt_s(cow['stall_s'])} vs {fmt_s(dcp['stall_s'])} "
-                 f"({dcp['stall_s'] / cow['stall_s']:.0f}× less) | — |")
+                    + ("validated" if x.get("valid") else "**not valid**")
+                    + ("; host objects, so this row is soft copy-on-write" if k == "device" and r["device"] == "cpu" else ""))
+        one = "1×" if k == "stw" else None
+        ev = one or (f"{100 * x['extra_vs_stw']:.1f} %" if "extra_vs_stw" in x else "—")
+        sv = one or (f"{100 * x['stall_vs_stw']:.1f} %" if "stall_vs_stw" in x else "—")
+        steps = x.get("inflight_steps")
+        steps = steps["median"] if isinstance(steps, dict) else steps
+        out.append(f"| {NAMES[k]} | {_cell(x.get('extra_s'))} | {ev} | {_cell(x['stall_s'])} | {sv} | "
+                   f"{'—' if steps is None else steps} | {note} |")
+    t = ["", "| target | measured | verdict |", "| --- | --- | --- |"]
+    for k in ("cow", "device"):
+        x = ck.get(k, {})
+        if "extra_vs_stw" in x:  # judged on the worst repetition: noise must not pass it
+            worst = x["extra_s"]["max"] / max(ck["stw"]["extra_s"]["median"], 1e-9)
+            t.append(f"| {NAMES[k]}: job-level extra ≤ 10 % of stop-the-world's, every repetition (issue 20) | "
+                     f"median {100 * x['extra_vs_stw']:.1f} %, worst {100 * worst:.1f} % "
+                     f"({_fmt(x['extra_s']['median'])}, worst {_fmt(x['extra_s']['max'])}, vs "
+                     f"{_fmt(ck['stw']['extra_s']['median'])}) | {verdict(worst <= 0.10)} |")
+        if "stall_vs_stw" in x:
+            st = x["stall_s"]["median"] if isinstance(x["stall_s"], dict) else x["stall_s"]
+            sw = ck["stw"]["stall_s"]
+            sw = sw["median"] if isinstance(sw, dict) else sw
+            t.append(f"| {NAMES[k]}: host blocking ≤ 10 % of stop-the-world's (issue 8) | "
+                     f"{100 * x['stall_vs_stw']:.1f} % ({_fmt(st)} vs {_fmt(sw)}) | {verdict(x['stall_vs_stw'] <= 0.10)} |")
+    if ov:
+        idle, fl = ov["idle_vs_plain"]["median"] - 1, ov["inflight_tracking_vs_plain"]["median"] - 1
+        t.append(f"| tracker idle ≤ 1 % of a step (issue 20) | {100 * idle:+.1f} % | {verdict(idle <= 0.01)} |")
+        t.append(f"| tracker in flight ≤ 10 % of a step (issue 20; tracking only) | {100 * fl:+.1f} % | "
+                 f"{verdict(fl <= 0.10)} |")
     full, od = rs.get("full"), rs.get("on_demand")
     if full and od:
-        t.append(f"| restore → first step, on-demand vs full | {fmt_s(od['time_to_first_step_s'])} vs "
-                 f"{fmt_s(full['time_to_first_step_s'])} (restore call {fmt_s(od['restore_call_s'])} vs "
-                 f"{fmt_s(full['restore_call_s'])}; everything loaded after {fmt_s(od.get('all_loaded_s'))}; "
+        t.append(f"| restore → first step, on-demand vs full (n=1) | {_fmt(od['time_to_first_step_s'])} vs "
+                 f"{_fmt(full['time_to_first_step_s'])} (restore call {_fmt(od['restore_call_s'])} vs "
+                 f"{_fmt(full['restore_call_s'])}; everything loaded after {_fmt(od.get('all_loaded_s'))}; "
                  f"{od.get('on_demand', 0)} objects loaded on demand, {od.get('background', 0)} in the background) "
                  f"[PhoenixOS: Llama2-13B full restore 6.2 s, 31× its time to first token; not this workload] | "
                  f"{'on-demand first' if od['time_to_first_step_s'] < full['time_to_first_step_s'] else '**on-demand not faster**'} |")
@@ -343,11 +576,17 @@ def render(r: dict) -> str:
     if mig:
         if "live" in mig:
             t.append(f"| migration downtime {r['device']} → {mig['to']}, live vs stop-and-copy | "
-                     f"{fmt_s(mig['live']['downtime_s'])} vs {fmt_s(mig['stop_and_copy_downtime_s'])} "
+                     f"{_fmt(mig['live']['downtime_s'])} vs {_fmt(mig['stop_and_copy_downtime_s'])} "
                      f"[PhoenixOS: 9.8 s → 2.3 s, Llama2-13B serving] | — |")
         else:
             t.append(f"| migration | not measured: {mig.get('skipped') or mig.get('error')} | — |")
-    if "staging_alloc_s" in r:
+    if "setup_s" in r:
+        t += ["", f"One-time setup, not counted as stall: pinned host staging for the whole state and the dispatch "
+                  f"path's first use {_fmt(r['setup_s'])} (`prepare()`, as a long-running job would)."]
+    elif "staging_alloc_s" in r:
         t += ["", f"One-time setup, not counted as stall: pinned host staging for the whole state "
-                  f"{fmt_s(r['staging_alloc_s'])} (allocated once, as a long-running job would)."]
+                  f"{_fmt(r['staging_alloc_s'])} (allocated once, as a long-running job would)."]
+    if legacy and "tracker_idle_step_s" in r and base:
+        t += ["", f"Tracker installed for the whole loop with nobody listening (`with tracker:` before it installed "
+                  f"lazily): {_fmt(r['tracker_idle_step_s'])} per step, {100 * (r['tracker_idle_step_s'] / base - 1):+.1f} %."]
     return "\n".join(out + t)

@@ -1,19 +1,50 @@
-"""Smoke run of bench/checkpoint_stall.py at tiny size on CPU (shape of the result, not timings)."""
+"""Smoke runs of bench/checkpoint_stall.py at tiny size on CPU (shape of the result, not timings)."""
 from __future__ import annotations
 
 import json
+
+from bench import checkpoint_stall
+
+
+def _checks(r: dict, policies, reps: int) -> dict:
+    rows = r["checkpoint"]
+    assert sorted(rows) == sorted(policies)
+    for p, row in rows.items():
+        assert row["stall_s"]["n"] == row["extra_s"]["n"] == reps, p
+        assert row["extra_s"]["min"] <= row["extra_s"]["median"] <= row["extra_s"]["max"]
+        for rep in row["reps"]:
+            assert len(rep["window_s"]) == 1 + rep["inflight_steps"] + r["trail"], (p, rep)
+    assert rows["stw"]["bytes"] == r["anchored_bytes"] and rows["stw"]["inflight_steps"]["max"] == 0
+    assert rows["cow"]["policy"] == "cow" and rows["cow"]["valid"] and "extra_vs_stw" in rows["cow"]
+    for k in ("plain_step_s", "idle_step_s", "inflight_tracking_step_s", "idle_vs_plain", "inflight_tracking_vs_plain"):
+        assert r["overhead"][k]["n"] == 3, k
+    text = checkpoint_stall.render(r)
+    assert "job-level extra" in text and "tracker idle" in text
+    return rows
 
 
 def test_checkpoint_stall_bench_runs_tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(tmp_path / "unused"))  # restored after the bench changes it
     monkeypatch.setenv("GPU_ANCHOR_CHECKPOINT_KEEP", "2")
-    from bench import checkpoint_stall
-    assert checkpoint_stall.main(["--out", str(tmp_path), "--inflight-steps", "20", "--throttle", "0.002"]) == 0
+    assert checkpoint_stall.main(["--out", str(tmp_path), "--inflight-steps", "20", "--throttle", "0.002",
+                                  "--window", "3", "--gap", "2"]) == 0
     r = json.loads((tmp_path / "checkpoint_stall.json").read_text())
-    rows = r["checkpoint"]
-    assert rows["stw"]["policy"] == "stw" and rows["stw"]["bytes"] == r["anchored_bytes"]
-    assert rows["cow"]["policy"] == "cow" and rows["cow"]["valid"]
+    rows = _checks(r, checkpoint_stall.POLICIES, 3)
     assert rows["recopy"]["policy"] == "recopy" and rows["recopy"]["recopied"] > 0
-    assert "stall_s" in rows["dcp_async_save"] or "error" in rows["dcp_async_save"]
+    assert rows["device"]["policy"] == "device" and rows["device"]["gpu_buffered"] == 0, "host objects: copy-on-write"
     assert set(r["restore"]) == {"full", "on_demand"}
     assert r["restore"]["on_demand"]["on_demand"] + r["restore"]["on_demand"]["background"] == rows["cow"]["objects"]
+
+
+def test_checkpoint_stall_bench_runs_the_llama_workload_tiny(tmp_path, monkeypatch):
+    """The Llama + AnchoredOptimizer workload: the boundary is the optimizer's step-committed event."""
+    monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(tmp_path / "unused"))
+    monkeypatch.delenv("GPU_ANCHOR_CHECKPOINT_KEEP", raising=False)
+    assert checkpoint_stall.main(["--tiny", "--workload", "llama3.2-1b", "--out", str(tmp_path),
+                                  "--policies", "stw,cow"]) == 0
+    import os
+    assert "GPU_ANCHOR_CHECKPOINT_KEEP" not in os.environ, "the bench gives the environment back"
+    r = json.loads((tmp_path / "checkpoint_stall_llama3.2-1b_tiny.json").read_text())
+    rows = _checks(r, ["stw", "cow"], 3)
+    assert r["workload"] == "llama3.2-1b" and r["restore"] == {}
+    assert any(rep["inflight_steps"] for rep in rows["cow"]["reps"]), "the copy ran while the job stepped"

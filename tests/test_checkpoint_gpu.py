@@ -69,6 +69,26 @@ def test_gpu_concurrent_cow_and_recopy_equal_stop_the_world(cuda_daemon, tmp_pat
     _same(_file(str(tmp_path / "rc"), rc.step), ref[rc.step])
 
 
+def test_gpu_device_snapshot_equals_stop_the_world_without_tracking(cuda_daemon, tmp_path):
+    """``device``: every object cloned on the GPU at start (it fits), so no op is tracked, and the
+    checkpoint still equals stop-the-world bit for bit."""
+    (stw,), ref = _run("stw", str(tmp_path / "stw"), "stw")
+    client = gpu_anchor.connect("cuda:0", namespace="dev")
+    job, tracker = Job(client, hidden=H, layers=4, batch=64), WriteSetTracker()
+    ckpt = ConcurrentCheckpointer([client], str(tmp_path / "dev"), tracker, policy="device", throttle_s=0.01)
+    with tracker:
+        for s in range(1, STEPS + 1):
+            job.step(s)
+            job.commit(s)
+            ckpt.boundary(s, due=s == AT)
+            assert not tracker.active and tracker.ops_seen == 0, "nothing to track: nothing installed"
+    res = ckpt.finish(STEPS)
+    assert res.valid and res.policy == "device" and res.step == AT
+    assert res.gpu_buffered == res.objects and not res.cow_foreground
+    _same(_file(str(tmp_path / "dev"), AT), _file(str(tmp_path / "stw"), AT))
+    _same(_file(str(tmp_path / "dev"), AT), ref[AT])
+
+
 def test_gpu_on_demand_restore_equals_full_restore(cuda_daemon, tmp_path):
     ckdir = str(tmp_path / "ck")
     _, ref = _run("job", ckdir, "cow")

@@ -88,8 +88,10 @@ def test_background_order_follows_first_touch(host_daemon, tmp_path):
     gpu_anchor.connect("cpu", namespace="job").drop_namespace()
     r = od.OnDemandRestore(ckdir, WriteSetTracker(), step=AT).start()
     stats = r.wait()
-    # forward touches layer 0 first, the backward-then-update order puts optimizer state last
-    assert stats["background"][:2] == ["model.0.weight", "model.0.bias"]
+    # forward touches layer 0 first (one addmm reads its bias and weight together: views such as
+    # ``weight.t()`` touch no bytes and are not recorded), the backward-then-update order puts
+    # optimizer state last
+    assert sorted(stats["background"][:2]) == ["model.0.bias", "model.0.weight"]
     assert stats["background"][-1].startswith("optim.")
 
 

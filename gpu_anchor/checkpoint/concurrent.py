@@ -10,13 +10,14 @@
 
 Contract: call ``start``/``boundary``/``finish`` only at a consistent point (a committed
 step: nothing in flight that writes anchored state), on the thread that runs the job.
-While a checkpoint is in flight the tracker must see every write: by default
-(``manage_mode``) the checkpointer pushes the tracker's dispatch mode on that thread at
-``start`` and pops it when the flight completes, so between checkpoints ops pay nothing;
-with ``with tracker:`` around the loop it is simply already active.  Other threads that
-write anchored state must enter the tracker themselves.
+While a checkpoint is in flight the tracker must see every write: ``start`` attaches the
+flight's listeners and opens a tracker scope of its own on that thread (``manage_mode``),
+which installs the dispatch mode; the flight's completion removes both, so between
+checkpoints ops pay nothing, with or without ``with tracker:`` around the loop
+(docs/checkpoint.md, "When tracking is installed": the states, the invariant).  Other
+threads that write anchored state must enter the tracker themselves.
 
-Two policies (PhoenixOS §4), chosen per checkpoint and reported:
+Policies (PhoenixOS §4), chosen per checkpoint and reported:
 
 * **soft copy-on-write** (``cow``) — the checkpoint is the state at ``start``.  A
   background copier (a thread; on CUDA a low-priority side stream) moves every
@@ -30,10 +31,17 @@ Two policies (PhoenixOS §4), chosen per checkpoint and reported:
   are recopied there, with the job paused.  Invariant: staged = value at that
   boundary.  Cheap when little is written per step (inference: weights, append-only
   KV), no better than stop-the-world when everything is (training).
+* **device-side snapshot** (``device``) — copy-on-write at the coarsest grain: at
+  ``start`` every CUDA object that fits ``gpu_buffer_fraction`` of free device memory is
+  cloned on its device and the job thread waits for the clones (device-to-device: HBM
+  bandwidth, not PCIe); they drain to host in the background.  Nothing cloned needs
+  tracking — if everything fit, no mode is installed and no op pays anything; the rest
+  (host objects, what did not fit) is soft copy-on-write.  Invariant as ``cow``.
 
 ``policy="auto"`` picks ``recopy`` when the bytes written per step (measured by the
 tracker during the previous checkpoint, or ``expected_dirty_fraction``) are below
-``recopy_threshold`` of the total, else ``cow``.  With a ``Validator`` attached, an
+``recopy_threshold`` of the total, else ``cow`` (never ``device``: it holds device memory
+the size of what it clones).  With a ``Validator`` attached, an
 undeclared write during the flight marks the checkpoint invalid; it is not written,
 the op is then treated as writing all its inputs, and the checkpoint is retaken at
 the next boundary.  Files: ``gpu_anchor.checkpoint.format`` layout, which
@@ -60,7 +68,7 @@ from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
 from .settings import CheckpointSettings
 from .writeset import Recorder, WriteSetTracker
 
-POLICIES = ("auto", "cow", "recopy", "stw")
+POLICIES = ("auto", "cow", "recopy", "stw", "device")
 
 
 @dataclass
@@ -120,7 +128,10 @@ class ConcurrentCheckpointer:
         self.write_files = write
         self.captured: list[dict] | None = None  # the last checkpoint, when write=False
         self.chunk_bytes = chunk_bytes
-        self.manage_mode, self._entered = manage_mode, False
+        self.manage_mode, self._entered = manage_mode, None  # the job thread while its flight's scope is open
+        self._lost_at_arm = 0
+        # tests: called with each state of the flight as it is entered (docs/checkpoint.md)
+        self.transition_hook = None
         self.recorder = Recorder(tracker)
         self.results: list[CheckpointResult] = []
         self.retake_pending = False
@@ -167,20 +178,11 @@ class ConcurrentCheckpointer:
             self._derived = (entries, total, staging, dev)
         _, total, staging, dev = self._derived
         policy, reason = self._choose(policy or self.policy, total)
-        journals = [c.journal.get_many() for c in self.clients]
-        fl = self._flight = _Flight(step, policy, reason, entries, staging, journals)
+        fl = self._flight = _Flight(step, policy, reason, entries, staging, None)
         fl.t0 = t0  # the checkpoint's duration counts from the start() call, as its stall does
         fl.result.objects, fl.result.bytes = len(entries), total
-        if dev is not None:
-            self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
-            self._job_stream = torch.cuda.current_stream(dev)
-            self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
-            free = torch.cuda.mem_get_info(dev)[0]
-            self._gpu_budget = int(free * self.gpu_buffer_fraction)
-        self.recorder.first_touch.clear()
-        self.recorder._touched.clear()
-        self.recorder.group_written.clear()  # (write_order_last survives: it orders this copy)
         if policy == "stw":  # the baseline: every copy queued on the job's stream, one wait
+            self._capture_point(fl, dev)
             with _disable_current_modes(), torch.no_grad():
                 for k, (_, _, t) in entries.items():
                     staging[k].copy_(t, non_blocking=t.is_cuda)
@@ -194,19 +196,90 @@ class ConcurrentCheckpointer:
             seen = set(first)
             order = first + [k for k in order if k not in seen]
             fl.result.reason += "; copy order: last step's first writes"
-        fl.queue = TransferQueue(order, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
-        self.tracker.add_listener(self)
-        self.tracker.add_listener(self.recorder)
-        if self.manage_mode and not self.tracker.active:
-            self.tracker.__enter__()  # only while in flight: no per-op cost between checkpoints
-            self._entered = True
+        self.recorder.reset()
+        self._lost_at_arm = self.tracker.lost
+        self._gpu_budget = int(torch.cuda.mem_get_info(dev)[0] * self.gpu_buffer_fraction) if dev is not None else 0
+        clone = self._plan_device_copy(fl, order) if policy == "device" else []
+        rest = [k for k in order if k not in set(clone)] if clone else order
+        fl.queue = TransferQueue(rest, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
+        # docs/checkpoint.md, "When tracking is installed": ARMED (listeners attached and the mode on
+        # this thread's stack) before CAPTURED (the state the checkpoint records) before COPYING
+        if rest:
+            self._arm()
+            self._transition("armed")
+        self._capture_point(fl, dev)
+        if clone:
+            self._copy_on_device(fl, clone)
+        self._transition("captured")
         fl.queue.start(self._copier)
+        self._transition("copying")
         fl.result.stall_s += time.perf_counter() - t0
         return policy
 
+    def _arm(self) -> None:
+        self.tracker.add_listener(self)
+        self.tracker.add_listener(self.recorder)
+        if self.manage_mode:  # a scope of the flight's own: the mode is installed only while in flight
+            self._entered = self.tracker.enter_scope()
+        if not self.tracker.active:
+            self._detach()
+            self._flight = None
+            raise RuntimeError("this thread is in no scope of the tracker, so the checkpoint would miss the job's "
+                               "writes: use manage_mode=True (the default) or call start() inside `with tracker:`")
+
+    def _capture_point(self, fl: _Flight, dev) -> None:
+        """The state the checkpoint records: the journal now, and (CUDA) every write queued so far."""
+        fl.journals = [c.journal.get_many() for c in self.clients]
+        if dev is not None:
+            self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
+            self._job_stream = torch.cuda.current_stream(dev)
+            self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
+
+    def _plan_device_copy(self, fl: _Flight, order: list[str]) -> list[str]:
+        """``device``: the CUDA objects that fit the device-buffer budget, in copy order."""
+        fit = []
+        for k in order:
+            src = fl.entries[k][2]
+            n = src.numel() * src.element_size()
+            if src.is_cuda and n <= self._gpu_budget:
+                self._gpu_budget -= n
+                fit.append(k)
+        return fit
+
+    def _copy_on_device(self, fl: _Flight, keys: list[str]) -> None:
+        """``device``: clone ``keys`` on their device now, on the job's stream (after everything it
+        queued before this point), and wait for the clones: every write issued after ``start``
+        returns, on any stream and by any kernel (aten or not), runs after them.  They are drained
+        to host staging with the GPU-side copy-on-write buffers (``_drain``)."""
+        by_dev: dict = {}
+        for k in keys:
+            by_dev.setdefault(fl.entries[k][2].device, []).append(k)
+        with torch.no_grad(), _disable_current_modes():
+            for dev, ks in by_dev.items():
+                bufs = [fl.entries[k][2].clone() for k in ks]
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                fl.gpu_groups.append((ks, bufs, ev))
+            for _, _, ev in fl.gpu_groups:
+                ev.synchronize()
+        fl.result.gpu_buffered += len(keys)
+
+    def _transition(self, name: str) -> None:
+        hook = self.transition_hook
+        if hook is not None:
+            hook(name)
+
+    @property
+    def copied(self) -> bool:
+        """Every object of the flight in flight is copied (it completes at the next ``boundary``)."""
+        fl = self._flight
+        return fl is not None and fl.queue is not None and fl.queue.done()
+
     def prepare(self) -> int:
-        """Pay now what the first ``start`` would (staging, object table, copier); returns bytes."""
+        """Pay now what the first ``start`` would (staging, object table, copier, the dispatch path's
+        one-time import); returns bytes."""
         self._copier.ensure_started()
+        self.tracker.warm()
         entries = self._table.entries()
         return sum(self._staging(k, t).nbytes for k, (_, _, t) in entries.items())
 
@@ -231,9 +304,11 @@ class ConcurrentCheckpointer:
         the first boundary after that one completes).  Returns the checkpoint completed here."""
         if due is None:
             due = self.settings.due(step) and not complete_ranks(step_dir(self.directory, step), self.world).get(self.rank)
+        self.tracker.sync()  # a step boundary: the mode is installed on this thread iff someone listens
         done = None
         fl = self._flight
         if fl is not None and fl.queue.done():
+            self._transition("copied")
             done = self._complete(step)
         elif fl is not None:
             self.recorder.close_group()
@@ -256,6 +331,7 @@ class ConcurrentCheckpointer:
         fl.queue.join()
         if fl.result.policy == "recopy":
             fl.result.stall_s += time.perf_counter() - t0  # the job waits here
+        self._transition("copied")
         res = self._complete(step if step is not None else fl.result.step)
         self._wait_writer()
         return res
@@ -279,7 +355,7 @@ class ConcurrentCheckpointer:
         fl = self._flight
         if fl is None or not written:
             return
-        if fl.result.policy == "cow":
+        if fl.result.policy != "recopy":  # cow, device: copy before the write
             q = fl.queue
             if not q.left:  # everything copied (a hint read without the lock: it only decreases)
                 return
@@ -398,9 +474,9 @@ class ConcurrentCheckpointer:
     def _detach(self) -> None:
         self.tracker.remove_listener(self)
         self.tracker.remove_listener(self.recorder)
-        if self._entered:
-            self._entered = False
-            self.tracker.__exit__(None, None, None)
+        if self._entered is not None:
+            thread, self._entered = self._entered, None
+            self.tracker.exit_scope(thread)
 
     def _complete(self, step: int) -> CheckpointResult:
         fl = self._flight
@@ -408,9 +484,15 @@ class ConcurrentCheckpointer:
         if self.validator is not None:
             self.validator.flush()  # a miss in the open op group must count before this completes
         if fl.queue is not None:
+            self.tracker.sync()  # finds a mode another mode's exit took off this thread's stack
+            if self.tracker.lost != self._lost_at_arm:
+                res.valid = False
+                res.misses.append({"op": "tracking was removed from the dispatch stack while in flight (a dispatch "
+                                         "mode entered inside the tracker's scope exited out of order)",
+                                   "objects": sorted(fl.entries)})
             self._detach()
             fl.queue.join()
-            if res.policy == "cow":
+            if res.policy != "recopy":
                 res.cow_foreground = list(fl.queue.foreground)
         if res.policy == "recopy":
             t0 = time.perf_counter()
@@ -432,6 +514,7 @@ class ConcurrentCheckpointer:
         self._flight = None
         res.seconds = time.perf_counter() - fl.t0
         self.results.append(res)
+        self._transition("completed")
         if not res.valid:
             self.retake_pending = True
             return res
@@ -485,8 +568,10 @@ class ConcurrentCheckpointer:
         def run():
             try:
                 self._drain(fl)
+                self._transition("writing")
                 res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured,
                                           self.settings.keep)
+                self._transition("committed")
             except BaseException as e:
                 self._writer_error.append(e)
         self._writer = threading.Thread(target=run, name="gpu-anchor-ckpt-writer", daemon=True)
