@@ -69,12 +69,13 @@ class Cell:
     def max(self) -> float:
         return max(self.samples)
 
-    def text(self, fmt=None, bold: bool = False) -> str:
-        """``1.52 s [1.31–1.86]`` (n ≥ 2) or ``1.52 s (n = 1)``."""
+    def text(self, fmt=None, bold: bool = False, show_n: bool = True) -> str:
+        """``1.52 s [1.31–1.86]`` (n ≥ 2) or ``1.52 s (n = 1)`` (``show_n``: a table with an n column
+        says it there)."""
         fmt = fmt or _fmt_num
         mid = f"**{fmt(self.median)}**" if bold else fmt(self.median)
         if self.n == 1:
-            return f"{mid} (n = 1)"
+            return f"{mid} (n = 1)" if show_n else mid
         return f"{mid} [{fmt(self.min)}–{fmt(self.max)}]"
 
 
@@ -93,12 +94,14 @@ class Ratio:
     def headline_ok(self) -> bool:
         return self.n >= MIN_N
 
-    def text(self, against_label: str | None = None) -> str:
+    def text(self, against_label: str | None = None, in_table: bool = False) -> str:
+        """``3.7× [3.5–3.9] vs torch.save``; below ``MIN_N`` marked "not a headline" (in a table,
+        whose note says so once, just its n)."""
         who = f" vs {against_label}" if against_label else ""
-        if self.n < 2:
-            return f"{_x(self.value)}{who} (n = {self.n}: not a headline)"
-        body = f"{_x(self.value)} [{self.lo:.3g}–{self.hi:.3g}]{who}"
-        return body if self.headline_ok else f"{body} (n = {self.n}: not a headline)"
+        body = f"{_x(self.value)}{who}" if self.n < 2 else f"{_x(self.value)} [{self.lo:.3g}–{self.hi:.3g}]{who}"
+        if self.headline_ok:
+            return body
+        return f"{body} (n = {self.n})" if in_table else f"{body} (n = {self.n}: not a headline)"
 
 
 @dataclass
@@ -183,7 +186,7 @@ class Comparison:
         if best[0] == method:
             return "strongest"
         r = self.ratio(method, mode)
-        return "—" if r is None else r.text()
+        return "—" if r is None else r.text(in_table=True)
 
     def strongest_line(self, fmt=None) -> str:
         """One sentence naming the strongest baseline of each mode, with its cell."""

@@ -26,7 +26,7 @@ def test_cell_statistics_and_text():
     assert (c.n, c.min, c.median, c.max) == (4, 1.0, 2.5, 10.0)
     assert c.text() == "2.5 [1–10]"
     assert c.text(lambda v: f"{v:.1f} s", bold=True) == "**2.5 s** [1.0 s–10.0 s]"
-    assert Cell([0.5]).text() == "0.5 (n = 1)"
+    assert Cell([0.5]).text() == "0.5 (n = 1)" and Cell([0.5]).text(show_n=False) == "0.5"
     assert Cell([1.0, None, 2.0]).n == 2                  # a missing sample is not a zero
     with pytest.raises(ValueError):
         Cell([])
@@ -67,11 +67,13 @@ def test_headline_refuses_fewer_than_three_samples():
     assert c.headline("gpu_anchor", "warm").value == pytest.approx(1.84)
     with pytest.raises(TooFewSamples, match="n = 2 < 3"):
         c.headline("gpu_anchor", "prewarm")
-    assert "not a headline" in c.ratio_text("gpu_anchor", "prewarm")
+    assert c.ratio_text("gpu_anchor", "prewarm").endswith("(n = 2)")       # in a table: its n
+    assert c.ratio("gpu_anchor", "prewarm").text().endswith("(n = 2: not a headline)")
     one = Comparison(KILL)
     one.add("gpu_anchor", "warm", [1.0])
     one.add("torch_save", "warm", [2.0])
-    assert one.ratio_text("gpu_anchor", "warm") == "2× (n = 1: not a headline)"
+    assert one.ratio_text("gpu_anchor", "warm") == "2× (n = 1)"
+    assert one.ratio("gpu_anchor", "warm").text("torch.save") == "2× vs torch.save (n = 1: not a headline)"
     with pytest.raises(TooFewSamples):
         one.headline("gpu_anchor", "warm")
     with pytest.raises(ValueError, match="no baseline"):
