@@ -33,13 +33,21 @@ from bench.protocol import Cell, Comparison, Interval, throughput_table
 INTERVAL = Interval("the first worker restored", "the last step done (goodput)")
 
 
-def fault_times(rate: float, seed: int, horizon: float) -> list[float]:
-    """Fault instants (seconds from the start) of a Poisson process with ``rate`` per second."""
-    rng, t, out = random.Random(seed), 0.0, []
+def iter_fault_times(rate: float, seed: int):
+    """Fault instants (seconds from the start) of a Poisson process with ``rate`` per second, lazily
+    (a run draws only the ones it reaches)."""
+    rng, t = random.Random(seed), 0.0
     while rate > 0:
         t += rng.expovariate(rate)
+        yield t
+
+
+def fault_times(rate: float, seed: int, horizon: float) -> list[float]:
+    """The instants of ``iter_fault_times`` up to ``horizon``."""
+    out = []
+    for t in iter_fault_times(rate, seed):
         if t > horizon:
-            return out
+            break
         out.append(t)
     return out
 
@@ -54,19 +62,19 @@ def run_one(method, rate, args, device, work, launcher, seed: int) -> dict:
     a = _trial_args(method, args.model, device, args.tiny, d, ns, evfile, args.ckpt_every, args.batch, args.seq)
     a[a.index("--total") + 1] = str(args.steps)
     a.remove("--wait-persist")
-    faults = fault_times(rate, seed, 1e7)
+    faults = iter_fault_times(rate, seed)
+    due = next(faults, None)
     pid = launcher.spawn(a)
     try:
         t0 = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, lambda: launcher.alive(pid))["t"]
-        kills, fi = [], 0
+        kills = []
         while True:
             new = log.poll()
             if any(e["ev"] == "done" for e in new):
                 break
             now = time.time()
-            if fi < len(faults) and now - t0 >= faults[fi] and \
-                    (not args.max_faults or len(kills) < args.max_faults):
-                fi += 1
+            if due is not None and now - t0 >= due and (not args.max_faults or len(kills) < args.max_faults):
+                due = next(faults, None)
                 last = max((e["step"] for e in log.events if e["ev"] == "step"), default=0)
                 launcher.kill(pid)
                 kills.append({"t": time.time(), "after_step": last})

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from bench.common import default_device, failure_notes, fmt_s, private_daemon, verdict, write_result
-from bench.e2e_faults import fault_times
+from bench.e2e_faults import iter_fault_times
 from bench.protocol import Cell, Comparison, Interval, throughput_table
 
 INTERVAL = Interval("a request's first admission", "its last token")
@@ -44,19 +44,18 @@ def run_one(method, rate, a, model_dir, device, work, launcher, seed: int) -> di
     log = EventLog(evfile)
     ns = f"es-{method}-{time.time_ns()}"
     mod = "bench.baselines.server"
-    faults = fault_times(rate, seed, 1e7)
+    faults = iter_fault_times(rate, seed)
+    due = next(faults, None)
     a.seed = seed   # the trace's seed (server --seed) follows the run's
     pid = launcher.spawn(_args(method, a, model_dir, device, state, ns, evfile), mod)
     kills = []
     try:
         t0 = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid, lambda: launcher.alive(pid), 1800)["t"]
-        fi = 0
         while True:
             if any(e["ev"] == "done" for e in log.poll()):
                 break
-            if fi < len(faults) and time.time() - t0 >= faults[fi] and \
-                    (not a.max_faults or len(kills) < a.max_faults):
-                fi += 1
+            if due is not None and time.time() - t0 >= due and (not a.max_faults or len(kills) < a.max_faults):
+                due = next(faults, None)
                 launcher.kill(pid)
                 kills.append(time.time())
                 log.poll()
