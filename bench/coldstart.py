@@ -163,8 +163,8 @@ def render(r: dict) -> str:
         return "—" if not isinstance(v, (int, float)) else f"{v * 1e3:.0f} ms"
     lines = [f"{r['shape']} on {r['device']}, {r['kills']} engine SIGKILLs per mode, one stream open. "
              f"{r.get('paper', '')}.", "",
-             "| Engine start | Kill → next token: median [min–max] | n | Process start | CUDA init | Bind | Restore | "
-             "Engine init | First step |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| Engine start | Kill → next token: median [min–max] | n | Process start | CUDA init | Bind | "
+             "Restore | Engine init | First step |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, label in LABELS.items():
         if key not in r:
             continue

@@ -235,8 +235,8 @@ def render(result: dict) -> str:
                  f"{result['ckpt_every']} for baselines, {result['mode']} restarts for every method; per cell: median "
                  f"[min–max] over n runs, one per seed of {', '.join(map(str, seeds))}; reference step "
                  f"{fmt_s(statistics.median(r['ref_step_s'] for r in rows))})\n",
-                 "| method | n | faults | wall | **goodput (%)** | vs strongest baseline | wasted | checkpoint blocking | "
-                 "recovery | recomputed | slower steps |",
+                 "| method | n | faults | wall | **goodput (%)** | vs strongest baseline | wasted | "
+                 "checkpoint blocking | recovery | recomputed | slower steps |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
         def med(rs, k):

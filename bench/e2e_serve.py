@@ -169,8 +169,8 @@ def render(result: dict) -> str:
             for m in dict.fromkeys(r["method"] for r in rows):
                 c.add(m, q[:3] + " latency", [r[q] for r in rows if r["method"] == m])
         lines = [f"**{float(rate) * 100:g} %/s fault rate** ({result['requests']} requests, {result['concurrency']} "
-                 f"concurrent, {result['mode']} restarts for every method; per cell: median [min–max] over n runs, one "
-                 f"per seed of {', '.join(map(str, seeds))})\n",
+                 f"concurrent, {result['mode']} restarts for every method; per cell: median [min–max] over n "
+                 f"runs, one per seed of {', '.join(map(str, seeds))})\n",
                  "| method | n | faults | p50 latency | vs strongest | p99 latency | vs strongest | tokens/s | "
                  "median recovery |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -202,8 +202,8 @@ def render(result: dict) -> str:
         anc, best = cmps["p99_s"].cell("gpu_anchor", "p99 latency"), cmps["p99_s"].strongest("p99 latency")
         if anc and best:
             r99 = cmps["p99_s"].ratio("gpu_anchor", "p99 latency")
-            verdicts.append(f"{float(rate) * 100:g} %/s: gpu-anchor p99 {fmt_s(anc.median)} vs the strongest baseline's "
-                            f"({LABELS.get(best[0], best[0])}) {fmt_s(best[1].median)} ({r99.text()}) — "
+            verdicts.append(f"{float(rate) * 100:g} %/s: gpu-anchor p99 {fmt_s(anc.median)} vs the strongest "
+                            f"baseline's ({LABELS.get(best[0], best[0])}) {fmt_s(best[1].median)} ({r99.text()}) — "
                             f"{verdict(anc.median <= best[1].median)}")
     note = ("\n\nVerdict (no issue target; p99 latency at most the strongest baseline's): "
             + ("; ".join(verdicts) if verdicts else "not measured") + ". Ratios: the strongest baseline's latency / "

@@ -9,12 +9,13 @@ a marker naming the result file and the value of each number in that clause:
 - ``fig NAME[ PREFIX]: EXPR, EXPR, ...`` — ``bench/results/NAME.json``.  The marker binds every
   number between the previous marker (or the start of the paragraph or list item) and itself,
   in order, one ``EXPR`` each; ``_`` skips a number that is not a measurement (a model size, a
-  count of requests; a sample count written ``n = 3`` is skipped by itself).  ``EXPR`` is a path into the JSON — keys joined by ``.``, ``[key]`` for a
-  key with dots or dashes, ``[3]`` for a list index, ``[field=value]`` for the list element
-  whose field has that value — combined with other paths or numbers by ``+ - * /``, spaces
-  around each, evaluated left to right without precedence (``a / b``, ``x * 1000`` for
-  milliseconds, ``a - b / a * 100`` for "b is that many % below a").  ``@OTHER PATH`` takes one
-  number from ``bench/results/OTHER.json`` instead (no prefix).  A path starting with ``.`` or ``[``
+  count of requests; a sample count written ``n = 3`` is skipped by itself).  ``EXPR`` is a
+  path into the JSON — keys joined by ``.``, ``[key]`` for a key with dots or dashes, ``[3]``
+  for a list index, ``[field=value]`` for the list element whose field has that value —
+  combined with other paths or numbers by ``+ - * /``, spaces around each, evaluated left to
+  right without precedence (``a / b``, ``x * 1000`` for milliseconds, ``a - b / a * 100`` for
+  "b is that many % below a").  ``@OTHER PATH`` takes one number from
+  ``bench/results/OTHER.json`` instead (no prefix).  A path starting with ``.`` or ``[``
   continues ``PREFIX``.
 - ``fig none: WHY`` — the clause's numbers are not benchmark results (a paper's figure, a
   test's running time); says why.

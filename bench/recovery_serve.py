@@ -270,8 +270,8 @@ def render(result: dict) -> str:
             kv, anc = cmp.cell("kv_memory", mode), cmp.cell("gpu_anchor", mode)
             if kv and anc and model == "qwen3-8b":
                 x = kv.median / anc.median
-                verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc.median)} vs KV-memory {fmt_s(kv.median)} = {x:.2f}× — "
-                                f"{verdict(x >= result['target_x'])}")
+                verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc.median)} vs KV-memory {fmt_s(kv.median)} = "
+                                f"{x:.2f}× — {verdict(x >= result['target_x'])}")
         lines += ["", cmp.strongest_line(fmt_s), "", cmp.n_note()]
         firsts = [f"{LABELS.get(r['method'], r['method'])} {mode} {fmt_s(t['resume_steps'][0]['dt'])}"
                   for r in rows for mode, x in r["modes"].items() for t in x["trials"][:1] if t.get("resume_steps")]

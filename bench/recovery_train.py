@@ -428,7 +428,8 @@ def render(result: dict) -> str:
     tail = ("\n\ngpu-anchor against the strongest baseline of each mode: " + ("; ".join(heads) if heads else
                                                                              "not measured") + ".")
     tail += (f"\n\nTarget (issue 7, set against the in-memory checkpoint, not the strongest baseline): training "
-             f"recovery ≥ {result['target_x']:.0f}× faster than the in-memory checkpoint, 1B model [paper: {PAPER}]. "
+             f"recovery ≥ {result['target_x']:.0f}× faster than the in-memory checkpoint, 1B model "
+             f"[paper: {PAPER}]. "
              + ("; ".join(verdicts) if verdicts else "not measured") + ".\n\n"
              "Start-up = kill → model built on the device (process, imports, CUDA context, model construction "
              "without initialisation); restore = checkpoint → live tensors (gpu-anchor: mapping + journal "

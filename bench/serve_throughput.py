@@ -455,7 +455,8 @@ def render(r: dict) -> str:
     elif "tokens_per_s" in hf:   # measured before issue 20: warmed on two short prompts, timed once
         rows.append(("vs transformers `generate_batch` (continuous batching), same requests (warmed on two 16-token "
                      "prompts, timed once: n = 1, not a headline)",
-                     f"{hf['tokens_per_s']:.0f} tokens/s: anchored engine {r['anchored_over_generate_batch']:.2f}×", ""))
+                     f"{hf['tokens_per_s']:.0f} tokens/s: anchored engine "
+                     f"{r['anchored_over_generate_batch']:.2f}×", ""))
     for key, label in (("recovery_anchored", "gpu-anchor"), ("recovery_no_anchor", "same engine, no anchoring "
                                                                                     "(re-prefill)")):
         rec = r.get(key)

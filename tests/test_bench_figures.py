@@ -31,8 +31,8 @@ RESULTS = {"rt": {"models": {"llama3.2-1b": [{"method": "gpu_anchor", "total_s":
 
 
 def test_numbers_are_checked_rounded_as_shown(tmp_path):
-    text = ("- Kill → step 0.36 s vs 1.52 s (4.2×; n = 3)<!-- fig rt models[llama3.2-1b]: [method=gpu_anchor].total_s,\n"
-            "  [method=torch_save].total_s, [method=torch_save].total_s / [method=gpu_anchor].total_s -->.\n"
+    text = ("- Kill → step 0.36 s vs 1.52 s (4.2×; n = 3)<!-- fig rt models[llama3.2-1b]:\n"
+            "  [method=gpu_anchor].total_s, [method=torch_save].total_s, [method=torch_save].total_s / [method=gpu_anchor].total_s -->.\n"
             "- 64 streams, 4247 GB/s, 99.9 %, 7.9 ms<!-- fig bw: _, mapped, ratio * 100, stall_s * 1000 -->.\n"
             "- Also 0.359 s<!-- fig @ignored: @rt models[llama3.2-1b][0].total_s -->.\n")
     bounds, problems = _check(tmp_path, text, RESULTS)
@@ -56,8 +56,8 @@ def test_an_unsourced_figure_is_caught_and_none_says_why(tmp_path):
 
 
 def test_bad_markers_are_reported(tmp_path):
-    _, problems = _check(tmp_path, "0.36 s and 1.52 s<!-- fig rt models[llama3.2-1b]: [method=gpu_anchor].total_s -->\n",
-                         RESULTS)
+    _, problems = _check(tmp_path, "0.36 s and 1.52 s<!-- fig rt models[llama3.2-1b]: "
+                         "[method=gpu_anchor].total_s -->\n", RESULTS)
     assert "2 number(s)" in problems[0] and "1 expression(s)" in problems[0]
     _, problems = _check(tmp_path, "0.36 s<!-- fig rt: models[llama3.2-1b][method=nope].total_s -->\n", RESULTS)
     assert "no element with method = nope" in problems[0]

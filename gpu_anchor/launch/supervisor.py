@@ -261,9 +261,9 @@ class Supervisor:
         if "failed" in info:
             self.log(f"standby for rank {m['rank']} failed to prepare ({info['failed']}); that rank forks on restart")
         else:
+            pre = f", pre-warm {info['prewarm_s']:.2f} s" if "prewarm_s" in info else ""
             self.log(f"standby for rank {m['rank']} ready (pid {m.get('pid')}, prepared in "
-                     f"{info.get('prepare_s', 0):.2f} s" + (f", pre-warm {info['prewarm_s']:.2f} s" if "prewarm_s" in info
-                                                            else "") + ")")
+                     f"{info.get('prepare_s', 0):.2f} s{pre})")
 
     def _kill_group(self, sig=signal.SIGKILL, grace: float = 10.0) -> None:
         for w in self.workers.values():
