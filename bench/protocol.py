@@ -207,7 +207,7 @@ class Comparison:
         low = [f"{self.label(m)}/{md}" for (m, md), c in self.cells.items() if c.n < MIN_N]
         if low:
             text += (f" per cell; below the protocol's n ≥ {MIN_N} (shown, not headlines): "
-                     + (", ".join(low) if len(low) <= 6 else "every cell" if len(low) == len(self.cells)
+                     + ("every cell" if len(low) == len(self.cells) else ", ".join(low) if len(low) <= 6
                         else f"{len(low)} cells"))
         else:
             text += " per cell"
