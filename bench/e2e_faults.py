@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from bench.common import default_device, failure_notes, fmt_s, private_daemon, write_result
-from bench.protocol import Cell, Comparison, Interval, throughput_table
+from bench.protocol import Cell, Comparison, Interval, throughput_section
 
 INTERVAL = Interval("the first worker restored", "the last step done (goodput)")
 
@@ -258,13 +258,10 @@ def render(result: dict) -> str:
         lines += ["", cmp.strongest_line(lambda v: f"{v:.1f} %"), "", cmp.n_note()]
         steady = [(LABELS.get(m, m), Cell([r["step_s"] * 1e3 for r in rows if r["method"] == m and "step_s" in r])
                    if any("step_s" in r for r in rows if r["method"] == m) else None) for m in cmp.methods()]
-        if any(c for _, c in steady):
-            lines += ["", "Fault-free throughput (each method's median step in its runs, one value per seed; "
-                      "gpu-anchor's includes its per-step protocol):", "",
-                      throughput_table(steady, "step time (ms)", lambda v: f"{v:.1f}")]
-        else:
-            lines += ["", "Fault-free step times: not recorded in this result (measured before the benchmark "
-                      "protocol); the reference step above is the baselines' median."]
+        lines += throughput_section(steady, "Fault-free throughput (each method's median step in its runs, one "
+                                    "value per seed; gpu-anchor's includes its per-step protocol):",
+                                    "step time (ms)", lambda v: f"{v:.1f}",
+                                    "; the reference step above is the baselines' median")
         wall = max(r["wall_s"] for r in rows)
         expect = float(rate) * wall
         per_seed = ", ".join(f"seed {sd}: {len(fault_times(float(rate), sd, wall))}" for sd in seeds if sd is not None)

@@ -26,7 +26,7 @@ import time
 
 from bench.common import default_device, failure_notes, fmt_s, private_daemon, verdict, write_result
 from bench.e2e_faults import iter_fault_times
-from bench.protocol import Cell, Comparison, Interval, throughput_table
+from bench.protocol import Cell, Comparison, Interval, throughput_section
 
 INTERVAL = Interval("a request's first admission", "its last token")
 from bench.recovery_serve import LABELS, METHODS, _args, make_model_dir, next_request
@@ -189,12 +189,8 @@ def render(result: dict) -> str:
                                            r.get("fault_free_tokens_per_s")])
                    if any(r.get("fault_free_tokens_per_s") for r in rows if r["method"] == m) else None)
                   for m in cmps["p50_s"].methods()]
-        if any(c for _, c in steady):
-            lines += ["", "Fault-free throughput (each run's tokens/s before its first fault):", "",
-                      throughput_table(steady, "throughput (tokens/s)", lambda v: f"{v:.0f}")]
-        else:
-            lines += ["", "Fault-free throughput: not recorded in this result (measured before the benchmark "
-                      "protocol)."]
+        lines += throughput_section(steady, "Fault-free throughput (each run's tokens/s before its first fault):",
+                                    "throughput (tokens/s)", lambda v: f"{v:.0f}")
         png = plot_path(f"e2e_serve_{result['model']}_{rate}.png")
         if png and _plot([r for r in rows if r.get("seed") == rows[0].get("seed")], float(rate), png[0]):
             lines.append(f"\n![tokens over time under faults at {rate}/s]({png[1]})")

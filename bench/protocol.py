@@ -188,6 +188,22 @@ class Comparison:
         r = self.ratio(method, mode)
         return "—" if r is None else r.text(in_table=True)
 
+    def against_strongest(self, method: str, mode: str) -> str | None:
+        """``method``'s ratio against the strongest baseline of ``mode``, with that baseline's name."""
+        r = self.ratio(method, mode)
+        return None if r is None else r.text(self.label(r.against))
+
+    def target_verdict(self, method: str, baseline: str, mode: str, target_x: float, fmt=None) -> str | None:
+        """An issue's target set against a named baseline (not necessarily the strongest):
+        "mode: A vs B = r× — met / **MISSED**" from the medians, or None if either is missing."""
+        me, other = self.cell(method, mode), self.cell(baseline, mode)
+        if me is None or other is None:
+            return None
+        fmt = fmt or _fmt_num
+        x = other.median / me.median if self.better == "lower" else me.median / other.median
+        return (f"{mode}: {self.label(method)} {fmt(me.median)} vs {self.label(baseline)} {fmt(other.median)} = "
+                f"{x:.2f}× — {'met' if x >= target_x else '**MISSED**'}")
+
     def strongest_line(self, fmt=None) -> str:
         """One sentence naming the strongest baseline of each mode, with its cell."""
         parts = []
@@ -214,6 +230,17 @@ class Comparison:
         return f"Measured interval: {self.interval.text}; median [min–max] over {text}."
 
 
+def from_rows(rows: list[dict], interval: Interval, key: str = "total_s", **kw) -> Comparison:
+    """The cells of a recovery table stored as ``[{"method", "modes": {mode: {key, "trials"}}}]``."""
+    c = Comparison(interval, **kw)
+    for r in rows:
+        for mode, x in r["modes"].items():
+            v = samples(x, key)
+            if v:
+                c.add(r["method"], mode, v)
+    return c
+
+
 def samples(x: dict, key: str) -> list[float]:
     """A cell's samples out of a stored result: ``x["trials"][i][key]`` when the result kept its
     trials, else the single stored ``x[key]``."""
@@ -229,6 +256,16 @@ def throughput_table(rows: list[tuple[str, Cell | None]], what: str, fmt=None) -
     for label, cell in rows:
         lines.append(f"| {label} | {cell.text(fmt) if cell else 'not measured'} | {cell.n if cell else 0} |")
     return "\n".join(lines)
+
+
+def throughput_section(rows: list[tuple[str, Cell | None]], intro: str, what: str, fmt=None,
+                       missing: str = "") -> list[str]:
+    """Markdown lines: ``intro`` and the throughput table, or, for a result stored without the
+    fault-free samples, a line that says so (``missing`` adds where else to look)."""
+    if any(c for _, c in rows):
+        return ["", intro, "", throughput_table(rows, what, fmt)]
+    return ["", f"Fault-free {what.split(' (')[0]}: not recorded in this result (measured before the benchmark "
+                f"protocol){missing}."]
 
 
 def _fmt_num(v: float) -> str:

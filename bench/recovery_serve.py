@@ -34,8 +34,8 @@ import time
 
 from bench.baselines import standby
 from bench.common import (default_device, failure_notes, fmt_s, median_by_mode, private_daemon, run_isolated,
-                          verdict, write_result)
-from bench.protocol import Cell, Comparison, Interval, samples, throughput_table
+                          write_result)
+from bench.protocol import Cell, Interval, from_rows, throughput_section
 
 TARGET_X = 10.0  # issue 7: gpu-anchor >= 10x faster than KV-memory, 8B model
 PAPER = "60.7 % faster on average, 5.16× for 235B"
@@ -235,21 +235,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def comparison(rows: list[dict], key: str = "total_s") -> Comparison:
-    c = Comparison(INTERVAL, ours="gpu_anchor", labels=LABELS)
-    for r in rows:
-        for mode, x in r["modes"].items():
-            v = samples(x, key)
-            if v:
-                c.add(r["method"], mode, v)
-    return c
-
-
 def render(result: dict) -> str:
     from bench.common import plot_breakdown, plot_path
     parts, verdicts, heads = [], [], []
     for model, rows in result["models"].items():
-        cmp = comparison(rows)
+        cmp = from_rows(rows, INTERVAL, ours="gpu_anchor", labels=LABELS)
         lines = [f"**{model}** ({result['concurrency']} concurrent requests, {result['dtype']}; per cell: median "
                  "[min–max] over n kills; ratio = the strongest baseline's total in the same mode / this total)\n",
                  "| method | mode | start-up | engine (CUDA, weights, KV, metadata) | weights | KV copy back | "
@@ -264,14 +254,10 @@ def render(result: dict) -> str:
                              f"{fmt_s(x['engine_s'])} | {fmt_s(x.get('weights_s'))} | {fmt_s(x.get('kv_back_s'))} | "
                              f"{fmt_s(x['resume_s'])} | {tot.text(fmt_s, bold=True, show_n=False)} | {tot.n} | "
                              f"{cmp.ratio_text(r['method'], mode)} |")
-            ratio = cmp.ratio("gpu_anchor", mode)
-            if ratio is not None:
-                heads.append(f"{model} {mode}: {ratio.text(LABELS.get(ratio.against, ratio.against))}")
-            kv, anc = cmp.cell("kv_memory", mode), cmp.cell("gpu_anchor", mode)
-            if kv and anc and model == "qwen3-8b":
-                x = kv.median / anc.median
-                verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc.median)} vs KV-memory {fmt_s(kv.median)} = "
-                                f"{x:.2f}× — {verdict(x >= result['target_x'])}")
+            head = cmp.against_strongest("gpu_anchor", mode)
+            heads += [f"{model} {mode}: {head}"] if head else []
+            target = cmp.target_verdict("gpu_anchor", "kv_memory", mode, result["target_x"], fmt_s)
+            verdicts += [target] if target and model == "qwen3-8b" else []
         lines += ["", cmp.strongest_line(fmt_s), "", cmp.n_note()]
         firsts = [f"{LABELS.get(r['method'], r['method'])} {mode} {fmt_s(t['resume_steps'][0]['dt'])}"
                   for r in rows for mode, x in r["modes"].items() for t in x["trials"][:1] if t.get("resume_steps")]
@@ -281,13 +267,9 @@ def render(result: dict) -> str:
                          + ", ".join(firsts) + ".")
         steady = [(LABELS.get(r["method"], r["method"]), Cell(r["fault_free_tokens_per_s"])
                    if r.get("fault_free_tokens_per_s") else None) for r in rows]
-        if any(c for _, c in steady):
-            lines += ["", "Fault-free throughput of each method (its engine's tokens/s over the steady window before "
-                      "each kill; KV-memory pays its per-step mirror here):", "",
-                      throughput_table(steady, "throughput (tokens/s)", lambda v: f"{v:.0f}")]
-        else:
-            lines += ["", "Fault-free throughput: not recorded in this result (measured before the benchmark "
-                      "protocol)."]
+        lines += throughput_section(steady, "Fault-free throughput of each method (its engine's tokens/s over the "
+                                    "steady window before each kill; KV-memory pays its per-step mirror here):",
+                                    "throughput (tokens/s)", lambda v: f"{v:.0f}")
         png = plot_path(f"recovery_serve_{model}.png")
         if png and plot_breakdown(rows, LABELS, (("startup_s", "start-up"), ("engine_s", "engine"),
                                                  ("resume_s", "resume")), f"Inference recovery breakdown, {model}",

@@ -26,8 +26,8 @@ import tempfile
 import time
 
 from bench.baselines import standby
-from bench.common import default_device, failure_notes, fmt_s, median_by_mode, private_daemon, verdict, write_result
-from bench.protocol import Cell, Comparison, Interval, samples, throughput_table
+from bench.common import default_device, failure_notes, fmt_s, median_by_mode, private_daemon, write_result
+from bench.protocol import Cell, Interval, from_rows, throughput_section
 
 TARGET_X = 5.0  # issue 7: >= 5x faster than the in-memory checkpoint, 1B model
 PAPER = "26.6 % faster"
@@ -205,7 +205,7 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
             first = log.wait(lambda e: e["ev"] == "step" and e["pid"] != pid and e["t"] > t_kill, alive, 600)
-            old, pid = pid, first["pid"]
+            pid = first["pid"]
             workers.add(pid)
             ph = _phases([e for e in log.events if e["pid"] == pid], t_kill, t_kill)
             ph["killed_after_step"] = done
@@ -360,17 +360,6 @@ LABELS = {"torch_save": "torch.save", "checkfreq": "CheckFreq", "inmemory": "in-
           "gpu_anchor_run_prewarm": "gpu-anchor under `gpu-anchor run --prewarm`"}
 
 
-def comparison(rows: list[dict], key: str = "total_s") -> Comparison:
-    """The table's cells under the benchmark protocol: every method, kill → next step."""
-    c = Comparison(INTERVAL, ours=lambda m: m.startswith("gpu_anchor"), labels=LABELS)
-    for r in rows:
-        for mode, x in r["modes"].items():
-            v = samples(x, key)
-            if v:
-                c.add(r["method"], mode, v)
-    return c
-
-
 def render(result: dict) -> str:
     from bench.common import plot_breakdown, plot_path
     labels = dict(LABELS)
@@ -378,8 +367,7 @@ def render(result: dict) -> str:
         labels["gpu_anchor_run"] = "gpu-anchor under `gpu-anchor run`"
     parts, verdicts, heads = [], [], []
     for model, rows in result["models"].items():
-        cmp = comparison(rows)
-        cmp.labels = labels
+        cmp = from_rows(rows, INTERVAL, ours=lambda m: m.startswith("gpu_anchor"), labels=labels)
         lines = [f"**{model}** (per cell: median [min–max] over n kills; ratio = the strongest baseline's total in "
                  "the same mode / this total, > 1: faster than it)\n",
                  "| method | mode | start-up | restore | first step | **total** | n | vs strongest baseline | "
@@ -394,14 +382,10 @@ def render(result: dict) -> str:
                              f"{fmt_s(x['restore_s'])} | {fmt_s(x['first_step_s'])} | "
                              f"{tot.text(fmt_s, bold=True, show_n=False)} | "
                              f"{tot.n} | {cmp.ratio_text(r['method'], mode)} | {x['lost_steps']:.0f} |")
-            ratio = cmp.ratio("gpu_anchor", mode)
-            if ratio is not None:
-                heads.append(f"{model} {mode}: {ratio.text(labels.get(ratio.against, ratio.against))}")
-            inmem, anc = cmp.cell("inmemory", mode), cmp.cell("gpu_anchor", mode)
-            if inmem and anc and model == "llama3.2-1b":
-                x = inmem.median / anc.median
-                verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc.median)} vs in-memory {fmt_s(inmem.median)} = "
-                                f"{x:.2f}× — {verdict(x >= result['target_x'])}")
+            head = cmp.against_strongest("gpu_anchor", mode)
+            heads += [f"{model} {mode}: {head}"] if head else []
+            target = cmp.target_verdict("gpu_anchor", "inmemory", mode, result["target_x"], fmt_s)
+            verdicts += [target] if target and model == "llama3.2-1b" else []
         lines += ["", cmp.strongest_line(fmt_s), "", cmp.n_note()]
         hows = [f"{labels.get(r['method'], r['method'])}: "
                 + ", ".join(str(t.get("how")) for t in x["trials"])
@@ -411,14 +395,11 @@ def render(result: dict) -> str:
             lines.append("\nHow `gpu-anchor run` restarted the rank, per kill — " + "; ".join(hows) + ".")
         steady = [(labels.get(r["method"], r["method"]), Cell([v * 1e3 for v in r["fault_free_step_s"]])
                    if r.get("fault_free_step_s") else None) for r in rows]
-        if any(c for _, c in steady):
-            lines += ["", f"Fault-free throughput of each method's first worker before any kill (batch "
-                      f"{result['batch']} × {result['seq']} tokens; the training step alone, checkpoint saves "
-                      "excluded: persist_blocking and e2e_faults count those):", "",
-                      throughput_table(steady, "step time (ms)", lambda v: f"{v:.1f}")]
-        else:
-            lines += ["", "Fault-free step times: not recorded in this result (measured before the benchmark "
-                      "protocol); see the training-overhead and end-to-end tables."]
+        lines += throughput_section(steady, f"Fault-free throughput of each method's first worker before any kill "
+                                    f"(batch {result['batch']} × {result['seq']} tokens; the training step alone, "
+                                    "checkpoint saves excluded: persist_blocking and e2e_faults count those):",
+                                    "step time (ms)", lambda v: f"{v:.1f}",
+                                    "; see the training-overhead and end-to-end tables")
         png = plot_path(f"recovery_train_{model}.png")
         if png and plot_breakdown(rows, labels, (("startup_s", "start-up"), ("restore_s", "restore"),
                                                  ("first_step_s", "first step")),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.protocol import MIN_N, Cell, Comparison, Interval, TooFewSamples, samples, throughput_table
+from bench.protocol import (MIN_N, Cell, Comparison, Interval, TooFewSamples, from_rows, samples, throughput_section,
+                            throughput_table)
 
 KILL = Interval("SIGKILL", "next step done")
 
@@ -104,3 +105,23 @@ def test_samples_from_stored_results_and_the_throughput_table():
     assert samples({}, "total_s") == []
     t = throughput_table([("gpu-anchor", Cell([10.0, 11.0, 12.0])), ("torch.save", None)], "steps/s")
     assert "| gpu-anchor | 11 [10–12] | 3 |" in t and "| torch.save | not measured | 0 |" in t
+
+
+def test_a_stored_recovery_table_becomes_cells_and_a_missing_throughput_row_is_said():
+    rows = [{"method": "gpu_anchor", "modes": {"warm": {"total_s": 1.0, "trials": [{"total_s": 1.0}] * 3}}},
+            {"method": "torch_save", "modes": {"warm": {"total_s": 2.0}}}]          # stored without trials
+    c = from_rows(rows, KILL, ours="gpu_anchor")
+    assert c.cell("gpu_anchor", "warm").n == 3 and c.cell("torch_save", "warm").n == 1
+    assert c.ratio_text("gpu_anchor", "warm") == "2× (n = 1)"       # the smaller n decides
+    assert throughput_section([("a", None)], "intro", "step time (ms)")[-1].startswith(
+        "Fault-free step time: not recorded")
+    assert throughput_section([("a", Cell([1, 2, 3]))], "intro", "step time (ms)")[1] == "intro"
+
+
+def test_a_target_against_a_named_baseline_is_a_verdict_not_a_headline():
+    c = _table()
+    assert c.against_strongest("gpu_anchor", "warm") == "1.84× [1.77–1.88] vs torch.save"
+    assert c.target_verdict("gpu_anchor", "inmemory", "warm", 5.0) == \
+        "warm: gpu_anchor 1 vs in-memory 3 = 3.00× — **MISSED**"
+    assert c.target_verdict("gpu_anchor", "inmemory", "prewarm", 5.0).endswith("5.56× — met")
+    assert c.target_verdict("gpu_anchor", "checkfreq", "warm", 5.0) is None
