@@ -221,7 +221,7 @@ def test_recovery_intervals_do_not_overlap_when_a_kill_lands_during_recovery():
     assert recovery_and_recomputed(steps, []) == ([], 2)
 
 
-def test_recovery_train_supervised_standby_rows(tmp_path):
+def test_recovery_train_supervised_standby_rows(tmp_path, monkeypatch):
     """`recovery_train --modes standby,prewarm --supervised warm_pool,prewarm,default`: every
     method's worker is released from a standby the fork server made before the kill (the
     prewarm one ran a scratch step first: ``runtime.Standby``, as in the product), and each of
@@ -257,7 +257,9 @@ def test_recovery_train_supervised_standby_rows(tmp_path):
     assert rows["gpu_anchor_run_default"]["warm"]["trials"][0]["how"] == "warm (forked)"
     result = json.load(open(tmp_path / "recovery_train_tiny.json"))
     assert all(r["fault_free_step_s"] for r in result["models"]["llama3.2-1b"])   # the protocol's throughput row
+    from bench import common
     from bench.recovery_train import render
+    monkeypatch.setattr(common, "IMG_DIR", str(tmp_path / "img"))     # its plot must not land in docs/img
     text = render(result)
     assert "vs strongest baseline" in text and "Strongest baseline per mode" in text and "fault-free" in text
     bad = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--supervised", "nope"],
