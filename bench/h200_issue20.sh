@@ -2,8 +2,9 @@
 # Issue 20's re-measurement on ONE H200 in <= 9 minutes (one device call):
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_issue20.sh
 #   BENCH_EXTRA=--tiny OUT=/tmp/x PYTHONPATH=. bash bench/h200_issue20.sh     # CPU dry run (*_tiny.json)
-# Then, on this machine: copy $OUT/recovery_*.json into bench/results/, `python -m bench report`,
-# `python -m bench figures` (README's quoted figures against the new results: update the numbers it flags).
+# Then, on this machine: copy $OUT/recovery_*_n3.json into bench/results/ (new files, next to the stored
+# n = 1 tables of the modes not re-measured here), `python -m bench report`, and move README's recovery
+# sentences to the n = 3 results (`python -m bench figures` shows every quoted number against its JSON).
 #
 # What it measures (every cell n = 3 under bench/protocol.py; each step has its own time limit and
 # writes its JSON after every method, so a step that runs over keeps what it measured):
@@ -31,9 +32,9 @@ LOG="$OUT/issue20.log"
 t0=$(date +%s)
 
 TRAIN="recovery_train --models llama3.2-1b --modes standby,prewarm --methods gpu_anchor,torch_save,inmemory
-       --repeat 3 --supervised default"
+       --repeat 3 --supervised default --tag n3"
 SERVE="recovery_serve --models qwen3-8b --modes prewarm --methods gpu_anchor,kv_memory,replay --repeat 3
-       --steady-steps 20"
+       --steady-steps 20 --tag n3"
 TRAIN=$(echo $TRAIN); SERVE=$(echo $SERVE)
 
 echo "== plan (results and log under $OUT)"

@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-root", default=None, help="where the random safetensors checkpoints go (local disk)")
+    p.add_argument("--tag", default=None, help="a run of a subset: its file name and title say TAG, and it sits next "
+                   "to the full table instead of over it")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -194,12 +196,13 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     names = args.models.split(",")
     # the 8B table (the target) keeps its name; other shapes get their own result file
-    out_name = "recovery_serve_tiny" if args.tiny else "recovery_serve" + (
-        "" if names == ["qwen3-8b"] else "_" + "_".join(names))
+    out_name = "recovery_serve" + ("" if names == ["qwen3-8b"] or args.tiny else "_" + "_".join(names)) + (
+        f"_{args.tag}" if args.tag else "") + ("_tiny" if args.tiny else "")
     work = tempfile.mkdtemp(prefix="recovery-serve-")
     root = args.model_root or os.path.join(work, "models")
     result = {"title": "Inference: recovery after SIGKILL of the engine"
-              + ("" if names == ["qwen3-8b"] or args.tiny else f" ({', '.join(names)})"), "device": device, "repeat": args.repeat,
+              + ("" if names == ["qwen3-8b"] or args.tiny else f" ({', '.join(names)})")
+              + (f" ({args.tag} run)" if args.tag else ""), "device": device, "repeat": args.repeat,
               "concurrency": args.concurrency, "steady_steps": args.steady_steps, "dtype": args.dtype,
               "models": {}, "target_x": TARGET_X, "standby_impl": standby.IMPL, "protocol": 1}
     launchers = {}

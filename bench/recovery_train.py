@@ -288,9 +288,12 @@ def main(argv=None) -> int:
                    help="after the gpu_anchor rows, add rows for gpu-anchor under `gpu-anchor run` (its supervisor "
                         "restarts the worker): comma-separated variants of " + ", ".join(SUPERVISED)
                         + " (bare flag: default, i.e. `gpu-anchor run` without recovery flags)")
+    p.add_argument("--tag", default=None, help="a run of a subset: written as recovery_train_TAG.json, next to the "
+                   "full table instead of over it")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    name = "recovery_train" + (f"_{args.tag}" if args.tag else "") + ("_tiny" if args.tiny else "")
     args.supervised = [v for v in args.supervised.split(",") if v]
     bad = set(args.supervised) - set(SUPERVISED)
     if bad:
@@ -307,7 +310,8 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     work = tempfile.mkdtemp(prefix="recovery-train-", dir=args.dir)
     launchers = {}
-    result = {"title": "Training: recovery after SIGKILL (kill → next step completed)", "device": device,
+    result = {"title": "Training: recovery after SIGKILL (kill → next step completed)"
+              + (f" ({args.tag} run)" if args.tag else ""), "device": device,
               "repeat": args.repeat, "batch": args.batch, "seq": args.seq, "models": {}, "target_x": TARGET_X,
               "standby_impl": standby.IMPL, "protocol": 1}
     try:
@@ -341,14 +345,14 @@ def main(argv=None) -> int:
                             result.setdefault("failed", {})[f"{m}/{SUPERVISED[variant][0]}"] = \
                                 f"{type(e).__name__}: {e}"
                     # partial results survive a time limit
-                    write_result("recovery_train_tiny" if args.tiny else "recovery_train", result, args.out)
+                    write_result(name, result, args.out)
     finally:
         for lau in launchers.values():
             lau.close()
         shutil.rmtree(work, ignore_errors=True)
     if why is not None:
         result["gpu_anchor_unavailable"] = why
-    write_result("recovery_train_tiny" if args.tiny else "recovery_train", result, args.out)
+    write_result(name, result, args.out)
     return 0
 
 
