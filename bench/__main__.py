@@ -8,7 +8,7 @@ import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NOT_SCENARIOS = {"common", "report", "__main__"}
+NOT_SCENARIOS = {"common", "report", "__main__", "protocol", "figures"}
 
 
 def scenarios() -> list[str]:
@@ -18,11 +18,13 @@ def scenarios() -> list[str]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "list"):
-        print("usage: python -m bench NAME [args]   (NAME: " + ", ".join(scenarios() + ["report"]) + ")")
+        print("usage: python -m bench NAME [args]   (NAME: " + ", ".join(scenarios() + ["report", "figures"]) + ")")
         return 0
     name, rest = argv[0], argv[1:]
     # `timeout` sends SIGTERM: unwind, so every scenario's finally stops its daemons and workers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if name == "figures":
+        return importlib.import_module("bench.figures").main(rest) or 0
     if name != "report" and name not in scenarios():
         print(f"unknown benchmark {name!r}; known: {', '.join(scenarios())}", file=sys.stderr)
         return 2

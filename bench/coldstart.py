@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 
 from bench.common import get_json, stop_process, write_result
+from bench.protocol import MIN_N, Cell
 
 MODES = {"fork": [], "warm_pool": ["--warm-pool"], "prewarm": ["--prewarm"]}
 LABELS = {"fork": "fork from the supervisor", "warm_pool": "warm standby (`--warm-pool`)",
@@ -162,18 +163,22 @@ def render(r: dict) -> str:
         return "—" if not isinstance(v, (int, float)) else f"{v * 1e3:.0f} ms"
     lines = [f"{r['shape']} on {r['device']}, {r['kills']} engine SIGKILLs per mode, one stream open. "
              f"{r.get('paper', '')}.", "",
-             "| Engine start | Kill → next token (median) | Process start | CUDA init | Bind | Restore | Engine init "
-             "| First step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| Engine start | Kill → next token: median [min–max] | n | Process start | CUDA init | Bind | "
+             "Restore | Engine init | First step |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, label in LABELS.items():
         if key not in r:
             continue
         row = r[key]
         if "error" in row:
-            lines.append(f"| {label} | failed: {row['error']} | | | | | | |")
+            lines.append(f"| {label} | failed: {row['error']} | | | | | | | |")
             continue
-        lines.append(f"| {label} | **{s(row.get('median_kill_to_token_s'))}** | "
+        gaps = [k["kill_to_token_s"] for k in row.get("kills", []) if k.get("kill_to_token_s") is not None]
+        cell = Cell(gaps).text(s, bold=True, show_n=False) if gaps else f"**{s(row.get('median_kill_to_token_s'))}**"
+        lines.append(f"| {label} | {cell} | {len(gaps)} | "
                      f"{s(row.get('median_process_start_s'))} | {s(row.get('median_cuda_init_s'))} | "
                      f"{s(row.get('median_bind_s'))} | {s(row.get('median_restore_s'))} | "
                      f"{s(row.get('median_init_s'))} | {s(row.get('median_first_step_s'))} |")
+    if r.get("kills", 0) < MIN_N:
+        lines.append(f"\nn = {r.get('kills')} per mode: below the protocol's n ≥ {MIN_N}, not a headline.")
     lines.append("\n" + r.get("notes", ""))
     return "\n".join(lines)

@@ -22,7 +22,10 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, fmt_s, private_daemon, run_isolated, speedup, verdict, write_result
+from bench.common import default_device, fmt_s, private_daemon, run_isolated, verdict, write_result
+from bench.protocol import Cell, Comparison, Interval, throughput_table
+
+INTERVAL = Interval("`save()` called after a step", "`save()` returned (the loop may step again)")
 
 TARGET_S = 0.005      # issue 7: per-step protocol blocking <= 5 ms
 PAPER = "0.03–0.07 s"
@@ -111,6 +114,7 @@ def _anchor_cost(model_name, device, tiny, steps, bsz, seq) -> dict:
         res = {"plain_step_s": statistics.median(plain), "anchored_step_s": statistics.median(anch),
                "plain_full_step_s": statistics.median(plain_full),
                "anchored_full_step_s": statistics.median(anch_full), "steps": steps,
+               "plain_full_samples_s": plain_full, "anchored_full_samples_s": anch_full,
                "progress": getattr(aopt, "progress", None), "stats": st,
                "chunks": getattr(aopt, "num_chunks", None), "undo_bytes": getattr(aopt, "undo_bytes", None),
                "copy_per_step_s": st["copy_s"] / n if "copy_s" in st else None,
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(models.TRAIN))
     p.add_argument("--methods", default=",".join(baselines.TRAIN))
     p.add_argument("--device", default=None)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="timed saves per method (the protocol's n; >= 3)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dir", default=None, help="local-disk directory for disk checkpoints (default: a temp dir)")
@@ -199,27 +203,31 @@ def main(argv=None) -> int:
 def render(result: dict) -> str:
     ms = list(result["models"])
     models = result["models"]
-    head = "| method | " + " | ".join(ms) + " |\n| --- |" + " --- |" * len(ms)
-    names, labels = [], {}
+    cmp = Comparison(INTERVAL, ours=lambda m: False)   # baselines only: gpu-anchor's cost is another interval
+    names = []
     for m in ms:
         for r in models[m]["baselines"]:
-            labels.setdefault(r["method"], r["label"])
+            cmp.labels.setdefault(r["method"], r["label"])
+            cmp.add(r["method"], m, r.get("samples_s") or [r["blocking_s"]])
         for n in [r["method"] for r in models[m]["baselines"]] + list(models[m].get("failed", {})) + \
                 list(models[m].get("skipped", [])):
             if n not in names:
                 names.append(n)
-    best = {m: min((r["blocking_s"] for r in models[m]["baselines"]), default=None) for m in ms}
+    head = "| method | " + " | ".join(ms) + " |\n| --- |" + " --- |" * len(ms)
     lines = [head]
     for n in names:
         cells = []
         for m in ms:
-            r = next((x for x in models[m]["baselines"] if x["method"] == n), None)
-            if r is not None:
-                cells.append(f"{fmt_s(r['blocking_s'])} ({speedup(r['blocking_s'], best[m])} vs best)")
+            c = cmp.cell(n, m)
+            if c is not None:
+                r = cmp.ratio(n, m)
+                rel = "the strongest" if cmp.strongest(m)[0] == n else \
+                    f"{r.value:.3g}× the strongest's" if r.n < 2 else f"{r.value:.3g}× [{r.lo:.3g}–{r.hi:.3g}]"
+                cells.append(f"{c.text(fmt_s)}; {rel}")
             else:
                 cells.append("not run (time budget)" if n in models[m].get("skipped", []) else
                              "**failed**" if n in models[m].get("failed", {}) else "—")
-        lines.append(f"| {labels.get(n, n)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {cmp.label(n)} | " + " | ".join(cells) + " |")
     cells, oks = [], []
     for m in ms:
         a = models[m].get("gpu_anchor")
@@ -227,20 +235,20 @@ def render(result: dict) -> str:
             cells.append("not measured")
             continue
         oks.append(a["protocol_s"] <= result["target_s"])
-        cells.append(f"{fmt_s(a['protocol_s'])} per step ({speedup(a['protocol_s'], best[m])} vs best; "
-                     f"{verdict(oks[-1])})")
-    lines.append("| gpu-anchor (per step: `opt.step()` synchronised before and after, anchored − plain) | "
-                 + " | ".join(cells) + " |")
+        cells.append(f"{fmt_s(a['protocol_s'])} per step ({verdict(oks[-1])})")
+    lines.append("| gpu-anchor (per step: `opt.step()` synchronised before and after, anchored − plain; not a "
+                 "checkpoint, so no ratio) | " + " | ".join(cells) + " |")
     ok = all(oks) if oks else None
-    tail = (f"\n\nTarget: gpu-anchor per-step protocol blocking ≤ {result['target_s'] * 1e3:.0f} ms "
+    tail = ("\n\n" + cmp.strongest_line(fmt_s).replace("per mode", "per model") + " " + cmp.n_note()
+            + f"\n\nTarget: gpu-anchor per-step protocol blocking ≤ {result['target_s'] * 1e3:.0f} ms "
             f"[paper: {PAPER}]: " + ("not measured (see below)" if ok is None else verdict(ok)) + " as measured "
             "here, where the synchronisation around `opt.step()` puts the protocol's device work (undo copies) "
             "and its kernel launches on the critical path.  In a training loop the device-progress protocol "
             "does not wait for the device: the *Training overhead* table measures the host blocking (journal "
             "commit + waits) and the step-time cost of the device work in an unsynchronised loop.  Baselines "
-            "block once per checkpoint (every 100 steps in the end-to-end run), gpu-anchor on every step, so the "
-            "figures measure different things, as the paper warns; the end-to-end table is the fair comparison. "
-            "Ratios are the best baseline's time / this time. " + (
+            "block once per checkpoint (every 100 steps in the end-to-end run), gpu-anchor on every step: the "
+            "two measure different intervals, so no ratio joins them (the end-to-end table is the fair "
+            "comparison). Ratios are the strongest baseline's time / this time. " + (
                 "Every method ran in its own fresh process (no method inherits another's CUDA context, pinned "
                 "registrations or caches)." if result.get("isolated") else "All methods ran in one process "
                 "(before the harness isolated them; see the failures below).") + "\n\n"
@@ -260,6 +268,16 @@ def render(result: dict) -> str:
         elif "gpu_anchor_unavailable" in models[m]:
             why = str(models[m]["gpu_anchor_unavailable"]).strip().splitlines()[0]  # one table cell
             tail += f"\n| {m} | gpu-anchor unavailable: {why} | | | | | |"
+    steady = []
+    for m in ms:
+        a = models[m].get("gpu_anchor") or {}
+        for key, who in (("plain_full_samples_s", "plain PyTorch"), ("anchored_full_samples_s", "gpu-anchor")):
+            if a.get(key):
+                steady.append((f"{who}, {m}", Cell([v * 1e3 for v in a[key]])))
+    if steady:
+        tail += ("\n\nFault-free throughput (the full training step, synchronised, on the same anchored model; the "
+                 "baselines' step is plain PyTorch's between checkpoints):\n\n"
+                 + throughput_table(steady, "step time (ms)", lambda v: f"{v:.1f}"))
     m0 = next((m for m in ms if models[m]["baselines"]), ms[0])
     first = "; ".join(f"{r['method']} {fmt_s(r['first_s'])}" for r in models[m0]["baselines"])
     notes = "; ".join(f"{r['method']}: " + ", ".join(f"{k}={_fmt_note(v)}" for k, v in r["notes"].items())

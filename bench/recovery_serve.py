@@ -17,7 +17,9 @@ interpreter; warm = gpu-anchor's fork server with torch, transformers and the en
 imported, for every method alike; ``standby`` / ``prewarm``: the next engine was started
 before the fault and waits with its CUDA context made (and, for ``prewarm``, a 1-layer
 scratch engine run: ``gpu_anchor.serve.prewarm``), for every method alike
-(``bench.baselines.standby``).  Weights are random, written once as safetensors.
+(``bench.baselines.standby``: the fork server's ``runtime.Standby``).  Fault-free throughput:
+each method's tokens/s over the steady window before each kill.  Weights are random, written
+once as safetensors.
 
     python -m bench recovery_serve --modes warm,standby,prewarm
 """
@@ -32,12 +34,14 @@ import time
 
 from bench.baselines import standby
 from bench.common import (default_device, failure_notes, fmt_s, median_by_mode, private_daemon, run_isolated,
-                          speedup, verdict, write_result)
+                          write_result)
+from bench.protocol import Cell, Interval, from_rows, throughput_section
 
 TARGET_X = 10.0  # issue 7: gpu-anchor >= 10x faster than KV-memory, 8B model
 PAPER = "60.7 % faster on average, 5.16× for 235B"
 METHODS = ("replay", "kv_memory", "gpu_anchor")
 LABELS = {"replay": "Replay (page cache warm)", "kv_memory": "KV-memory", "gpu_anchor": "gpu-anchor"}
+INTERVAL = Interval("SIGKILL of the engine", "every interrupted request has its next token")
 
 
 def _write_model(name: str, device: str, tiny: bool, d: str) -> None:
@@ -74,8 +78,17 @@ def next_request(evs: list[dict]) -> int:
     return max(adm) + 1 if adm else 0
 
 
+def steady_tokens_per_s(evs: list[dict], pid: int, since: float) -> float | None:
+    """Tokens/s of engine ``pid`` over its step events after ``since`` (a fault-free window)."""
+    steps = [e for e in evs if e["ev"] == "step" and e["pid"] == pid and e["t"] > since]
+    if len(steps) < 2:
+        return None
+    return sum(e["n"] for e in steps[1:]) / (steps[-1]["t"] - steps[0]["t"])
+
+
 def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     from bench.baselines.launcher import EventLog
+    from bench.baselines.server import PREWARM_ENV
     state = tempfile.mkdtemp(prefix=f"rs-{method}-", dir="/dev/shm")
     evfile = os.path.join(work, f"serve-{method}-{os.path.basename(model_dir)}.events")
     log = EventLog(evfile)
@@ -87,30 +100,34 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     if a.tiny:
         trials.pop("cold", None)  # smoke size: recovery_train --tiny exercises the cold path
     modes = list(trials)
-    spid = None
+    sid, steady = None, []
     try:
         for mode in modes:
             for _ in range(a.repeat):
-                go = spid = None
+                sid = ready = None
                 if mode in standby.STANDBY_MODES:  # the next engine waits, ready, before the fault
-                    go, spid = standby.start(launchers["warm"], log, _args(method, a, model_dir, device, state, ns,
-                                                                          evfile), work, mode == "prewarm", mod)
+                    shapes = standby.prewarm_env(PREWARM_ENV, _args(method, a, model_dir, device, state, ns, evfile))
+                    sid, ready = standby.start(launchers["warm"], device, "bench.baselines.server:prewarm"
+                                               if mode == "prewarm" else None, shapes)
                 full = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= a.concurrency,
                                 lambda: launcher.alive(pid), timeout=1800)
                 log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["t"] > full["t"] and
                          sum(1 for x in log.events if x["ev"] == "step" and x["pid"] == pid
                              and x["t"] >= full["t"]) >= a.steady_steps, lambda: launcher.alive(pid), timeout=1800)
+                log.poll()
+                steady.append(steady_tokens_per_s(log.events, pid, full["t"]))
                 t_kill = time.time()
                 launcher.kill(pid)
                 t_dead = time.time()
                 log.poll()
                 nxt = next_request(log.events)
-                if go:
-                    standby.release(go, next_request=nxt)
-                    launcher, pid = launchers["warm"], spid
+                nargs = _args(method, a, model_dir, device, state, ns, evfile, nxt)
+                if sid is not None:
+                    launcher, pid = launchers["warm"], standby.release(launchers["warm"], sid, nargs, mod)
+                    sid = None
                 else:
                     launcher = launchers[mode]
-                    pid = launcher.spawn(_args(method, a, model_dir, device, state, ns, evfile, nxt), mod)
+                    pid = launcher.spawn(nargs, mod)
                 log.wait(lambda e: e["ev"] == "resumed" and e["pid"] == pid, lambda: launcher.alive(pid),
                          timeout=1800)
                 by = {}
@@ -118,12 +135,14 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
                     if e["pid"] == pid:
                         by.setdefault(e["ev"], e)
                 tm = by["engine"]["timings"]
-                t_up = by["go"]["t"] if go else by["imported"]["t"]  # a standby imported before the fault
+                t_up = by["process"]["t"] if ready else by["imported"]["t"]  # a standby imported before the fault
                 ph = {"detect_s": t_dead - t_kill, "startup_s": t_up - t_kill,
-                      "engine_s": by["engine"]["t"] - t_up, "prewarm_s": by.get("standby", {}).get("engine_prewarm_s"),
+                      "engine_s": by["engine"]["t"] - t_up,
+                      "prewarm_s": ready["info"].get("engine_prewarm_s") if ready else None,
                       "resume_s": by["resumed"]["t"] - by["engine"]["t"], "total_s": by["resumed"]["t"] - t_kill,
                       "restored": by["engine"]["restored"], "weights_s": tm.get("weights_load_s", tm.get("bind_s")),
                       "kv_back_s": tm.get("kv_copy_back_s", 0.0), "cuda_init_s": tm.get("cuda_init_s"),
+                      "kv_blocks_restored": tm.get("kv_blocks_restored"),
                       "weights_loaded": by["engine"]["weights_loaded"], "notes": by["engine"]["notes"]}
                 # the steps between the engine's start and "resumed": what the resume time is made of
                 ph["resume_steps"] = [{"t": round(e["t"] - by["engine"]["t"], 4), "dt": e.get("dt"),
@@ -139,12 +158,12 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     finally:
         try:
             launcher.kill(pid)
-            if spid is not None and spid != pid:  # a standby that never took over
-                launchers["warm"].kill(spid)
+            if sid is not None:  # a standby that never took over
+                standby.dismiss(launchers["warm"], sid)
         finally:
             shutil.rmtree(state, ignore_errors=True)
-    out = {"method": method, "modes": median_by_mode(trials)}
-    return out
+    return {"method": method, "modes": median_by_mode(trials),
+            "fault_free_tokens_per_s": [x for x in steady if x is not None]}
 
 
 def main(argv=None) -> int:
@@ -155,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--modes", default="cold,warm", help="any of cold, warm, standby, prewarm")
     p.add_argument("--device", default=None)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3, help="kills per method and mode (the protocol's n; >= 3)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=10000)
     p.add_argument("--steady-steps", type=int, default=50)
@@ -164,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-root", default=None, help="where the random safetensors checkpoints go (local disk)")
+    p.add_argument("--tag", default=None, help="a run of a subset: its file name and title say TAG, and it sits next "
+                   "to the full table instead of over it")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -175,14 +196,15 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     names = args.models.split(",")
     # the 8B table (the issue's target) keeps its name; other shapes get their own result file
-    out_name = "recovery_serve_tiny" if args.tiny else "recovery_serve" + (
-        "" if names == ["qwen3-8b"] else "_" + "_".join(names))
+    out_name = "recovery_serve" + ("" if names == ["qwen3-8b"] or args.tiny else "_" + "_".join(names)) + (
+        f"_{args.tag}" if args.tag else "") + ("_tiny" if args.tiny else "")
     work = tempfile.mkdtemp(prefix="recovery-serve-")
     root = args.model_root or os.path.join(work, "models")
     result = {"title": "Inference: recovery after SIGKILL of the engine"
-              + ("" if names == ["qwen3-8b"] or args.tiny else f" ({', '.join(names)})"), "device": device, "repeat": args.repeat,
+              + ("" if names == ["qwen3-8b"] or args.tiny else f" ({', '.join(names)})")
+              + (f" ({args.tag} run)" if args.tag else ""), "device": device, "repeat": args.repeat,
               "concurrency": args.concurrency, "steady_steps": args.steady_steps, "dtype": args.dtype,
-              "models": {}, "target_x": TARGET_X}
+              "models": {}, "target_x": TARGET_X, "standby_impl": standby.IMPL, "protocol": 1}
     launchers = {}
     try:
         with private_daemon(device):
@@ -218,48 +240,61 @@ def main(argv=None) -> int:
 
 def render(result: dict) -> str:
     from bench.common import plot_breakdown, plot_path
-    parts, verdicts = [], []
+    parts, verdicts, heads = [], [], []
     for model, rows in result["models"].items():
-        modes = list(dict.fromkeys(m for r in rows for m in r["modes"]))
-        lines = [f"**{model}** ({result['concurrency']} concurrent requests, {result['dtype']}; medians of "
-                 f"{result['repeat']} kills; ratio = strongest baseline's total in the same mode / this total)\n",
+        cmp = from_rows(rows, INTERVAL, ours="gpu_anchor", labels=LABELS)
+        lines = [f"**{model}** ({result['concurrency']} concurrent requests, {result['dtype']}; per cell: median "
+                 "[min–max] over n kills; ratio = the strongest baseline's total in the same mode / this total)\n",
                  "| method | mode | start-up | engine (CUDA, weights, KV, metadata) | weights | KV copy back | "
-                 "resume (re-prefill / first step) | **total** | vs best baseline |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for mode in modes:
-            base = [r["modes"][mode]["total_s"] for r in rows if r["method"] != "gpu_anchor" and mode in r["modes"]]
-            best = min(base) if base else None
+                 "resume (re-prefill / first step) | **total** | n | vs strongest baseline |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for mode in cmp.modes():
             for r in rows:
-                x = r["modes"].get(mode)
-                if x is None:
+                x, tot = r["modes"].get(mode), cmp.cell(r["method"], mode)
+                if x is None or tot is None:
                     continue
                 lines.append(f"| {LABELS.get(r['method'], r['method'])} | {mode} | {fmt_s(x['startup_s'])} | "
                              f"{fmt_s(x['engine_s'])} | {fmt_s(x.get('weights_s'))} | {fmt_s(x.get('kv_back_s'))} | "
-                             f"{fmt_s(x['resume_s'])} | **{fmt_s(x['total_s'])}** | {speedup(x['total_s'], best)} |")
-            kv = next((r["modes"][mode]["total_s"] for r in rows if r["method"] == "kv_memory" and mode in r["modes"]), None)
-            anc = next((r["modes"][mode]["total_s"] for r in rows if r["method"] == "gpu_anchor" and mode in r["modes"]), None)
-            if kv and anc and model == "qwen3-8b":
-                verdicts.append(f"{mode}: gpu-anchor {fmt_s(anc)} vs KV-memory {fmt_s(kv)} = {kv / anc:.2f}× — "
-                                f"{verdict(kv / anc >= result['target_x'])}")
+                             f"{fmt_s(x['resume_s'])} | {tot.text(fmt_s, bold=True, show_n=False)} | {tot.n} | "
+                             f"{cmp.ratio_text(r['method'], mode)} |")
+            head = cmp.against_strongest("gpu_anchor", mode)
+            heads += [f"{model} {mode}: {head}"] if head else []
+            target = cmp.target_verdict("gpu_anchor", "kv_memory", mode, result["target_x"], fmt_s)
+            verdicts += [target] if target and model == "qwen3-8b" else []
+        lines += ["", cmp.strongest_line(fmt_s), "", cmp.n_note()]
         firsts = [f"{LABELS.get(r['method'], r['method'])} {mode} {fmt_s(t['resume_steps'][0]['dt'])}"
                   for r in rows for mode, x in r["modes"].items() for t in x["trials"][:1] if t.get("resume_steps")]
         if firsts:
             lines.append("\nThe restarted engine's first step (eager; every kernel and cuBLAS heuristic met for the "
                          "first time by that process; its tokens are published with the next step): "
                          + ", ".join(firsts) + ".")
+        steady = [(LABELS.get(r["method"], r["method"]), Cell(r["fault_free_tokens_per_s"])
+                   if r.get("fault_free_tokens_per_s") else None) for r in rows]
+        lines += throughput_section(steady, "Fault-free throughput of each method (its engine's tokens/s over the "
+                                    "steady window before each kill; KV-memory pays its per-step mirror here):",
+                                    "throughput (tokens/s)", lambda v: f"{v:.0f}")
         png = plot_path(f"recovery_serve_{model}.png")
         if png and plot_breakdown(rows, LABELS, (("startup_s", "start-up"), ("engine_s", "engine"),
                                                  ("resume_s", "resume")), f"Inference recovery breakdown, {model}",
                                   png[0]):
             lines.append(f"\n![recovery breakdown {model}]({png[1]})")
         parts.append("\n".join(lines))
-    tail = ""
+    tail = ("\n\ngpu-anchor against the strongest baseline of each mode: " + ("; ".join(heads) if heads else
+                                                                             "not measured") + ".")
     if "qwen3-8b" in result["models"]:
-        tail = (f"\n\nTarget: inference recovery of the 8B model ≥ {result['target_x']:.0f}× faster than KV-memory "
-                f"[paper: {PAPER}]. " + ("; ".join(verdicts) if verdicts else "not measured") + ".")
+        tail += (f"\n\nTarget (issue 7, set against KV-memory, not the strongest baseline): inference recovery of "
+                 f"the 8B model ≥ {result['target_x']:.0f}× faster than KV-memory [paper: {PAPER}]. "
+                 + ("; ".join(verdicts) if verdicts else "not measured") + ".")
     tail += ("\n\nTotal = kill → every interrupted request has produced its next token. For gpu-anchor the "
              "'weights' column is the bind (mapping) time; for the baselines the safetensors load from the warm "
              "page cache.")
+    if result.get("protocol"):
+        tail += (" KV-memory mirrors each step's new KV on its own CUDA stream into pinned host buffers, off the "
+                 "engine's critical path (the step's journal commit waits for that copy, on the commit thread), and "
+                 "a restart copies back the blocks of live requests only.")
+    else:
+        tail += (" KV-memory here (measured before issue 20) copied each step's KV on the commit thread with a "
+                 "blocking device-to-host copy and copied every block back on restart.")
     tail += standby.describe_modes(result)
     tail += failure_notes(result)
     return "\n\n".join(parts) + tail

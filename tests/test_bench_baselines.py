@@ -101,7 +101,7 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("serve-model")), family="qwen3")
 
 
-def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=False):
+def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=False, device="cpu"):
     from bench.recovery_serve import next_request
     lau, work = harness
     state = tempfile.mkdtemp(prefix=f"ts-{method}-", dir="/dev/shm")
@@ -109,23 +109,26 @@ def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=Fa
     log = EventLog(evfile)
 
     def args(nxt):
-        return ["--method", method, "--model-dir", model_dir, "--device", "cpu", "--dtype", "float32",
+        return ["--method", method, "--model-dir", model_dir, "--device", device, "--dtype", "float32",
                 "--state-dir", state, "--events", evfile, "--concurrency", "4", "--requests", "10",
                 "--next-request", str(nxt), "--num-blocks", "128", "--max-batched-tokens", "256", "--tiny",
                 "--record-tokens", "--namespace", f"ts-{os.path.basename(evfile)}"]
     mod = "bench.baselines.server"
     try:
         pid = lau.spawn(args(0), mod)
+        ready = None
         if kill_after_steps is not None:
             if prewarm_standby:  # the next engine is started, and runs its scratch engine, before the fault
-                go, spid = standby.start(lau, log, args(0), work, True, mod, timeout=120)
+                from bench.baselines.server import PREWARM_ENV
+                sid, ready = standby.start(lau, device, "bench.baselines.server:prewarm",
+                                           standby.prewarm_env(PREWARM_ENV, args(0)), timeout=120)
             log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= 4 and
                      sum(1 for x in log.events if x["ev"] == "step") >= kill_after_steps, lambda: lau.alive(pid), 120)
             lau.kill(pid)
             log.poll()
             if prewarm_standby:
-                standby.release(go, next_request=next_request(log.events))
-                pid = spid
+                pid = standby.release(lau, sid, args(next_request(log.events)), mod)
+                assert pid == ready["pid"]
             else:
                 pid = lau.spawn(args(next_request(log.events)), mod)
         log.wait(lambda e: e["ev"] == "done" and e["pid"] == pid, lambda: lau.alive(pid), 180)
@@ -134,7 +137,7 @@ def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=Fa
             for rid, i, toks in e.get("toks", ()):
                 for j, t in enumerate(toks):
                     out.setdefault(rid, {})[i + j] = t
-        return {r: [d[i] for i in sorted(d)] for r, d in out.items()}, log.events
+        return {r: [d[i] for i in sorted(d)] for r, d in out.items()}, log.events, ready
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
@@ -143,8 +146,8 @@ def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=Fa
                                                     ("kv_memory", True), ("gpu_anchor", True)])
 def test_serving_method_survives_sigkill(harness, tiny_model, method, prewarm_standby):
     """... also when a pre-warmed standby takes over (its scratch engine must leave the state alone)."""
-    ref, _ = _serve(harness, tiny_model, method)
-    got, evs = _serve(harness, tiny_model, method, kill_after_steps=6, prewarm_standby=prewarm_standby)
+    ref, _, _ = _serve(harness, tiny_model, method)
+    got, evs, ready = _serve(harness, tiny_model, method, kill_after_steps=6, prewarm_standby=prewarm_standby)
     assert set(got) == set(ref) and len(ref) == 10
     assert got == ref, f"{method}: tokens after a SIGKILL differ from the fault-free run"
     eng = [e for e in evs if e["ev"] == "engine"]
@@ -155,10 +158,25 @@ def test_serving_method_survives_sigkill(harness, tiny_model, method, prewarm_st
     else:
         assert "weights_load_s" in eng[1]["timings"]  # baselines reload weights from safetensors
     if method == "kv_memory":
-        assert "kv_copy_back_s" in eng[1]["timings"] and not eng[1]["notes"]  # resumed on the copied KV
-    if prewarm_standby:
-        ready = [e for e in evs if e["ev"] == "standby"]
-        assert len(ready) == 1 and ready[0]["engine_prewarm_s"] > 0 and any(e["ev"] == "go" for e in evs)
+        tm = eng[1]["timings"]
+        assert "kv_copy_back_s" in tm and not eng[1]["notes"]  # resumed on the copied KV
+        assert 0 < tm["kv_blocks_restored"] < tm["kv_blocks_total"] == 128   # the live blocks only
+    if prewarm_standby:  # the fork server's standby (runtime.Standby) ran the scratch engine before the fault
+        assert ready["info"]["engine_prewarm_s"] > 0 and ready["info"]["prewarm"] == "bench.baselines.server:prewarm"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("prewarm_standby", [False, True])
+def test_kv_memory_on_cuda_survives_sigkill(harness, tiny_model, prewarm_standby):
+    """KV-memory's GPU path: the per-step mirror on its own stream, landed before each commit, and
+    the pipelined copy-back of the live blocks; tokens equal a fault-free run on the same GPU."""
+    ref, _, _ = _serve(harness, tiny_model, "kv_memory", device="cuda:0")
+    got, evs, _ = _serve(harness, tiny_model, "kv_memory", kill_after_steps=6, prewarm_standby=prewarm_standby,
+                         device="cuda:0")
+    assert got == ref
+    tm = [e for e in evs if e["ev"] == "engine"][1]["timings"]
+    assert 0 < tm["kv_blocks_restored"] < tm["kv_blocks_total"]
 
 
 def test_fault_schedule_and_workload_are_seeded():
@@ -203,11 +221,12 @@ def test_recovery_intervals_do_not_overlap_when_a_kill_lands_during_recovery():
     assert recovery_and_recomputed(steps, []) == ([], 2)
 
 
-def test_recovery_train_supervised_standby_rows(tmp_path):
-    """`recovery_train --modes standby,prewarm --supervised warm_pool,prewarm`: every method's
-    worker is released from a standby made before the kill (the prewarm one ran a scratch step
-    first), and each of gpu-anchor run's kills is taken over by its own warm standby; each
-    lands in the mode of the same name."""
+def test_recovery_train_supervised_standby_rows(tmp_path, monkeypatch):
+    """`recovery_train --modes standby,prewarm --supervised warm_pool,prewarm,default`: every
+    method's worker is released from a standby the fork server made before the kill (the
+    prewarm one ran a scratch step first: ``runtime.Standby``, as in the product), and each of
+    gpu-anchor run's kills is taken over by its own warm standby; each lands in the mode of the
+    same name.  Without flags, `gpu-anchor run` on a CPU job forks (standbys are the GPU default)."""
     import json
     import subprocess
     import sys
@@ -215,12 +234,14 @@ def test_recovery_train_supervised_standby_rows(tmp_path):
     env = dict(os.environ, GPU_ANCHOR_SOCKET_DIR=str(tmp_path / "sock"), CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=root)
     p = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--methods", "inmemory,gpu_anchor",
-                        "--modes", "standby,prewarm", "--supervised", "warm_pool,prewarm", "--out", str(tmp_path)],
+                        "--modes", "standby,prewarm", "--supervised", "warm_pool,prewarm,default", "--out",
+                        str(tmp_path)],
                        cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["method"]: r["modes"] for r in
             json.load(open(tmp_path / "recovery_train_tiny.json"))["models"]["llama3.2-1b"]}
-    assert set(rows) == {"inmemory", "gpu_anchor", "gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm"}
+    assert set(rows) == {"inmemory", "gpu_anchor", "gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm",
+                         "gpu_anchor_run_default"}
     for meth in ("inmemory", "gpu_anchor"):
         for mode in ("standby", "prewarm"):
             t = rows[meth][mode]["trials"][0]
@@ -232,6 +253,15 @@ def test_recovery_train_supervised_standby_rows(tmp_path):
     for sup in ("gpu_anchor_run_warm_pool", "gpu_anchor_run_prewarm"):
         trials = next(iter(rows[sup].values()))["trials"]
         assert [t["how"] for t in trials] == ["warm standby"] and trials[0]["lost_steps"] == 0
+    assert list(rows["gpu_anchor_run_default"]) == ["warm"]
+    assert rows["gpu_anchor_run_default"]["warm"]["trials"][0]["how"] == "warm (forked)"
+    result = json.load(open(tmp_path / "recovery_train_tiny.json"))
+    assert all(r["fault_free_step_s"] for r in result["models"]["llama3.2-1b"])   # the protocol's throughput row
+    from bench import common
+    from bench.recovery_train import render
+    monkeypatch.setattr(common, "IMG_DIR", str(tmp_path / "img"))     # its plot must not land in docs/img
+    text = render(result)
+    assert "vs strongest baseline" in text and "Strongest baseline per mode" in text and "fault-free" in text
     bad = subprocess.run([sys.executable, "-m", "bench", "recovery_train", "--tiny", "--supervised", "nope"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown --supervised variant" in bad.stderr

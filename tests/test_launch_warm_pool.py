@@ -172,3 +172,13 @@ def test_serving_prewarm_runs_a_one_layer_scratch_engine(tmp_path, kind):
     assert not sc.anchor and sc.random_weights and sc.cuda_graphs is False and sc.namespace is None
     assert sc.num_blocks * sc.block_size >= sc.max_num_seqs * (cfg.block_size + 4)   # room for every sequence
     assert load_config(model).num_hidden_layers > 1                                 # the live model is untouched
+
+
+def test_status_shows_each_ranks_standby():
+    from gpu_anchor.launch.jobstate import format_jobs
+    job = {"namespace": "j", "state": "running", "supervisor_alive": True, "nproc": 2, "devices": ["cuda:0"],
+           "warm": True, "restarts": [], "command": ["python", "t.py"], "ranks": {"0": {"pid": 5, "how": "warm"}},
+           "standbys": {"0": {"pid": 7, "prewarm_s": 1.5}, "1": {"pid": 8, "failed": "ValueError: x"}}}
+    text = format_jobs([job])
+    assert "standby for rank 0: pid 7, ready (pre-warmed in 1.50 s)" in text
+    assert "standby for rank 1: pid 8, failed to prepare: ValueError: x" in text

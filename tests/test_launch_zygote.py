@@ -110,3 +110,75 @@ def test_a_dead_server_is_reported_with_how_it_ended():
             z.spawn([sys.executable, "-c", "pass"], dict(os.environ), os.getcwd())
     finally:
         z.sock.close()
+
+
+PREWARM = r'''
+import os
+def mark(device):
+    with open(os.environ["PREWARM_OUT"], "w") as f:
+        f.write(f"{os.getpid()} {device} {os.environ.get('MARK')}")
+'''
+
+
+def test_a_standby_asked_for_prepares_in_its_env_then_runs_the_handed_target(tmp_path):
+    """The benchmarks' standby is the product's (``runtime.Standby`` in this server): made on
+    request, it reports ``standby_ready`` with what its preparation did (the pre-warm ran in the
+    environment it was given), runs nothing before ``go``, then runs the target as a worker."""
+    (tmp_path / "prewarm_mod.py").write_text(PREWARM)
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{tmp_path}", PREWARM_OUT=str(tmp_path / "prewarm.txt"),
+               MARK="from-standby-env", SEED="3", OUT=str(tmp_path / "out.json"))
+    zygote = Zygote(sys.executable, ["torch"], env)     # the pre-warm module is on its path
+    try:
+        _standby_round_trip(zygote, env, script, tmp_path)
+    finally:
+        zygote.close()
+
+
+def _standby_round_trip(zygote, env, script, tmp_path):
+    sid = zygote.standby("cpu", env, prewarm="prewarm_mod:mark")
+    ready = zygote.wait_standby(sid, timeout=60)
+    pid, info = ready["pid"], ready["info"]
+    assert info["prewarm"] == "prewarm_mod:mark" and info["prewarm_s"] >= 0 and info["pid"] == pid
+    assert (tmp_path / "prewarm.txt").read_text() == f"{pid} cpu from-standby-env"
+    assert not (tmp_path / "out.json").exists(), "nothing runs before go"
+    assert zygote.go(sid, [str(script), "x"], dict(env, MARK="at-go"), str(tmp_path)) == pid
+    assert _wait_exit(zygote, pid) == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["pid"] == pid and out["env"] == "at-go" and out["argv"] == ["x"]
+
+    failing = zygote.standby("cpu", env, prewarm="prewarm_mod:no_such_function")
+    with pytest.raises(RuntimeError, match="failed to prepare"):
+        zygote.wait_standby(failing, timeout=60)
+    with pytest.raises(RuntimeError, match="could not take over"):
+        zygote.go(failing, [str(script)], env, str(tmp_path))
+    idle = zygote.standby("cpu", env)
+    idle_pid = zygote.wait_standby(idle, timeout=60)["pid"]
+    zygote.dismiss(idle)                       # killed and reaped by the server
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(idle_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"dismissed standby {idle_pid} still runs")
+
+
+def test_standby_default_is_on_for_gpu_jobs_and_off_for_cpu_jobs(monkeypatch):
+    from gpu_anchor.launch.config import WarmStart, resolve_standby
+    monkeypatch.delenv("GPU_ANCHOR_WARM_POOL", raising=False)
+    assert WarmStart().standby is None
+    assert resolve_standby(WarmStart(), ["cuda:0", "cuda:1"]) is True
+    assert resolve_standby(WarmStart(), ["cpu"]) is False
+    assert resolve_standby(WarmStart(standby=False), ["cuda:0"]) is False
+    assert resolve_standby(WarmStart(standby=True), ["cpu"]) is True
+    assert resolve_standby(WarmStart(prewarm="m:f"), ["cpu"]) is True        # the pre-warm runs in a standby
+    assert resolve_standby(WarmStart(enabled=False, standby=True), ["cuda:0"]) is False   # --cold: nothing to fork
+    monkeypatch.setenv("GPU_ANCHOR_WARM_POOL", "0")
+    assert resolve_standby(WarmStart(), ["cuda:0"]) is False
+    monkeypatch.setenv("GPU_ANCHOR_WARM_POOL", "1")
+    assert resolve_standby(WarmStart(), ["cpu"]) is True

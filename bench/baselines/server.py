@@ -11,10 +11,9 @@ same engine with the memory provider swapped (``replay.ReplayAnchor`` /
 Events (JSON lines, wall-clock ``t``): ``process``, ``imported``, ``engine`` (timings,
 restored requests), ``step`` (tokens, finished and admitted request indices, the
 step's duration ``dt`` and whether it replayed a CUDA graph; emitted after the step's
-commit), ``resumed`` (every restored request produced a token), ``done``.  With
-``--standby GO_FILE`` also ``standby`` (CUDA context made and, with ``--prewarm``, a 1-layer
-scratch engine run: ``gpu_anchor.serve.prewarm``) and ``go`` (released by the driver, which
-then names the next request; see ``standby``).
+commit), ``resumed`` (every restored request produced a token), ``done``.  A standby of the
+warm fork server can run it after a fault (``standby``); its pre-warm, ``prewarm`` below, runs
+a 1-layer scratch engine (``gpu_anchor.serve.prewarm``) with this command line's shapes.
 """
 from __future__ import annotations
 
@@ -25,9 +24,9 @@ T_PROCESS = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import random  # noqa: E402
 
-from bench.baselines import standby  # noqa: E402
 from bench.baselines.trainer import Events  # noqa: E402
 
 
@@ -68,7 +67,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--record-tokens", action="store_true", help="put every token into the events (tests)")
-    standby.add_arguments(p)
     return p
 
 
@@ -102,12 +100,7 @@ def main(argv=None) -> int:
     import gpu_anchor.serve.engine as E
     from gpu_anchor.serve.sequence import SamplingParams
     ev("imported")
-    cfg = E.EngineConfig(model=args.model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                         num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
-                         max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                         anchor=args.method == "gpu_anchor", namespace=args.namespace)
-    if args.standby:  # before the baseline's provider is swapped in: the scratch engine must not touch its state
-        args.next_request = _stand_by(args, cfg, ev).get("next_request", args.next_request)
+    cfg = engine_config(args)
     anchor_cls = None
     if args.method != "gpu_anchor":
         from bench.baselines.kv_memory import KVMemoryAnchor
@@ -157,17 +150,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def _stand_by(args, cfg, ev) -> dict:
-    """Before the fault: CUDA context (+ the scratch engine with ``--prewarm``); then wait."""
-    import torch
-    ready = {}
-    if args.device.startswith("cuda"):
-        torch.cuda.set_device(args.device)
-        torch.empty(1, device=args.device)
-    if args.prewarm:
-        from gpu_anchor.serve.prewarm import warm_engine
-        ready = warm_engine(cfg)
-    return standby.wait(args.standby, ev, **ready)
+def engine_config(args):
+    import gpu_anchor.serve.engine as E
+    return E.EngineConfig(model=args.model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                          num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
+                          max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                          anchor=args.method == "gpu_anchor", namespace=args.namespace)
+
+
+PREWARM_ENV = "BENCH_SERVE_PREWARM"
+
+
+def prewarm(device: str) -> dict:
+    """A standby's pre-warm: a 1-layer scratch engine with the shapes of the command line in
+    ``BENCH_SERVE_PREWARM`` (JSON list), before the method's memory provider exists (the scratch
+    engine must not touch any method's state)."""
+    from gpu_anchor.serve.prewarm import warm_engine
+    return warm_engine(engine_config(parser().parse_args(json.loads(os.environ[PREWARM_ENV]))))
 
 
 if __name__ == "__main__":

@@ -1,77 +1,64 @@
-"""A standby worker for the recovery benchmarks, for every method alike.
+"""The recovery benchmarks' standby modes, for every method alike, on the product's standby.
 
 Modes ``standby`` and ``prewarm`` of ``bench recovery_train`` / ``bench recovery_serve``:
-before the fault, the driver starts the next worker from the warm fork server with
-``--standby GO_FILE``.  That worker imports what it needs, makes its CUDA context and (with
-``--prewarm``) runs a scratch step of a 1-layer copy of the model, so that its kernels and
-cuBLAS heuristics are loaded; then it reports ``standby`` and waits.  After the SIGKILL the
-driver writes ``GO_FILE``; the worker reports ``go`` and only then restores its method's
+before the fault, the driver asks the warm fork server for a standby (``gpu_anchor.runtime.Standby``,
+made by ``gpu_anchor.launch.zygote`` exactly as ``gpu-anchor run``'s per-rank pool makes its
+own): a process forked from the server that imported torch, transformers and the model code,
+made its CUDA context and (``prewarm``) ran the method's pre-warm function — one step of a
+1-layer scratch copy of the model (training) or a 1-layer scratch engine (serving) — so that
+its kernels and cuBLAS heuristics are loaded; the server reports it ready.  After the SIGKILL
+the driver hands it the worker's command line and it runs it: the method restores its own
 state (gpu-anchor maps the daemon's objects; a baseline reads its checkpoint or KV mirror,
-or reloads its weights).  What a standby may not do before the fault is touch the live
-state, so every method pays its own restore after ``go``; the standby saves each method the
-same things (process start, imports, CUDA context, first-time kernel loading).
-
-``gpu-anchor run --warm-pool/--prewarm`` and ``gpu-anchor serve --warm-pool --prewarm`` are
-the product's own standbys; this module is the benchmark's equivalent that a baseline can
-use too, so that the comparison stays like with like.
+or reloads its weights).  A standby touches no live state before the fault, so every method
+pays its own restore after the hand-over; the standby saves every method the same things
+(process start, imports, CUDA context, first-time kernel loading).
 """
 from __future__ import annotations
 
 import json
-import os
-import time
-
-POLL_S = 0.0005
-
-
-def release(go_file: str, **payload) -> None:
-    """Driver side: let the standby waiting on ``go_file`` take over (atomic: write, rename)."""
-    tmp = go_file + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-    os.rename(tmp, go_file)
-
-
-def wait(go_file: str, events, **ready) -> dict:
-    """Worker side: report ``standby`` (with ``ready``'s fields), wait for ``release``, report
-    ``go``; returns the driver's payload.  Exits the process if the driver goes away first."""
-    events("standby", **ready)
-    parent = os.getppid()
-    while not os.path.exists(go_file):
-        if os.getppid() != parent:  # the fork server (or the driver) is gone: nobody will release us
-            raise SystemExit("standby: the process that started this standby exited")
-        time.sleep(POLL_S)
-    with open(go_file) as f:
-        payload = json.load(f)
-    events("go")
-    return payload
-
-
-def start(launcher, log, worker_args: list[str], directory: str, prewarm: bool, *module,
-          timeout: float = 1800) -> tuple[str, int]:
-    """Driver side: start a standby with ``launcher`` and wait until it reports ``standby`` in
-    ``log``; returns (go file, pid).  ``module``: the worker module, if not the launcher's default."""
-    go = os.path.join(directory, f"go-{time.time_ns()}")
-    pid = launcher.spawn(worker_args + ["--standby", go] + (["--prewarm"] if prewarm else []), *module)
-    log.wait(lambda e: e["ev"] == "standby" and e["pid"] == pid, lambda: launcher.alive(pid), timeout=timeout)
-    return go, pid
-
-
-def add_arguments(p) -> None:
-    """The worker's ``--standby`` / ``--prewarm`` options."""
-    p.add_argument("--standby", default=None, metavar="GO_FILE",
-                   help="start as a standby: prepare, report 'standby', wait for GO_FILE (bench/baselines/standby.py)")
-    p.add_argument("--prewarm", action="store_true", help="as a standby, run a 1-layer scratch step first")
-
 
 STANDBY_MODES = ("standby", "prewarm")
+
+
+def start(launcher, device: str, prewarm: str | None, env_extra: dict | None = None,
+          timeout: float = 1800) -> tuple[int, dict]:
+    """A ready standby from ``launcher``'s fork server: (its id, the server's ``standby_ready``
+    report: ``pid`` and ``info`` — CUDA init and pre-warm times).  ``prewarm``: ``module:function``
+    it runs first; ``env_extra``: variables that function reads."""
+    from bench.baselines.launcher import worker_env
+    env = dict(worker_env(), **(env_extra or {}))
+    sid = launcher.zygote.standby(device, env, prewarm)
+    return sid, launcher.zygote.wait_standby(sid, timeout)
+
+
+def release(launcher, sid: int, args: list[str], module: str) -> int:
+    """After the fault: standby ``sid`` runs ``python -m module args``; returns its pid."""
+    from bench.baselines.launcher import ROOT, worker_env
+    return launcher.zygote.go(sid, ["-m", module] + list(args), worker_env(), ROOT)
+
+
+def dismiss(launcher, sid: int) -> None:
+    launcher.zygote.dismiss(sid)
+
+
+def prewarm_env(name: str, spec) -> dict:
+    """The environment entry through which a pre-warm function gets the worker's shapes."""
+    return {name: json.dumps(spec)}
+
+
+IMPL = "runtime.Standby from the fork server"   # results record which standby measured them
 
 
 def describe_modes(result: dict) -> str:
     """The sentence a recovery table uses to explain the standby modes ("" if it has none)."""
     if not any(m in STANDBY_MODES for rows in result["models"].values() for r in rows for m in r["modes"]):
         return ""
-    return (" standby: the next worker was started from the fork server before the fault, made its CUDA context "
-            "and waited (bench/baselines/standby.py); prewarm: that standby also ran one step of a 1-layer "
-            "scratch copy of the model, so the first real step finds its kernels loaded. Every method gets the "
-            "same standby, and every method restores its own state only after the fault.")
+    if result.get("standby_impl") == IMPL:
+        how = ("as a standby of the warm fork server (`gpu_anchor.runtime.Standby`, the same one `gpu-anchor run` "
+               "keeps per rank), made its CUDA context and waited")
+    else:  # measured before issue 20, with the benchmark's own standby
+        how = ("from the fork server, made its CUDA context and waited for a file (the benchmark's own standby "
+               "before issue 20)")
+    return (f" standby: the next worker was started before the fault {how}; prewarm: that standby also ran one "
+            "step of a 1-layer scratch copy of the model, so the first real step finds its kernels loaded. Every "
+            "method gets the same standby, and every method restores its own state only after the fault.")

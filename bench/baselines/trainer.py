@@ -8,9 +8,9 @@ restart across processes): ``imported`` (torch + transformers + the method), ``c
 (context ready), ``built`` (model on the device), ``restored`` (``step`` = first step to
 run), ``step`` (after each optimizer step, with the loss), ``saved`` (blocking seconds of
 that checkpoint), ``done``.  Cold: a fresh ``python``; warm: the same ``main`` run in a
-child forked by gpu-anchor's zygote that already imported torch and transformers.  With
-``--standby GO_FILE`` it also reports ``standby`` (after its CUDA context and, with
-``--prewarm``, a scratch step) and ``go`` (released by the driver; see ``standby``).
+child forked by gpu-anchor's zygote that already imported torch and transformers, or a
+standby of that zygote that takes over after the fault (``standby``; its pre-warm is
+``prewarm`` below).
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ T_PROCESS = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-
-from bench.baselines import standby  # noqa: E402
 
 
 class Events:
@@ -70,10 +68,14 @@ def scratch_step(model: str, device: str, tiny: bool, bsz: int, seq: int, releas
         torch.cuda.empty_cache()
 
 
+PREWARM_ENV = "BENCH_TRAIN_PREWARM"
+
+
 def prewarm(device: str) -> None:
-    """A warm standby's pre-warm (``gpu-anchor run --prewarm bench.baselines.trainer:prewarm``):
-    ``scratch_step`` with the shapes in ``BENCH_TRAIN_PREWARM`` (JSON: model, tiny, batch, seq)."""
-    spec = json.loads(os.environ["BENCH_TRAIN_PREWARM"])
+    """A warm standby's pre-warm (``gpu-anchor run --prewarm bench.baselines.trainer:prewarm``, and
+    the benchmarks' standbys): ``scratch_step`` with the shapes in ``BENCH_TRAIN_PREWARM`` (JSON:
+    model, tiny, batch, seq)."""
+    spec = json.loads(os.environ[PREWARM_ENV])
     scratch_step(spec["model"], device, spec.get("tiny", False), spec["batch"], spec["seq"])
 
 
@@ -94,7 +96,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dump", default=None, help="at the end, torch.save the full training state here (tests)")
     p.add_argument("--wait-persist", action="store_true",
                    help="wait for each checkpoint's background persistence and report it (recovery benchmark)")
-    standby.add_arguments(p)
     return p
 
 
@@ -111,13 +112,6 @@ def main(argv=None) -> int:
         torch.cuda.set_device(args.device)
         torch.empty(1, device=args.device)
     ev("cuda")
-    if args.standby:
-        ready = {}
-        if args.prewarm:
-            t0 = time.perf_counter()
-            scratch_step(args.model, args.device, args.tiny, args.batch, args.seq)
-            ready["prewarm_s"] = time.perf_counter() - t0
-        standby.wait(args.standby, ev, **ready)
     ck = baselines.method(args.method)(args.dir, args.device)
     anchored = args.method == "gpu_anchor"
     fresh = anchored and not _anchored_state_exists(args) or not anchored and not _has_checkpoint(ck)

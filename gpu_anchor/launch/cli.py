@@ -36,11 +36,15 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--cold", dest="warm", action="store_false", help="no warm-worker server: every start is cold")
     r.add_argument("--warm-pool", action="store_true", default=None,
                    help="keep a standby worker per rank (CUDA context created, kernels warmed) that takes over "
-                        "after a failure instead of a fork + CUDA init (env GPU_ANCHOR_WARM_POOL=1)")
+                        "after a failure instead of a fork + CUDA init. Default: on for GPU jobs, off for CPU "
+                        "jobs (env GPU_ANCHOR_WARM_POOL=1/0)")
+    r.add_argument("--no-warm-pool", dest="warm_pool", action="store_false",
+                   help="no standby workers: a restart forks from the warm-worker server (saves each GPU the "
+                        "standby's CUDA context, ~0.5 GiB)")
     r.add_argument("--prewarm", metavar="MODULE:FUNCTION",
-                   help="with --warm-pool (implied): each standby calls FUNCTION(device) after its CUDA init, "
-                        "on scratch tensors only, e.g. one step of a 1-layer copy of the model, so the first step "
-                        "after a failure finds its kernels loaded")
+                   help="each standby calls FUNCTION(device) after its CUDA init, on scratch tensors only, e.g. "
+                        "one step of a 1-layer copy of the model, so the first step after a failure finds its "
+                        "kernels loaded (implies --warm-pool)")
     r.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
                    help="comma-separated modules the warm-worker server imports (e.g. torch,transformers,mymodel)")
     r.add_argument("--keep-daemons", action="store_true", help="leave daemons and anchored state after success")
@@ -69,6 +73,10 @@ def cmd_run(args) -> int:
     if not command:
         print("gpu-anchor run: give the command to run after --", file=sys.stderr)
         return 2
+    if args.prewarm and args.warm_pool is False:
+        print("gpu-anchor run: --prewarm runs in the standby workers; it cannot go with --no-warm-pool",
+              file=sys.stderr)
+        return 2
     if args.prewarm:
         from gpu_anchor.runtime.warm import check_prewarm_spec
         try:
@@ -82,7 +90,7 @@ def cmd_run(args) -> int:
             keep_daemons=args.keep_daemons, resume=args.resume, quiet=args.quiet,
             restart=RestartPolicy(args.max_restarts, args.backoff, args.crash_loop, args.hang_timeout),
             warm=WarmStart(enabled=args.warm, prewarm=args.prewarm, preload=[m for m in args.preload.split(",") if m],
-                           **({"standby": True} if args.warm_pool or args.prewarm else {})),
+                           **({"standby": args.warm_pool} if args.warm_pool is not None else {})),
             checkpoint=CheckpointSettings(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep,
                                           args.checkpoint_mode, args.restore_mode),
             chaos=ChaosConfig(args.chaos_kills, args.chaos_every, args.chaos_seed, args.chaos_target))

@@ -29,16 +29,36 @@ class RestartPolicy:
     hang_timeout: float = 0.0      # no new committed step for this long: kill the group (0: off)
 
 
+def _standby_from_env() -> bool | None:
+    """``GPU_ANCHOR_WARM_POOL=1`` / ``0``: a parent's choice (benchmarks compare both ways); unset: None."""
+    v = os.environ.get("GPU_ANCHOR_WARM_POOL")
+    return None if v in (None, "") else v == "1"
+
+
 @dataclass
 class WarmStart:
     """How a (re)started worker gets its interpreter."""
     enabled: bool = True           # a fork server (zygote) that preloaded ``preload``; False: cold starts
-    # a standby worker per rank (CUDA context made) takes over after a failure; the env default lets
-    # benchmarks that drive `gpu-anchor run` compare both ways (the one env read here: a parent's choice)
-    standby: bool = field(default_factory=lambda: os.environ.get("GPU_ANCHOR_WARM_POOL") == "1")
+    # a standby worker per rank (its CUDA context made) takes over after a failure.  None (the
+    # default): on when the job runs on GPUs — the fast path without flags — and off for CPU-only
+    # jobs, where a standby would save only a fork (``resolve_standby``)
+    standby: bool | None = field(default_factory=_standby_from_env)
     # module:function each standby runs on scratch tensors before any failure (runtime.warm.run_prewarm)
     prewarm: str | None = None
     preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+
+
+def resolve_standby(warm: WarmStart, devices: list[str]) -> bool:
+    """Whether ``gpu-anchor run`` keeps standbys: as asked, else on for GPU jobs (a standby there
+    saves the CUDA context and, with ``prewarm``, the first step's kernel loading), off for CPU
+    jobs.  Never without the fork server (standbys are forked from it)."""
+    if not warm.enabled:
+        return False
+    if warm.prewarm:
+        return True
+    if warm.standby is not None:
+        return warm.standby
+    return any(d.startswith("cuda") for d in devices)
 
 
 @dataclass

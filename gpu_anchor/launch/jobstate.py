@@ -131,6 +131,10 @@ def format_jobs(jobs: list[dict]) -> str:
             lines.append(f"  frontend: pid {job['frontend_pid']}")
         for r, info in sorted(job.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
             lines.append(f"  {'engine' if serving else f'rank {r}'}: pid {info.get('pid')}, {info.get('how', '')}")
+        for r, sb in sorted((job.get("standbys") or {}).items(), key=lambda kv: int(kv[0])):
+            what = f"failed to prepare: {sb['failed']}" if sb.get("failed") else "ready" + (
+                f" (pre-warmed in {sb['prewarm_s']:.2f} s)" if sb.get("prewarm_s") is not None else "")
+            lines.append(f"  standby for rank {r}: pid {sb.get('pid')}, {what}")
         for i, rs in enumerate(job["restarts"], 1):
             rec = rs.get("recovery_s")
             rec_s = f"{rec:.3f} s to first step" if rec is not None else "recovery not yet measured"

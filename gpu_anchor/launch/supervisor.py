@@ -33,7 +33,7 @@ from gpu_anchor.checkpoint.settings import RESTORE_ENV
 
 from . import classify, daemons as daemons_mod, events, health, jobstate
 from .chaos import Chaos
-from .config import SupervisorConfig, free_port, split_python  # noqa: F401  (re-exported)
+from .config import SupervisorConfig, free_port, resolve_standby, split_python  # noqa: F401  (re-exported)
 
 class _Worker:
     __slots__ = ("rank", "pid", "popen", "status", "t_exit")
@@ -190,6 +190,11 @@ class Supervisor:
                     self.zygote = None
             self.workers[rank] = self._cold(rank, env)
         how = "warm (forked)" if self.zygote is not None else "cold"
+        if self.zygote is not None:
+            # every rank's standby was used or dismissed by these spawns; reports that arrived
+            # before them are about those standbys
+            self.zygote.pool_ready()
+        self.state.data["standbys"] = {}
         self.state.set(generation=self.gen, state="running")
         self.state.set_ranks({r: {"pid": w.pid, "how": how} for r, w in self.workers.items()})
         if self.current is not None:
@@ -213,8 +218,14 @@ class Supervisor:
         if self.py and self.cfg.warm.enabled:
             from .zygote import start_server
             w = self.cfg.warm
-            self.zygote = start_server(self.py[0], w.preload, self.log, standby=self.cfg.nproc if w.standby else 0,
+            standby = resolve_standby(w, self.devices)
+            self.zygote = start_server(self.py[0], w.preload, self.log, standby=self.cfg.nproc if standby else 0,
                                        prewarm=w.prewarm)
+            if self.zygote is not None and standby:
+                self.log("a standby worker per rank takes over after a failure (its CUDA context made"
+                         + (f", {w.prewarm} run" if w.prewarm else "") + ")"
+                         + ("; the default for GPU jobs: each holds a CUDA context on its GPU, --no-warm-pool "
+                            "for none" if w.standby is None and not w.prewarm else ""))
 
     def _collect_exits(self) -> None:
         now = time.time()
@@ -228,6 +239,8 @@ class Supervisor:
                     if w.status is None and w.popen is None:
                         w.status, w.t_exit = -signal.SIGKILL, now
                 msgs = []
+            for m in self.zygote.pool_ready() if self.zygote is not None else ():
+                self._standby_ready(m)
             by_pid = {w.pid: w for w in self.workers.values()}
             for m in msgs:
                 w = by_pid.get(m["pid"])
@@ -236,6 +249,21 @@ class Supervisor:
         for w in self.workers.values():
             if w.popen is not None and w.status is None and w.popen.poll() is not None:
                 w.status, w.t_exit = w.popen.returncode, now
+
+    def _standby_ready(self, m: dict) -> None:
+        """The fork server says a rank's standby finished preparing: record it (``gpu-anchor status``
+        shows it; benchmarks wait for it before the next kill)."""
+        info = m.get("info") or {}
+        rec = {"pid": m.get("pid"), "t": m.get("t"), **{k: info[k] for k in ("cuda_init_s", "prewarm_s", "prepare_s",
+                                                                             "failed") if k in info}}
+        self.state.data.setdefault("standbys", {})[str(m["rank"])] = rec
+        self.state.save()
+        if "failed" in info:
+            self.log(f"standby for rank {m['rank']} failed to prepare ({info['failed']}); that rank forks on restart")
+        else:
+            pre = f", pre-warm {info['prewarm_s']:.2f} s" if "prewarm_s" in info else ""
+            self.log(f"standby for rank {m['rank']} ready (pid {m.get('pid')}, prepared in "
+                     f"{info.get('prepare_s', 0):.2f} s{pre})")
 
     def _kill_group(self, sig=signal.SIGKILL, grace: float = 10.0) -> None:
         for w in self.workers.values():

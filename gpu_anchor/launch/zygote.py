@@ -1,13 +1,26 @@
 """Warm workers: a fork server that has imported torch (and the user's declared
 heavy modules) but touched no CUDA, and forks one worker per (re)start.
 
-    python -m gpu_anchor.launch.zygote --fd N [--preload torch,transformers]
+    python -m gpu_anchor.launch.zygote --fd N [--preload torch,transformers] [--standby N]
 
 Protocol on the inherited socket (JSON lines), supervisor → zygote:
 ``{"op": "spawn", "id", "target", "env", "cwd"}``; zygote → supervisor:
 ``{"op": "ready", "preload_s", "threads", "failed"}`` once, then
 ``{"op": "spawned", "id", "pid"}`` and ``{"op": "exit", "pid", "status"}``
 (status as ``Popen.returncode``: negative = killed by that signal).
+
+Standbys (``runtime.Standby``, the project's one standby: forked ahead of need, its CUDA
+context made, optionally a pre-warm function run, then waiting):
+
+- ``--standby N`` keeps one per local rank; a spawn for that rank is handed to it.  Each
+  time one is ready the zygote says ``{"op": "standby_ready", "rank", "pid", "info"}``
+  (``info``: what its preparation reported, or ``failed``), which the supervisor records
+  in the job record.
+- A client may also ask for one explicitly (the benchmarks give every method the same
+  standby this way): ``{"op": "standby", "id", "device", "prewarm", "env"}`` →
+  ``{"op": "standby_ready", "id", "pid", "info"}``; then ``{"op": "go", "id", "target", "env",
+  "cwd"}`` → ``{"op": "spawned", "id", "pid"}`` (the standby's pid, now running the target),
+  or ``{"op": "dismiss", "id"}``.
 
 Forks go through ``gpu_anchor.runtime.fork`` (docs/runtime.md): the zygote imports
 modules and never runs their work (no CUDA, no parallel ops that would start OpenMP's
@@ -32,6 +45,7 @@ import sys
 import time
 
 from gpu_anchor import runtime
+from gpu_anchor.runtime.warm import PREWARM_ENV
 
 
 def _run_request(req: dict, how: str = "warm"):
@@ -55,58 +69,77 @@ def _fork_worker(sock: socket.socket, req: dict) -> int:
 STANDBY_AFTER_S = 2.0
 
 
+def _make_standby(sock: socket.socket, device: str | None, prewarm: str | None, env: dict | None,
+                  rank: int | None = None) -> runtime.Standby:
+    """The one way this server makes a standby (the per-rank pool and explicit requests alike):
+    made in a new process group, like a forked worker (the supervisor kills groups)."""
+    sb = runtime.Standby(lambda: _prepare(device, prewarm, env, rank), lambda req: _run_request(req, "standby"),
+                         new_process_group=True, sigint_raises=True, before_main=sock.close)
+    sb.visible = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+    return sb
+
+
 class _Pool:
-    """``--standby N``: one warm standby per local rank (``runtime.Standby``), its CUDA
-    context created for ``cuda:<rank>``; a spawn for that rank is handed to it instead of
-    a fork.  A standby is (re)made ``STANDBY_AFTER_S`` after the server starts or after its
-    slot was used, so its CUDA init does not compete with a starting worker."""
+    """``--standby N``: one warm standby per local rank, its CUDA context created for
+    ``cuda:<rank>``; a spawn for that rank is handed to it instead of a fork.  A standby is
+    (re)made ``STANDBY_AFTER_S`` after the server starts or after its slot was used, so its
+    CUDA init does not compete with a starting worker."""
 
     def __init__(self, n: int, sock: socket.socket) -> None:
         self.n, self.sock, self.sb = n, sock, {}
         self.due = {r: time.monotonic() + STANDBY_AFTER_S for r in range(n)}
-        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
-    def refill(self) -> None:
-        now = time.monotonic()
+    def refill(self) -> list[tuple[int, runtime.Standby]]:
+        """Make the standbys that are due; returns the new ones (rank, standby)."""
+        now, made = time.monotonic(), []
         for r in range(self.n):
             if r not in self.sb and now >= self.due[r]:
-                # made in a new process group, like a forked worker: the supervisor kills groups
-                self.sb[r] = runtime.Standby(lambda r=r: _prepare_rank(r), lambda req: _run_request(req, "standby"),
-                                             new_process_group=True, sigint_raises=True,
-                                             before_main=self.sock.close)
+                self.sb[r] = _make_standby(self.sock, None, os.environ.get(PREWARM_ENV), None, rank=r)
+                made.append((r, self.sb[r]))
+        return made
 
     def take(self, req: dict) -> int | None:
         """The standby's pid, now running ``req``; None: fork as usual."""
-        env = req["env"]
-        r = int(env.get("LOCAL_RANK", "0"))
+        r = int(req["env"].get("LOCAL_RANK", "0"))
         sb = self.sb.pop(r, None)
         if sb is None:
             return None
         self.due[r] = time.monotonic() + STANDBY_AFTER_S
-        # its CUDA context was made under the server's device visibility
-        if env.get("CUDA_VISIBLE_DEVICES") == self.visible and sb.ready(timeout=10.0):
-            try:
-                return sb.go(req)
-            except OSError:
-                pass
-        sb.close()
-        return None
+        return _hand_over(sb, req, timeout=10.0)
 
     def close(self) -> None:
         for sb in self.sb.values():
             sb.close()
 
 
-def _prepare_rank(rank: int) -> dict:
+def _hand_over(sb: runtime.Standby, req: dict, timeout: float) -> int | None:
+    """``req`` run by the standby ``sb`` (its pid), or None (dismissed) when it is not ready
+    within ``timeout`` or its CUDA context was made under another device visibility."""
+    if req["env"].get("CUDA_VISIBLE_DEVICES") == sb.visible and sb.ready(timeout=timeout):
+        try:
+            return sb.go(req)
+        except OSError:
+            pass
+    sb.close()
+    return None
+
+
+def _prepare(device: str | None, prewarm: str | None, env: dict | None, rank: int | None) -> dict:
+    """A standby's preparation: the environment it will run in (if given), the CUDA context of
+    its device (``cuda:<rank>`` for the pool), and the pre-warm function if one is named.  It
+    touches no anchored state."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     import torch
-    from gpu_anchor.runtime.warm import PREWARM_ENV, run_prewarm, warm_cuda
-    info, device = {}, "cpu"
-    if torch.cuda.is_available() and rank < torch.cuda.device_count():
-        device = f"cuda:{rank}"
+    from gpu_anchor.runtime.warm import run_prewarm, warm_cuda
+    info = {}
+    if device is None:
+        device = f"cuda:{rank}" if torch.cuda.is_available() and rank < torch.cuda.device_count() else "cpu"
+    if device.startswith("cuda"):
         info = warm_cuda(device)
-    spec = os.environ.get(PREWARM_ENV)
-    if spec:  # a failure here fails the standby: the pool forks as usual, the log has the traceback
-        info.update(run_prewarm(spec, device))
+    if prewarm:  # a failure here fails the standby: the caller forks as usual, the log has the traceback
+        info.update(run_prewarm(prewarm, device))
     return info
 
 
@@ -139,10 +172,12 @@ def serve(fd: int, preload: list[str], standby: int = 0) -> None:
     sel.register(rfd, selectors.EVENT_READ, "chld")
     buf = b""
     pool = _Pool(standby, sock) if standby else None
+    asked: dict = {}       # id -> Standby made on request
+    unreported: list = []  # (tag, Standby) whose readiness the client has not been told yet
     while True:
         if pool is not None:
-            pool.refill()
-        for key, _ in sel.select(timeout=0.5 if pool else 1.0):
+            unreported += [({"rank": r}, sb) for r, sb in pool.refill()]
+        for key, _ in sel.select(timeout=0.05 if unreported else 0.5 if pool else 1.0):
             if key.data == "chld":
                 try:
                     os.read(rfd, 4096)
@@ -153,19 +188,52 @@ def serve(fd: int, preload: list[str], standby: int = 0) -> None:
             if not data:
                 return  # supervisor gone
             buf += data
+        unreported = _report_ready(unreported, send)
         _reap(send)
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
-            if req.get("op") == "quit":
-                if pool is not None:
-                    pool.close()
+            op = req.get("op")
+            if op == "quit":
+                for sb in list(asked.values()) + (list(pool.sb.values()) if pool is not None else []):
+                    sb.close()
                 return
-            if req.get("op") == "spawn":
+            if op == "spawn":
                 pid = pool.take(req) if pool is not None else None
                 if pid is None:
                     pid = _fork_worker(sock, req)
                 send({"op": "spawned", "id": req["id"], "pid": pid})
+            elif op == "standby":
+                try:
+                    asked[req["id"]] = sb = _make_standby(sock, req.get("device") or "cpu", req.get("prewarm"),
+                                                          req.get("env"))
+                except runtime.ForkUnsafe as e:
+                    send({"op": "standby_ready", "id": req["id"], "pid": None, "info": {"failed": str(e)}})
+                else:
+                    unreported.append(({"id": req["id"]}, sb))
+            elif op == "go":
+                sb = asked.pop(req["id"], None)
+                pid = _hand_over(sb, req, timeout=30.0) if sb is not None else None
+                send({"op": "spawned", "id": req["id"], "pid": pid,
+                      **({} if pid else {"error": "no ready standby with that id and device visibility"})})
+            elif op == "dismiss":
+                sb = asked.pop(req["id"], None)
+                if sb is not None:
+                    sb.close()
+
+
+def _report_ready(unreported: list, send) -> list:
+    """Send ``standby_ready`` for each standby that finished preparing (or failed); returns the rest."""
+    left = []
+    for tag, sb in unreported:
+        if sb.used:
+            continue
+        sb.ready(0)
+        if sb.info is None:
+            left.append((tag, sb))
+        else:
+            send({"op": "standby_ready", **tag, "pid": sb.pid, "info": sb.info, "t": time.time()})
+    return left
 
 
 def _reap(send) -> None:
@@ -231,11 +299,11 @@ class Zygote:
             self._queue.append(json.loads(line))
         return True
 
-    def _wait(self, op: str, timeout: float) -> dict:
+    def _wait(self, op: str, timeout: float, **match) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             for i, msg in enumerate(self._queue):
-                if msg.get("op") == op:
+                if msg.get("op") == op and all(msg.get(k) == v for k, v in match.items()):
                     return self._queue.pop(i)
             left = deadline - time.monotonic()
             if left <= 0 or not self._read(min(left, 1.0)) or self.proc.poll() is not None:
@@ -244,14 +312,48 @@ class Zygote:
                     raise RuntimeError(f"warm-worker server did not answer {op!r} ({state})")
                 raise RuntimeError("warm-worker server closed its socket")
 
-    def spawn(self, target: list[str], env: dict, cwd: str) -> int:
-        self._next_id += 1
+    def _send(self, msg: dict) -> None:
         try:
-            self.sock.sendall((json.dumps({"op": "spawn", "id": self._next_id, "target": target, "env": env,
-                                           "cwd": cwd}) + "\n").encode())
+            self.sock.sendall((json.dumps(msg) + "\n").encode())
         except BrokenPipeError:
             raise RuntimeError(f"warm-worker server exited ({self.exit_status()})") from None
-        return self._wait("spawned", 30.0)["pid"]
+
+    def spawn(self, target: list[str], env: dict, cwd: str) -> int:
+        self._next_id += 1
+        self._send({"op": "spawn", "id": self._next_id, "target": target, "env": env, "cwd": cwd})
+        return self._wait("spawned", 30.0, id=self._next_id)["pid"]
+
+    def standby(self, device: str, env: dict, prewarm: str | None = None) -> int:
+        """Ask for a standby (``runtime.Standby``) on ``device`` that will run in ``env`` and, with
+        ``prewarm`` (``module:function``), calls it first; returns its id (``wait_standby``)."""
+        self._next_id += 1
+        self._send({"op": "standby", "id": self._next_id, "device": device, "env": env, "prewarm": prewarm})
+        return self._next_id
+
+    def wait_standby(self, sid: int, timeout: float = 1800.0) -> dict:
+        """``{"pid", "info"}`` once standby ``sid`` is ready; RuntimeError if its preparation failed."""
+        msg = self._wait("standby_ready", timeout, id=sid)
+        if "failed" in msg["info"]:
+            raise RuntimeError(f"standby {sid} failed to prepare: {msg['info']['failed']}")
+        return msg
+
+    def go(self, sid: int, target: list[str], env: dict, cwd: str) -> int:
+        """Hand ``target`` to ready standby ``sid``; returns its pid (now the worker)."""
+        self._send({"op": "go", "id": sid, "target": target, "env": env, "cwd": cwd})
+        msg = self._wait("spawned", 60.0, id=sid)
+        if not msg.get("pid"):
+            raise RuntimeError(f"standby {sid} could not take over: {msg.get('error')}")
+        return msg["pid"]
+
+    def dismiss(self, sid: int) -> None:
+        self._send({"op": "dismiss", "id": sid})
+
+    def pool_ready(self) -> list[dict]:
+        """The per-rank pool's ``standby_ready`` reports received so far (non-blocking, each once)."""
+        self._read(0.0)
+        out = [m for m in self._queue if m.get("op") == "standby_ready" and "rank" in m]
+        self._queue = [m for m in self._queue if not (m.get("op") == "standby_ready" and "rank" in m)]
+        return out
 
     def exit_status(self) -> str:
         """How the server ended, for error messages (a signal number says who to suspect: 9 is

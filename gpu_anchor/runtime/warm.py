@@ -52,5 +52,8 @@ def run_prewarm(spec: str, device: str) -> dict:
     (``torch.cuda.empty_cache()``) if the GPU is tight: the kernels stay loaded."""
     mod, _, fn = check_prewarm_spec(spec).partition(":")
     t0 = time.perf_counter()
-    getattr(importlib.import_module(mod), fn)(device)
-    return {"prewarm_s": time.perf_counter() - t0, "prewarm": spec}
+    out = getattr(importlib.import_module(mod), fn)(device)
+    info = {"prewarm_s": time.perf_counter() - t0, "prewarm": spec}
+    if isinstance(out, dict):  # what the function reports about itself goes into the standby's report
+        info.update({k: v for k, v in out.items() if k not in info})
+    return info
