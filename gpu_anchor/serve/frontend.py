@@ -19,7 +19,7 @@ log-probabilities never takes a token without them (a replay from the journal ha
 engine is made to recompute it from the delivered tokens instead (``readd``).
 
 The supervisor talks to this process over ``--control-fd`` (frames as on the engine socket):
-``{"t": "restore", "reason"}`` (the anchored state was lost: the next engine starts on a fresh
+``{"t": "restore", "reason", "replace_s"}`` (the anchored state was lost: the next engine starts on a fresh
 one and recomputes every open request from its tokens) and ``{"t": "fatal", "reason"}`` (no
 engine will come: a crash loop).  After ``fatal``, on SIGTERM/SIGINT, or when the supervisor's
 end closes, every open request ends with an error — an SSE ``error`` event in the OpenAI error
@@ -135,6 +135,8 @@ class Frontend:
                 if r.finish is None and r.lost_at is not None:
                     r.lost_state = True
         self.last_timings = dict(hello.get("timings", {}), down_s=down)
+        if fresh and self.state_loss.get("replace_s") is not None:
+            self.last_timings["state_replace_s"] = self.state_loss["replace_s"]    # fresh daemon / namespace
         m.set_last_recovery(self.last_timings)
         self._log_up(hello, down, fresh)
         for note in hello.get("notes", []):
@@ -329,7 +331,7 @@ class Frontend:
             while True:
                 msg = await wire.read(reader)
                 if msg["t"] == "restore":
-                    self.state_loss = {"reason": msg["reason"], "at": time.time()}
+                    self.state_loss = {"reason": msg["reason"], "at": time.time(), "replace_s": msg.get("replace_s")}
                     log.warning("the anchored state is lost (%s): the next engine starts on a fresh one and "
                                 "recomputes every open request from the tokens its client has", msg["reason"])
                 elif msg["t"] == "fatal":
