@@ -12,6 +12,8 @@ daemon, the stock ``openai`` client and plain HTTP.
 - engines that fail at every start (the daemon lost and the weights file gone): every open
   stream ends with an SSE error event in the OpenAI shape and ``[DONE]`` on a cleanly closed
   connection, a waiting non-streaming request gets a JSON 503, ``/health`` answers 503;
+- the daemon killed under an idle engine: replaced before the next request;
+- the supervisor SIGKILLed: the frontend ends every open stream with an error event and exits;
 - SIGTERM: open streams end with an error event; the namespace is freed and the daemon the
   server started is stopped, a daemon that was running before stays, one that other jobs
   use stays, and ``--keep-state`` keeps both for the next server, which maps instead of loading.
@@ -324,3 +326,38 @@ def test_clean_stop_frees_the_state_and_the_daemon_it_started(server, case):
         assert server.stop() == 0           # it found the daemon running: frees the namespace, leaves the daemon
         assert control.ping("cpu", server.sock)["pid"] == started_pid
         assert gpu_anchor.connect("cpu", namespace=NS, socket=server.sock).names() == []
+
+
+def test_daemon_lost_under_an_idle_engine_is_replaced_before_the_next_request(server):
+    """No request open: the daemon's death is seen through the supervisor's idle connection, the
+    engine is replaced on a fresh daemon at once, and the next request is served as before."""
+    base = server.start()
+    c = _client(base)
+    job = {"prompt": "fox dog engine", "max_tokens": 40, "temperature": 0.7, "seed": 5, "extra_body": {"ignore_eos": True}}
+    first = c.completions.create(model="tiny-qwen3", **job)
+    engine, daemon = server.health()["engine_pid"], server.daemon_pid()
+    os.kill(daemon, signal.SIGKILL)
+    _wait(lambda: server.health().get("engine_pid") not in (None, engine) and server.health()["status"] == "ok",
+          "a new engine without any request")
+    assert server.daemon_pid() not in (None, daemon)
+    assert "the daemon at" in server.log.read_text() and "died" in server.log.read_text()
+    again = c.completions.create(model="tiny-qwen3", **job)
+    assert again.choices[0].text == first.choices[0].text and again.usage == first.usage
+
+
+def test_supervisor_killed_ends_every_stream_and_the_frontend(server):
+    """The supervisor SIGKILLed (no clean stop): its engine dies with it, the frontend sees the
+    control line close, ends every open stream with an error event and exits; the state stays."""
+    from gpu_anchor.launch import jobstate
+    import gpu_anchor
+    server.start()
+    frontend = {j["namespace"]: j for j in jobstate.load_all()}[NS]["frontend_pid"]
+    raw, threads = _stream_until_stopped(server)
+    server.proc.kill()
+    for t in threads:
+        t.join(60)
+    for r in raw:
+        assert r["clean"] and r["events"][-1] == "[DONE]", r
+        assert "supervisor is gone" in json.loads(r["events"][-2])["error"]["message"]
+    _wait(lambda: not control.pid_alive(frontend), "the frontend's exit", timeout=60)
+    assert gpu_anchor.connect("cpu", namespace=NS, socket=server.sock).names(), "the anchored state stays"
