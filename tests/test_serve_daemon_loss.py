@@ -39,7 +39,7 @@ from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_http import _Stream, scrape
 
 NS = "serve-tiny-qwen3"
-SERVE = ["--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-blocks", "600",
+SERVE = ["--dtype", "float32", "--block-size", "4", "--num-blocks", "600",
          "--max-num-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
 
 
@@ -59,15 +59,15 @@ def _wait(cond, what, timeout=120):
 
 
 class _Server:
-    def __init__(self, tmp_path, model, sock) -> None:
-        self.tmp, self.model, self.sock, self.procs = tmp_path, model, sock, []
+    def __init__(self, tmp_path, model, sock, device="cpu") -> None:
+        self.tmp, self.model, self.sock, self.device, self.procs = tmp_path, model, sock, device, []
         self.log = tmp_path / "serve.log"
 
     def start(self, *extra) -> str:
         port_file = self.tmp / "port"
         port_file.unlink(missing_ok=True)
         proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", self.model, "--port", "0", "--port-file",
-                                 str(port_file), "--socket", self.sock, *SERVE, *extra],
+                                 str(port_file), "--socket", self.sock, *SERVE, "--device", self.device, *extra],
                                 stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
         self.procs.append(proc)
         _wait(lambda: port_file.exists() or proc.poll() is not None, "the port file")
@@ -84,14 +84,13 @@ class _Server:
         return _get(self.base + "/health")[1]
 
     def daemon_pid(self) -> int | None:
-        hello = control.ping("cpu", self.sock)
+        hello = control.ping(self.device, self.sock)
         return hello and hello["pid"]
 
 
-@pytest.fixture
-def server(tmp_path, socket_dir):
+def _serving(tmp_path, socket_dir, device):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
-    srv = _Server(tmp_path, model, os.path.join(socket_dir, "cpu.sock"))
+    srv = _Server(tmp_path, model, os.path.join(socket_dir, device.replace(":", "") + ".sock"), device)
     yield srv
     for p in srv.procs:
         if p.poll() is None:
@@ -100,7 +99,17 @@ def server(tmp_path, socket_dir):
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
-    control.stop("cpu", srv.sock)        # whatever still answers there (a test's own daemon)
+    control.stop(device, srv.sock)       # whatever still answers there (a test's own daemon)
+
+
+@pytest.fixture
+def server(tmp_path, socket_dir):
+    yield from _serving(tmp_path, socket_dir, "cpu")
+
+
+@pytest.fixture
+def gpu_server(tmp_path, socket_dir):
+    yield from _serving(tmp_path, socket_dir, "cuda:0")
 
 
 def _jobs(n=6, tokens=220):
@@ -143,6 +152,17 @@ def test_openai_streams_equal_a_fault_free_run_over_three_daemon_kills(server):
     """The daemon SIGKILLed three times while streams are open (a crash loop to a supervisor that
     blamed the engine): each stream equals its fault-free run (ids and log-probabilities where
     asked, text, finish reason, usage)."""
+    _three_daemon_kills(server)
+
+
+@pytest.mark.gpu
+def test_openai_streams_equal_a_fault_free_run_over_three_cuda_daemon_kills(gpu_server):
+    """The same on cuda:0 (float32, CUDA graphs on): the CUDA daemon SIGKILLed three times; its
+    memory is gone, the engine maps fresh VMM memory from a new daemon and recomputes."""
+    _three_daemon_kills(gpu_server)
+
+
+def _three_daemon_kills(server):
     base = server.start()
     c = _client(base)
     jobs = _jobs()
