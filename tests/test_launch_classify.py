@@ -220,3 +220,36 @@ def test_device_health_from_nvml(monkeypatch):
     fake.lost.add(0)
     ok, why = health.DeviceHealth([0]).check()
     assert ok is False and "NVML query failed" in why
+
+
+def test_serving_crash_loop_counts_only_engines_that_fail_by_themselves_before_any_token():
+    """``gpu-anchor serve``'s rule (launch/serve_state.EngineFailures): kills from outside and
+    deaths after the state's loss never make a loop, however many in a row (the daemon SIGKILLed
+    three times within seconds once stopped the server); engines failing at start-up do, but
+    only after one on a fresh state failed too."""
+    from gpu_anchor.launch.serve_state import EngineFailures
+    built, ready, tokens = 0, 1, 2
+    f = EngineFailures(3)
+    for _ in range(5):      # the daemon killed under engines that had published tokens, or were starting
+        assert f.record(tokens, "exit1", outside=False, destructive=True) == (False, False)
+        assert f.record(built, "exit1", outside=False, destructive=True) == (False, False)
+    for _ in range(5):      # SIGKILLs from outside, before any token
+        assert f.record(built, "sig9", outside=True, destructive=False) == (False, False)
+    # start-up crashes on a state not known fresh: restart, then restore first, then the loop
+    assert f.record(built, "exit1", outside=False, destructive=False) == (False, False)
+    assert f.record(ready, "exit1", outside=False, destructive=False) == (False, True)
+    f.restored()
+    assert f.record(built, "exit1", outside=False, destructive=False) == (True, False)
+    assert "3 engines in a row" in f.detail()
+    # after a restore the state is fresh: no second restore, straight to the loop
+    g = EngineFailures(3)
+    g.restored()
+    assert [g.record(built, "exit1", False, False) for _ in range(3)] == [(False, False), (False, False), (True, False)]
+    # progress in between resets the count (and the state is no longer known fresh)
+    h = EngineFailures(3)
+    h.restored()
+    assert h.record(built, "exit1", False, False) == (False, False)
+    assert h.record(tokens, "exit1", False, False) == (False, False)
+    assert h.record(built, "exit1", False, False) == (False, False)
+    assert h.record(built, "exit1", False, False) == (False, True)
+    assert EngineFailures(0).record(built, "exit1", False, False)[0] is False      # --crash-loop 0: never

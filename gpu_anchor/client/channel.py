@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import socket
 import threading
 import time
@@ -97,6 +98,18 @@ class Channel:
             protocol.close_fds(fds)
             raise errors.from_reply(reply.get("error", {}))
         return reply, out_blob, fds
+
+    def peer_closed(self) -> bool:
+        """True once the daemon's end of this idle connection is closed: the daemon process is
+        gone (the kernel closes its sockets at its death), whatever its socket path holds now.
+        Never blocks; only for a connection with no request in flight."""
+        with self._lock:
+            try:
+                if not select.select([self._sock], [], [], 0)[0]:
+                    return False
+                return self._sock.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
 
     def close(self) -> None:
         try:

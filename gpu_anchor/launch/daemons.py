@@ -1,8 +1,9 @@
 """The daemons of one job on one node (torch-free).
 
-One daemon per local device the job uses plus the host daemon.  A daemon that
-already answers is reused (and left running at the end: it is not ours);
-daemons we started are stopped at the end of the job unless ``keep``.
+One daemon per local device the job uses plus the host daemon (``gpu-anchor serve``: only
+its engine's daemon, at the socket it was given).  A daemon that already answers is reused
+(and left running at the end: it is not ours); daemons we started are stopped at the end of
+the job unless ``keep`` — or unless another job's namespace holds objects there by then.
 Namespaces separate jobs that share daemons.
 """
 from __future__ import annotations
@@ -17,15 +18,17 @@ from . import health
 
 
 class JobDaemons:
-    def __init__(self, devices: list[str], namespace: str, keep: bool = False, log=print) -> None:
-        # host daemon always: host-side state (CPU tensors, per-rank namespaces) lives there
-        devs = ["cpu"] + [normalize_device(d) for d in devices if normalize_device(d) != "cpu"]
+    def __init__(self, devices: list[str], namespace: str, keep: bool = False, log=print,
+                 paths: dict[str, str] | None = None, host: bool = True) -> None:
+        # host daemon (training): host-side state (CPU tensors, per-rank namespaces) lives there
+        devs = (["cpu"] if host else []) + [normalize_device(d) for d in devices
+                                             if not host or normalize_device(d) != "cpu"]
         self.devices = list(dict.fromkeys(devs))
         self.namespace = namespace
         self.keep = keep
         self.log = log
-        self.paths = {d: default_socket(d) for d in self.devices}
-        self.started: dict[str, object] = {}     # device -> Popen of daemons we started
+        self.paths = {d: (paths or {}).get(d) or default_socket(d) for d in self.devices}
+        self.started: dict[str, tuple[str, object]] = {}   # socket path -> (device, Popen) of daemons we started
         self.instances: dict[str, str] = {}      # device -> instance id the job's state lives in
 
     def ensure(self) -> None:
@@ -41,8 +44,14 @@ class JobDaemons:
 
     def start(self, device: str) -> None:
         proc = control.start(device, self.paths[device])
-        self.started[device] = proc
+        self.started[self.paths[device]] = (device, proc)
         self.log(f"daemon {device}: started pid {proc.pid} at {self.paths[device]}")
+
+    def follow(self, device: str, path: str) -> None:
+        """The job's state moved to ``device``'s daemon at ``path`` (a serving engine migrated):
+        watch that one from now on; daemons started earlier are still ours to stop."""
+        self.devices, self.paths = [device], {device: path}
+        self.instances = {device: health.probe_daemon(device, path).instance}
 
     def check(self) -> tuple[bool, bool, list[str]]:
         """(all alive, all the same instances as bound, problems)."""
@@ -71,8 +80,10 @@ class JobDaemons:
             self.instances[d] = view.instance
         return fresh
 
-    def drop_namespace(self) -> None:
+    def drop_namespace(self) -> tuple[int, int]:
+        """Free the job's namespaces in every daemon that answers; ``(objects, bytes)`` freed."""
         from gpu_anchor.client.channel import Channel
+        objects = nbytes = 0
         for d in self.devices:
             try:
                 ch = Channel(d, self.paths[d], timeout=10.0)
@@ -80,11 +91,16 @@ class JobDaemons:
                 continue
             try:
                 names = ch.request({"op": "status"})[0]["namespaces"]
-                for ns in names:
-                    if ns == self.namespace or ns.startswith(self.namespace + "/"):
-                        ch.request({"op": "drop", "namespace": ns})
+                for ns, info in names.items():
+                    if self._ours(ns):
+                        objects += ch.request({"op": "drop", "namespace": ns})[0]["freed"]
+                        nbytes += info["object_bytes"]
             finally:
                 ch.close()
+        return objects, nbytes
+
+    def _ours(self, ns: str) -> bool:
+        return ns == self.namespace or ns.startswith(self.namespace + "/")
 
     def namespaces_of(self, device: str, world_size: int, ranks: list[int]) -> list[str]:
         """The namespaces the job's local ranks use on ``device`` (host daemon: one per rank)."""
@@ -93,24 +109,48 @@ class JobDaemons:
         return [self.namespace]
 
     def _reap(self, device: str) -> None:
-        proc = self.started.pop(device, None)
+        _, proc = self.started.pop(self.paths[device], (None, None))
         if proc is not None:
             try:
                 proc.wait(timeout=0)
             except Exception:
                 pass
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop the daemons we started, except one where another job's namespace holds objects
+        now (its state is not ours to end).  Returns one phrase per daemon, for the log."""
         if self.keep:
             self.log("daemons left running: anchored state stays for the next run")
-            return
-        for d, proc in list(self.started.items()):
-            control.stop(d, self.paths[d])
+            return []
+        said = []
+        for path, (d, proc) in list(self.started.items()):
+            others = self._others(d, path)
+            if others:
+                said.append(f"left the daemon it started at {path} (pid {proc.pid}) running: "
+                            f"namespace(s) {', '.join(others)} of other jobs live there")
+                continue
+            control.stop(d, path)
             try:
                 proc.wait(timeout=10)
             except Exception:
                 proc.kill()
+            said.append(f"stopped the daemon it started at {path} (pid {proc.pid})")
         self.started.clear()
+        return said
+
+    def _others(self, device: str, path: str) -> list[str]:
+        from gpu_anchor.client.channel import Channel
+        try:
+            ch = Channel(device, path, timeout=10.0)
+        except Exception:
+            return []
+        try:
+            names = ch.request({"op": "status"})[0]["namespaces"]
+        except Exception:
+            return []
+        finally:
+            ch.close()
+        return sorted(ns for ns, info in names.items() if info["objects"] and not self._ours(ns))
 
 
 def local_devices(kind: str, nproc: int) -> list[str]:

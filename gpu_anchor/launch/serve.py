@@ -1,5 +1,6 @@
 """``gpu-anchor serve MODEL_DIR [--random-weights]``: the frontend process and the engine,
-under the one supervisor (the decision table, crash-loop rule and job record of ``run``).
+under the one supervisor (the decision table and job record of ``run``; its crash-loop rule is
+serving's own, ``serve_state.EngineFailures``).
 
 Process tree::
 
@@ -12,13 +13,20 @@ imported torch and transformers but never started a thread pool or touched CUDA,
 engine is ready in well under a second plus its bind/restore; ``--warm-pool`` keeps a
 ``runtime.Standby`` engine instead.  When the engine dies the supervisor decides as for
 training (``classify.decide``): shallow (daemon alive, same instance, journal consistent) →
-restart in place, the new engine reattaches; the daemon lost → a fresh daemon and an engine
-that starts empty, the frontend re-sending every open request with the tokens its clients
-already have (serving's "restore"); an engine that keeps failing at start-up → stop, state
-kept.  The job record (``gpu-anchor status``) shows the engine, its restarts and decisions.
-``--no-anchor`` (the benchmark baseline) starts no daemon; a restarted engine starts empty.
-The engine side (arguments, engine configuration, the standby's warm-up) is
-``gpu_anchor.serve.cli``.
+restart in place, the new engine reattaches; the anchored state lost (the daemon died or was
+replaced, the namespace dropped, the state marked inconsistent) → a fresh daemon or namespace
+and an engine that loads the weights and recomputes every open request from the tokens its
+client already has, which the frontend re-sends (serving's "restore"); engines that keep
+failing before publishing a token → give up: every open request ends with an error event and
+``/health`` answers 503 until the server is stopped.  While an engine runs, its daemon is
+watched (an idle connection: its death is seen at once; the namespace once a second), so a
+state lost under a live engine is acted on before the engine trips over it.  The state machine
+and its invariants: docs/serving.md, "Destructive failures".  On SIGINT/SIGTERM the server ends
+every open stream with an error event, frees its namespace and stops the daemon it started
+(``--keep-state`` keeps both).  The job record (``gpu-anchor status``) shows the engine, its
+restarts and decisions.  ``--no-anchor`` (the benchmark baseline) starts no daemon; a
+restarted engine starts empty.  The engine side (arguments, engine configuration, the
+standby's warm-up) is ``gpu_anchor.serve.cli``.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,13 +44,11 @@ from gpu_anchor import runtime
 
 from . import classify, health, jobstate
 from .config import RestartPolicy
+from .serve_state import EngineFailures, EngineProgress, ServeAnchor
 
 log = logging.getLogger("gpu_anchor.serve")
 
 STANDBY_AFTER_S = 2.0
-# an engine that dies (other than by SIGKILL/SIGTERM, which come from outside) sooner than
-# this after its start made no progress: three in a row are a crash loop
-STARTUP_S = 30.0
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -51,58 +58,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_arguments(p)
     p.add_argument("--max-restarts", type=int, default=None,
                    help="stop after this many engine restarts (default: no limit)")
+    p.add_argument("--keep-state", action="store_true",
+                   help="on SIGINT/SIGTERM keep the namespace (weights, KV cache) and the daemon this server "
+                        "started, so the next `gpu-anchor serve` of the model maps them again instead of loading "
+                        "(default: free the namespace and stop the daemon it started)")
     p.set_defaults(func=main)
     return p
-
-
-class _Anchor:
-    """The engine's daemon as the supervisor sees it (None socket: ``--no-anchor``)."""
-
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.instances: dict[str, str | None] = {}     # socket -> instance the engine bound in
-
-    def ensure(self) -> None:
-        if not self.cfg.anchor:
-            return
-        from gpu_anchor.client import control
-        dev = self.device()
-        if control.ping(dev, self.cfg.socket) is None:
-            control.start(dev, self.cfg.socket)
-            log.info("started the anchor daemon for %s at %s", dev, self.cfg.socket)
-        self.instances.setdefault(self.cfg.socket, health.probe_daemon(dev, self.cfg.socket).instance)
-
-    def device(self) -> str:
-        from gpu_anchor.paths import normalize_device
-        return "cpu" if self.cfg.device == "cpu" else normalize_device(self.cfg.device)
-
-    def observe(self) -> dict:
-        """What ``classify.Observation`` needs about the daemon and the journal."""
-        if not self.cfg.anchor:
-            return {}
-        dev, sock = self.device(), self.cfg.socket
-        view = health.probe_daemon(dev, sock)
-        same = view.alive and view.instance == self.instances.get(sock, view.instance)
-        out = {"daemons_alive": view.alive, "daemons_same": same}
-        if view.alive and same:
-            problem = health.journal_problem([health.read_namespace(dev, sock, self.cfg.namespace)])
-            out.update(journal_consistent=not problem, journal_problem=problem)
-        return out
-
-    def replace(self) -> None:
-        """A fresh daemon where the old one died; the job's namespace dropped where it lives on."""
-        from gpu_anchor.client import control
-        from gpu_anchor.client.channel import Channel
-        dev, sock = self.device(), self.cfg.socket
-        if control.ping(dev, sock) is None:
-            control.start(dev, sock)
-        else:
-            ch = Channel(dev, sock, timeout=10.0)
-            try:
-                ch.request({"op": "drop", "namespace": self.cfg.namespace})
-            finally:
-                ch.close()
-        self.instances[sock] = health.probe_daemon(dev, sock).instance
 
 
 def main(args) -> int:
@@ -130,15 +91,13 @@ def main(args) -> int:
     meta_model(mc)        # imports the modeling code once, here, for every forked engine
     cfg = engine_cli.engine_config(args, mc)
     if cfg.anchor:
-        from gpu_anchor.paths import default_socket
-        cfg.socket = args.socket or default_socket("cpu" if cfg.device == "cpu" else _Anchor(cfg).device())
+        from gpu_anchor.paths import default_socket, normalize_device
+        cfg.socket = args.socket or default_socket(normalize_device(cfg.device))
     try:
         lock = jobstate.lock(cfg.namespace)
     except jobstate.JobBusy as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    anchor = _Anchor(cfg)
-    anchor.ensure()
     rundir = tempfile.mkdtemp(prefix="gpu-anchor-serve-")
     try:
         template = options.chat_template_file(args.chat_template, rundir)
@@ -146,12 +105,18 @@ def main(args) -> int:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         lock.close()
         return 2
+    anchor = ServeAnchor(cfg)
+    anchor.ensure()
     esock = os.path.join(rundir, "engine.sock")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     tok = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
+    # the supervisor's line to the frontend: "restore" and "fatal" go down it; its end closing
+    # tells the frontend that the supervisor is gone
+    control, fe_end = socket.socketpair()
     fe_cmd = [sys.executable, "-m", "gpu_anchor.serve.frontend", "--engine-socket", esock,
               "--vocab-size", str(mc.vocab_size), "--model-name", name, "--max-model-len", str(cfg.max_model_len),
-              "--host", args.host, "--port", str(args.port), "--started-at", repr(started_at)]
+              "--host", args.host, "--port", str(args.port), "--started-at", repr(started_at),
+              "--control-fd", str(fe_end.fileno())]
     if tok:
         fe_cmd += ["--tokenizer", tok]
     if template:
@@ -159,30 +124,38 @@ def main(args) -> int:
     if args.port_file:
         fe_cmd += ["--port-file", args.port_file]
     key = options.api_key(args)      # in the environment: a command line is visible to every user
-    frontend = subprocess.Popen(fe_cmd, env=dict(os.environ, GPU_ANCHOR_SERVE_API_KEY=key or ""))
+    frontend = subprocess.Popen(fe_cmd, env=dict(os.environ, GPU_ANCHOR_SERVE_API_KEY=key or ""),
+                                pass_fds=[fe_end.fileno()])
+    fe_end.close()
     state = jobstate.JobState(cfg.namespace, ["gpu-anchor", "serve", *sys.argv[1:]], 1,
                               [] if cfg.device == "cpu" else [cfg.device], True, kind="serve")
     state.set(frontend_pid=frontend.pid, engine_socket=esock)
-    sup = _EngineSupervisor(args, cfg, esock, worker, engine_cli, anchor, state, frontend)
+    sup = _EngineSupervisor(args, cfg, esock, worker, engine_cli, anchor, state, frontend, control)
+    clean = False
     try:
-        return sup.run()
+        rc = sup.run()
+        clean = sup.stopping is not None
+        return rc
     finally:
-        sup.shutdown()
+        sup.shutdown(clean)
         lock.close()
 
 
 class _EngineSupervisor:
-    def __init__(self, args, cfg, esock, worker, engine_cli, anchor, state, frontend) -> None:
+    def __init__(self, args, cfg, esock, worker, engine_cli, anchor, state, frontend, control) -> None:
         self.args, self.cfg, self.esock, self.worker, self.ecli = args, cfg, esock, worker, engine_cli
-        self.anchor, self.state, self.frontend = anchor, state, frontend
+        self.anchor, self.state, self.frontend, self.control = anchor, state, frontend, control
         self.policy = RestartPolicy(max_restarts=sys.maxsize if args.max_restarts is None else args.max_restarts)
-        self.crash = classify.CrashLoop(self.policy.crash_loop)
+        self.failures = EngineFailures(self.policy.crash_loop)
         self.health = classify_health(cfg)
+        self.progress = EngineProgress()
         self.engine: int | None = None
         self.standby = None
         self.incarnation = self.restarts = 0
         self.started = 0.0
         self.stopping = None
+        self.failed: str | None = None     # why it gave up: no engine is started any more
+        self.lost = ""                     # what the watch saw before it killed the engine
 
     def run(self) -> int:
         def on_signal(signum, frame):
@@ -193,25 +166,44 @@ class _EngineSupervisor:
             if self.frontend.poll() is not None:
                 log.error("frontend exited (%s); stopping", self.frontend.returncode)
                 self.state.set(state="stopped", result=f"frontend exited ({self.frontend.returncode})")
-                return 0
+                return 1
+            if self.failed is not None:          # the frontend answers 503 until we are stopped
+                time.sleep(0.25)
+                continue
             if self.engine is None:
                 self._start_engine()
+                continue
             if self.args.warm_pool and self.standby is None and time.time() - self.started > STANDBY_AFTER_S:
                 # made once the engine has started, so its CUDA init does not slow that one's
-                cfg, esock, worker, ecli = self.cfg, self.esock, self.worker, self.ecli
+                cfg, esock, worker, ecli, progress = self.cfg, self.esock, self.worker, self.ecli, self.progress
                 self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, self.args.prewarm),
-                                               lambda go: ecli.standby_run(cfg, esock, go, worker))
+                                               lambda go: ecli.standby_run(cfg, esock, go, worker, progress))
             r = runtime.wait_exit(self.engine, 0.25)      # a pidfd: the death is seen when it happens
-            if r is not None and self._on_exit(*r) is not None:
-                return 1
-        self.state.set(state="stopped", result=f"interrupted by {signal.Signals(self.stopping).name}")
-        return 0
+            if r is not None:
+                self._on_exit(*r)
+                continue
+            self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
+            self.anchor.follow()
+            lost = self.anchor.watch_problem()
+            if lost:
+                # the engine still runs on memory the daemon no longer holds for it: stop it before
+                # it trips over the loss (or writes into memory handed to someone else)
+                log.warning("anchored state lost under engine %d: %s; killing it", self.engine, lost)
+                self.lost = lost
+                os.kill(self.engine, signal.SIGKILL)
+        self.state.set(state="stopped", result=f"interrupted by {signal.Signals(self.stopping).name}"
+                       + (f" after giving up ({self.failed})" if self.failed else ""))
+        return 1 if self.failed else 0
 
     def _start_engine(self) -> None:
         cfg = self.cfg
         cfg.fault = self.ecli.fault_for(self.args.fault_plan, self.incarnation)
         self.ecli.follow_migration(cfg, self.worker.placement_path(self.esock))
-        self.anchor.ensure()
+        try:
+            self.anchor.ensure()
+        except Exception as e:           # no daemon can be started: nothing to serve from
+            self._give_up(f"no anchor daemon at {cfg.socket}: {e}")
+            return
         self.started = time.time()
         how = "forked"
         sb, self.standby = self.standby, None
@@ -225,49 +217,86 @@ class _EngineSupervisor:
         if self.engine is None:
             if sb is not None:
                 sb.close()
-            started, worker = self.started, self.worker
-            self.engine = runtime.fork(lambda: worker.run(cfg, self.esock, started_at=started))
+            started, worker, progress = self.started, self.worker, self.progress
+            self.engine = runtime.fork(lambda: worker.run(cfg, self.esock, started_at=started, on_progress=progress))
         self.incarnation += 1
         self.state.set(generation=self.incarnation - 1, state="running", device=cfg.device)
         self.state.set_ranks({0: {"pid": self.engine, "how": how}})
 
-    def _on_exit(self, pid: int, status: int) -> int | None:
-        """Classify the engine's death; None: a new engine is on its way, else the exit code."""
+    def _on_exit(self, pid: int, status: int) -> None:
+        """Classify the engine's death and act: restart, restore (fresh state), or give up."""
         self.engine = None
         alive_s = time.time() - self.started
+        reached = self.progress.reached(pid)
         rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         ex = classify.Exit.from_status(0, rc)
-        log.warning("engine %d died (%s) after %.2f s", pid, ex.describe().replace("rank 0", "engine"), alive_s)
+        what = ex.describe().replace("rank 0", "engine")
+        log.warning("engine %d died (%s) after %.2f s, %s", pid, what, alive_s,
+                    ("having published tokens", "serving, before publishing a token", "before it was built")
+                    [2 - reached])
         # the placement may have moved (gpu-anchor migrate): judge the daemon the next engine uses
         self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
+        self.anchor.follow()
         healthy, dev_problem = self.health.check()
-        # no progress = died at start-up, not killed from outside: three in a row are a loop
-        outside = ex.signal in (signal.SIGKILL, signal.SIGTERM)
-        loop = self.crash.record(None if alive_s < STARTUP_S and not outside else self.incarnation, ex.key())
+        lost, self.lost = self.lost, ""
+        seen = self.anchor.observe(lost)
+        destructive = not (seen.get("daemons_alive", True) and seen.get("daemons_same", True)
+                           and seen.get("journal_consistent", True))
+        loop, restore_first = self.failures.record(reached, ex.key(), ex.signal in (signal.SIGKILL, signal.SIGTERM),
+                                                   destructive)
+        if restore_first:      # unsure -> restore: the anchored state may be what they trip over
+            seen = dict(seen, journal_consistent=False,
+                        journal_problem=f"{self.failures.detail()} on the anchored state; the next one starts "
+                                        "on a fresh state")
         obs = classify.Observation((ex,), 1, device_healthy=healthy, device_problem=dev_problem,
                                    restarts_done=self.restarts, max_restarts=self.policy.max_restarts,
                                    # serving's restore: the frontend re-sends every open request
                                    have_checkpoint=True, crash_loop=loop,
-                                   crash_loop_detail=(self.crash.detail() + f", each within {STARTUP_S:.0f} s "
-                                                      "of its start") if loop else "",
-                                   **self.anchor.observe())
+                                   crash_loop_detail=self.failures.detail() if loop else "", **seen)
         d = classify.decide(obs)
-        reason = d.reason.replace("rank 0", "engine").replace("restore last checkpoint",
-                                                               "fresh daemon, the frontend re-sends open requests")
+        reason = d.reason.replace("rank 0", "engine").replace(
+            "restore last checkpoint", "fresh state: the weights loaded again, every open request recomputed from "
+                                       "the tokens its client has")
+        if d.action == "stop":
+            reason = reason.split(". Anchored state is kept")[0]     # the training advice does not apply
         log.warning("decision: %s — %s", d.action.upper(), reason)
         self.state.add_restart({"action": d.action, "kind": d.kind, "reason": reason, "step": None,
                                 "chaos": False, "t_detect": time.time(), "t_exit": time.time(),
                                 "generation": self.incarnation, "marks": {}, "recovery_s": None})
         if d.action == "stop":
-            self.state.set(state="stopped", result=reason)
-            log.error("stopped; anchored state kept in namespace %r", self.cfg.namespace)
-            return 1
+            self._give_up(reason)
+            return
         if d.action == "restore":
-            self.anchor.replace()
+            t0 = time.perf_counter()
+            try:
+                self.anchor.replace()
+            except Exception as e:
+                self._give_up(f"{reason}; a fresh daemon could not be started: {e}")
+                return
+            self.failures.restored()
+            self._tell({"t": "restore", "reason": reason.split(" -> ")[0], "replace_s": time.perf_counter() - t0})
         self.restarts += 1
-        return None
 
-    def shutdown(self) -> None:
+    def _tell(self, msg: dict) -> None:
+        from gpu_anchor.serve import wire
+        try:
+            self.control.sendall(wire.encode(msg))
+        except OSError:
+            pass                          # the frontend is gone: the loop sees it
+
+    def _give_up(self, reason: str) -> None:
+        """No engine is started any more: the frontend ends every open request with an error
+        event and answers 503 until this process is stopped."""
+        self.failed = reason
+        self.state.set(state="failed", result=reason)
+        self._tell({"t": "fatal", "reason": f"the server stopped serving: {reason}"})
+        log.error("gave up: %s. Every open request ended with an error; /health answers 503 until this server is "
+                  "stopped (SIGTERM); the anchored state stays until then", reason)
+
+    def shutdown(self, clean: bool) -> None:
+        """Engine and frontend down (the frontend ends every open stream with an error event
+        first); then, on a clean stop, the namespace freed and the daemon we started stopped,
+        unless ``--keep-state``.  One log line says what became of the state."""
         if self.standby is not None:
             self.standby.close()
         if self.engine:
@@ -276,9 +305,18 @@ class _EngineSupervisor:
         if self.frontend.poll() is None:
             self.frontend.terminate()
             try:
-                self.frontend.wait(10)
+                self.frontend.wait(15)
             except subprocess.TimeoutExpired:
                 self.frontend.kill()
+        self.control.close()
+        if self.anchor.daemons is not None:
+            how = f"stopped ({signal.Signals(self.stopping).name})" if clean else "stopped abnormally"
+            try:
+                line = self.anchor.release(self.args.keep_state or not clean, how)
+            except Exception as e:       # a daemon that does not answer: nothing more to free here
+                line = f"{how}; could not free the anchored state: {e}"
+            log.info("%s", line)
+            self.state.set(state_after_stop=line)
         self.state.save()
 
 

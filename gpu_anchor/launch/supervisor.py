@@ -458,5 +458,6 @@ class Supervisor:
         self.events.close()
         if self.state.data["state"] == "done" and not self.daemons.keep:
             self.daemons.drop_namespace()
-        self.daemons.stop()
+        for said in self.daemons.stop():
+            self.log(said)
         self.state.save()

@@ -102,4 +102,5 @@ def main(argv: list[str]) -> int:
         stop.set()
         if ok and not ours.keep_daemons:
             dm.drop_namespace()
-        dm.stop()
+        for said in dm.stop():
+            log(said)

@@ -93,12 +93,12 @@ def standby_prepare(cfg, prewarm: bool) -> dict:
     return info
 
 
-def standby_run(cfg, esock: str, go: dict, worker) -> None:
+def standby_run(cfg, esock: str, go: dict, worker, on_progress=None) -> None:
     """The standby takes over: what is only known now comes in ``go``."""
     import dataclasses
     c = dataclasses.replace(cfg, device=go["device"], socket=go["socket"],
                             fault=tuple(go["fault"]) if go.get("fault") else None)
-    worker.run(c, esock, started_at=go["started"], standby=True)
+    worker.run(c, esock, started_at=go["started"], standby=True, on_progress=on_progress)
 
 
 def follow_migration(cfg, path: str) -> None:

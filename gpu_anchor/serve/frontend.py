@@ -17,6 +17,14 @@ compared: a replayed token that differs from the delivered one counts in
 ``gpu_anchor_serve_token_mismatch_total`` (must stay 0).  A request that wants
 log-probabilities never takes a token without them (a replay from the journal has none): the
 engine is made to recompute it from the delivered tokens instead (``readd``).
+
+The supervisor talks to this process over ``--control-fd`` (frames as on the engine socket):
+``{"t": "restore", "reason", "replace_s"}`` (the anchored state was lost: the next engine starts on a fresh
+one and recomputes every open request from its tokens) and ``{"t": "fatal", "reason"}`` (no
+engine will come: a crash loop).  After ``fatal``, on SIGTERM/SIGINT, or when the supervisor's
+end closes, every open request ends with an error — an SSE ``error`` event in the OpenAI error
+shape and ``[DONE]`` on a stream, a JSON 503 otherwise — never a dropped connection or a stream
+that just stops; ``/health`` answers 503 ``failed`` and new requests get 503.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ import hmac
 import logging
 import os
 import random
+import signal
+import socket
 import sys
 import time
 import uuid
@@ -49,6 +59,7 @@ class Req:
         self.lps: list = []              # (logprob, top) per output token, when q.logprobs is not None
         self.finish: str | None = None
         self.error: str | None = None
+        self.error_status = 400          # 503 when the server gave up on the request, not the request's fault
         self.changed = asyncio.Event()
         self.resyncing = False       # the engine must recompute from our tokens; ignore it until it did
         self.text: str | None = None     # final text when a stop string cut it
@@ -56,6 +67,7 @@ class Req:
         self.t_first: float | None = None    # when its first token arrived
         self.t_last: float | None = None     # when its last token arrived
         self.lost_at: float | None = None    # when the engine was lost while this request was open
+        self.lost_state = False              # ... and the next engine found no anchored state
 
 
 class Frontend:
@@ -76,6 +88,8 @@ class Frontend:
         self.migrations: dict[str, asyncio.Future] = {}   # mid -> cut-over report
         self.last_migration: dict = {}
         self.url = ""
+        self.failed: str | None = None       # why no engine will come (the supervisor gave up, or stopping)
+        self.state_loss: dict = {}           # the last time the anchored state was lost, and why
 
     # ------------------------------------------------------------- engine side
     def _send(self, obj) -> None:
@@ -107,12 +121,24 @@ class Frontend:
             m.engine_loading.set(0)
         if self.writer is not None:            # a stale connection: the new engine wins
             self.writer.close()
+        if self.failed:                        # the supervisor gave up: nothing to serve any more
+            writer.close()
+            return
         self.engine_pid = hello["pid"]
         self.connects += 1
         down = time.monotonic() - self.down_since
+        # a restarted engine that had to load the weights again did not find the anchored state:
+        # every open request is recomputed from its tokens (re-sent below)
+        fresh = self.connects > 1 and bool(hello.get("weights_loaded"))
+        if fresh:
+            for r in self.reqs.values():
+                if r.finish is None and r.lost_at is not None:
+                    r.lost_state = True
         self.last_timings = dict(hello.get("timings", {}), down_s=down)
+        if fresh and self.state_loss.get("replace_s") is not None:
+            self.last_timings["state_replace_s"] = self.state_loss["replace_s"]    # fresh daemon / namespace
         m.set_last_recovery(self.last_timings)
-        self._log_up(hello, down)
+        self._log_up(hello, down, fresh)
         for note in hello.get("notes", []):
             log.warning("engine %s: %s", self.engine_pid, note)
         held = set(hello["rids"])
@@ -176,7 +202,7 @@ class Frontend:
                 log.warning("engine disconnected; %d open request(s) wait for the next one", len(self.reqs))
             writer.close()
 
-    def _log_up(self, hello: dict, down: float) -> None:
+    def _log_up(self, hello: dict, down: float, fresh: bool) -> None:
         t = hello.get("timings", {})
         parts = ", ".join(f"{k[:-2]} {t[k]:.2f} s" for k in ("bind_s", "weights_s", "restore_s") if k in t)
         if self.connects == 1:
@@ -186,8 +212,14 @@ class Frontend:
         else:
             self.metrics.restarts.inc()
             self.metrics.down.observe(down)
+            if fresh:
+                self.metrics.state_recoveries.inc()
+                self.metrics.state_down.observe(down)
+                self.state_loss["recovered_s"] = round(down, 3)
             log.info("engine %s serving again %.2f s after the last one was lost; %d restored request(s), "
-                     "%d open (%s)", hello["pid"], down, len(hello["rids"]), len(self.reqs), parts)
+                     "%d open (%s)%s", hello["pid"], down, len(hello["rids"]), len(self.reqs), parts,
+                     "; the anchored state was lost: weights loaded again, open requests recomputed from "
+                     "their tokens" if fresh else "")
 
     def _apply(self, rid, i, ids, fin, lps=None) -> None:
         r = self.reqs.get(rid)
@@ -244,7 +276,9 @@ class Frontend:
             m.itl.observe(now - r.t_last)
         if r.lost_at is not None:
             m.stream_gap.observe(now - r.lost_at)
-            r.lost_at = None
+            if r.lost_state:
+                m.state_stream_gap.observe(now - r.lost_at)
+            r.lost_at, r.lost_state = None, False
         r.t_last = now
         m.generation_tokens.inc(new)
         m.generated.inc(new)
@@ -271,6 +305,47 @@ class Frontend:
             if len(r.out) > 1:
                 m.tpot.observe((r.t_last - r.t_first) / (len(r.out) - 1))
         m.success.labels(self.model_name, r.finish or "abort").inc()
+
+    # ------------------------------------------------------------- supervisor side
+    def fail(self, reason: str) -> None:
+        """No engine will serve again: end every open request with ``reason`` (503)."""
+        if self.failed:
+            return
+        self.failed = reason
+        self.metrics.failed.set(1)
+        self.metrics.engine_up.set(0)
+        n = 0
+        for r in self.reqs.values():
+            if r.finish is None:
+                r.error, r.error_status, r.finish = reason, 503, "error"
+                r.changed.set()
+                n += 1
+        if self.writer is not None:
+            self.writer.close()
+        log.error("not serving any more: %s; %d open request(s) ended with an error; /health answers 503",
+                  reason, n)
+
+    async def on_control(self, reader) -> None:
+        """The supervisor's messages; its end closing means it is gone (this server with it)."""
+        try:
+            while True:
+                msg = await wire.read(reader)
+                if msg["t"] == "restore":
+                    self.state_loss = {"reason": msg["reason"], "at": time.time(), "replace_s": msg.get("replace_s")}
+                    log.warning("the anchored state is lost (%s): the next engine starts on a fresh one and "
+                                "recomputes every open request from the tokens its client has", msg["reason"])
+                elif msg["t"] == "fatal":
+                    self.fail(msg["reason"])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.fail("the gpu-anchor serve supervisor is gone")
+
+    async def drain(self, timeout: float) -> None:
+        """Wait until every open request's client got its ending (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while self.reqs and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------- HTTP side
     @web.middleware
@@ -337,6 +412,8 @@ class Frontend:
 
     async def _serve(self, request, chat: bool):
         q = api.parse(await self._body(request), chat, [self.model_name], self.vocab_size)
+        if self.failed:
+            raise ApiError(503, self.failed)
         ids = self._prompt_ids(q)
         r = self.submit(ids, self._params(q, len(ids)), q)
         try:
@@ -346,7 +423,7 @@ class Frontend:
                 r.changed.clear()
                 await r.changed.wait()
             if r.error:
-                raise ApiError(400, r.error)
+                raise ApiError(r.error_status, r.error)
             return web.json_response(api.reply(self.codec, r))
         finally:
             self.drop(r)
@@ -378,13 +455,16 @@ class Frontend:
         return web.json_response(self._model_card())
 
     async def health(self, request):
-        up = self.writer is not None
-        # starting: no engine connected yet; loading: one is building; engine_down: lost, the next one comes
-        status = "ok" if up else "loading" if self.loading else "starting" if not self.connects else "engine_down"
-        body = {"status": status,
+        up = self.writer is not None and not self.failed
+        # starting: no engine connected yet; loading: one is building; engine_down: lost, the next one
+        # comes; failed: none will (a crash loop, or the server is stopping)
+        status = "failed" if self.failed else "ok" if up else "loading" if self.loading else \
+            "starting" if not self.connects else "engine_down"
+        body = {"status": status, **({"reason": self.failed} if self.failed else {}),
                 "engine_pid": self.engine_pid, "engine_restarts": max(0, self.connects - 1),
                 "open_requests": len(self.reqs), "last_recovery": self.last_timings,
-                "token_mismatches": self.mismatches, "last_migration": self.last_migration}
+                "token_mismatches": self.mismatches, "last_migration": self.last_migration,
+                "last_state_loss": self.state_loss}
         if self.loading and not up:
             body["loading"] = dict(self.loading, message=wire.describe_loading(self.loading))
         return web.json_response(body, status=200 if up else 503)
@@ -424,6 +504,7 @@ def main(argv=None) -> int:
     ap.add_argument("--port-file", default=None, help="write the bound port here (use with --port 0)")
     ap.add_argument("--started-at", type=float, default=None, help="wall time the server was started (for the "
                                                                     "ready line)")
+    ap.add_argument("--control-fd", type=int, default=None, help="the supervisor's end of a socket pair")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     template = None
@@ -455,13 +536,25 @@ def main(argv=None) -> int:
                 f.write(str(port))
             os.replace(tmp, args.port_file)
         log.info("listening on %s; /health answers 503 until the engine is loaded", fe.url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: (fe.fail(f"the server is shutting down "
+                                                                f"({signal.Signals(s).name})"), stop.set()))
+        tasks = []
+        if args.control_fd is not None:
+            reader, _ = await asyncio.open_unix_connection(sock=socket.socket(fileno=args.control_fd))
+            tasks.append(asyncio.create_task(fe.on_control(reader)))
         async with server:
-            await asyncio.Event().wait()
+            while not stop.is_set() and not any(t.done() for t in tasks):     # done: the supervisor is gone
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+            await fe.drain(10.0)         # every open stream gets its error event before the exit
+        await runner.cleanup()
 
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(run())
     return 0
 
 

@@ -80,6 +80,18 @@ class Metrics:
                                                                   "that was open then.", RECOVERY_BUCKETS)
         self.last_recovery = gauge(p + "last_recovery_seconds", "Breakdown of the last engine start, by phase.",
                                    ["phase"])
+        # destructive failures: the daemon died, or the anchored state was unusable (namespace dropped,
+        # marked inconsistent): the next engine loads the weights and recomputes every open request
+        self.state_recoveries = counter(p + "state_recoveries", "Engine restarts that found no usable anchored "
+                                                                "state (weights loaded again, open requests "
+                                                                "recomputed from their tokens).")
+        self.state_down = hist(p + "state_recovery_seconds", "For those restarts: engine lost -> the next engine "
+                                                             "connected and serving.", RECOVERY_BUCKETS)
+        self.state_stream_gap = hist(p + "state_recovery_stream_gap_seconds", "For those restarts: engine lost "
+                                     "-> the next token of each request open then (includes recomputing its KV).",
+                                     RECOVERY_BUCKETS)
+        self.failed = gauge(p + "failed", "1 once the server gave up (crash loop) or is stopping: /health is 503 "
+                                          "and requests get 503.")
 
     def set_load(self, running: int, waiting: int, kv_used: int, kv_total: int) -> None:
         self.running.set(running)

@@ -375,7 +375,7 @@ async def _events(codec, r, head: dict, write) -> None:
         r.changed.clear()
         done = r.finish is not None
         if r.error:
-            await write(ApiError(400, r.error).body())
+            await write(ApiError(r.error_status, r.error).body())
             break
         if len(r.out) > n_sent or done:
             n = len(r.out)

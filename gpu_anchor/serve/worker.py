@@ -94,10 +94,14 @@ class _Migrating:
         self.reported = False
 
 
-def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False) -> None:
+def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False,
+        on_progress=None) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown); ``standby``: this process
-    is a warm standby taking over (``runtime.Standby``)."""
+    is a warm standby taking over (``runtime.Standby``); ``on_progress(what)``, if given,
+    hears ``"ready"`` once the engine is built and ``"tokens"`` once it published new tokens
+    (the supervisor tells a crash at start-up from a failure after progress)."""
+    progress = on_progress or (lambda what: None)
     t0 = time.time()
     sock = _connect(frontend_socket)
     eng = Engine(cfg, progress=_Progress(sock, t0))
@@ -109,6 +113,8 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                               "weights_loaded": eng.weights_loaded}))
     if eng.restored:
         sock.sendall(wire.encode({"t": "toks", "ev": [[s.rid, 0, s.output_ids, None] for s in eng.restored]}))
+    progress("ready")
+    published = False
     dec = wire.Decoder()
     first_step = True
     mg: _Migrating | None = None
@@ -163,6 +169,9 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
             if events:
                 sock.sendall(_toks(eng, events))
                 last_sent = time.perf_counter()
+                if not published:
+                    published = True
+                    progress("tokens")
             if first_step:
                 first_step = False
                 sock.sendall(wire.encode({"t": "stats", "first_step_s": time.perf_counter() - ts,
