@@ -187,6 +187,38 @@ def test_lost_kv_falls_back_to_prefill(models, host_daemon):
     assert client.mismatch == 0 and client.out == ref.out
 
 
+def _bind_and_die(cfg):
+    """An engine that found new KV memory and died before its restore committed anything."""
+    from gpu_anchor.serve.model_runner import load_config
+    from gpu_anchor.serve.state import bind_state
+    st = bind_state(cfg, load_config(cfg.model), torch.float64, torch.device("cpu"))
+    assert "KV cache memory is new" in st.kv_problem()
+    os.kill(os.getpid(), 9)
+
+
+def test_new_kv_is_never_trusted_after_a_crash_before_the_restore(models, host_daemon):
+    """The KV memory is lost; the next engine dies between its bind (which made the memory
+    again) and its restore's commit.  The one after finds the memory "matched" and must still
+    not trust it: the first engine deleted the layout record before touching anything."""
+    import gpu_anchor
+    sock = host_daemon[0]
+    base = EngineConfig(model=models["qwen3"], dtype="float64", block_size=4, num_blocks=100,
+                        max_batched_tokens=16, socket=sock, namespace="crash-at-bind", cpu_threads=1)
+    reqs = _requests(2, 1, max_tokens=20)
+    ref = Client(reqs)
+    _run(EngineConfig(**dict(base.__dict__, namespace="crash-at-bind-ref")), ref)
+    client = Client(reqs)
+    assert _run(base, client, fault=(6, "after_commit"))[0] == -9
+    gpu_anchor.connect("cpu", namespace="crash-at-bind", socket=sock).free("kv_cache[1]")
+    p = _ctx().Process(target=_bind_and_die, args=(base,))
+    p.start()
+    p.join()
+    assert p.exitcode == -9
+    code, notes = _run(base, client)
+    assert code == 0 and any("no layout record" in n and "recomputing" in n for n in notes), notes
+    assert client.mismatch == 0 and client.out == ref.out
+
+
 def test_restart_does_not_reload_weights(models, host_daemon, tmp_path):
     sock = host_daemon[0]
     cfg = EngineConfig(model=models["llama"], socket=sock, namespace="reuse", num_blocks=32)

@@ -12,6 +12,12 @@ Journal keys of every rank's namespace: ``serve/weights`` (the fingerprint of co
 loaded weights: deleted before a load starts, written after it ends) and ``serve/layout``
 (the KV shape, dtype, weights and part the KV refers to).  Weights are read from disk only
 when the daemon created them or their fingerprint is missing.
+
+``serve/layout`` vouches for the KV memory beside it: it is deleted the moment that memory
+(or the weights) turns out new or different, before anything else happens, and written
+again only once rank 0's journal no longer counts on the old contents (rank 0: in the
+restore's commit; the others: after rank 0's ``go``).  A crash in between leaves no record,
+so the next start recomputes again instead of trusting memory no step wrote.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ class RankState:
     kv_names: list[str]
     layout: bytes                          # this rank's serve/layout record
     weights_loaded: bool                   # read from disk / drawn again in this process
+    problem: str = ""                      # why the KV cannot be trusted ("" if it can)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -52,12 +59,16 @@ class RankState:
         return all(self.status[n] == "matched" for n in self.kv_names)
 
     def kv_problem(self) -> str:
-        """Why this rank's anchored KV cannot be trusted ("" if it can)."""
-        old = self.journal.get(C.LAYOUT) if self.journal is not None else None
-        if old != self.layout:
-            return "the KV layout or the weights changed since the commit" if old else "no layout record"
+        """Why this rank's anchored KV cannot be trusted ("" if it can), as found at bind."""
+        return self.problem
+
+    def _judge(self, old: bytes | None) -> str:
+        if old is not None and old != self.layout:
+            return "the KV layout or the weights changed since the commit"
         if not self.kv_matched:
             return "the KV cache memory is new (the daemon lost it)"
+        if old is None:
+            return "no layout record"
         if self.weights_loaded:
             return "the weights had to be loaded again"
         return ""
@@ -95,9 +106,20 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None) -
     t1 = time.perf_counter()
     have = journal.get(C.WEIGHTS) if journal is not None else None
     matched = all(status[nm] == "matched" for nm, _, _ in wspecs) and have == fp.encode()
+    rec = {"fp": fp, "kv": [list(kshape)], "layers": L, "dtype": cfg.dtype}
+    if n > 1:
+        rec["tp"] = [rank, n]
+    st = RankState(anchor, weights, kv, status, [nm for nm, _, _ in kspecs], C.layout_record(rec), not matched,
+                   timings=timings)
+    if journal is not None:
+        old = journal.get(C.LAYOUT)
+        st.problem = st._judge(old)
+        # before the memory is touched: the layout record (see the module's doc), and the
+        # weights' fingerprint, so that a crash mid-load does not look complete
+        gone = ([C.LAYOUT] if st.problem and old is not None else []) + ([C.WEIGHTS] if not matched else [])
+        if gone:
+            journal.commit({}, gone)
     if not matched:
-        if journal is not None:
-            journal.commit({}, [C.WEIGHTS])      # a crash mid-load must not look complete
         total = sum(t.numel() * t.element_size() for t in weights.values())
         report("weights", 0, total)
         index = None
@@ -117,8 +139,4 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None) -
     if any(status[nm] == "created" for nm, _, _ in kspecs):
         for t in kv:          # fresh CUDA memory is undefined: start from zeros (once, at creation)
             t.zero_()
-    rec = {"fp": fp, "kv": [list(kshape)], "layers": L, "dtype": cfg.dtype}
-    if n > 1:
-        rec["tp"] = [rank, n]
-    return RankState(anchor, weights, kv, status, [nm for nm, _, _ in kspecs], C.layout_record(rec),
-                     not matched, timings)
+    return st
