@@ -198,11 +198,15 @@ def _client(base):
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=300, max_retries=0)
 
 
-def _ranks(namespace="serve-tiny-qwen3") -> dict[int, int]:
-    """rank -> pid of the engine group now running, from the job record (``gpu-anchor status``)."""
+def _job(namespace="serve-tiny-qwen3") -> dict:
+    """The job record ``gpu-anchor status`` shows."""
     from gpu_anchor.launch import jobstate
-    job = {j["namespace"]: j for j in jobstate.load_all()}[namespace]
-    return {int(r): info["pid"] for r, info in job["ranks"].items()}
+    return {j["namespace"]: j for j in jobstate.load_all()}[namespace]
+
+
+def _ranks() -> dict[int, int]:
+    """rank -> pid of the engine group now running."""
+    return {int(r): info["pid"] for r, info in _job()["ranks"].items()}
 
 
 def _wait(cond, what, timeout=180):
@@ -279,12 +283,21 @@ def test_rank_kills_keep_every_stream_token_identical(serve):
     assert m["gpu_anchor_serve_engine_restarts_total"] - before.get("gpu_anchor_serve_engine_restarts_total", 0) == 5
     assert m["gpu_anchor_serve_token_mismatch_total"] == 0
     from gpu_anchor.launch import jobstate
-    job = {j["namespace"]: j for j in jobstate.load_all()}["serve-tiny-qwen3"]
+    job = _job()
     assert job["nproc"] == 2 and len(job["restarts"]) == 5
     assert {(r["action"], r["kind"]) for r in job["restarts"]} == {("restart", "shallow")}
     assert all("engine rank 1 killed by SIGKILL" in r["reason"] for r in job["restarts"][:3]), job["restarts"]
     text = jobstate.format_jobs([job])
     assert "serving engine group (2 tensor-parallel ranks)" in text and "engine rank 1: pid" in text, text
+    # not built for a group: a migration is refused with a reason, and the group serves on
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(base + "/admin/migrate", json.dumps({"device": "cpu"}).encode(),
+                                 {"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and "tensor-parallel engine group is not supported" in e.value.read().decode()
+    assert [s.result() for s in [_Stream(_client(base), j) for j in jobs[:2]]] == ref[:2]
     # the anchored KV was reused every time: no rank asked for a recompute
     assert "anchored KV state unusable" not in serve.log.read_text()
 
@@ -307,8 +320,7 @@ def test_self_kills_at_every_phase_on_either_rank(serve):
             break
     m = scrape(base)
     assert m["gpu_anchor_serve_engine_restarts_total"] >= KILLS and m["gpu_anchor_serve_token_mismatch_total"] == 0
-    from gpu_anchor.launch import jobstate
-    job = {j["namespace"]: j for j in jobstate.load_all()}["serve-tiny-qwen3"]
+    job = _job()
     assert {r["rank"] for r in job["restarts"]} == {0, 1}, [r["reason"] for r in job["restarts"]]
 
 
@@ -356,29 +368,32 @@ def test_two_gpus_nccl_rank_kills_token_identical(serve, tmp_path, mode):
     env = dict(os.environ, **NCCL_ENV)
     jobs = _two_kill_jobs()
     greedy = [j for j in jobs if j.get("temperature") == 0]
-    base = serve(*args, "--namespace", f"gpu-tp1-{mode}", env=env, socket=False)
-    _wait_up(base)
-    tp1 = [s.result() for s in [_Stream(_client(base), j) for j in greedy]]
-    serve.stop()
-    base = serve(*args, "--tensor-parallel-size", "2", env=env, socket=False)
-    _wait_up(base)
-    ranks = _ranks()
-    for pid in ranks.values():
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            seen = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        assert all(seen.get(k.encode()) == v.encode() for k, v in NCCL_ENV.items()), seen
-    ref = [s.result() for s in [_Stream(_client(base), j) for j in jobs]]
-    assert [(r["text"], r["ids"]) for r, j in zip(ref, jobs) if j in greedy] == [(t["text"], t["ids"]) for t in tp1]
-    got, _ = _kill_while_streaming(base, jobs, lambda ranks: [1], 3)
-    assert got == ref
-    got, _ = _kill_while_streaming(base, jobs, lambda ranks: sorted(ranks), 2)
-    assert got == ref
-    m = scrape(base)
-    assert m["gpu_anchor_serve_engine_restarts_total"] == 5 and m["gpu_anchor_serve_token_mismatch_total"] == 0
-    assert "anchored KV state unusable" not in serve.log.read_text()
-    serve.stop()
-    from gpu_anchor.client import control
-    from gpu_anchor.paths import default_socket
-    for dev in ("cuda:0", "cuda:1"):          # the daemons serve started hold GPU memory: stop them
-        if control.ping(dev, default_socket(dev)) is not None:
-            control.stop(dev, default_socket(dev))
+    try:
+        base = serve(*args, "--namespace", f"gpu-tp1-{mode}", env=env, socket=False)
+        _wait_up(base)
+        tp1 = [s.result() for s in [_Stream(_client(base), j) for j in greedy]]
+        serve.stop()
+        base = serve(*args, "--tensor-parallel-size", "2", env=env, socket=False)
+        _wait_up(base)
+        ranks = _ranks()
+        for pid in [*ranks.values(), _job()["supervisor_pid"], _job()["frontend_pid"]]:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                seen = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            assert all(seen.get(k.encode()) == v.encode() for k, v in NCCL_ENV.items()), seen
+        ref = [s.result() for s in [_Stream(_client(base), j) for j in jobs]]
+        assert [(r["text"], r["ids"]) for r, j in zip(ref, jobs) if j in greedy] == \
+            [(t["text"], t["ids"]) for t in tp1]
+        got, _ = _kill_while_streaming(base, jobs, lambda ranks: [1], 3)
+        assert got == ref
+        got, _ = _kill_while_streaming(base, jobs, lambda ranks: sorted(ranks), 2)
+        assert got == ref
+        m = scrape(base)
+        assert m["gpu_anchor_serve_engine_restarts_total"] == 5 and m["gpu_anchor_serve_token_mismatch_total"] == 0
+        assert "anchored KV state unusable" not in serve.log.read_text()
+        serve.stop()
+    finally:
+        from gpu_anchor.client import control
+        from gpu_anchor.paths import default_socket
+        for dev in ("cuda:0", "cuda:1"):          # the daemons serve started hold GPU memory: stop them
+            if control.ping(dev, default_socket(dev)) is not None:
+                control.stop(dev, default_socket(dev))
