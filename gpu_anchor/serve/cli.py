@@ -123,8 +123,9 @@ def engine_config(args, mc):
     derives the others).  Raises ``options.OptionError`` for a bad combination."""
     import torch
     from .engine import EngineConfig
-    # The NVML check does not initialise the CUDA driver here: forked engines could not use it.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if args.device is None:
+        # The NVML check does not initialise the CUDA driver here: forked engines could not use it.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     tp = args.tensor_parallel_size or 1
     options.check_tensor_parallel(args, mc, device)

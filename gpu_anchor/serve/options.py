@@ -82,7 +82,7 @@ def check_tensor_parallel(args, mc, device: str) -> None:
                           "own default socket (set GPU_ANCHOR_SOCKET_DIR to move them all)")
     import torch
     base = int(device.split(":")[1]) if ":" in device else 0
-    have = torch.cuda.device_count()
+    have = torch.cuda.device_count()        # NVML first: no CUDA context in the fork server
     if base + n > have:
         raise OptionError(f"--tensor-parallel-size {n} from {device} needs cuda:{base}..cuda:{base + n - 1}; "
                           f"{have} CUDA device(s) are visible")
