@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import commit as C
+from .anchor import Anchor
 from .attention import step_inputs
 from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
@@ -114,7 +115,8 @@ class Engine:
                 raise ValueError("the Engine is rank 0 of its group; the other ranks run tp.serve_rank")
             report("group")
             self.tp = LeaderSide(cfg, self.device, self.mc.vocab_size)
-        self.state = st = bind_state(cfg, self.mc, self.dtype, self.device, report)
+        # ``Anchor`` is looked up here, at construction: the benchmarks' baselines replace it
+        self.state = st = bind_state(cfg, self.mc, self.dtype, self.device, report, provider=Anchor)
         self.timings.update(st.timings)
         self.anchor = st.anchor
         self.weights_loaded = st.weights_loaded
@@ -135,7 +137,8 @@ class Engine:
         if self.tp is not None:     # every rank's answer, before anything is decided
             t4 = time.perf_counter()
             why = self.tp.agree(why)
-            self.timings["tp_agree_s"] = time.perf_counter() - t4
+            self.timings["tp_agree_s"] = time.perf_counter() - t4     # waiting for the other ranks
+            self.timings["tp_ranks_init_s"] = self.tp.slowest_s
         if journal is not None:
             report("restore")
             self._restore(journal, why)

@@ -78,14 +78,16 @@ class RankState:
             self.journal.commit({C.LAYOUT: self.layout})
 
 
-def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None) -> RankState:
+def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, provider=Anchor) -> RankState:
     """Bind this rank's weights and KV cache (``cfg.rank`` of ``cfg.tensor_parallel_size``);
     load or draw the weights unless they are anchored and complete; zero a new KV cache.
-    ``report(phase, done, total)``: start-up progress (``bind``, ``weights``)."""
+    ``report(phase, done, total)``: start-up progress (``bind``, ``weights``).  ``provider``:
+    the memory provider, ``Anchor``'s interface (the benchmarks' baselines bring their own)."""
     report = report or (lambda phase, done=None, total=None: None)
     rank, n = cfg.rank, cfg.tensor_parallel_size
     t0 = time.perf_counter()
-    anchor = Anchor(str(device), cfg.namespace, cfg.socket, enabled=cfg.anchor, rank=rank, world=n)
+    anchor = provider(str(device), cfg.namespace, cfg.socket, enabled=cfg.anchor,
+                      **({"rank": rank, "world": n} if n > 1 else {}))
     full = param_specs(mc, dtype)
     wspecs = shards.shard_specs(full, mc.vocab_size, rank, n)
     L, d = mc.num_hidden_layers, head_dim(mc)

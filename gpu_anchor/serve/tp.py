@@ -110,7 +110,6 @@ class Leader:
         srv.listen(size)
         srv.settimeout(timeout)
         self.peers: dict[int, socket.socket] = {}
-        self.pids: dict[int, int] = {}
         try:
             while len(self.peers) < size - 1:
                 try:
@@ -124,7 +123,6 @@ class Leader:
                     conn.close()
                     continue
                 self.peers[hello["rank"]] = conn
-                self.pids[hello["rank"]] = hello["pid"]
         finally:
             srv.close()
         self.socks = [self.peers[r] for r in sorted(self.peers)]
@@ -173,7 +171,7 @@ class Link:
                     raise PeerLost(f"rank 0 did not open {path} within {timeout:.0f} s") from None
                 time.sleep(0.02)
         self.sock = s
-        self.send({"rank": rank, "pid": os.getpid()})
+        self.send({"rank": rank})
 
     def send(self, msg: dict) -> None:
         _send(self.sock, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
@@ -197,7 +195,7 @@ class LeaderSide:
         sock, store = paths(cfg.rendezvous)
         self.leader = Leader(sock, cfg.tensor_parallel_size)
         self.group = Group(0, cfg.tensor_parallel_size, device, vocab_size, store)
-        self.pids = [os.getpid()] + [self.leader.pids[r] for r in sorted(self.leader.pids)]
+        self.slowest_s = 0.0       # the slowest other rank's start-up (fork to ready), seconds
 
     def send(self, plan: dict) -> None:
         self.leader.send(plan)
@@ -206,6 +204,7 @@ class LeaderSide:
         """Wait for every rank's ``ready``; the first reason any rank gives not to trust the
         anchored KV ("" if none does)."""
         for rep in self.leader.gather():
+            self.slowest_s = max(self.slowest_s, rep["init_s"])
             if rep.get("why") and not why:
                 why = f"rank {rep['rank']}: {rep['why']}"
         return why
@@ -244,8 +243,7 @@ def serve_rank(cfg) -> None:
     group = Group(cfg.rank, cfg.tensor_parallel_size, device, mc.vocab_size, store)
     st = bind_state(cfg, mc, dtype, device)
     why = st.kv_problem()
-    link.send({"t": "ready", "rank": cfg.rank, "why": why, "timings": dict(st.timings),
-               "init_s": time.perf_counter() - t0})
+    link.send({"t": "ready", "rank": cfg.rank, "why": why, "init_s": time.perf_counter() - t0})
     model = Model(mc, st.weights, st.kv, device, max_positions=cfg.max_model_len, tp=group)
     graphs = decode_graphs(cfg, model, device, dtype)
     msg = link.recv()
