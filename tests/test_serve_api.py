@@ -400,12 +400,15 @@ def _args(*argv):
     return p.parse_args(["model", *argv])
 
 
-def test_tensor_parallel_size_above_one_is_refused_clearly(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path), "--tensor-parallel-size", "2"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "tensor parallelism is not built yet" in r.stderr, r.stderr
+def test_tensor_parallel_size_option():
+    """vLLM's spelling and its short form; what a model cannot be split into is refused in
+    tests/test_serve_tp.py (which also runs TP = 2)."""
     from gpu_anchor.serve import options
-    options.check(_args("--tensor-parallel-size", "1"))        # 1 is fine
+    for argv in (("--tensor-parallel-size", "1"), ("--tensor-parallel-size", "2"), ("-tp", "2")):
+        options.check(_args(*argv))
+    assert _args("-tp", "2").tensor_parallel_size == 2
+    with pytest.raises(options.OptionError, match="must be >= 1"):
+        options.check(_args("--tensor-parallel-size", "0"))
 
 
 def test_max_batched_tokens_alias(caplog):

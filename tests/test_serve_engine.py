@@ -166,24 +166,54 @@ def test_sigkill_campaign_matches_fault_free(models, host_daemon):
     assert all(kills.values()), kills                  # every phase was hit
 
 
+def _kv_lost_midway(model, sock, namespace, reqs, lost):
+    """A fault-free reference run; then an engine that commits six steps and is killed, and
+    the KV object ``lost`` freed behind the next engine's back.  Returns (config, reference,
+    client)."""
+    import gpu_anchor
+    base = EngineConfig(model=model, dtype="float64", block_size=4, num_blocks=100, max_batched_tokens=16,
+                        socket=sock, namespace=namespace, cpu_threads=1)
+    ref = Client(reqs)
+    _run(EngineConfig(**dict(base.__dict__, namespace=namespace + "-ref")), ref)
+    client = Client(reqs)
+    assert _run(base, client, fault=(6, "after_commit"))[0] == -9
+    gpu_anchor.connect("cpu", namespace=namespace, socket=sock).free(lost)
+    return base, ref, client
+
+
 def test_lost_kv_falls_back_to_prefill(models, host_daemon):
     """KV freed behind the engine's back (or a layout change): the engine says so and
     recomputes; answers stay identical."""
-    import gpu_anchor
-    sock = host_daemon[0]
-    base = EngineConfig(model=models["llama"], dtype="float64", block_size=4, num_blocks=100,
-                        max_batched_tokens=16, socket=sock, namespace="fallback", cpu_threads=1)
-    reqs = _requests(2, 2, max_tokens=24)
-    ref = Client(reqs)
-    _run(EngineConfig(**dict(base.__dict__, namespace="fallback-ref")), ref)
-    client = Client(reqs)
-    assert _run(base, client, fault=(6, "after_commit"))[0] == -9
-    c = gpu_anchor.connect("cpu", namespace="fallback", socket=sock)
-    c.free("kv_cache[0]")
+    base, ref, client = _kv_lost_midway(models["llama"], host_daemon[0], "fallback", _requests(2, 2, max_tokens=24),
+                                        "kv_cache[0]")
     code, notes = _run(base, client, fault=(3, "mid_decode"))
     assert code == -9 and any("KV cache memory is new" in n for n in notes)
     code, notes = _run(EngineConfig(**dict(base.__dict__, num_blocks=90)), client)
     assert code == 0 and any("layout" in n for n in notes)
+    assert client.mismatch == 0 and client.out == ref.out
+
+
+def _bind_and_die(cfg):
+    """An engine that found new KV memory and died before its restore committed anything."""
+    from gpu_anchor.serve.model_runner import load_config
+    from gpu_anchor.serve.state import bind_state
+    st = bind_state(cfg, load_config(cfg.model), torch.float64, torch.device("cpu"))
+    assert "KV cache memory is new" in st.kv_problem()
+    os.kill(os.getpid(), 9)
+
+
+def test_new_kv_is_never_trusted_after_a_crash_before_the_restore(models, host_daemon):
+    """The KV memory is lost; the next engine dies between its bind (which made the memory
+    again) and its restore's commit.  The one after finds the memory "matched" and must still
+    not trust it: the first engine deleted the layout record before touching anything."""
+    base, ref, client = _kv_lost_midway(models["qwen3"], host_daemon[0], "crash-at-bind",
+                                        _requests(2, 1, max_tokens=20), "kv_cache[1]")
+    p = _ctx().Process(target=_bind_and_die, args=(base,))
+    p.start()
+    p.join()
+    assert p.exitcode == -9
+    code, notes = _run(base, client)
+    assert code == 0 and any("no layout record" in n and "recomputing" in n for n in notes), notes
     assert client.mismatch == 0 and client.out == ref.out
 
 

@@ -289,9 +289,13 @@ def default_namespace(device: str) -> str:
     return namespace_for(ns, device)
 
 
-def namespace_for(ns: str, device: str) -> str:
-    if device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"{ns}/rank{os.environ.get('RANK', '0')}"
+def namespace_for(ns: str, device: str, rank: int | None = None, world_size: int | None = None) -> str:
+    """The namespace a rank uses on ``device``'s daemon: ``ns/rank<r>`` on the host daemon,
+    which a node's ranks share, when there are several ranks; ``ns`` otherwise (a GPU's
+    daemon serves one rank).  ``rank`` and ``world_size`` default to ``RANK`` and ``WORLD_SIZE``."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if device == "cpu" and world > 1:
+        return f"{ns}/rank{os.environ.get('RANK', '0') if rank is None else rank}"
     return ns
 
 

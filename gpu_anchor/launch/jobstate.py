@@ -122,7 +122,9 @@ def format_jobs(jobs: list[dict]) -> str:
         state = job["state"] if job.get("supervisor_alive") or job["state"] in ("done", "stopped") else \
             f"{job['state']} (supervisor gone)"
         serving = job.get("kind") == "serve"
-        what = "serving engine" if serving else f"{job['nproc']} rank(s)"
+        group = job.get("nproc", 1) > 1
+        what = (f"serving engine group ({job['nproc']} tensor-parallel ranks)" if group else "serving engine") \
+            if serving else f"{job['nproc']} rank(s)"
         lines.append(f"job {job['namespace']!r}: {state}, {what} on "
                      f"{', '.join(job['devices']) or 'cpu'}, {'warm' if job.get('warm') else 'cold'} starts, "
                      f"{len(job['restarts'])} restart(s)")
@@ -130,7 +132,8 @@ def format_jobs(jobs: list[dict]) -> str:
         if serving and job.get("frontend_pid"):
             lines.append(f"  frontend: pid {job['frontend_pid']}")
         for r, info in sorted(job.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-            lines.append(f"  {'engine' if serving else f'rank {r}'}: pid {info.get('pid')}, {info.get('how', '')}")
+            who = (f"engine rank {r}" if group else "engine") if serving else f"rank {r}"
+            lines.append(f"  {who}: pid {info.get('pid')}, {info.get('how', '')}")
         for r, sb in sorted((job.get("standbys") or {}).items(), key=lambda kv: int(kv[0])):
             what = f"failed to prepare: {sb['failed']}" if sb.get("failed") else "ready" + (
                 f" (pre-warmed in {sb['prewarm_s']:.2f} s)" if sb.get("prewarm_s") is not None else "")

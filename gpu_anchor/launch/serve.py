@@ -7,6 +7,7 @@ Process tree::
     gpu-anchor serve            supervisor + fork server: imports torch/transformers, runs no torch op
       ├── frontend              python -m gpu_anchor.serve.frontend (torch-free, owns HTTP clients)
       └── engine (forked)       maps anchored weights/KV, restores, serves; re-forked when it dies
+          [ranks 1..N-1]        with --tensor-parallel-size N: one engine process per device
 
 The supervisor forks each engine (``gpu_anchor.runtime.fork``) from an interpreter that has
 imported torch and transformers but never started a thread pool or touched CUDA, so a new
@@ -27,6 +28,12 @@ every open stream with an error event, frees its namespace and stops the daemon 
 restarts and decisions.  ``--no-anchor`` (the benchmark baseline) starts no daemon; a
 restarted engine starts empty.  The engine side (arguments, engine configuration, the
 standby's warm-up) is ``gpu_anchor.serve.cli``.
+
+With ``--tensor-parallel-size N`` the engine is a group of N processes (``serve/tp.py``),
+forked together and watched together: the death of any rank is one failure of the whole
+group (its process group is broken), so the others are killed, the group's exits are
+classified once, and a new group is forked; every daemon the group uses is watched, and a
+lost one restores the whole group (docs/serving.md, "Tensor parallelism").
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from gpu_anchor import runtime
 
 from . import classify, health, jobstate
 from .config import RestartPolicy
-from .serve_state import EngineFailures, EngineProgress, ServeAnchor
+from .serve_state import AnchorGroup, EngineFailures, EngineProgress
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -89,7 +96,11 @@ def main(args) -> int:
     from gpu_anchor.serve import migration, worker
     migration.provide(migrate)   # `gpu-anchor migrate` moves engine state with the checkpoint library
     meta_model(mc)        # imports the modeling code once, here, for every forked engine
-    cfg = engine_cli.engine_config(args, mc)
+    try:
+        cfg = engine_cli.engine_config(args, mc)
+    except options.OptionError as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        return 2
     if cfg.anchor:
         from gpu_anchor.paths import default_socket, normalize_device
         cfg.socket = args.socket or default_socket(normalize_device(cfg.device))
@@ -105,7 +116,8 @@ def main(args) -> int:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         lock.close()
         return 2
-    anchor = ServeAnchor(cfg)
+    ranks = engine_cli.rank_configs(cfg)
+    anchor = AnchorGroup(ranks)
     anchor.ensure()
     esock = os.path.join(rundir, "engine.sock")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
@@ -127,10 +139,10 @@ def main(args) -> int:
     frontend = subprocess.Popen(fe_cmd, env=dict(os.environ, GPU_ANCHOR_SERVE_API_KEY=key or ""),
                                 pass_fds=[fe_end.fileno()])
     fe_end.close()
-    state = jobstate.JobState(cfg.namespace, ["gpu-anchor", "serve", *sys.argv[1:]], 1,
-                              [] if cfg.device == "cpu" else [cfg.device], True, kind="serve")
+    state = jobstate.JobState(cfg.namespace, ["gpu-anchor", "serve", *sys.argv[1:]], len(ranks),
+                              [] if cfg.device == "cpu" else [c.device for c in ranks], True, kind="serve")
     state.set(frontend_pid=frontend.pid, engine_socket=esock)
-    sup = _EngineSupervisor(args, cfg, esock, worker, engine_cli, anchor, state, frontend, control)
+    sup = _EngineSupervisor(args, ranks, esock, worker, engine_cli, anchor, state, frontend, control)
     clean = False
     try:
         rc = sup.run()
@@ -142,14 +154,16 @@ def main(args) -> int:
 
 
 class _EngineSupervisor:
-    def __init__(self, args, cfg, esock, worker, engine_cli, anchor, state, frontend, control) -> None:
-        self.args, self.cfg, self.esock, self.worker, self.ecli = args, cfg, esock, worker, engine_cli
+    def __init__(self, args, ranks, esock, worker, engine_cli, anchor, state, frontend, control) -> None:
+        self.args, self.ranks, self.esock, self.worker, self.ecli = args, ranks, esock, worker, engine_cli
+        self.cfg = ranks[0]
         self.anchor, self.state, self.frontend, self.control = anchor, state, frontend, control
         self.policy = RestartPolicy(max_restarts=sys.maxsize if args.max_restarts is None else args.max_restarts)
         self.failures = EngineFailures(self.policy.crash_loop)
-        self.health = classify_health(cfg)
+        self.health = classify_health(ranks)
         self.progress = EngineProgress()
-        self.engine: int | None = None
+        self.engines: dict[int, int] = {}          # rank -> pid: the running engine (group)
+        self.rendezvous: str | None = None         # this incarnation's control socket + store prefix
         self.standby = None
         self.incarnation = self.restarts = 0
         self.started = 0.0
@@ -170,73 +184,133 @@ class _EngineSupervisor:
             if self.failed is not None:          # the frontend answers 503 until we are stopped
                 time.sleep(0.25)
                 continue
-            if self.engine is None:
-                self._start_engine()
+            if not self.engines:
+                self._start_engines()
                 continue
             if self.args.warm_pool and self.standby is None and time.time() - self.started > STANDBY_AFTER_S:
                 # made once the engine has started, so its CUDA init does not slow that one's
                 cfg, esock, worker, ecli, progress = self.cfg, self.esock, self.worker, self.ecli, self.progress
                 self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, self.args.prewarm),
                                                lambda go: ecli.standby_run(cfg, esock, go, worker, progress))
-            r = runtime.wait_exit(self.engine, 0.25)      # a pidfd: the death is seen when it happens
+            # pidfds: a death is seen when it happens
+            r = runtime.wait_any([self.engines[k] for k in sorted(self.engines)], 0.25)
             if r is not None:
                 self._on_exit(*r)
                 continue
-            self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
-            self.anchor.follow()
+            if len(self.ranks) == 1:
+                self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
+                self.anchor.follow()
             lost = self.anchor.watch_problem()
             if lost:
                 # the engine still runs on memory the daemon no longer holds for it: stop it before
                 # it trips over the loss (or writes into memory handed to someone else)
-                log.warning("anchored state lost under engine %d: %s; killing it", self.engine, lost)
+                log.warning("anchored state lost under the engine: %s; killing it", lost)
                 self.lost = lost
-                os.kill(self.engine, signal.SIGKILL)
+                for pid in self.engines.values():
+                    os.kill(pid, signal.SIGKILL)
         self.state.set(state="stopped", result=f"interrupted by {signal.Signals(self.stopping).name}"
                        + (f" after giving up ({self.failed})" if self.failed else ""))
         return 1 if self.failed else 0
 
-    def _start_engine(self) -> None:
+    def _start_engines(self) -> None:
+        """Fork the engine (rank 0) and, with tensor parallelism, the other ranks of its group."""
         cfg = self.cfg
-        cfg.fault = self.ecli.fault_for(self.args.fault_plan, self.incarnation)
-        self.ecli.follow_migration(cfg, self.worker.placement_path(self.esock))
+        faults = self.ecli.fault_for(self.args.fault_plan, self.incarnation, len(self.ranks))
+        cfg.fault = faults.get(0)
+        if len(self.ranks) == 1:
+            self.ecli.follow_migration(cfg, self.worker.placement_path(self.esock))
         try:
             self.anchor.ensure()
         except Exception as e:           # no daemon can be started: nothing to serve from
-            self._give_up(f"no anchor daemon at {cfg.socket}: {e}")
+            self._give_up(f"no anchor daemon at {', '.join(self.anchor.sockets())}: {e}")
             return
         self.started = time.time()
         how = "forked"
         sb, self.standby = self.standby, None
         if sb is not None and sb.ready(timeout=10.0):
             try:
-                self.engine = sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket,
-                                     "fault": cfg.fault})
+                self.engines = {0: sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket,
+                                          "fault": cfg.fault})}
                 how = "warm standby"
             except OSError:              # the standby died meanwhile: start one the usual way
                 log.warning("the warm standby is gone; forking an engine")
-        if self.engine is None:
+        if not self.engines:
             if sb is not None:
                 sb.close()
-            started, worker, progress = self.started, self.worker, self.progress
-            self.engine = runtime.fork(lambda: worker.run(cfg, self.esock, started_at=started, on_progress=progress))
+            started, worker, esock, progress = self.started, self.worker, self.esock, self.progress
+            if len(self.ranks) > 1:
+                # a fresh control socket and process-group store for each incarnation of the group
+                self.rendezvous = os.path.join(os.path.dirname(esock), f"tp{self.incarnation}")
+                for c in self.ranks:
+                    c.rendezvous = self.rendezvous
+                    c.fault = faults.get(c.rank)
+            from gpu_anchor.serve.tp import serve_rank
+            for c in self.ranks:
+                main = (lambda c=c: worker.run(c, esock, started_at=started, on_progress=progress)) if c.rank == 0 \
+                    else (lambda c=c: serve_rank(c))
+                self.engines[c.rank] = runtime.fork(main)
         self.incarnation += 1
         self.state.set(generation=self.incarnation - 1, state="running", device=cfg.device)
-        self.state.set_ranks({0: {"pid": self.engine, "how": how}})
+        self.state.set_ranks({r: {"pid": pid, "how": how, "device": self.ranks[r].device}
+                              for r, pid in self.engines.items()})
+
+    def _stop_group(self, first: tuple[int, int]) -> list[classify.Exit]:
+        """The engine group after one of its processes exited: the ranks that also exited on
+        their own, then the rest killed (a broken process group cannot go on).  Returns the
+        exits that were not ours, the cause first: a signal, then an error, then the others."""
+        by_pid = {pid: r for r, pid in self.engines.items()}
+        seen = [first]
+        for pid in by_pid:
+            if pid != first[0]:
+                r = os.waitpid(pid, os.WNOHANG)
+                if r[0] != 0:
+                    seen.append(r)
+        done = {p for p, _ in seen}
+        for pid in by_pid:
+            if pid not in done:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+        self.engines = {}
+        if self.rendezvous:
+            from gpu_anchor.serve.tp import paths
+            for path in paths(self.rendezvous):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        exits = []
+        for pid, status in seen:
+            rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            exits.append(classify.Exit.from_status(by_pid[pid], rc))
+        return sorted(exits, key=lambda e: (e.signal is None, e.ok))
+
+    def _what(self, text: str) -> str:
+        """The decision table speaks of ranks; here a rank is an engine (of a group)."""
+        if len(self.ranks) == 1:
+            return text.replace("rank 0", "engine")
+        return text.replace("rank ", "engine rank ")
 
     def _on_exit(self, pid: int, status: int) -> None:
-        """Classify the engine's death and act: restart, restore (fresh state), or give up."""
-        self.engine = None
+        """Classify the engine (group)'s death and act: restart, restore (fresh state), or give up."""
+        rank0 = self.engines.get(0)
         alive_s = time.time() - self.started
-        reached = self.progress.reached(pid)
-        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        ex = classify.Exit.from_status(0, rc)
-        what = ex.describe().replace("rank 0", "engine")
-        log.warning("engine %d died (%s) after %.2f s, %s", pid, what, alive_s,
+        exits = self._stop_group((pid, status))
+        ex = exits[0]
+        reached = self.progress.reached(rank0) if rank0 is not None else 0
+        rest = ""
+        if len(self.ranks) > 1:
+            rest = "; the rest of the group " + ("also exited: " + ", ".join(e.describe() for e in exits[1:])
+                                                 if exits[1:] else "was stopped")
+        log.warning("%s after %.2f s, %s%s", self._what(ex.describe()), alive_s,
                     ("having published tokens", "serving, before publishing a token", "before it was built")
-                    [2 - reached])
+                    [2 - reached], self._what(rest))
         # the placement may have moved (gpu-anchor migrate): judge the daemon the next engine uses
-        self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
-        self.anchor.follow()
+        if len(self.ranks) == 1:
+            self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
+            self.anchor.follow()
         healthy, dev_problem = self.health.check()
         lost, self.lost = self.lost, ""
         seen = self.anchor.observe(lost)
@@ -248,13 +322,13 @@ class _EngineSupervisor:
             seen = dict(seen, journal_consistent=False,
                         journal_problem=f"{self.failures.detail()} on the anchored state; the next one starts "
                                         "on a fresh state")
-        obs = classify.Observation((ex,), 1, device_healthy=healthy, device_problem=dev_problem,
+        obs = classify.Observation(tuple(exits), len(self.ranks), device_healthy=healthy, device_problem=dev_problem,
                                    restarts_done=self.restarts, max_restarts=self.policy.max_restarts,
                                    # serving's restore: the frontend re-sends every open request
                                    have_checkpoint=True, crash_loop=loop,
                                    crash_loop_detail=self.failures.detail() if loop else "", **seen)
         d = classify.decide(obs)
-        reason = d.reason.replace("rank 0", "engine").replace(
+        reason = self._what(d.reason).replace(
             "restore last checkpoint", "fresh state: the weights loaded again, every open request recomputed from "
                                        "the tokens its client has")
         if d.action == "stop":
@@ -262,7 +336,7 @@ class _EngineSupervisor:
         log.warning("decision: %s — %s", d.action.upper(), reason)
         self.state.add_restart({"action": d.action, "kind": d.kind, "reason": reason, "step": None,
                                 "chaos": False, "t_detect": time.time(), "t_exit": time.time(),
-                                "generation": self.incarnation, "marks": {}, "recovery_s": None})
+                                "generation": self.incarnation, "marks": {}, "recovery_s": None, "rank": ex.rank})
         if d.action == "stop":
             self._give_up(reason)
             return
@@ -299,9 +373,11 @@ class _EngineSupervisor:
         unless ``--keep-state``.  One log line says what became of the state."""
         if self.standby is not None:
             self.standby.close()
-        if self.engine:
-            os.kill(self.engine, signal.SIGKILL)
-            os.waitpid(self.engine, 0)
+        for pid in self.engines.values():
+            os.kill(pid, signal.SIGKILL)
+        for pid in self.engines.values():
+            os.waitpid(pid, 0)
+        self.engines = {}
         if self.frontend.poll() is None:
             self.frontend.terminate()
             try:
@@ -320,9 +396,8 @@ class _EngineSupervisor:
         self.state.save()
 
 
-def classify_health(cfg) -> health.DeviceHealth:
-    index = int(cfg.device.split(":")[1]) if cfg.device.startswith("cuda:") else None
-    return health.DeviceHealth([index] if index is not None else [])
+def classify_health(ranks) -> health.DeviceHealth:
+    return health.DeviceHealth([int(c.device.split(":")[1]) for c in ranks if c.device.startswith("cuda:")])
 
 
 def cli(argv=None) -> int:

@@ -1,6 +1,7 @@
 """The serving engine's anchored state as ``gpu-anchor serve``'s supervisor sees it (torch-free).
 
-- ``ServeAnchor``: the engine's daemon — started if none answers (``launch.daemons.JobDaemons``),
+- ``AnchorGroup``: the ``ServeAnchor`` of every rank of an engine group (one with TP = 1).
+- ``ServeAnchor``: one rank's daemon and namespace — started if none answers (``launch.daemons.JobDaemons``),
   watched while an engine runs (an idle connection whose end the kernel closes when the daemon
   dies; the namespace's objects and ``gpu_anchor/inconsistent`` once a second), replaced when
   the state is lost, freed at a clean stop (the namespace; the daemon only if this server
@@ -34,7 +35,11 @@ class ServeAnchor:
     closes it when that process dies, whatever its socket path holds afterwards."""
 
     def __init__(self, cfg) -> None:
+        from gpu_anchor.client.client import namespace_for
         self.cfg = cfg
+        # a rank's namespace: ranks of a group that share the host daemon each have their own
+        self.namespace = namespace_for(cfg.namespace, "cpu" if cfg.device == "cpu" else "cuda",
+                                       getattr(cfg, "rank", 0), getattr(cfg, "tensor_parallel_size", 1))
         self.daemons: JobDaemons | None = None
         self.watch = None
         self.bound = 0              # most objects seen in the namespace since it was last fresh
@@ -42,7 +47,7 @@ class ServeAnchor:
         self.next_check = 0.0
         if cfg.anchor:
             dev = self.device()
-            self.daemons = JobDaemons([dev], cfg.namespace, log=log.info, paths={dev: cfg.socket}, host=False)
+            self.daemons = JobDaemons([dev], self.namespace, log=log.info, paths={dev: cfg.socket}, host=False)
 
     def device(self) -> str:
         from gpu_anchor.paths import normalize_device
@@ -83,14 +88,14 @@ class ServeAnchor:
     def _namespace_problem(self) -> str:
         """Why the namespace is unusable now ('' if it is fine, or the daemon is too busy to say)."""
         dev, sock = self._where()
-        v = health.read_namespace(dev, sock, self.cfg.namespace, timeout=2.0)
+        v = health.read_namespace(dev, sock, self.namespace, timeout=2.0)
         if v is None:
             return ""
         if v["inconsistent"] is not None:
             return f"the anchored state was marked inconsistent: {v['inconsistent']}"
         if v["objects"] < self.bound:
             return (f"{self.bound - v['objects']} of the {self.bound} anchored objects of namespace "
-                    f"{self.cfg.namespace!r} are gone (dropped or freed under the engine)")
+                    f"{self.namespace!r} are gone (dropped or freed under the engine)")
         self.bound = max(self.bound, v["objects"])
         return ""
 
@@ -130,7 +135,7 @@ class ServeAnchor:
 
     def release(self, keep: bool, how: str) -> str:
         """At the end: free the namespace and stop the daemon we started, or keep both; one line."""
-        ns, (dev, sock) = self.cfg.namespace, self._where()
+        ns, (dev, sock) = self.namespace, self._where()
         if self.watch is not None:
             self.watch.close()
             self.watch = None
@@ -143,6 +148,52 @@ class ServeAnchor:
         objects, nbytes = self.daemons.drop_namespace()
         said = self.daemons.stop() or [f"the daemon at {sock} was running before this server and stays"]
         return f"{how}; freed namespace {ns!r} ({objects} objects, {_size(nbytes)}); {'; '.join(said)}"
+
+
+class AnchorGroup:
+    """Every rank's ``ServeAnchor`` (rank 0's namespace holds the journal of requests).  A lost
+    daemon or namespace of any rank is the group's loss: the group is restored as a whole."""
+
+    def __init__(self, ranks) -> None:
+        self.members = [ServeAnchor(c) for c in ranks]
+        self.daemons = self.members[0].daemons        # None with --no-anchor
+
+    def sockets(self) -> list[str]:
+        return sorted({str(m.cfg.socket) for m in self.members})
+
+    def ensure(self) -> None:
+        for m in self.members:
+            m.ensure()
+
+    def follow(self) -> None:                          # migration moves a single engine only
+        self.members[0].follow()
+
+    def watch_problem(self) -> str:
+        for m in self.members:
+            problem = m.watch_problem()
+            if problem:
+                return problem
+        return ""
+
+    def observe(self, lost: str = "") -> dict:
+        views = [m.observe(lost if i == 0 else "") for i, m in enumerate(self.members)]
+        if not views[0]:
+            return {}
+        out = {"daemons_alive": all(v["daemons_alive"] for v in views),
+               "daemons_same": all(v["daemons_same"] for v in views)}
+        if out["daemons_alive"] and out["daemons_same"]:
+            problems = [v["journal_problem"] for v in views if not v["journal_consistent"]]
+            out.update(journal_consistent=not problems, journal_problem="; ".join(problems))
+        return out
+
+    def replace(self) -> None:
+        for m in self.members:
+            m.replace()
+
+    def release(self, keep: bool, how: str) -> str:
+        # the last rank first: rank 0 started a shared host daemon, and stops it once it is empty
+        lines = [m.release(keep, how) for m in reversed(self.members)]
+        return lines[-1] if len(lines) == 1 else " | ".join(reversed(lines))
 
 
 def _namespace_bytes(device: str, sock: str, namespace: str) -> int | None:

@@ -3,6 +3,7 @@
     pid = runtime.fork(lambda: serve(), new_process_group=True)   # parent: the child's pid
     sb = runtime.Standby(prepare, run)                            # a pre-started process
     runtime.wait_exit(pid, timeout)                               # sleep on a pidfd until it exits
+    runtime.wait_any(pids, timeout)                               # the first of several to exit
 
 What every fork here does, in one place (docs/runtime.md):
 
@@ -21,9 +22,9 @@ What every fork here does, in one place (docs/runtime.md):
 Torch-free: torch is touched only if the process already imported it.
 """
 from .fork import ForkUnsafe, after_fork_in_child, exit_path, fork, install_stack_dumps, set_pdeathsig
-from .standby import Standby, wait_exit
+from .standby import Standby, wait_any, wait_exit
 from .threads import foreign_threads, os_threads
 
 __all__ = ["ForkUnsafe", "Standby", "after_fork_in_child", "exit_path", "foreign_threads", "fork", "install_stack_dumps",
            "os_threads",
-           "set_pdeathsig", "wait_exit"]
+           "set_pdeathsig", "wait_any", "wait_exit"]

@@ -110,21 +110,37 @@ def _child(prepare, run, go_r: int, ready_w: int):
 def wait_exit(pid: int, timeout: float) -> tuple[int, int] | None:
     """``os.waitpid(pid)`` result if ``pid`` exits within ``timeout`` seconds, else None.
     Sleeps on a pidfd (woken at the exit) where available, else polls every 20 ms."""
-    r = os.waitpid(pid, os.WNOHANG)
-    if r[0] != 0:
+    return wait_any([pid], timeout)
+
+
+def wait_any(pids, timeout: float) -> tuple[int, int] | None:
+    """``(pid, status)`` of the first of ``pids`` to exit within ``timeout`` seconds (the
+    lowest-listed one if several already have), else None.  Woken at the exit by pidfds
+    where the kernel has them, else polls every 20 ms."""
+    def reap():
+        for p in pids:
+            r = os.waitpid(p, os.WNOHANG)
+            if r[0] != 0:
+                return r
+        return None
+    r = reap()
+    if r is not None:
         return r
+    fds = []
     if hasattr(os, "pidfd_open"):
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            fd = None
-        if fd is not None:
+        for p in pids:
             try:
-                select.select([fd], [], [], timeout)
-            finally:
+                fds.append(os.pidfd_open(p))
+            except OSError:
+                break
+    if fds and len(fds) == len(pids):
+        try:
+            select.select(fds, [], [], timeout)
+        finally:
+            for fd in fds:
                 os.close(fd)
-            r = os.waitpid(pid, os.WNOHANG)
-            return r if r[0] != 0 else None
+        return reap()
+    for fd in fds:
+        os.close(fd)
     time.sleep(min(timeout, 0.02))
-    r = os.waitpid(pid, os.WNOHANG)
-    return r if r[0] != 0 else None
+    return reap()

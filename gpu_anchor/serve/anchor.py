@@ -15,13 +15,21 @@ import torch
 
 class Anchor:
     def __init__(self, device: str, namespace: str | None = None, socket: str | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, rank: int = 0, world: int = 1) -> None:
+        """``rank`` of ``world``: a tensor-parallel engine group's ranks share the host daemon on
+        the CPU, so each binds in its own namespace there (``namespace_for``)."""
         self.device = device
         self.enabled = enabled
         self.client = None
         if enabled:
             import gpu_anchor
-            self.client = gpu_anchor.connect(device, namespace=namespace, socket=socket)
+            if world > 1:
+                from gpu_anchor.client.client import Client, namespace_for
+                from gpu_anchor.paths import normalize_device
+                self.client = Client(normalize_device(device), namespace_for(namespace or "default", device, rank, world),
+                                     socket)
+            else:
+                self.client = gpu_anchor.connect(device, namespace=namespace, socket=socket)
 
     @property
     def journal(self):

@@ -43,6 +43,22 @@ class AttnMeta:
     tables: list[list[int]]
 
 
+def step_inputs(plan: dict, device) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
+    """The tensors of an eager step — token ids, attention metadata, rows to sample — from
+    its plan: host lists ``ids``, ``pos``, ``slots``, ``tseq`` (per token), ``q_starts``,
+    ``q_lens``, ``ctx``, ``tables`` (per sequence), ``rows``.  Rank 0 builds the plan; every
+    rank of a tensor-parallel group builds the same tensors from it."""
+    tables = plan["tables"]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    meta = AttnMeta(torch.tensor(plan["pos"], dtype=torch.long).to(device, non_blocking=True),
+                    torch.tensor(plan["slots"], dtype=torch.long).to(device, non_blocking=True),
+                    torch.tensor(plan["tseq"], dtype=torch.int32).to(device, non_blocking=True),
+                    bt.to(device, non_blocking=True), plan["q_starts"], plan["q_lens"], plan["ctx"], tables)
+    return (torch.tensor(plan["ids"], dtype=torch.long).to(device), meta,
+            torch.tensor(plan["rows"], dtype=torch.long).to(device))
+
+
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store this step's K/V ([T, Hkv, D]) into their slots (overwrites: replay-safe).
     A negative slot writes nothing: the padding rows of a CUDA-graph batch use -1, so they

@@ -1,5 +1,6 @@
-"""The engine side of ``gpu-anchor serve``: its arguments, its ``EngineConfig``, the fault
-plan, what a warm standby engine does before and at take-over, and following a migration.
+"""The engine side of ``gpu-anchor serve``: its arguments, its ``EngineConfig`` (one per
+rank of a tensor-parallel group), the fault plan, what a warm standby engine does before and
+at take-over, and following a migration.
 
 The supervisor (frontend process, engine forks and restarts, decisions, job record) is
 ``gpu_anchor.launch.serve``; it calls into this module, never the other way round.
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deprecated alias of --max-num-batched-tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                   help="only 1 for now: tensor parallelism is not built yet")
+                   help="engine processes, one per device (cuda:K..K+N-1 from --device cuda:K; on the CPU all on "
+                        "the host), each with its shard of the weights and KV cache; default 1")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template itself (default: the model directory's)")
     p.add_argument("--api-key", default=None,
@@ -62,19 +64,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "take-over finds its kernels loaded (never touches the live engine's state)")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
-                        "for the first LIMIT engines (default: all)")
+                        "for the first LIMIT engines (default: all); with tensor parallelism, one random "
+                        "rank of each engine group does")
 
 
-def fault_for(plan: str | None, incarnation: int):
+def fault_for(plan: str | None, incarnation: int, ranks: int = 1) -> dict[int, tuple[int, str]]:
+    """``{rank: (step, phase)}``: where this incarnation's engine (group) kills itself."""
     if not plan:
-        return None
+        return {}
     from .engine import PHASES
     parts = [int(x) for x in plan.split(":")]
     seed, maxstep = parts[0], parts[1]
     if len(parts) > 2 and incarnation >= parts[2]:
-        return None
+        return {}
     rng = random.Random(seed * 1_000_003 + incarnation)
-    return (rng.randint(0, maxstep), rng.choice(PHASES))
+    fault = (rng.randint(0, maxstep), rng.choice(PHASES))
+    return {rng.randrange(ranks) if ranks > 1 else 0: fault}
 
 
 def _dtype(name: str):
@@ -114,12 +119,16 @@ def follow_migration(cfg, path: str) -> None:
 
 
 def engine_config(args, mc):
+    """Rank 0's configuration (the only one without tensor parallelism; ``rank_configs``
+    derives the others).  Raises ``options.OptionError`` for a bad combination."""
     import torch
     from .engine import EngineConfig
     if args.device is None:
         # The NVML check does not initialise the CUDA driver here: forked engines could not use it.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    tp = args.tensor_parallel_size or 1
+    options.check_tensor_parallel(args, mc, device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
@@ -128,4 +137,23 @@ def engine_config(args, mc):
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
                         namespace=args.namespace or f"serve-{name}", socket=args.socket,
-                        cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None)
+                        cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None,
+                        tensor_parallel_size=tp)
+
+
+def rank_configs(cfg) -> list:
+    """One configuration per rank of the engine group: rank ``r`` on ``cuda:K+r`` (rank 0 on
+    ``cuda:K``) with that device's daemon, or on the CPU with the same host daemon (each rank
+    in its own namespace there: ``Anchor``)."""
+    import dataclasses
+
+    from gpu_anchor.paths import default_socket
+    out = [cfg]
+    for r in range(1, cfg.tensor_parallel_size):
+        if cfg.device == "cpu":
+            out.append(dataclasses.replace(cfg, rank=r))
+        else:
+            base = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0
+            dev = f"cuda:{base + r}"
+            out.append(dataclasses.replace(cfg, rank=r, device=dev, socket=default_socket(dev) if cfg.anchor else None))
+    return out

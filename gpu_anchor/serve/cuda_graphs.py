@@ -28,11 +28,31 @@ check its bookkeeping there against the unpadded eager path.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from .attention import AttnMeta
+
+log = logging.getLogger("gpu_anchor.serve")
+
+
+def decode_graphs(cfg, model, device: torch.device, dtype: torch.dtype) -> "DecodeGraphs | None":
+    """The engine's decode graphs, or None (eager): on for CUDA unless ``cfg.cuda_graphs`` is
+    False; ``True`` on the CPU runs the padded path uncaptured.  Every rank of a
+    tensor-parallel group makes the same choice from the same configuration."""
+    use = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
+    if use and device.type == "cuda" and (dtype == torch.float64 or not hasattr(torch.cuda, "CUDAGraph")):
+        use = False       # float64 attention runs the (host-driven) reference path
+    if not use:
+        return None
+    from . import attention
+    if device.type == "cuda" and attention.triton is None:
+        log.warning("no Triton: decode steps run eagerly")
+        return None
+    return DecodeGraphs(model, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size) + 1, device,
+                        capture=device.type == "cuda")
 
 
 def batch_sizes(max_bs: int) -> list[int]:

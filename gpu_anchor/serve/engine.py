@@ -10,11 +10,12 @@ On CUDA, decode-only steps replay a captured CUDA graph (``cuda_graphs.py``; off
 Tokens leave the engine only after the commit that contains them, so whatever a client
 has seen is durable, and a crash costs at most the one uncommitted step.
 Construction rebinds anchored memory and restores every committed sequence.
+With ``tensor_parallel_size > 1`` this is rank 0 of an engine group (``tp.py``): it also
+sends each step's plan to the other ranks, and its forward runs with theirs.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import signal
@@ -24,17 +25,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_anchor.errors import ConflictError
-
 from . import commit as C
 from .anchor import Anchor
-from .attention import AttnMeta
+from .attention import step_inputs
 from .block_manager import BlockManager
-from .cuda_graphs import DecodeGraphs
-from .model_runner import Model, head_dim, init_random, load_config, load_weights, param_specs, weights_fingerprint
+from .cuda_graphs import decode_graphs
+from .model_runner import Model, load_config
 from .sampling import sample, token_logprobs
 from .scheduler import Scheduler, Work
 from .sequence import SamplingParams, Sequence, Status
+from .state import bind_state
+from .tp import LeaderSide, fault_due
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -76,15 +77,20 @@ class EngineConfig:
     # the first steps of an engine run eagerly: a restarted engine's first tokens are not
     # held up by capturing a graph (each size is captured at its first use after these)
     graph_after_steps: int = 2
+    # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
+    # ``rendezvous``: the path prefix of this incarnation's control socket and store
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    rendezvous: str | None = None
     extra: dict = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig, progress=None) -> None:
         """``progress(phase, done=None, total=None)``, if given, hears how the start-up goes:
-        phases ``cuda_init``, ``bind`` (mapping or creating the anchored objects),
-        ``weights`` (bytes loaded of the total; only when they are not already anchored),
-        ``restore`` (reading the journal)."""
+        phases ``cuda_init``, ``group`` (tensor parallelism: the other ranks connect),
+        ``bind`` (mapping or creating the anchored objects), ``weights`` (bytes loaded of
+        the total; only when they are not already anchored), ``restore`` (reading the journal)."""
         t0 = time.perf_counter()
         self.cfg = cfg
         report = progress or (lambda phase, done=None, total=None: None)
@@ -103,59 +109,41 @@ class Engine:
             torch.empty(1, device=self.device)
         self.timings["cuda_init_s"] = time.perf_counter() - t0
         self.mc = load_config(cfg.model)
-        t1 = time.perf_counter()
-        self.anchor = Anchor(str(self.device), cfg.namespace, cfg.socket, enabled=cfg.anchor)
-        wspecs = param_specs(self.mc, self.dtype)
-        L, hkv, d = self.mc.num_hidden_layers, self.mc.num_key_value_heads, head_dim(self.mc)
-        kshape = (2, cfg.num_blocks, cfg.block_size, hkv, d)
-        kspecs = [(f"kv_cache[{i}]", kshape, self.dtype) for i in range(L)]
-        report("bind", None, sum(math.prod(shape) * dt.itemsize for _, shape, dt in wspecs + kspecs))
-        try:
-            tensors, status = self.anchor.bind(wspecs + kspecs)
-        except ConflictError as e:   # another layout or model under these names: start them afresh
-            log.warning("anchored objects do not fit this engine (%s); replacing them", str(e).splitlines()[0])
-            tensors, status = self.anchor.bind(wspecs + kspecs, policy="replace")
-        self.timings["bind_s"] = time.perf_counter() - t1
-        self.bind_status = status
-        weights = {n: tensors[n] for n, _, _ in wspecs}
-        kv = [tensors[n] for n, _, _ in kspecs]
-        journal = self.anchor.journal
-        fp = weights_fingerprint(cfg.model, self.mc, self.dtype, cfg.seed if cfg.random_weights else None)
-        t2 = time.perf_counter()
-        have = journal.get(C.WEIGHTS) if journal is not None else None
-        weights_matched = all(status[n] == "matched" for n, _, _ in wspecs) and have == fp.encode()
-        if not weights_matched:
-            if journal is not None:
-                journal.commit({}, [C.WEIGHTS])      # a crash mid-load must not look complete
-            total = sum(t.numel() * t.element_size() for t in weights.values())
-            report("weights", 0, total)
-            if cfg.random_weights:
-                init_random(weights, self.mc, cfg.seed, progress=lambda done: report("weights", done, total))
-            else:
-                load_weights(cfg.model, weights, progress=lambda done: report("weights", done, total))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if journal is not None:
-                journal.commit({C.WEIGHTS: fp.encode()})
-        self.weights_loaded = not weights_matched
-        self.timings["weights_s"] = time.perf_counter() - t2
-        if any(status[n] == "created" for n, _, _ in kspecs):
-            for t in kv:          # fresh CUDA memory is undefined: start from zeros (once, at creation)
-                t.zero_()
-        self.model = Model(self.mc, weights, kv, self.device, max_positions=cfg.max_model_len)
+        self.tp = None
+        if cfg.tensor_parallel_size > 1:
+            if cfg.rank != 0:
+                raise ValueError("the Engine is rank 0 of its group; the other ranks run tp.serve_rank")
+            report("group")
+            self.tp = LeaderSide(cfg, self.device, self.mc.vocab_size)
+        # ``Anchor`` is looked up here, at construction: the benchmarks' baselines replace it
+        self.state = st = bind_state(cfg, self.mc, self.dtype, self.device, report, provider=Anchor)
+        self.timings.update(st.timings)
+        self.anchor = st.anchor
+        self.weights_loaded = st.weights_loaded
+        self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
+                           tp=self.tp.group if self.tp is not None else None)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
+        journal = st.journal
         self.committer = C.Committer(journal)
         t3 = time.perf_counter()
         self.recovery_notes: list[str] = []
         self.restored: list[Sequence] = []
         # log-probabilities of sampled tokens not yet published: rid -> {output index: (lp, top)}
         self._logprobs: dict[str, dict[int, tuple]] = {}
+        why = st.kv_problem() if journal is not None else ""
+        if self.tp is not None:     # every rank's answer, before anything is decided
+            t4 = time.perf_counter()
+            why = self.tp.agree(why)
+            self.timings["tp_agree_s"] = time.perf_counter() - t4     # waiting for the other ranks
+            self.timings["tp_ranks_init_s"] = self.tp.slowest_s
         if journal is not None:
             report("restore")
-            self._restore(journal, fp, kspecs)
+            self._restore(journal, why)
+        if self.tp is not None:     # the decision is committed: the other ranks may record their layout
+            self.tp.send({"t": "go"})
         self.timings["restore_s"] = time.perf_counter() - t3
         self.steps = 0
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
@@ -172,18 +160,7 @@ class Engine:
             self.model.mid_hook = self._mid_forward
         self._prefill_step = False
         self.tokens_generated = 0
-        self.graphs = None
-        use = cfg.cuda_graphs if cfg.cuda_graphs is not None else self.device.type == "cuda"
-        if use and self.device.type == "cuda" and (self.dtype == torch.float64 or
-                                                   not hasattr(torch.cuda, "CUDAGraph")):
-            use = False       # float64 attention runs the (host-driven) reference path
-        if use:
-            from . import attention
-            if self.device.type == "cuda" and attention.triton is None:
-                log.warning("no Triton: decode steps run eagerly")
-            else:
-                self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size) + 1,
-                                           self.device, capture=self.device.type == "cuda")
+        self.graphs = decode_graphs(cfg, self.model, self.device, self.dtype)
         # host seconds per phase, summed over steps (bench/serve_throughput.py reports them)
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
                                          "finish", "commit_prepare", "commit_wait"), 0.0)
@@ -191,31 +168,29 @@ class Engine:
         self.timings["init_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ recovery
-    def _restore(self, journal, fp: str, kspecs) -> None:
-        layout = C.layout_record({"fp": fp, "kv": [list(s[1]) for s in kspecs[:1]], "layers": len(kspecs),
-                                  "dtype": self.cfg.dtype})
-        old = journal.get(C.LAYOUT)
+    def _restore(self, journal, why: str) -> None:
+        """Restore the committed sequences; ``why``: the reason (of any rank) not to trust the
+        anchored KV, "" if every rank can."""
         seqs, problems = C.read_sequences(journal)
-        kv_matched = all(self.bind_status[n] == "matched" for n, _, _ in kspecs)
-        why = ""
-        if old != layout:
-            why = "the KV layout or the weights changed since the commit" if old else "no layout record"
-        elif not kv_matched:
-            why = "the KV cache memory is new (the daemon lost it)"
-        elif self.weights_loaded:
-            why = "the weights had to be loaded again"
-        notes = problems + C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
+        dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
+        notes = problems + dropped
         for n in notes:
             log.warning("%s", n)
         self.recovery_notes = notes
         for s in seqs:
             self.scheduler.seqs[s.rid] = s
-        # A dropped (damaged) record must not linger; the new layout goes in the same commit.
+        # One atomic commit: the new layout, a dropped (damaged) record's removal and, if the
+        # KV is gone, every sequence without it.  Were the layout committed first, a crash
+        # before the rest would leave it vouching for a KV cache no step ever wrote.
         bad = [k for k in journal.get_many(prefix=C.P + "req/") if k[len(C.P + "req/"):] not in self.scheduler.seqs]
-        journal.commit({C.LAYOUT: layout}, bad)
         self.committer.adopt(seqs)
-        if why and seqs:
-            self.committer.commit(seqs)      # their KV is gone: say so durably before any step
+        puts, deletes = {C.LAYOUT: self.state.layout}, bad
+        if dropped:
+            reset = self.committer.prepare(seqs)
+            if reset is not None:
+                puts.update(reset[0])
+                deletes = deletes + reset[1]
+        self.committer.apply(puts, deletes)
         self.restored = seqs
 
     # ------------------------------------------------------------------ requests
@@ -291,9 +266,7 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def _fault(self, phase: str) -> None:
-        f = self.cfg.fault
-        if f is not None and f[1] == phase and (f[0] == self.steps or (phase.startswith("mid_") and
-                                                                      self.steps >= f[0])):
+        if fault_due(self.cfg.fault, phase, self.steps):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _mid_forward(self) -> None:
@@ -315,8 +288,17 @@ class Engine:
         if self.graphs is None:
             return None
         self._on_device()
+        if self.tp is not None:          # the graphs hold collectives: every rank captures with us
+            self.tp.send({"t": "capture_all"})
         self.graphs.capture_all()
         return dict(self.graphs.stats)
+
+    def close(self) -> None:
+        """Land the last commit; a tensor-parallel group's other ranks exit (0)."""
+        self.flush()
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     def _decode_graph(self, work: list[Work]):
         """Logits of a decode-only step from the graph, or None (eager)."""
@@ -334,6 +316,9 @@ class Engine:
             pos.append(p)
             slots.append(t[p // bs] * bs + p % bs)
         t0 = time.perf_counter()
+        if self.tp is not None:
+            self.tp.send({"t": "graph", "step": self.steps, "prefill": False, "ids": ids, "pos": pos, "slots": slots,
+                          "tables": tables})
         h = g.run(ids, pos, slots, tables)
         logits = self.model.head(h)
         self.step_times["prepare_inputs"] += t0 - self._t_mark
@@ -342,8 +327,10 @@ class Engine:
         self.step_counts["graph"] += 1
         return logits
 
-    def _prepare(self, work: list[Work]):
-        bs, dev = self.cfg.block_size, self.device
+    def _plan(self, work: list[Work]) -> dict:
+        """An eager step's inputs as host lists (``attention.step_inputs`` makes the tensors;
+        a tensor-parallel group's other ranks get the same plan)."""
+        bs = self.cfg.block_size
         ids, pos, slots, tseq, rows = [], [], [], [], []
         q_starts, q_lens, ctx, tables = [], [], [], []
         for b, w in enumerate(work):
@@ -360,13 +347,9 @@ class Engine:
             tables.append(t)
             if w.sample:
                 rows.append(len(ids) - 1)
-        width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        meta = AttnMeta(torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
-                        torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-                        torch.tensor(tseq, dtype=torch.int32).to(dev, non_blocking=True),
-                        bt.to(dev, non_blocking=True), q_starts, q_lens, ctx, tables)
-        return torch.tensor(ids, dtype=torch.long).to(dev), meta, torch.tensor(rows, dtype=torch.long).to(dev)
+        return {"t": "eager", "step": self.steps, "prefill": self._prefill_step, "ids": ids, "pos": pos,
+                "slots": slots, "tseq": tseq, "q_starts": q_starts, "q_lens": q_lens, "ctx": ctx, "tables": tables,
+                "rows": rows}
 
     def step(self) -> list[tuple]:
         """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``."""
@@ -378,13 +361,17 @@ class Engine:
         self._t_mark = t1 = clock()
         st["schedule"] += t1 - t0
         sampled: dict[str, int] = {}
+        done = None        # the step's device work, when no sampling waited for it
         if not work:
             self._send_commit()
         else:
             self._prefill_step = any(w.n > 1 or not w.sample for w in work)
             logits = self._decode_graph(work)
             if logits is None:
-                ids, meta, rows = self._prepare(work)
+                plan = self._plan(work)
+                if self.tp is not None:
+                    self.tp.send(plan)
+                ids, meta, rows = step_inputs(plan, self.device)
                 t2 = clock()
                 logits = self.model.forward(ids, meta, rows)
                 self._t_mark = clock()
@@ -402,6 +389,12 @@ class Engine:
                                          [sw[b].seq.params.logprobs for b in want])
                     for b, lp in zip(want, lps):
                         self._logprobs.setdefault(sw[b].seq.rid, {})[len(sw[b].seq.output_ids)] = lp
+            elif self.device.type == "cuda":
+                # nothing waited for this forward (no row sampled): its commit waits for it, so the
+                # journal never counts KV that a kill left unwritten (on a tensor-parallel group,
+                # this rank's work ends with collectives that need every rank's KV written first)
+                done = torch.cuda.Event()
+                done.record()
         t3 = clock()
         st["sample"] += t3 - self._t_mark       # includes waiting for the GPU (the .tolist())
         grown, finished = self.scheduler.finish_step(work, sampled)
@@ -425,9 +418,10 @@ class Engine:
         published = self._await_commit()        # the previous step's commit ran during this forward
         st["commit_wait"] += clock() - t5
         self._fault("after_commit")
-        # [future, snapshot not yet sent, events it makes publishable, epoch]: sent by the
-        # next step right after its forward is launched, awaited at that step's end
-        self._inflight = [None, snap, events, epoch]
+        # [future, snapshot not yet sent, events it makes publishable, epoch, device work to
+        # wait for]: sent by the next step right after its forward is launched, awaited at
+        # that step's end
+        self._inflight = [None, snap, events, epoch, done]
         if not self.scheduler.has_work():
             published += self._await_commit()   # nothing left to overlap with: land it now
         self.steps += 1
@@ -443,15 +437,20 @@ class Engine:
         payload = self.committer.build(inf[1])
         inf[1] = None
         if payload is not None:
-            inf[0] = self._pool.submit(self.committer.apply, *payload)
+            inf[0] = self._pool.submit(self._commit_after, inf[4], *payload)
         self.step_times["commit_build"] += time.perf_counter() - t
+
+    def _commit_after(self, done, puts, deletes) -> None:
+        if done is not None:
+            done.synchronize()
+        self.committer.apply(puts, deletes)
 
     def _await_commit(self) -> list[tuple]:
         """Wait for the in-flight commit; then its blocks may be reused and its tokens published."""
         if self._inflight is None:
             return []
         self._send_commit()
-        fut, _, events, epoch = self._inflight
+        fut, _, events, epoch, _ = self._inflight
         self._inflight = None
         if fut is not None:
             fut.result()             # a failed commit raises: the engine dies, nothing unsafe was published

@@ -56,6 +56,9 @@ class EngineMigration:
     def __init__(self, eng, device: str, socket: str | None = None, throttle_s: float | None = None) -> None:
         if eng.anchor.client is None:
             raise ValueError("migration needs an anchored engine (not --no-anchor)")
+        if eng.tp is not None:
+            raise ValueError("migration of a tensor-parallel engine group is not supported (each rank would "
+                             "move its shards, in step with the others)")
         if _library is None:
             raise RuntimeError("no state-migration library in this engine process: start it with gpu-anchor "
                                "serve, or call gpu_anchor.serve.migration.provide(gpu_anchor.checkpoint.migrate)")

@@ -63,10 +63,11 @@ def param_specs(cfg, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]
     return [(n, tuple(p.shape), dtype) for n, p in m.named_parameters()]
 
 
-def weights_fingerprint(source: str, cfg, dtype: torch.dtype, seed: int | None) -> str:
-    """Identifies what the anchored weights must contain: checkpoint files or (config, seed)."""
+def weights_fingerprint(source: str, cfg, dtype: torch.dtype, seed: int | None, part: str = "") -> str:
+    """Identifies what the anchored weights must contain: checkpoint files or (config, seed),
+    and which part of them (``part``: a tensor-parallel rank's shard, "" for all)."""
     h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
-    h.update(str(dtype).encode() + f"seed={seed}".encode())
+    h.update(str(dtype).encode() + f"seed={seed}".encode() + part.encode())
     for f in sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else ():
         st = os.stat(f)
         h.update(f"{os.path.basename(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -74,9 +75,10 @@ def weights_fingerprint(source: str, cfg, dtype: torch.dtype, seed: int | None) 
 
 
 @torch.no_grad()
-def load_weights(model_dir: str, tensors: dict[str, torch.Tensor], progress=None) -> None:
+def load_weights(model_dir: str, tensors: dict[str, torch.Tensor], progress=None, part=None) -> None:
     """Copy safetensors checkpoint values into the (anchored) tensors; ``progress(bytes_done)``
-    after each tensor, if given."""
+    after each tensor, if given.  ``part(name, full_shape)``: the index of this process's
+    shard of a tensor (``None``: all of it); only that slice is read from the file."""
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
@@ -88,7 +90,12 @@ def load_weights(model_dir: str, tensors: dict[str, torch.Tensor], progress=None
             for name in sf.keys():
                 if name in tensors:
                     t = tensors[name]
-                    t.copy_(sf.get_tensor(name))
+                    if part is None:
+                        t.copy_(sf.get_tensor(name))
+                    else:
+                        sl = sf.get_slice(name)
+                        ix = part(name, tuple(sl.get_shape()))
+                        t.copy_(sf.get_tensor(name) if ix is None else sl[ix])
                     seen.add(name)
                     done += t.numel() * t.element_size()
                     if progress is not None:
@@ -99,9 +106,11 @@ def load_weights(model_dir: str, tensors: dict[str, torch.Tensor], progress=None
 
 
 @torch.no_grad()
-def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None) -> None:
+def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None, full_shapes=None, part=None) -> None:
     """Seeded random weights (normal(0, initializer_range); norms 1, biases 0);
-    ``progress(bytes_done)`` after each tensor, if given."""
+    ``progress(bytes_done)`` after each tensor, if given.  A tensor-parallel shard draws
+    the full tensor (``full_shapes[name]``) and keeps its part (``part(name, shape)``), so
+    every parallel size gets the same weights."""
     std = getattr(cfg, "initializer_range", 0.02)
     done = 0
     for i, (name, t) in enumerate(sorted(tensors.items())):
@@ -111,7 +120,10 @@ def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None)
             t.zero_()
         else:
             g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
-            t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * std)
+            shape = full_shapes[name] if full_shapes is not None else t.shape
+            x = torch.randn(shape, generator=g, device=t.device, dtype=torch.float32)
+            ix = part(name, tuple(shape)) if part is not None else None
+            t.copy_((x if ix is None else x[ix]) * std)
         done += t.numel() * t.element_size()
         if progress is not None:
             progress(done)
@@ -135,13 +147,17 @@ class Model:
     ``embed`` → ``layers(lo, hi)`` → ``head``.  ``forward`` chains them (the eager path)."""
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], device,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, tp=None) -> None:
+        """``tp``: this rank's tensor-parallel group (``tp.Group``), whose shards ``weights``
+        and ``kv_caches`` are (``shards.py``); ``None``: the whole model."""
         from transformers.activations import ACT2FN
         self.cfg = cfg
         self.w = weights
         self.kv = kv_caches
+        self.tp = tp
+        n = tp.size if tp is not None else 1
         self.L = cfg.num_hidden_layers
-        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+        self.hq, self.hkv, self.d = cfg.num_attention_heads // n, cfg.num_key_value_heads // n, head_dim(cfg)
         self.eps = cfg.rms_norm_eps
         self.scale = self.d ** -0.5
         self.act = ACT2FN[cfg.hidden_act]
@@ -169,7 +185,14 @@ class Model:
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Returns ``(h, cos, sin)``: the token embeddings and the rotary factors [T, 1, D]."""
-        h = F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+        emb = self.w["model.embed_tokens.weight"]
+        if self.tp is None:
+            h = F.embedding(input_ids, emb)
+        else:   # vocabulary-parallel: rows of other ranks' tokens are zeros here, and the sum is exact
+            lo, hi = self.tp.vocab
+            outside = (input_ids < lo) | (input_ids >= hi)
+            h = F.embedding((input_ids - lo).masked_fill(outside, 0), emb).masked_fill(outside[:, None], 0.0)
+            self.tp.all_reduce(h)
         cos_t, sin_t = self._rope_table(h.dtype)
         return h, cos_t[positions][:, None, :], sin_t[positions][:, None, :]
 
@@ -191,17 +214,31 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             write_kv(self.kv[i], k, v, meta.slots)
             o = attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            h = h + F.linear(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            h = h + self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
             x = _rms(h, w[p + "post_attention_layernorm.weight"], self.eps)
             m = p + "mlp."
-            h = h + F.linear(self.act(F.linear(x, w[m + "gate_proj.weight"])) * F.linear(x, w[m + "up_proj.weight"]),
-                             w[m + "down_proj.weight"])
+            h = h + self._row(self.act(F.linear(x, w[m + "gate_proj.weight"])) * F.linear(x, w[m + "up_proj.weight"]),
+                              w[m + "down_proj.weight"], None)
         return h
+
+    def _row(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        """A row-parallel linear (o_proj, down_proj): each rank's partial product, summed over
+        the ranks; the (replicated) bias is added once, after the sum."""
+        if self.tp is None:
+            return F.linear(x, weight, bias)
+        y = self.tp.all_reduce(F.linear(x, weight))
+        return y if bias is None else y + bias
 
     @torch.no_grad()
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head of the rows to sample: float32 logits [rows, V]."""
-        return F.linear(_rms(h, self.w["model.norm.weight"], self.eps), self.lm_head).float()
+        """Final norm + lm_head of the rows to sample: float32 logits [rows, V] (on every
+        rank of a tensor-parallel group: each computes its vocabulary range, then all-gather)."""
+        logits = F.linear(_rms(h, self.w["model.norm.weight"], self.eps), self.lm_head).float()
+        if self.tp is None:
+            return logits
+        if not h.shape[0]:       # every rank has the same rows (the step's plan): no collective
+            return logits.new_empty(0, self.cfg.vocab_size)
+        return self.tp.gather_vocab(logits)
 
     @property
     def mid(self) -> int:

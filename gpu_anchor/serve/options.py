@@ -1,6 +1,9 @@
 """``gpu-anchor serve``'s vLLM-compatible options, checked and resolved before anything starts.
 
-- ``--tensor-parallel-size``: accepted; only 1 runs (tensor parallelism is not built yet).
+- ``--tensor-parallel-size N``: N engine processes, one per device (``serve/tp.py``); N must
+  divide the model's attention heads, KV heads and MLP width (``shards.check``), and on CUDA
+  the devices ``cuda:K .. cuda:K+N-1`` must exist.  Not with ``--warm-pool`` (one standby per
+  rank is not built) nor, on CUDA, with ``--socket`` (each device has its own daemon).
 - ``--max-num-batched-tokens`` (vLLM's name); ``--max-batched-tokens`` still works, with a
   deprecation warning.
 - KV-cache size, one of: ``--num-blocks N``; ``--kv-cache-gib G``; ``--gpu-memory-utilization F``
@@ -36,9 +39,12 @@ class OptionError(ValueError):
 
 def check(args) -> None:
     """Checks that need nothing loaded; fills in the deprecated alias."""
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
-        raise OptionError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not built "
-                          "yet; this server runs one engine on one device (use --tensor-parallel-size 1)")
+    tp = args.tensor_parallel_size
+    if tp is not None and tp < 1:
+        raise OptionError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    if tp is not None and tp > 1 and (getattr(args, "warm_pool", False) or getattr(args, "prewarm", False)):
+        raise OptionError(f"--warm-pool / --prewarm with --tensor-parallel-size {tp}: a warm standby per rank is not "
+                          "built yet; drop --warm-pool (a rank's death restarts the group from the fork server)")
     old = args.max_batched_tokens_deprecated
     if old is not None:
         if args.max_num_batched_tokens is not None and args.max_num_batched_tokens != old:
@@ -61,6 +67,27 @@ def check(args) -> None:
         raise OptionError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise OptionError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+
+
+def check_tensor_parallel(args, mc, device: str) -> None:
+    """``--tensor-parallel-size`` against the model and the devices."""
+    from . import shards
+    n = args.tensor_parallel_size or 1
+    try:
+        shards.check(mc, n)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+    if n == 1 or device == "cpu":
+        return
+    if args.socket:
+        raise OptionError(f"--socket with --tensor-parallel-size {n} on CUDA: each device's daemon is found at its "
+                          "own default socket (set GPU_ANCHOR_SOCKET_DIR to move them all)")
+    import torch
+    base = int(device.split(":")[1]) if ":" in device else 0
+    have = torch.cuda.device_count()        # NVML first: no CUDA context in the fork server
+    if base + n > have:
+        raise OptionError(f"--tensor-parallel-size {n} from {device} needs cuda:{base}..cuda:{base + n - 1}; "
+                          f"{have} CUDA device(s) are visible")
 
 
 def api_key(args) -> str | None:
@@ -140,16 +167,20 @@ def activation_bytes(mc, max_batched_tokens: int, max_num_seqs: int, dtype_bytes
 
 def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
     """The number of KV blocks from ``--num-blocks``, ``--kv-cache-gib`` or
-    ``--gpu-memory-utilization`` (see the module's doc); logs how it was sized."""
+    ``--gpu-memory-utilization`` (see the module's doc); logs how it was sized.  With tensor
+    parallelism the sizes are per device: a block holds ``1/N`` of the KV heads, and the
+    weights are rank 0's shard (the largest: ranks differ only in the vocabulary's last rows)."""
     import torch
 
     from .engine import DTYPES
     from .model_runner import head_dim, param_specs
+    from .shards import shard_specs
     tdt = DTYPES.get(dtype)
     if tdt is None:
         raise OptionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     b = tdt.itemsize
-    per_block = 2 * mc.num_hidden_layers * args.block_size * mc.num_key_value_heads * head_dim(mc) * b
+    tp = args.tensor_parallel_size or 1
+    per_block = 2 * mc.num_hidden_layers * args.block_size * (mc.num_key_value_heads // tp) * head_dim(mc) * b
     if args.num_blocks is not None:
         return args.num_blocks
     cuda = device.startswith("cuda")
@@ -164,7 +195,10 @@ def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
                  f"--kv-cache-gib {gib}" if args.kv_cache_gib is not None else "the CPU default of 1 GiB")
         return n
     total, available = device_memory("cpu" if not cuda else device)
-    weights = sum(torch.Size(shape).numel() for _, shape, _ in param_specs(mc, tdt)) * b
+    if not cuda:         # the ranks of a group share the host's memory
+        total, available = total // tp, available // tp
+    weights = sum(torch.Size(shape).numel() for _, shape, _ in shard_specs(param_specs(mc, tdt), mc.vocab_size, 0, tp))
+    weights *= b
     act = activation_bytes(mc, args.max_num_batched_tokens, args.max_num_seqs, b)
     fixed = CUDA_FIXED_BYTES if cuda else 0
     budget = int(util * total)

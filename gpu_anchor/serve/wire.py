@@ -55,7 +55,8 @@ async def read(reader):
 
 def describe_loading(msg: dict) -> str:
     """One line for a ``loading`` message: what is happening, how far along, since when."""
-    what = {"cuda_init": "creating the CUDA context", "bind": "mapping the anchored weights and KV cache",
+    what = {"cuda_init": "creating the CUDA context", "group": "connecting the tensor-parallel ranks",
+            "bind": "mapping the anchored weights and KV cache",
             "weights": "loading weights", "restore": "restoring requests from the journal"}.get(msg["phase"],
                                                                                             msg["phase"])
     done, total = msg.get("done"), msg.get("total")

@@ -7,6 +7,8 @@ which requests it restored (``hello``) and replays their committed tokens from i
 the frontend drops what it already has and re-sends every request the engine does not
 know, with the tokens its client already received.  While serving it sends the
 scheduler's ``load`` (running, waiting, KV blocks in use) for the frontend's metrics.
+In a tensor-parallel group this is rank 0; the other ranks run ``tp.serve_rank`` and talk
+only to rank 0.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
     t0 = time.time()
     sock = _connect(frontend_socket)
     eng = Engine(cfg, progress=_Progress(sock, t0))
-    timings = dict(eng.timings, warm_standby=int(standby))
+    timings = dict(eng.timings, warm_standby=int(standby), tensor_parallel_size=cfg.tensor_parallel_size)
     if started_at is not None:
         timings["process_start_s"] = t0 - started_at
     sock.sendall(wire.encode({"t": "hello", "pid": os.getpid(), "rids": [s.rid for s in eng.restored],
@@ -127,6 +129,7 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
             data = sock.recv(1 << 20)
             if not data:
                 log.info("frontend closed the connection; engine exits")
+                eng.close()
                 return
             out = []
             for msg in dec.feed(data):
