@@ -204,7 +204,8 @@ class _EngineSupervisor:
             if lost:
                 # the engine still runs on memory the daemon no longer holds for it: stop it before
                 # it trips over the loss (or writes into memory handed to someone else)
-                log.warning("anchored state lost under the engine: %s; killing it", lost)
+                log.warning("anchored state lost under engine %s: %s; killing it",
+                            ", ".join(str(p) for p in self.engines.values()), lost)
                 self.lost = lost
                 for pid in self.engines.values():
                     os.kill(pid, signal.SIGKILL)

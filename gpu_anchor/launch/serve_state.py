@@ -156,6 +156,7 @@ class AnchorGroup:
 
     def __init__(self, ranks) -> None:
         self.members = [ServeAnchor(c) for c in ranks]
+        self.lost_rank = 0                              # whose state the watch last saw lost
         self.daemons = self.members[0].daemons        # None with --no-anchor
 
     def sockets(self) -> list[str]:
@@ -169,21 +170,28 @@ class AnchorGroup:
         self.members[0].follow()
 
     def watch_problem(self) -> str:
-        for m in self.members:
+        for i, m in enumerate(self.members):
             problem = m.watch_problem()
             if problem:
+                self.lost_rank = i
                 return problem
         return ""
 
     def observe(self, lost: str = "") -> dict:
-        views = [m.observe(lost if i == 0 else "") for i, m in enumerate(self.members)]
+        """A dead or replaced daemon of any rank is the group's loss; of the namespaces, rank 0's
+        decides (it holds the journal of requests): another rank whose objects are gone is a
+        shallow failure — its next engine finds new memory, and the group's start-up agreement
+        has every rank recompute (docs/serving.md, "Tensor parallelism", I4)."""
+        rank, self.lost_rank = self.lost_rank, 0
+        views = [self.members[0].observe(lost if rank == 0 else "")] + [m.observe() for m in self.members[1:]]
         if not views[0]:
             return {}
-        out = {"daemons_alive": all(v["daemons_alive"] for v in views),
-               "daemons_same": all(v["daemons_same"] for v in views)}
-        if out["daemons_alive"] and out["daemons_same"]:
-            problems = [v["journal_problem"] for v in views if not v["journal_consistent"]]
-            out.update(journal_consistent=not problems, journal_problem="; ".join(problems))
+        out = dict(views[0])
+        out["daemons_alive"] = all(v["daemons_alive"] for v in views)
+        out["daemons_same"] = all(v["daemons_same"] for v in views)
+        if not (out["daemons_alive"] and out["daemons_same"]):
+            out.pop("journal_consistent", None)
+            out.pop("journal_problem", None)
         return out
 
     def replace(self) -> None:
