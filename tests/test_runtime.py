@@ -124,3 +124,31 @@ def test_a_child_dies_with_its_parent():
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     raise AssertionError("the child outlived its parent")
+
+
+def test_jemalloc_background_threads_are_not_foreign_but_others_are(monkeypatch):
+    """jemalloc is built to be forked past its background threads (its atfork handlers); a
+    CUDA driver thread (what NVML left in serve's supervisor on an H200) is not."""
+    import threading
+
+    from gpu_anchor.runtime import threads
+    me = threading.get_native_id()
+    exe = threads.os_threads()[me]
+    monkeypatch.setattr(threads, "os_threads", lambda: {me: exe, me + 1: "jemalloc_bg_thd"})
+    assert threads.foreign_threads() == []
+    monkeypatch.setattr(threads, "os_threads", lambda: {me: exe, me + 1: "jemalloc_bg_thd", me + 2: "cuda00002400000a"})
+    assert threads.foreign_threads() == [f"{me + 2} cuda00002400000a"]
+
+
+def test_serve_supervisor_keeps_nvml_in_a_child():
+    """serve's supervisor forks engines itself: its device-health probe must leave no thread here."""
+    from gpu_anchor.launch import health
+    from gpu_anchor.runtime.threads import foreign_threads
+    before = foreign_threads()
+    h = health.ProbedDeviceHealth([0])
+    try:
+        healthy, problem = h.check()
+        assert healthy in (True, False, None) and isinstance(problem, str)
+        assert foreign_threads() == before
+    finally:
+        h.close()

@@ -136,3 +136,57 @@ class DeviceHealth:
             except Exception:
                 pass
         return True, ""
+
+
+class ProbedDeviceHealth:
+    """``DeviceHealth`` asked in a child process, for a supervisor that forks its engines itself.
+
+    NVML starts threads of its own (on an H200: a driver thread and a jemalloc one), and
+    ``gpu_anchor.runtime`` rightly refuses to fork while foreign threads run; so ``serve``'s
+    supervisor keeps NVML in a long-lived child (``python -m gpu_anchor.launch.health``,
+    started with fork+exec, which threads do not endanger) and asks it over a pipe: one line
+    each way per check, milliseconds."""
+
+    def __init__(self, indices: list[int]) -> None:
+        import json
+        import subprocess
+        import sys
+        self.indices = indices
+        self._proc = None
+        self._json = json
+        if indices:
+            self._proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.launch.health", *map(str, indices)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def check(self) -> tuple[bool | None, str]:
+        if self._proc is None:
+            return True, ""
+        try:
+            self._proc.stdin.write("check\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+            healthy, problem = self._json.loads(line)
+            return healthy, problem
+        except (OSError, ValueError) as e:
+            return None, f"NVML probe unavailable ({e})"
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _probe_main(argv: list[str]) -> int:
+    import json
+    import sys
+    h = DeviceHealth([int(a) for a in argv])
+    for line in sys.stdin:
+        if line.strip() == "check":
+            sys.stdout.write(json.dumps(list(h.check())) + "\n")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_probe_main(sys.argv[1:]))

@@ -386,6 +386,7 @@ class _EngineSupervisor:
             except subprocess.TimeoutExpired:
                 self.frontend.kill()
         self.control.close()
+        self.health.close()
         if self.anchor.daemons is not None:
             how = f"stopped ({signal.Signals(self.stopping).name})" if clean else "stopped abnormally"
             try:
@@ -397,8 +398,9 @@ class _EngineSupervisor:
         self.state.save()
 
 
-def classify_health(ranks) -> health.DeviceHealth:
-    return health.DeviceHealth([int(c.device.split(":")[1]) for c in ranks if c.device.startswith("cuda:")])
+def classify_health(ranks) -> health.ProbedDeviceHealth:
+    # in a child: this process forks engines, and NVML would leave threads here
+    return health.ProbedDeviceHealth([int(c.device.split(":")[1]) for c in ranks if c.device.startswith("cuda:")])
 
 
 def cli(argv=None) -> int:

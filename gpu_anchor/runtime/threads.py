@@ -7,7 +7,12 @@ copied as they are, with nobody left to release or finish them.  Safe to fork pa
 - OpenBLAS's thread server (numpy's BLAS starts it at import): OpenBLAS registers
   ``pthread_atfork(blas_thread_shutdown_)``, which stops those threads before the fork and
   lets them restart on the next BLAS call (tests/test_runtime.py forks past them and runs a
-  BLAS call in the child).
+  BLAS call in the child);
+- jemalloc's background threads (``jemalloc_bg_thd``; seen in the H200 image's interpreters,
+  from a library linked with jemalloc): jemalloc registers ``pthread_atfork`` handlers that
+  take every arena and background-thread lock before the fork and, in the child, mark the
+  background threads as not running and re-create them lazily — it is built to be forked
+  past them.
 
 Everything else is foreign: other Python threads, an OpenMP team (GNU libgomp keeps its
 pool's bookkeeping across fork but not its threads: the child's next parallel region waits
@@ -63,6 +68,9 @@ def _openblas_servers() -> int:
     return n
 
 
+FORK_SAFE_NAMES = frozenset({"jemalloc_bg_thd"})     # see the module docstring
+
+
 def foreign_threads() -> list[str]:
     """Threads other than the caller that a fork would copy into trouble (see the module
     docstring), as ``"tid name"``; empty means a fork here is safe."""
@@ -76,7 +84,7 @@ def foreign_threads() -> list[str]:
     # OpenBLAS accounts for are foreign, named ones always are
     exe = tasks.get(me, "")
     unnamed = [tid for tid in native if tasks[tid] == exe]
-    named = [tid for tid in native if tasks[tid] != exe]
+    named = [tid for tid in native if tasks[tid] != exe and tasks[tid] not in FORK_SAFE_NAMES]
     out += [f"{tid} {tasks[tid]}" for tid in named]
     if len(unnamed) > blas:
         out += [f"{tid} {tasks[tid]} (unnamed native: an OpenMP team?)" for tid in unnamed[blas:]]
