@@ -200,7 +200,7 @@ class _EngineSupervisor:
             if len(self.ranks) == 1:
                 self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
                 self.anchor.follow()
-            lost = self.anchor.watch_problem()
+            lost = self.anchor.watch_problem(ready=self.progress.reached(self.engines.get(0, -1)) >= 1)
             if lost:
                 # the engine still runs on memory the daemon no longer holds for it: stop it before
                 # it trips over the loss (or writes into memory handed to someone else)

@@ -85,21 +85,26 @@ class ServeAnchor:
             pass                  # none answers: the next engine's death is judged by a probe, and
                                   # ensure() starts one before the engine after that
 
-    def _namespace_problem(self) -> str:
-        """Why the namespace is unusable now ('' if it is fine, or the daemon is too busy to say)."""
+    def _namespace_problem(self, ready: bool = False) -> str:
+        """Why the namespace is unusable now ('' if it is fine, or the daemon is too busy to say).
+        ``ready``: the engine has bound its state, so an empty namespace was emptied under it
+        (a drop before the first check saw any object)."""
         dev, sock = self._where()
         v = health.read_namespace(dev, sock, self.namespace, timeout=2.0)
         if v is None:
             return ""
         if v["inconsistent"] is not None:
             return f"the anchored state was marked inconsistent: {v['inconsistent']}"
+        if ready and v["objects"] == 0 and self.bound == 0:
+            return (f"the anchored objects of namespace {self.namespace!r} are gone (the namespace is empty "
+                    "under an engine that has bound its state: dropped under the engine)")
         if v["objects"] < self.bound:
             return (f"{self.bound - v['objects']} of the {self.bound} anchored objects of namespace "
                     f"{self.namespace!r} are gone (dropped or freed under the engine)")
         self.bound = max(self.bound, v["objects"])
         return ""
 
-    def watch_problem(self) -> str:
+    def watch_problem(self, ready: bool = False) -> str:
         """Checked while an engine runs: why its anchored state is lost, or ''.  A namespace
         problem counts when two checks in a row see one (a migration drops the source namespace
         a moment before it names the destination)."""
@@ -111,7 +116,7 @@ class ServeAnchor:
         if now < self.next_check:
             return ""
         self.next_check = now + WATCH_S
-        problem = self._namespace_problem()
+        problem = self._namespace_problem(ready)
         seen_before, self.suspect = self.suspect, problem
         return problem if problem and seen_before else ""
 
@@ -169,9 +174,9 @@ class AnchorGroup:
     def follow(self) -> None:                          # migration moves a single engine only
         self.members[0].follow()
 
-    def watch_problem(self) -> str:
+    def watch_problem(self, ready: bool = False) -> str:
         for i, m in enumerate(self.members):
-            problem = m.watch_problem()
+            problem = m.watch_problem(ready)
             if problem:
                 self.lost_rank = i
                 return problem
