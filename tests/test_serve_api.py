@@ -453,6 +453,26 @@ def test_kv_cache_sizing(tmp_path):
         blocks("--gpu-memory-utilization", "1.5")
 
 
+def test_cuda_kernel_shapes_refused_at_start_up(tmp_path):
+    """What the CUDA attention kernel cannot tile is refused by the options, naming the flag,
+    before any engine starts (an engine failing at its first step is a crash loop to the
+    supervisor).  CPU serves any block size."""
+    from gpu_anchor.serve import options
+    from gpu_anchor.serve.model_runner import load_config
+    from gpu_anchor.testing.tiny import tiny_config
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(tiny_config("qwen3")))
+    mc = load_config(str(cfg))
+    for bs in (4, 24):
+        with pytest.raises(options.OptionError, match=f"--block-size {bs} on cuda:0"):
+            options.check_kernel_shapes(_args("--block-size", str(bs)), mc, "cuda:0")
+        options.check_kernel_shapes(_args("--block-size", str(bs)), mc, "cpu")
+    options.check_kernel_shapes(_args("--block-size", "32"), mc, "cuda:0")
+    cfg.write_text(json.dumps(dict(tiny_config("qwen3"), head_dim=24)))
+    with pytest.raises(options.OptionError, match="head_dim 24"):
+        options.check_kernel_shapes(_args(), load_config(str(cfg)), "cuda:0")
+
+
 def test_chat_template_option(tmp_path):
     from gpu_anchor.serve import options
     f = tmp_path / "t.jinja"

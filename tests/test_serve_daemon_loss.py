@@ -39,7 +39,7 @@ from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_http import _Stream, scrape
 
 NS = "serve-tiny-qwen3"
-SERVE = ["--dtype", "float32", "--block-size", "4", "--num-blocks", "600",
+SERVE = ["--dtype", "float32", "--num-blocks", "600",
          "--max-num-batched-tokens", "32", "--max-model-len", "512", "--cpu-threads", "1"]
 
 
@@ -67,7 +67,9 @@ class _Server:
         port_file = self.tmp / "port"
         port_file.unlink(missing_ok=True)
         proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", self.model, "--port", "0", "--port-file",
-                                 str(port_file), "--socket", self.sock, *SERVE, "--device", self.device, *extra],
+                                 str(port_file), "--socket", self.sock, *SERVE, "--device", self.device,
+                                 # CUDA's attention kernel tiles blocks of >= 16 tokens
+                                 "--block-size", "4" if self.device == "cpu" else "16", *extra],
                                 stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
         self.procs.append(proc)
         _wait(lambda: port_file.exists() or proc.poll() is not None, "the port file")

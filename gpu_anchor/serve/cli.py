@@ -129,6 +129,7 @@ def engine_config(args, mc):
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     tp = args.tensor_parallel_size or 1
     options.check_tensor_parallel(args, mc, device)
+    options.check_kernel_shapes(args, mc, device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
