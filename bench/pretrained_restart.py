@@ -60,7 +60,7 @@ def _save(preset, path, device, q):
         q.put(traceback.format_exc())
 
 
-def _worker(path, device, ns, mark, sockdir, q):
+def _worker(path, device, ns, mark, sockdir, q, profile=False):
     try:
         if sockdir:
             os.environ["GPU_ANCHOR_SOCKET_DIR"] = sockdir   # the fork server predates our daemon
@@ -72,6 +72,11 @@ def _worker(path, device, ns, mark, sockdir, q):
             torch.empty(1, device=device)               # the CUDA context, as a warm worker has it
         from gpu_anchor.testing.weight_files import count_opens
         opened = count_opens()
+        prof = None
+        if profile:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         if ns is None:
             model = AutoModelForCausalLM.from_pretrained(path, device_map=device, dtype=torch.bfloat16)
@@ -84,6 +89,13 @@ def _worker(path, device, ns, mark, sockdir, q):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         block = time.perf_counter() - t0
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+            print(f"== profile of one restart block ({block:.3f} s, profiler on)\n{text.getvalue()}", flush=True)
         w = model.model.layers[0].mlp.down_proj.weight
         kept = None
         if mark == "check":
@@ -117,10 +129,10 @@ def _context():
     return ctx
 
 
-def _run(path, device, ns, mark=None) -> dict:
+def _run(path, device, ns, mark=None, profile=False) -> dict:
     ctx = _context()
     q = ctx.Queue()
-    p = ctx.Process(target=_worker, args=(path, device, ns, mark, os.environ.get("GPU_ANCHOR_SOCKET_DIR"), q))
+    p = ctx.Process(target=_worker, args=(path, device, ns, mark, os.environ.get("GPU_ANCHOR_SOCKET_DIR"), q, profile))
     p.start()
     try:
         out = q.get(timeout=900)
@@ -144,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where to save the model (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     ap.add_argument("--tiny", action="store_true", help="smoke size: --preset tiny --device cpu")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more restart under cProfile (not counted): where the restart block's time goes")
     a = ap.parse_args(argv)
     if a.tiny:
         a.preset, a.device = "tiny", "cpu"
@@ -174,6 +188,8 @@ def main(argv=None) -> int:
                     continue
                 for _ in range(a.repeats):
                     restarts.append(_run(path, a.device, ns, mark="check"))
+                if a.profile:
+                    _run(path, a.device, ns, mark="check", profile=True)
         result = {
             "preset": a.preset, "device": a.device, "params": n_params, "shards": len(shards),
             "save_s": round(save_s, 2),

@@ -17,6 +17,7 @@ back to the ordinary load, which the scope adopts as on a first run: slower, nev
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -116,17 +117,32 @@ def resident(scope, key: str, device_hint) -> dict | None:
     return {"hint": hint, "objects": objects, "devices": sorted(by_dev)}
 
 
+def _no_init_weights():
+    try:                                               # transformers >= 5
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _build(cls, path, kwargs, found):
     """The model from its config on the meta device, every parameter and buffer set to its
     anchored tensor; None if the hint does not cover the module exactly."""
     from transformers import AutoConfig, GenerationConfig
+
+    from gpu_anchor.scope.interception import suspended
     config = kwargs.get("config")
     if config is None or isinstance(config, (str, os.PathLike)):
         config = AutoConfig.from_pretrained(config or path, trust_remote_code=kwargs.get("trust_remote_code", False))
     hint, objects = found["hint"], found["objects"]
     dtypes = {v[2] for v in hint.values() if v[4] == "p"}
     dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else None
-    with torch.device("meta"):
+    # every tensor is replaced by its anchored one below: skip the initialisation and keep the
+    # scope's interception out of a meta-only build (on an 8B model these were most of the restart)
+    with suspended(), _no_init_weights(), torch.device("meta"):
         model = cls._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     params: dict[str, torch.nn.Parameter] = {}
     for dotted, t, kind in list(tensors(model)):
