@@ -14,6 +14,14 @@ seeded random bf16 weights; ``--tiny`` swaps in a 2-layer model on the CPU.
    engine's host time per step by phase.  ``--eager-rounds`` more runs with the graphs set
    aside show what the eager forward gives (and whether its tokens equal the graphs').
    Also a CPU micro-benchmark of the commit's host cost for 64 decoding sequences.
+   The runs cover ``--streams-list`` (32, 64, 128) streams; for each, tokens/s and the decode
+   steps' fraction of the memory-bandwidth roofline (``bench/serve_decode.py``: bytes read per
+   step from the engine's own tensors, over the 4.8 TB/s specification and over a measured
+   device-to-device copy), plus runs with temperature sampling (and top-p) at ``--requests``
+   streams.  ``--profile`` prints each engine's decode step by kernel (attention, matmuls,
+   sampling, the rest) from torch.profiler.
+1b. start-up: each engine built in a fresh process, alternating, both with a warm Triton cache
+   and both with a cold one (``serve_decode.startup``); the in-process engines' phases too.
 2. ``generate_batch`` (transformers' continuous batching) on the same prompts, greedy.
 3. recovery: ``gpu-anchor serve --random-weights`` in its own processes; ``--streams``
    streaming requests; SIGKILL the engine once every stream has tokens; for each stream the
@@ -38,6 +46,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+from bench import serve_decode as D  # noqa: E402
 from bench.common import get_json, stop_process  # noqa: E402
 
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
@@ -55,12 +64,13 @@ def _prompts(n, length, vocab, seed=0):
     return [[rng.randrange(1000 % vocab, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def _engine_cfg(args, config_path, anchor, namespace):
+def _engine_cfg(args, config_path, anchor, namespace, seqs=None):
     from gpu_anchor.serve.engine import EngineConfig
     per_seq = -(-(args.prompt_len + args.max_tokens + 1) // args.block_size)
+    seqs = seqs or args.requests
     return EngineConfig(model=config_path, random_weights=True, seed=0, device=args.device, dtype=args.dtype,
-                        block_size=args.block_size, num_blocks=per_seq * args.requests + 8,
-                        max_num_seqs=args.requests, max_batched_tokens=args.max_batched_tokens,
+                        block_size=args.block_size, num_blocks=per_seq * seqs + 8,
+                        max_num_seqs=seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.prompt_len + args.max_tokens + 8, anchor=anchor, namespace=namespace,
                         socket=args.socket)
 
@@ -75,24 +85,8 @@ PHASES = ("schedule", "prepare_inputs", "forward", "commit_build", "sample", "fi
           "commit_wait")
 
 
-def _timed_run(eng, prompts, sp, device) -> dict:
-    """One full batch; the engine's per-phase host seconds over it, per step in ms."""
-    c0, b0, s0 = eng.committer.commits, eng.committer.bytes, eng.steps
-    t0, n0 = dict(eng.step_times), dict(eng.step_counts)
-    _sync(device)
-    t = time.perf_counter()
-    out = eng.generate(prompts, sp)
-    _sync(device)
-    dt = time.perf_counter() - t
-    n = sum(map(len, out))
-    steps = eng.steps - s0
-    return {"seconds": dt, "tokens": n, "tokens_per_s": n / dt, "steps": steps,
-            "graph_steps": eng.step_counts["graph"] - n0["graph"], "eager_steps": eng.step_counts["eager"] - n0["eager"],
-            "commits": eng.committer.commits - c0, "commit_bytes": eng.committer.bytes - b0,
-            "step_ms": {k: (eng.step_times[k] - t0[k]) * 1e3 / max(steps, 1) for k in PHASES}}
-
-
 def _summary(runs: list[dict]) -> dict:
+    """Median, min, max tokens/s of ``runs`` and their host time per step by phase."""
     tps = [r["tokens_per_s"] for r in runs]
     return {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "n": len(tps),
             "step_ms": {k: statistics.median(r["step_ms"][k] for r in runs) for k in PHASES},
@@ -100,34 +94,82 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def throughput(args, config_path) -> dict:
-    """Warm both engines up (every graph size captured), then alternate anchored and plain
-    runs of the same requests (the order flips every round) and compare medians."""
+    """Warm both engines up (every graph size captured), then, for each stream count, alternate
+    anchored and plain runs of the same requests (the order flips every round) and compare
+    medians; decode steps against the bandwidth roofline; sampled runs; ``--profile``."""
     from gpu_anchor.serve.engine import Engine
     from gpu_anchor.serve.sequence import SamplingParams
     vocab = json.load(open(config_path))["vocab_size"]
     prompts = _prompts(args.requests, args.prompt_len, vocab)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    engines, graphs = {}, {}
+    streams = sorted(set(args.streams_list) | {args.requests})
+    engines, graphs, build = {}, {}, {}
     for name, anchor in (("anchored", True), ("plain", False)):
         t = time.perf_counter()
-        cfg = _engine_cfg(args, config_path, anchor, "bench-throughput")
+        cfg = _engine_cfg(args, config_path, anchor, "bench-throughput", seqs=max(streams))
         cfg.cuda_graphs = not args.no_cuda_graphs
         eng = engines[name] = Engine(cfg)
+        _sync(args.device)
+        t1 = time.perf_counter()
         eng.generate(_prompts(2, 16, vocab, seed=1), SamplingParams(max_tokens=4))   # compile kernels
+        _sync(args.device)
+        t2 = time.perf_counter()
         graphs[name] = eng.capture_graphs()
+        t3 = time.perf_counter()
         eng.generate(prompts, SamplingParams(max_tokens=min(8, args.max_tokens), ignore_eos=True))  # full width
         _sync(args.device)
-        print(f"[bench] {name} engine ready in {time.perf_counter() - t:.1f} s; graphs {graphs[name]}", flush=True)
-    runs = {k: [] for k in engines}
-    order = list(engines)
-    for r in range(args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            runs[name].append(_timed_run(engines[name], prompts, sp, args.device))
-            print(f"[bench] round {r} {name}: {runs[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
-    summary = {k: _summary(v) for k, v in runs.items()}
+        t4 = time.perf_counter()
+        # in one process the first engine also pays what a process pays once (Triton compiles,
+        # cuBLAS set-up, the HF meta model): the fair comparison is ``startup`` (fresh processes)
+        build[name] = {"construct_s": t1 - t, "first_requests_s": t2 - t1, "capture_s": t3 - t2,
+                       "full_width_s": t4 - t3, "ready_s": t4 - t, "engine_timings": dict(eng.timings)}
+        print(f"[bench] {name} engine ready in {t4 - t:.1f} s ({build[name]}); graphs {graphs[name]}", flush=True)
+    bw = {"spec_4.8TB/s": D.H200_SPEC_BPS} if args.device.startswith("cuda") else {}
+    copy = D.copy_bandwidth(args.device, 4 << 30)
+    if copy:
+        bw["measured_copy"] = copy["best_bps"]
+    if not bw:       # the CPU smoke: a nominal figure, only to exercise the arithmetic
+        bw["nominal_cpu_20GB/s"] = 20e9
+
+    def make(n):
+        return _prompts(n, args.prompt_len, vocab)
+    sweep = D.sweep(engines, streams, args.rounds, make, sp, args.device, PHASES, bw)
+    sampled = {}
+    for label, extra in (("temperature 0.8", {"temperature": 0.8}),
+                         ("temperature 0.8, top-p 0.95", {"temperature": 0.8, "top_p": 0.95})):
+        ssp = SamplingParams(**dict(sp.to_dict(), seed=11, **extra))
+        sampled[label] = D.sweep(engines, [args.requests], min(args.rounds, 3), make, ssp, args.device, PHASES,
+                                 bw)[str(args.requests)]
+    cell = sweep[str(args.requests)]
+    runs = {k: v["runs"] for k, v in cell.items()}
+    summary = {k: dict(_summary(v), decode=cell[k]) for k, v in runs.items()}
     res = {"runs": runs, "summary": summary, "graphs": graphs, "cuda_graphs": not args.no_cuda_graphs,
            "median_tokens_per_s": {k: v["median"] for k, v in summary.items()},
-           "anchored_over_plain": summary["anchored"]["median"] / summary["plain"]["median"]}
+           "anchored_over_plain": summary["anchored"]["median"] / summary["plain"]["median"],
+           "engine_build_in_process": build, "bandwidth_bps": bw, "copy_bandwidth": copy,
+           "sweep": {n: {k: {kk: vv for kk, vv in c.items() if kk != "runs"} for k, c in x.items()}
+                     for n, x in sweep.items()},
+           "sweep_runs": {n: {k: c["runs"] for k, c in x.items()} for n, x in sweep.items() if n != str(args.requests)},
+           "sampled": {lab: {k: {kk: vv for kk, vv in c.items() if kk != "runs"} for k, c in x.items()}
+                       for lab, x in sampled.items()}}
+    if args.profile:
+        res["profile"] = {}
+        n = args.requests
+        for label, eng_name, p, eager in (("plain, greedy, graphs", "plain", sp, False),
+                                          ("anchored, greedy, graphs", "anchored", sp, False),
+                                          ("plain, temperature 0.8, graphs", "plain",
+                                           SamplingParams(**dict(sp.to_dict(), temperature=0.8, seed=3)), False),
+                                          ("plain, greedy, eager", "plain", sp, True)):
+            e = engines[eng_name]
+            kept = e.graphs
+            if eager:
+                e.graphs = None
+            try:
+                res["profile"][label] = D.profile_decode(e, make(n)[:n], SamplingParams(
+                    **dict(p.to_dict(), max_tokens=max(args.max_tokens, 16))), args.device)
+            finally:
+                e.graphs = kept
+            D.print_profile(f"{label}, {n} streams", res["profile"][label])
     few = SamplingParams(max_tokens=16, ignore_eos=True)
     res["anchored_and_plain_outputs_equal"] = engines["anchored"].generate(prompts[:4], few) == \
         engines["plain"].generate(prompts[:4], few)
@@ -139,9 +181,10 @@ def throughput(args, config_path) -> dict:
         for e in engines.values():
             e.graphs = None
         eager = {k: [] for k in engines}
+        order = list(engines)
         for r in range(args.eager_rounds):
             for name in order:
-                eager[name].append(_timed_run(engines[name], prompts, sp, args.device))
+                eager[name].append(D.decode_run(engines[name], prompts, sp, args.device, PHASES))
                 print(f"[bench] eager round {r} {name}: {eager[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
         alt = engines["plain"].generate(prompts[:8], SamplingParams(max_tokens=32, ignore_eos=True))
         for k, e in engines.items():
@@ -332,14 +375,28 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-recovery-baseline", action="store_true")
+    ap.add_argument("--streams-list", default="32,64,128", help="stream counts of the roofline sweep")
+    ap.add_argument("--profile", action="store_true", help="print a decode step by kernel (torch.profiler)")
+    ap.add_argument("--startup-modes", default="warm,cold", help="fresh-process start-ups: warm and/or cold Triton cache")
+    ap.add_argument("--startup-n", type=int, default=3, help="start-ups of each engine per mode (n >= 3)")
+    ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/serve_throughput.json or stdout)")
+    ap.add_argument("--startup-child", choices=("anchored", "plain"), help=argparse.SUPPRESS)
+    ap.add_argument("--config-path", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.streams_list = [int(x) for x in args.streams_list.split(",") if x]
+    if args.startup_child:      # one engine start-up in this fresh process (``serve_decode.startup``)
+        print(json.dumps(D.startup_child(args, args.config_path, args.startup_child == "anchored")))
+        return 0
     if args.tiny:  # a smoke run: every code path, a few seconds of work
         args.device = args.device or "cpu"
         args.dtype = args.dtype or "float32"
         args.requests = args.streams = min(args.requests, 8)
         args.prompt_len, args.max_tokens = min(args.prompt_len, 32), min(args.max_tokens, 40)
         args.rounds, args.eager_rounds, args.kills = min(args.rounds, 1), min(args.eager_rounds, 1), 1
+        args.streams_list = [x for x in (4, 8) if x <= args.requests]
+        args.startup_n, args.startup_modes = 1, "warm"
     args.device = args.device or "cuda:0"
     args.dtype = args.dtype or "bfloat16"
     from gpu_anchor.client import control
@@ -377,6 +434,9 @@ def main(argv=None) -> int:
     part("commit_microbench", commit_microbench)
     try:
         part("throughput", throughput, args, config_path)
+        if not args.skip_startup:
+            part("startup", D.startup, args, config_path, [m for m in args.startup_modes.split(",") if m],
+                 args.startup_n)
         if not args.skip_hf:
             part("hf_generate_batch", hf_generate_batch, args, config_path)
             if "tokens_per_s" in res["hf_generate_batch"] and "median_tokens_per_s" in res["throughput"]:
@@ -440,6 +500,7 @@ def render(r: dict) -> str:
                      f"≥ 0.99 [paper 0.98]: {'met' if ratio >= 0.99 else 'MISSED'}"))
     elif "error" in tp:
         rows.append(("Throughput", "failed: " + tp["error"].replace("|", "/").replace("\n", " "), ""))
+    extra += D.render(r)
     mb = r.get("commit_microbench")
     if mb and "snapshot_us_per_step" in mb:
         extra += ["", f"Commit host cost for {mb['sequences']} decoding sequences (CPU micro-benchmark): snapshot "

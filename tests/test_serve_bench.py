@@ -10,7 +10,7 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend("bench")
     from serve_throughput import main
     assert main(["--tiny", "--requests", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1",
-                 "--skip-hf", "--skip-recovery", "--out", str(tmp_path / "r.json")]) == 0
+                 "--skip-hf", "--skip-recovery", "--skip-startup", "--profile", "--out", str(tmp_path / "r.json")]) == 0
     res = json.loads((tmp_path / "r.json").read_text())
     t = res["throughput"]
     assert t["anchored_and_plain_outputs_equal"]
@@ -21,8 +21,15 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     assert t["eager"]["graph_tokens_equal_to_eager"] == 1.0
     assert set(t["summary"]["anchored"]["step_ms"]) >= {"schedule", "forward", "sample", "commit_wait"}
     assert res["commit_microbench"]["snapshot_us_per_step"] > 0
+    # the roofline sweep: decode-only steps found, their bytes from the engine's tensors
+    cell = t["sweep"]["4"]["plain"]
+    assert cell["decode_bytes_per_step"]["median"] > 0 and cell["decode_step_ms"]["n"] == 1
+    assert 0 < cell["roofline_fraction"]["nominal_cpu_20GB/s"]["median"] < 1
+    assert set(t["sampled"]) == {"temperature 0.8", "temperature 0.8, top-p 0.95"}
+    assert all(p["steps"] > 0 and p["by_category_ms"] for p in t["profile"].values())
     from serve_throughput import render
-    assert "alternating runs" in render(res)
+    text = render(res)
+    assert "alternating runs" in text and "roofline" in text and "Profile, plain, greedy, graphs" in text
 
 
 @pytest.mark.slow
@@ -36,3 +43,5 @@ def test_serve_throughput_tiny_full(tmp_path, monkeypatch):
     for k in ("recovery_anchored", "recovery_no_anchor"):
         assert res[k]["streams_resumed"] == 4 and res[k]["token_mismatches"] == 0
     assert res["recovery_anchored"]["engine_breakdown_s"]["weights_s"] < 1.0
+    st = res["startup"]["warm"]            # fresh-process start-ups, both engines alike
+    assert len(st["runs"]["anchored"]) == len(st["runs"]["plain"]) == 1 and st["anchored_over_plain_ready"] > 0

@@ -7,8 +7,14 @@ Two paths with one contract — ``attend(q, cache, meta) -> [T, num_heads, head_
 where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
 ``meta.token_seq[t]``) attends causally to keys ``0..positions[t]`` of its sequence:
 
-- CUDA: a Triton kernel; one program per (query token, KV head) walks the block table
-  and keeps an online softmax over the GQA group (no gather of the whole context).
+- CUDA: split-KV Triton kernels ("flash-decoding").  A token's keys are cut into chunks of
+  ``CHUNK`` tokens; program (token, KV head, s) takes chunks s, s + ``SPLITS``, ... and loads
+  each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered through the block table),
+  scoring the whole GQA group with ``tl.dot``; a second kernel merges the partial softmaxes
+  of each (token, head) in one fixed reduction.  A decode step of 64 sequences × 8 KV heads is
+  4096 programs instead of 512 that each walk the context serially, so the loads in flight
+  are enough to stream the KV at memory bandwidth.  Chunk size, split count and the merge
+  are constants, never derived from the batch: a token's output depends only on its context.
 - CPU (and the reference for tests): per sequence, gather its blocks and run SDPA.
 
 CUDA-graph capture (``cuda_graphs.py``): both kernels' grids depend only on the number of
@@ -119,62 +125,106 @@ if triton is not None:
             tl.store(C + sc_kv + slot * N + offs, v.to(C.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _paged_attn_kernel(Q, C, O, BT, TSEQ, TPOS, scale,
-                           sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, so_t, so_h, s_bt,
-                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+    def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale,
+                         sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt,
+                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         CHUNK: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr):
+        # program (t, kvh, s): query token t, the GQA group of KV head kvh, chunks s, s+NS, ...
+        # of CHUNK keys each; writes its unnormalised partial (acc, max, sum) for the combine
         t = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         seq = tl.load(TSEQ + t)
         pos = tl.load(TPOS + t)
-        g = tl.arange(0, GP)
+        n_chunks = pos // CHUNK + 1
+        if split < n_chunks:
+            g = tl.arange(0, GP)
+            d = tl.arange(0, D)
+            j = tl.arange(0, CHUNK)
+            gmask = g < G
+            heads = kvh * G + g
+            q = tl.load(Q + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
+            m_i = tl.full([GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GP], tl.float32)
+            acc = tl.zeros([GP, D], tl.float32)
+            for c in range(split, n_chunks, NS):
+                kpos = c * CHUNK + j
+                # slots past the query's position may hold anything (fresh memory, NaN patterns):
+                # never load them (0 * NaN would poison the accumulator), nor their table entries
+                live = kpos <= pos
+                blk = tl.load(BT + seq * s_bt + kpos // BS, mask=live, other=0).to(tl.int64)
+                off = blk[:, None] * sc_b + (kpos % BS)[:, None] * sc_s + kvh * sc_h + d[None, :]
+                k = tl.load(C + off, mask=live[:, None], other=0.0)
+                v = tl.load(C + sc_kv + off, mask=live[:, None], other=0.0)
+                if IEEE:   # float32 caches: exact products, as the reference computes them
+                    sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                else:
+                    sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                sc = tl.where(live[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                p = tl.exp(sc - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                m_i = m_new
+            row = (t * (G * (tl.num_programs(1))) + heads) * NS + split      # [T, Hq, NS] row-major
+            tl.store(MO + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+            tl.store(ML + row * 2, m_i, mask=gmask)
+            tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, D: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr):
+        # program (t, head): merge the token's live partials, always over splits 0..NS-1 in one
+        # fixed reduction (a request's output never depends on the batch it is in)
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(TPOS + t)
+        s = tl.arange(0, NS)
         d = tl.arange(0, D)
-        n = tl.arange(0, BS)
-        gmask = g < G
-        heads = kvh * G + g
-        q = tl.load(Q + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        n_blocks = pos // BS + 1
-        for b in range(0, n_blocks):
-            blk = tl.load(BT + seq * s_bt + b).to(tl.int64)
-            off = blk * sc_b + n[:, None] * sc_s + kvh * sc_h + d[None, :]
-            kpos = b * BS + n
-            # slots past the query's position may hold anything (fresh memory, NaN patterns):
-            # never load them, since 0 * NaN would poison the accumulator
-            live = (kpos <= pos)[:, None]
-            k = tl.load(C + off, mask=live, other=0.0)
-            v = tl.load(C + sc_kv + off, mask=live, other=0.0)
-            if IEEE:   # float32 caches: exact products, as the reference computes them
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where(kpos[None, :] <= pos, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        tl.store(O + t * so_t + heads[:, None] * so_h + d[None, :], acc.to(O.dtype.element_ty), mask=gmask[:, None])
+        live = s < pos // CHUNK + 1
+        row = (t * tl.num_programs(1) + h) * NS + s
+        m = tl.load(ML + row * 2, mask=live, other=float("-inf"))
+        ls = tl.load(ML + row * 2 + 1, mask=live, other=0.0)
+        acc = tl.load(MO + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.where(live, tl.exp(m - mx), 0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(ls * w, 0)
+        tl.store(O + t * so_t + h * so_h + d, out.to(O.dtype.element_ty))
+
+
+# Split-KV ("flash-decoding") constants.  Fixed, never derived from the batch: a token's result
+# depends only on its own context, whatever else is in the step.  A chunk is one program's tile
+# of keys (K and V loaded whole: CHUNK × head_dim each); NS programs per (token, KV head) take
+# chunks s, s + NS, ...; token slices bound the partials' memory (TOKEN_SLICE × heads × NS ×
+# head_dim float32: 32 MiB for 32 heads of 128) for long prefill steps.
+CHUNK = 64
+SPLITS = 8
+TOKEN_SLICE = 256
 
 
 def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
     _, nb, bs, hkv, d = cache.shape
     T, hq, _ = q.shape
     g = hq // hkv
-    if d & (d - 1) or d < 16 or bs < 16 or bs & (bs - 1):
-        raise ValueError(f"the Triton path needs power-of-two head_dim and block_size >= 16, got {d}, {bs}")
+    if d & (d - 1) or d < 16 or bs & (bs - 1):
+        raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16 and block_size, got {d}, {bs}")
     q = q.to(cache.dtype).contiguous()
     out = torch.empty_like(q)
     bt = meta.block_tables
-    _paged_attn_kernel[(T, hkv)](
-        q, cache, out, bt, meta.token_seq, meta.positions, scale,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        out.stride(0), out.stride(1), bt.stride(0),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs, IEEE=cache.dtype == torch.float32)
+    n = min(T, TOKEN_SLICE)
+    mo = torch.empty(n, hq, SPLITS, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n, hq, SPLITS, 2, dtype=torch.float32, device=q.device)
+    for lo in range(0, T, TOKEN_SLICE):     # one slice for every decode step (T <= max_num_seqs)
+        hi = min(T, lo + TOKEN_SLICE)
+        tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
+        _split_kv_kernel[(hi - lo, hkv, SPLITS)](
+            q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale,
+            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            bt.stride(0), G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs, CHUNK=CHUNK, NS=SPLITS,
+            IEEE=cache.dtype == torch.float32)
+        o = out[lo:hi]
+        _combine_kernel[(hi - lo, hq)](mo, ml, o, tpos, o.stride(0), o.stride(1), D=d, CHUNK=CHUNK, NS=SPLITS)
     return out

@@ -1,54 +1,173 @@
-"""Token sampling: greedy, temperature, top-k, top-p with a counter-based RNG.
+"""Token sampling on the device: greedy, temperature, top-k, top-p, with a counter-based RNG.
 
 The uniform number that picks output token ``i`` of a request is a pure function of
-``(seed, i)``.  So a request's sampling state is (seed, #tokens generated): nothing
-but the committed token count needs persisting, and a recomputed step draws the same
-number it drew before the crash.  Each row is computed independently of the others
-(sort, softmax, cumsum along the vocabulary), so the batch a request lands in does
-not change its draw.
+``(seed, i)`` (``uniform``): an integer hash computed with tensor ops, so the CPU and the GPU
+draw the same number, and a request's sampling state is (seed, #tokens generated): nothing
+but the committed token count needs persisting, and a recomputed step draws what it drew
+before the crash.
+
+One step's work is a few batched kernels over ``[B, V]``, no per-row Python, no host sync
+until the chosen ids are read:
+
+- every row: ``argmax`` (greedy rows keep it; ties go to the lowest index);
+- when some row samples: softmax of ``logits / T``; for rows with top-k (and no top-p) one
+  ``topk`` of the batch's largest k gives each row's k-th value, and the tokens above it plus
+  the lowest-indexed ties make the k kept; only rows with top-p < 1 are sorted (stably, so ties
+  rank by index), as top-p needs the mass in probability order; then an inverse CDF over the
+  kept probabilities *in vocabulary order*: the first token whose running sum passes
+  ``u × kept mass``.  No full-vocabulary sort unless a row asks for top-p.
+
+Each row is computed from its own logits and parameters only (every op is row-wise), so the
+batch a request lands in does not change its draw.
 """
 from __future__ import annotations
-
-import hashlib
-import struct
 
 import torch
 
 from .sequence import SamplingParams
 
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+
+_M32 = 0xFFFFFFFF
+_K1, _K2 = 0x7FEB352D, 0x846CA68B      # lowbias32 (C. Wellons): a well-mixing 32-bit bijection
+_C1, _C2 = 0x9E3779B9, 0x632BE5AB
+
+
+# ------------------------------------------------------------------ the counter-based RNG
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for ``x`` in [0, 2**32) without overflowing int64 (the product is
+    split at 16 bits): the same arithmetic for Python ints and int64 tensors."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & _M32
+
+
+def _mix(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, _K1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _K2)
+    return x ^ (x >> 16)
+
+
+def _hash(seed_lo, seed_hi, index):
+    h = _mix((seed_lo + _C1) & _M32)
+    h = _mix(h ^ seed_hi)
+    h = _mix(h ^ index)
+    return _mix((h + _C2) & _M32)
+
+
+def _split(seed: int) -> tuple[int, int]:
+    s = int(seed) & 0x7FFFFFFFFFFFFFFF
+    return s & _M32, s >> 32
+
 
 def uniform(seed: int, index: int) -> float:
-    """A uniform number in [0, 1) determined by (seed, index): a hash, not a stream."""
-    h = hashlib.blake2b(struct.pack("<qq", seed & 0x7FFFFFFFFFFFFFFF, index), digest_size=8).digest()
-    return (int.from_bytes(h, "little") >> 11) * (1.0 / (1 << 53))
+    """The uniform number in [0, 1) that picks output token ``index`` of a request seeded
+    ``seed``: 24 bits of a hash of (seed, index), exactly what ``sample`` draws on a device."""
+    lo, hi = _split(seed)
+    return (_hash(lo, hi, int(index) & _M32) >> 8) * 2.0 ** -24
 
 
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``uniform`` for int64 tensors of seed halves and indices: float32 [B].  On CUDA one
+    Triton launch (the tensor-op form is ~70 tiny kernels); elsewhere the tensor ops."""
+    if seed_lo.is_cuda and triton is not None:
+        out = torch.empty(seed_lo.shape, dtype=torch.float32, device=seed_lo.device)
+        n = out.numel()
+        _uniform_kernel[(1,)](seed_lo, seed_hi, index, out, n, BLOCK=max(16, triton.next_power_of_2(n)))
+        return out
+    return (_hash(seed_lo, seed_hi, index & _M32) >> 8).to(torch.float32) * 2.0 ** -24
+
+
+if triton is not None:
+    @triton.jit
+    def _mix_u32(x):
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _uniform_kernel(LO, HI, IDX, OUT, n, BLOCK: tl.constexpr):
+        # the hash of ``_hash`` in uint32 arithmetic, which wraps mod 2**32 as ``_mul32`` does
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        lo = tl.load(LO + offs, mask=m, other=0).to(tl.uint32)
+        hi = tl.load(HI + offs, mask=m, other=0).to(tl.uint32)
+        ix = tl.load(IDX + offs, mask=m, other=0).to(tl.uint32)
+        h = _mix_u32(lo + 0x9E3779B9)
+        h = _mix_u32(h ^ hi)
+        h = _mix_u32(h ^ ix)
+        h = _mix_u32(h + 0x632BE5AB)
+        tl.store(OUT + offs, (h >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=m)
+
+
+# ------------------------------------------------------------------ sampling
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
     """``logits`` [B, V]; ``indices[b]`` is the output index the row's token will take."""
-    out = logits.argmax(dim=-1)
-    rows = [b for b, p in enumerate(params) if not p.greedy]
-    if rows:
-        dev = logits.device
-        x = logits[rows].float()
-        temps = torch.tensor([params[b].temperature for b in rows], device=dev)
-        x = x / temps[:, None]
-        sx, si = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sx, dim=-1)
-        V = x.shape[-1]
-        rank = torch.arange(V, device=dev)[None, :]
-        ks = torch.tensor([params[b].top_k or V for b in rows], device=dev)
-        keep = rank < ks[:, None]
-        ps = torch.tensor([params[b].top_p for b in rows], device=dev, dtype=probs.dtype)
-        before = torch.cumsum(probs, dim=-1) - probs          # mass strictly above this token
-        keep &= (before < ps[:, None]) | (rank == 0)
+    return sample_ids(logits, params, indices).tolist()
+
+
+def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
+    """``sample`` without the host copy: the chosen ids as an int64 tensor [B] on the device."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy
+    dev, (B, V) = logits.device, logits.shape
+    # one host -> device copy of the rows' parameters: (temperature, top_p) and (top_k, seed halves, index)
+    fl = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32)
+    it = torch.tensor([(p.top_k if 0 < p.top_k < V else V, *_split(p.seed or 0), i)
+                       for p, i in zip(params, indices)], dtype=torch.long)
+    fl, it = fl.to(dev, non_blocking=True), it.to(dev, non_blocking=True)
+    sampled, top_p = fl[:, 0] > 0, fl[:, 1]
+    top_k = it[:, 0]
+    x = logits.float() / torch.where(sampled, fl[:, 0], 1.0)[:, None]     # greedy rows: any finite scale
+    probs = torch.softmax(x, dim=-1)
+    keep = None
+    kmax = max((p.top_k for p in params if 0 < p.top_k < V and p.top_p >= 1.0), default=0)
+    if kmax:
+        keep = _top_k_mask(x, top_k, kmax)
+        if kmax < V:
+            keep |= (top_k >= V)[:, None] | (top_p < 1.0)[:, None]    # rows without top-k, or sorted below
+    sort_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
+    if sort_rows:
+        keep = torch.ones(B, V, dtype=torch.bool, device=dev) if keep is None else keep
+        rows = torch.tensor(sort_rows, dtype=torch.long).to(dev, non_blocking=True)
+        keep[rows] = _top_p_mask(probs[rows], top_k[rows], top_p[rows])
+    if keep is not None:
         probs = torch.where(keep, probs, torch.zeros((), device=dev, dtype=probs.dtype))
-        cdf = torch.cumsum(probs, dim=-1)
-        u = torch.tensor([uniform(params[b].seed or 0, indices[b]) for b in rows], device=dev, dtype=cdf.dtype)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=V - 1)
-        # searchsorted may land on a zero-probability tail entry only at the clamp; step back.
-        chosen = torch.gather(si, 1, pick).squeeze(1)
-        out[rows] = chosen
-    return out.tolist()
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    u = uniforms(it[:, 1], it[:, 2], it[:, 3])[:, None]
+    # strictly below the kept mass, so the first entry past it exists and has probability > 0
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
+    return torch.where(sampled, pick, greedy)
+
+
+def _top_k_mask(x: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """Per row, the ``k[b]`` largest entries of ``x`` (ties: the lowest indices), as a mask."""
+    vals = torch.topk(x, kmax, dim=-1, sorted=True).values
+    kth = vals.gather(1, (k.clamp(max=kmax) - 1)[:, None])
+    above = x > kth
+    tied = x == kth
+    room = k[:, None] - above.sum(-1, keepdim=True)
+    return above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+
+
+def _top_p_mask(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-k and top-p of the (full) distribution by a stable sort: a token is kept when fewer
+    than ``k`` tokens rank before it and the mass ranked before it is below ``p`` (the most
+    likely token always).  Returned in vocabulary order."""
+    sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    before = torch.cumsum(sp, dim=-1) - sp
+    keep = (rank < k[:, None]) & ((before < p[:, None]) | (rank == 0))
+    return torch.zeros_like(keep).scatter_(1, si, keep)
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[tuple[float, list]]:

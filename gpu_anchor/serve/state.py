@@ -86,9 +86,13 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
     report = report or (lambda phase, done=None, total=None: None)
     rank, n = cfg.rank, cfg.tensor_parallel_size
     t0 = time.perf_counter()
+    # the HF module on the meta device (names, shapes): built once per process, before forking
+    # engines under the supervisor; timed apart so that "bind" is the memory's cost alone
+    full = param_specs(mc, dtype)
+    specs_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     anchor = provider(str(device), cfg.namespace, cfg.socket, enabled=cfg.anchor,
                       **({"rank": rank, "world": n} if n > 1 else {}))
-    full = param_specs(mc, dtype)
     wspecs = shards.shard_specs(full, mc.vocab_size, rank, n)
     L, d = mc.num_hidden_layers, head_dim(mc)
     kshape = (2, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads // n, d)
@@ -99,7 +103,7 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
     except ConflictError as e:   # another layout or model under these names: start them afresh
         log.warning("anchored objects do not fit this engine (%s); replacing them", str(e).splitlines()[0])
         tensors, status = anchor.bind(wspecs + kspecs, policy="replace")
-    timings = {"bind_s": time.perf_counter() - t0}
+    timings = {"model_specs_s": specs_s, "bind_s": time.perf_counter() - t0}
     weights = {nm: tensors[nm] for nm, _, _ in wspecs}
     kv = [tensors[nm] for nm, _, _ in kspecs]
     journal = anchor.journal
