@@ -463,11 +463,12 @@ def test_cuda_kernel_shapes_refused_at_start_up(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(tiny_config("qwen3")))
     mc = load_config(str(cfg))
-    for bs in (4, 24):
+    for bs in (6, 24):
         with pytest.raises(options.OptionError, match=f"--block-size {bs} on cuda:0"):
             options.check_kernel_shapes(_args("--block-size", str(bs)), mc, "cuda:0")
         options.check_kernel_shapes(_args("--block-size", str(bs)), mc, "cpu")
-    options.check_kernel_shapes(_args("--block-size", "32"), mc, "cuda:0")
+    for bs in (4, 16, 32):
+        options.check_kernel_shapes(_args("--block-size", str(bs)), mc, "cuda:0")
     cfg.write_text(json.dumps(dict(tiny_config("qwen3"), head_dim=24)))
     with pytest.raises(options.OptionError, match="head_dim 24"):
         options.check_kernel_shapes(_args(), load_config(str(cfg)), "cuda:0")

@@ -68,7 +68,7 @@ class _Server:
         port_file.unlink(missing_ok=True)
         proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", self.model, "--port", "0", "--port-file",
                                  str(port_file), "--socket", self.sock, *SERVE, "--device", self.device,
-                                 # CUDA's attention kernel tiles blocks of >= 16 tokens
+                                 # vLLM's default block size on CUDA
                                  "--block-size", "4" if self.device == "cpu" else "16", *extra],
                                 stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
         self.procs.append(proc)

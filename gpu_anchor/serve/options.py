@@ -91,19 +91,20 @@ def check_tensor_parallel(args, mc, device: str) -> None:
 
 
 def check_kernel_shapes(args, mc, device: str) -> None:
-    """On CUDA the paged attention is a Triton kernel that tiles one KV block by the head
-    dimension: both must be powers of two, the block at least 16 tokens.  Said at start-up,
-    not by every engine's first step (which the supervisor would count as a crash loop)."""
+    """On CUDA the paged attention is a Triton kernel that gathers whole KV blocks and tiles
+    by the head dimension: the block size must be a power of two, the head dimension a power
+    of two >= 16.  Said at start-up, not by every engine's first step (which the supervisor
+    would count as a crash loop)."""
     if device == "cpu":
         return
     from .model_runner import head_dim
     bs, d = args.block_size, head_dim(mc)
-    if bs < 16 or bs & (bs - 1):
-        raise OptionError(f"--block-size {bs} on {device}: the CUDA attention kernel needs a power of two >= 16 "
+    if bs < 1 or bs & (bs - 1):
+        raise OptionError(f"--block-size {bs} on {device}: the CUDA attention kernel needs a power of two "
                           "(vLLM's default is 16)")
-    if d & (d - 1):
-        raise OptionError(f"head_dim {d} of the model is not a power of two: the CUDA attention kernel cannot "
-                          "serve it (serve it on --device cpu)")
+    if d < 16 or d & (d - 1):
+        raise OptionError(f"head_dim {d} of the model is not a power of two >= 16: the CUDA attention kernel "
+                          "cannot serve it (serve it on --device cpu)")
 
 
 def api_key(args) -> str | None:
