@@ -77,6 +77,8 @@ def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor) 
     if seed_lo.is_cuda and triton is not None:
         out = torch.empty(seed_lo.shape, dtype=torch.float32, device=seed_lo.device)
         n = out.numel()
+        # the kernel reads flat memory: the callers pass columns of one [B, 4] tensor (stride 4)
+        seed_lo, seed_hi, index = seed_lo.contiguous(), seed_hi.contiguous(), index.contiguous()
         _uniform_kernel[(1,)](seed_lo, seed_hi, index, out, n, BLOCK=max(16, triton.next_power_of_2(n)))
         return out
     return (_hash(seed_lo, seed_hi, index & _M32) >> 8).to(torch.float32) * 2.0 ** -24
