@@ -117,6 +117,23 @@ def resident(scope, key: str, device_hint) -> dict | None:
     return {"hint": hint, "objects": objects, "devices": sorted(by_dev)}
 
 
+@contextlib.contextmanager
+def _without_modes():
+    """No torch-function or dispatch mode (the scope's, or any other) around a build that makes
+    meta tensors only: each op through two Python modes cost ~20 µs, thousands per model."""
+    from torch.overrides import _pop_mode, _push_mode
+    from torch.utils._python_dispatch import _disable_current_modes
+    popped = []
+    try:
+        while torch._C._len_torch_function_stack():
+            popped.append(_pop_mode())
+        with _disable_current_modes():
+            yield
+    finally:
+        for m in reversed(popped):
+            _push_mode(m)
+
+
 def _no_init_weights():
     try:                                               # transformers >= 5
         from transformers.initialization import no_init_weights
@@ -141,8 +158,8 @@ def _build(cls, path, kwargs, found):
     dtypes = {v[2] for v in hint.values() if v[4] == "p"}
     dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else None
     # every tensor is replaced by its anchored one below: skip the initialisation and keep the
-    # scope's interception out of a meta-only build (on an 8B model these were most of the restart)
-    with suspended(), _no_init_weights(), torch.device("meta"):
+    # scope's modes out of a meta-only build (on an 8B model these were most of the restart)
+    with suspended(), _without_modes(), _no_init_weights(), torch.device("meta"):
         model = cls._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     params: dict[str, torch.nn.Parameter] = {}
     for dotted, t, kind in list(tensors(model)):
