@@ -95,7 +95,7 @@ def test_daemon_killed_falls_back_to_checkpoint(reference, clean_daemons, tmp_pa
 def test_torn_checkpoint_is_ignored_for_the_previous_complete_one(reference, clean_daemons, tmp_path):
     env = {"GPU_ANCHOR_SNAPSHOT_THROTTLE_S": "0.4"}  # widen each write so the node "dies" inside one
     cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--checkpoint-dir", "ckpt",
-           "--checkpoint-every", "10", "--checkpoint-keep", "1000", "--", sys.executable, DEMO, "--steps",
+           "--checkpoint-every", "40", "--checkpoint-keep", "1000", "--", sys.executable, DEMO, "--steps",
            str(STEPS), "--out", "r.pt"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
