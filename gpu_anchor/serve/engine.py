@@ -77,6 +77,9 @@ class EngineConfig:
     # the first steps of an engine run eagerly: a restarted engine's first tokens are not
     # held up by capturing a graph (each size is captured at its first use after these)
     graph_after_steps: int = 2
+    # batch-invariant kernels (batch_invariant.py): a request's tokens do not depend on the
+    # batch it runs in, so a recomputed step or prefill gives exactly the fault-free tokens
+    deterministic: bool = False
     # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
     # ``rendezvous``: the path prefix of this incarnation's control socket and store
     tensor_parallel_size: int = 1
@@ -121,7 +124,7 @@ class Engine:
         self.anchor = st.anchor
         self.weights_loaded = st.weights_loaded
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
-                           tp=self.tp.group if self.tp is not None else None)
+                           tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
