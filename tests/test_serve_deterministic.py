@@ -102,6 +102,21 @@ def test_cpu_ops_batch_invariant():
     assert all(torch.equal(lin[0], t) for t in lin) and all(torch.equal(norm[0], t) for t in norm)
 
 
+def test_rowwise_sampling_draws_what_sampling_draws():
+    """``batch_invariant.sample`` is ``sampling.sample`` with each sampled row drawn alone: the
+    same tokens for the same (seed, index), greedy rows and sampled rows mixed."""
+    from gpu_anchor.serve import batch_invariant as B
+    from gpu_anchor.serve.sampling import sample
+    from gpu_anchor.serve.sequence import SamplingParams
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(12, 300, generator=g) * 3
+    params = [SamplingParams(temperature=0.0) if b % 3 == 0 else
+              SamplingParams(temperature=0.7 + 0.1 * b, top_p=0.9, top_k=50 if b % 2 else 0, seed=b) for b in range(12)]
+    idx = list(range(5, 17))
+    assert B.sample(logits, params, idx) == sample(logits, params, idx)
+    assert B.sample(logits[4:5], params[4:5], idx[4:5]) == sample(logits, params, idx)[4:5]
+
+
 # ------------------------------------------------------------------ the model: prefill K/V == decode K/V
 def _tiny_model(device, dtype, deterministic, num_blocks=64, bs=16):
     from transformers import AutoConfig

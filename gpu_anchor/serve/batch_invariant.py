@@ -30,6 +30,13 @@ near-tie tokens, and once one token differs the rest of the stream does too.
   query, its position and its sequence's cache — not on the other tokens of the step, nor on
   prefill vs decode.  CPU — the reference SDPA per query token (each call's shape depends
   only on that token's context length).
+- ``sample``: ``sampling.sample_ids`` with each sampled row drawn by a call of its own (shape
+  ``[1, V]``; one host copy of the ids at the end): its softmax and sort are row-wise, but
+  torch's CUDA ``cumsum`` picks its thread layout by the number of rows (and scans a single
+  row with cub), so the cumulative distribution a draw is compared with would depend on how
+  many rows share the step.
+  Greedy rows are one ``argmax`` over all rows (a max is exact in any order; ties go to the
+  lowest id).
 - everything else in the forward is elementwise or a gather (embedding, rotary, SiLU,
   residual adds, casts) and so invariant already.
 
@@ -131,6 +138,20 @@ def _tree_sum(sq: torch.Tensor) -> torch.Tensor:
         width //= 2
         sq = sq[..., :width] + sq[..., width:]
     return sq
+
+
+# ------------------------------------------------------------------ sampling
+def sample(logits: torch.Tensor, params: list, indices: list[int]) -> list[int]:
+    """``sampling.sample`` (same arguments, same draws) whose sampled rows do not depend on the
+    other rows of the step: each is drawn by a call of its own, on the device; one host copy."""
+    from .sampling import sample_ids
+    ids = logits.argmax(dim=-1)
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if rows:
+        ids = ids.clone()
+        for b in rows:
+            ids[b:b + 1] = sample_ids(logits[b:b + 1], [params[b]], [indices[b]])
+    return ids.tolist()
 
 
 # ------------------------------------------------------------------ attention

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import batch_invariant
 from . import commit as C
 from .anchor import Anchor
 from .attention import step_inputs
@@ -384,7 +385,8 @@ class Engine:
             self._send_commit()              # the previous step's, encoded while the GPU works
             sw = [w for w in work if w.sample]
             if sw:
-                toks = sample(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
+                draw = batch_invariant.sample if self.cfg.deterministic else sample
+                toks = draw(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
                 sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
                 want = [b for b, w in enumerate(sw) if w.seq.params.logprobs is not None]
                 if want:
