@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed fault-free runs per mode (n)")
     ap.add_argument("--engine-kills", type=int, default=2)
     ap.add_argument("--no-daemon-kill", dest="daemon_kill", action="store_false")
-    ap.add_argument("--modes", default="default,deterministic")
+    ap.add_argument("--modes", default="default,deterministic", help="comma-separated; empty: transformers only")
     ap.add_argument("--no-transformers", dest="transformers", action="store_false")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--name", default=None,
@@ -263,9 +263,12 @@ def main(argv=None) -> int:
               "streams": a.streams, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, "modes": {},
               "interval": INTERVAL.text}
     t0 = time.time()
+    name = a.name or "serve_determinism" + ("_tiny" if a.tiny else "")
     try:
-        for mode in a.modes.split(","):
+        for mode in [m for m in a.modes.split(",") if m]:
             result["modes"][mode] = run_mode(a, config_path, mode, work)
+            result["wall_s"] = time.time() - t0
+            write_result(name, dict(result, complete=False), a.out)    # kept if a timeout stops the rest
         if a.transformers:
             from bench.serve_throughput import hf_generate_batch
             hf_args = argparse.Namespace(requests=a.streams, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
     finally:
         result["wall_s"] = time.time() - t0
         shutil.rmtree(work, ignore_errors=True)
-    name = a.name or "serve_determinism" + ("_tiny" if a.tiny else "")
+    result["complete"] = True
     print(json.dumps({m: {k: r[k] for k in ("tokens_per_s", "engine_kills")} for m, r in result["modes"].items()},
                      indent=1, default=str))
     print("[bench] wrote", write_result(name, result, a.out))
@@ -319,4 +322,6 @@ def render(result: dict) -> str:
                    "transformers generate_batch's" if hf.get("runs") else "") + "."]
     if hf.get("error"):
         lines += ["", f"transformers baseline: {hf['error']}"]
+    if not result.get("complete", True):
+        lines += ["", "Incomplete run: it stopped (a timeout) after the modes above; the rest was not measured."]
     return "\n".join(lines)

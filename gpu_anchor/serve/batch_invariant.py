@@ -215,7 +215,7 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         ok = offs < D
         x = tl.load(X + r * s_row + offs, mask=ok, other=0.0).to(tl.float32)
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps))
+        inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
         xn = (x * inv).to(Y.dtype.element_ty).to(tl.float32)
         w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + r * D + offs, (w * xn).to(Y.dtype.element_ty), mask=ok)
