@@ -65,10 +65,10 @@ def supported(device: torch.device, dtype: torch.dtype) -> str:
     """"" if deterministic mode can run on ``device`` in ``dtype``, else why not."""
     if device.type != "cuda":
         return ""
-    if triton is None:
-        return "--deterministic on CUDA needs Triton (it ships with CUDA builds of torch)"
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"--deterministic on CUDA supports float32, bfloat16 and float16, not {dtype}"
+    if triton is None:
+        return "--deterministic on CUDA needs Triton (it ships with CUDA builds of torch)"
     return ""
 
 
