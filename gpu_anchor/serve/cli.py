@@ -55,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-anchor", action="store_true", help="plain allocations, no journal (baseline)")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", action="store_true",
                    help="decode steps run the eager forward (default on CUDA: replayed CUDA graphs)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels for every matmul, norm and attention: a request's tokens do not "
+                        "depend on the batch it runs in, so a run with engine or daemon failures gives the same "
+                        "tokens as a fault-free one, also on a GPU in bf16 (off by default: it costs throughput; "
+                        "docs/serving.md, 'Determinism')")
     p.add_argument("--warm-pool", action="store_true",
                    help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
                         "at once when the engine dies, instead of a fork + CUDA init")
@@ -131,6 +136,7 @@ def engine_config(args, mc):
     options.check_tensor_parallel(args, mc, device)
     options.check_kernel_shapes(args, mc, device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    options.check_deterministic(args, device, dtype)
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
@@ -139,7 +145,7 @@ def engine_config(args, mc):
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
                         namespace=args.namespace or f"serve-{name}", socket=args.socket,
                         cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None,
-                        tensor_parallel_size=tp)
+                        tensor_parallel_size=tp, deterministic=args.deterministic)
 
 
 def rank_configs(cfg) -> list:

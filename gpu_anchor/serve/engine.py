@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import batch_invariant
 from . import commit as C
 from .anchor import Anchor
 from .attention import step_inputs
@@ -77,6 +78,9 @@ class EngineConfig:
     # the first steps of an engine run eagerly: a restarted engine's first tokens are not
     # held up by capturing a graph (each size is captured at its first use after these)
     graph_after_steps: int = 2
+    # batch-invariant kernels (batch_invariant.py): a request's tokens do not depend on the
+    # batch it runs in, so a recomputed step or prefill gives exactly the fault-free tokens
+    deterministic: bool = False
     # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
     # ``rendezvous``: the path prefix of this incarnation's control socket and store
     tensor_parallel_size: int = 1
@@ -121,7 +125,7 @@ class Engine:
         self.anchor = st.anchor
         self.weights_loaded = st.weights_loaded
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
-                           tp=self.tp.group if self.tp is not None else None)
+                           tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -381,7 +385,8 @@ class Engine:
             self._send_commit()              # the previous step's, encoded while the GPU works
             sw = [w for w in work if w.sample]
             if sw:
-                toks = sample(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
+                draw = batch_invariant.sample if self.cfg.deterministic else sample
+                toks = draw(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
                 sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
                 want = [b for b, w in enumerate(sw) if w.seq.params.logprobs is not None]
                 if want:

@@ -5,7 +5,9 @@ and shapes (and its rotary embedding class); the weights themselves are anchored
 tensors, loaded from safetensors or seeded-random only when the daemon "created" them.
 The forward mirrors the HF modules op for op (RMSNorm in float32, rotary from HF's own
 module, optional q/k/v biases, Qwen3's q_norm/k_norm), but attention reads the paged
-cache through :mod:`.attention`.
+cache through :mod:`.attention`.  With ``deterministic=True`` every matmul, norm and the
+attention go through :mod:`.batch_invariant` instead, so a token's result does not depend
+on the batch it runs in (``gpu-anchor serve --deterministic``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import batch_invariant
 from .attention import AttnMeta, attend, write_kv
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -147,9 +150,10 @@ class Model:
     ``embed`` → ``layers(lo, hi)`` → ``head``.  ``forward`` chains them (the eager path)."""
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], device,
-                 max_positions: int | None = None, tp=None) -> None:
+                 max_positions: int | None = None, tp=None, deterministic: bool = False) -> None:
         """``tp``: this rank's tensor-parallel group (``tp.Group``), whose shards ``weights``
-        and ``kv_caches`` are (``shards.py``); ``None``: the whole model."""
+        and ``kv_caches`` are (``shards.py``); ``None``: the whole model.  ``deterministic``:
+        batch-invariant kernels (``batch_invariant.py``) for every matmul, norm and attention."""
         from transformers.activations import ACT2FN
         self.cfg = cfg
         self.w = weights
@@ -173,6 +177,15 @@ class Model:
         self._rope = None
         self._max_positions = max(max_positions or 0, cfg.max_position_embeddings)
         self.device = torch.device(device)
+        self.deterministic = deterministic
+        if deterministic:
+            why = batch_invariant.supported(self.device, weights["model.embed_tokens.weight"].dtype)
+            if why:
+                raise ValueError(why)
+            self._linear, self._norm, self._attend = batch_invariant.linear, batch_invariant.rms_norm, \
+                batch_invariant.attend
+        else:
+            self._linear, self._norm, self._attend = F.linear, _rms, attend
 
     @torch.no_grad()
     def _rope_table(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,38 +215,38 @@ class Model:
         w, T = self.w, h.shape[0]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
-            x = _rms(h, w[p + "input_layernorm.weight"], self.eps)
+            x = self._norm(h, w[p + "input_layernorm.weight"], self.eps)
             a = p + "self_attn."
-            q = F.linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(T, self.hq, self.d)
-            k = F.linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(T, self.hkv, self.d)
-            v = F.linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(T, self.hkv, self.d)
+            q = self._linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(T, self.hq, self.d)
+            k = self._linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(T, self.hkv, self.d)
+            v = self._linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(T, self.hkv, self.d)
             if a + "q_norm.weight" in w:
-                q = _rms(q, w[a + "q_norm.weight"], self.eps)
-                k = _rms(k, w[a + "k_norm.weight"], self.eps)
+                q = self._norm(q, w[a + "q_norm.weight"], self.eps)
+                k = self._norm(k, w[a + "k_norm.weight"], self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             write_kv(self.kv[i], k, v, meta.slots)
-            o = attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
+            o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
             h = h + self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
-            x = _rms(h, w[p + "post_attention_layernorm.weight"], self.eps)
+            x = self._norm(h, w[p + "post_attention_layernorm.weight"], self.eps)
             m = p + "mlp."
-            h = h + self._row(self.act(F.linear(x, w[m + "gate_proj.weight"])) * F.linear(x, w[m + "up_proj.weight"]),
-                              w[m + "down_proj.weight"], None)
+            up = self._linear(x, w[m + "up_proj.weight"])
+            h = h + self._row(self.act(self._linear(x, w[m + "gate_proj.weight"])) * up, w[m + "down_proj.weight"], None)
         return h
 
     def _row(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         """A row-parallel linear (o_proj, down_proj): each rank's partial product, summed over
         the ranks; the (replicated) bias is added once, after the sum."""
         if self.tp is None:
-            return F.linear(x, weight, bias)
-        y = self.tp.all_reduce(F.linear(x, weight))
+            return self._linear(x, weight, bias)
+        y = self.tp.all_reduce(self._linear(x, weight))
         return y if bias is None else y + bias
 
     @torch.no_grad()
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head of the rows to sample: float32 logits [rows, V] (on every
         rank of a tensor-parallel group: each computes its vocabulary range, then all-gather)."""
-        logits = F.linear(_rms(h, self.w["model.norm.weight"], self.eps), self.lm_head).float()
+        logits = self._linear(self._norm(h, self.w["model.norm.weight"], self.eps), self.lm_head).float()
         if self.tp is None:
             return logits
         if not h.shape[0]:       # every rank has the same rows (the step's plan): no collective

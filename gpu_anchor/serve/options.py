@@ -17,6 +17,8 @@
   memory comes from NVML (no CUDA context) on CUDA and ``/proc/meminfo`` on the CPU.
 - ``--chat-template``: a file, or the template itself inline (as vLLM).
 - ``--api-key``, else the ``VLLM_API_KEY`` environment variable (as vLLM).
+- ``--deterministic``: on CUDA in float32 / bfloat16 / float16, with Triton, and at most 2
+  tensor-parallel ranks (``batch_invariant.py`` says why); on the CPU it is always accepted.
 """
 from __future__ import annotations
 
@@ -105,6 +107,26 @@ def check_kernel_shapes(args, mc, device: str) -> None:
     if d < 16 or d & (d - 1):
         raise OptionError(f"head_dim {d} of the model is not a power of two >= 16: the CUDA attention kernel "
                           "cannot serve it (serve it on --device cpu)")
+
+
+def check_deterministic(args, device: str, dtype: str) -> None:
+    """What ``--deterministic`` needs: at most 2 tensor-parallel ranks; on CUDA, Triton and a
+    float32 / bfloat16 / float16 dtype (``batch_invariant.py``)."""
+    if not getattr(args, "deterministic", False):
+        return
+    tp = args.tensor_parallel_size or 1
+    if tp > 2:
+        raise OptionError(f"--deterministic with --tensor-parallel-size {tp}: NCCL sums the ranks' partial "
+                          "products in an order that depends on the message size (the batch) when more than 2 "
+                          "ranks take part, so tokens would not be batch-invariant; use -tp 1 or 2")
+    if device.startswith("cuda"):
+        import torch
+
+        from .batch_invariant import supported
+        from .engine import DTYPES
+        why = supported(torch.device(device), DTYPES.get(dtype, torch.float32))
+        if why:
+            raise OptionError(why)
 
 
 def api_key(args) -> str | None:
