@@ -8,7 +8,7 @@ import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NOT_SCENARIOS = {"common", "report", "__main__", "protocol", "figures"}
+NOT_SCENARIOS = {"common", "report", "__main__", "protocol", "figures", "serve_decode"}  # serve_decode: a part of serve_throughput
 
 
 def scenarios() -> list[str]:
