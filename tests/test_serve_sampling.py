@@ -164,3 +164,23 @@ def test_gpu_sampling_equals_cpu():
     x = _logits(len(MIXED), seed=5)
     idx = list(range(len(MIXED)))
     assert S.sample(x.cuda(), MIXED, idx) == S.sample(x, MIXED, idx)
+
+
+@pytest.mark.gpu
+def test_gpu_sampled_draws_repeat_and_do_not_depend_on_the_batch():
+    """At a real vocabulary size on CUDA, the same rows drawn again give the same ids, and a
+    row drawn alone gives what it gave in a batch of 64 (the inverse CDF's running sum is
+    taken in fixed point: a float scan over one row varies from run to run on CUDA)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    g = torch.Generator().manual_seed(11)
+    B, V = 64, 151936
+    x = (torch.randn(B, V, generator=g) * 3).to(torch.bfloat16).cuda()
+    params = [SamplingParams(temperature=(0.6, 0.8, 1.0, 1.3)[b % 4], top_p=(1.0, 0.95)[b % 2],
+                             top_k=(0, 0, 50)[b % 3], seed=b) for b in range(B)]
+    for start in range(0, 400, 40):
+        idx = list(range(start, start + B))
+        ref = S.sample(x, params, idx)
+        for _ in range(3):
+            assert S.sample(x, params, idx) == ref
+        assert [S.sample(x[b:b + 1], [params[b]], [idx[b]])[0] for b in range(0, B, 7)] == ref[::7]

@@ -15,7 +15,9 @@ until the chosen ids are read:
   the lowest-indexed ties make the k kept; only rows with top-p < 1 are sorted (stably, so ties
   rank by index), as top-p needs the mass in probability order; then an inverse CDF over the
   kept probabilities *in vocabulary order*: the first token whose running sum passes
-  ``u × kept mass``.  No full-vocabulary sort unless a row asks for top-p.
+  ``u × kept mass``.  No full-vocabulary sort unless a row asks for top-p.  Running sums
+  are taken over probabilities in fixed point (``_fixed``), so they are exact: a float scan
+  on CUDA is not even the same from one run to the next.
 
 Each row is computed from its own logits and parameters only (every op is row-wise), so the
 batch a request lands in does not change its draw.
@@ -140,15 +142,27 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
         keep = torch.ones(B, V, dtype=torch.bool, device=dev) if keep is None else keep
         rows = torch.tensor(sort_rows, dtype=torch.long).to(dev, non_blocking=True)
         keep[rows] = _top_p_mask(probs[rows], top_k[rows], top_p[rows])
+    w = _fixed(probs)
     if keep is not None:
-        probs = torch.where(keep, probs, torch.zeros((), device=dev, dtype=probs.dtype))
-    cdf = torch.cumsum(probs, dim=-1)
+        w = torch.where(keep, w, torch.zeros((), device=dev, dtype=w.dtype))
+    cdf = torch.cumsum(w, dim=-1)                 # integers: exact, whatever order the scan adds in
     total = cdf[:, -1:]
-    u = uniforms(it[:, 1], it[:, 2], it[:, 3])[:, None]
-    # strictly below the kept mass, so the first entry past it exists and has probability > 0
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    u24 = (uniforms(it[:, 1], it[:, 2], it[:, 3]) * float(1 << 24)).to(torch.int64)[:, None]
+    target = (u24 * total) >> 24                  # in [0, total): the first entry past it has weight > 0
     pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
     return torch.where(sampled, pick, greedy)
+
+
+FIXED_BITS = 32
+
+
+def _fixed(p: torch.Tensor) -> torch.Tensor:
+    """Probabilities as int64 multiples of 2**-32 (scaling a float32 by a power of two and
+    truncating are exact).  Running sums are then integer sums: exact in any order, so the
+    inverse CDF and top-p do not depend on how a scan kernel splits a row (CUDA's single-row
+    cumsum adds floats in an order that varies from run to run).  A token of probability
+    below 2**-32 is never drawn."""
+    return (p.float() * float(1 << FIXED_BITS)).to(torch.int64)
 
 
 def _top_k_mask(x: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
@@ -167,8 +181,9 @@ def _top_p_mask(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.
     likely token always).  Returned in vocabulary order."""
     sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    before = torch.cumsum(sp, dim=-1) - sp
-    keep = (rank < k[:, None]) & ((before < p[:, None]) | (rank == 0))
+    ws = _fixed(sp)
+    before = torch.cumsum(ws, dim=-1) - ws
+    keep = (rank < k[:, None]) & ((before < _fixed(p)[:, None]) | (rank == 0))
     return torch.zeros_like(keep).scatter_(1, si, keep)
 
 
