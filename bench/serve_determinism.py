@@ -301,6 +301,7 @@ def render(result: dict) -> str:
     lines = [f"{result['model']}, {result['dtype']}, {result['streams']} concurrent SSE streams × "
              f"{result['max_tokens']} tokens (prompts of {result['prompt_len']} ids; half greedy, half seeded "
              "sampling). Streams identical to the mode's own warm-up run, token for token:", "",
+             *([result["note"], ""] if result.get("note") else []),
              *(["On the CPU the default mode's rounding differences (float32) seldom flip a token; a GPU run in "
                 "bf16 is the one that tells the modes apart.", ""] if result["device"] == "cpu" else []),
              "| mode | fault-free repeats (worst of n) | after engine SIGKILLs | after a daemon SIGKILL (K/V recomputed) |",
