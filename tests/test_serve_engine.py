@@ -9,7 +9,6 @@ Size knob: ``GPU_ANCHOR_SERVE_KILLS`` (default 40 kills; the HTTP campaign adds 
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 
@@ -19,6 +18,7 @@ import torch
 from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
 from gpu_anchor.testing.tiny import make_tiny_model
+from forkserver_context import forkserver_context
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_KILLS", "40"))
 
@@ -103,9 +103,7 @@ def _incarnation(cfg, client, conn):
 
 
 def _ctx():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gpu_anchor.serve.preload"])
-    return ctx
+    return forkserver_context(["gpu_anchor.serve.preload"])
 
 
 def _run(cfg, client, fault=None):
