@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 
 from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_http import _get, scrape
+from test_serve_http import _get, scrape, stop_server
 
 KEY = "test-key-123"
 MODEL = "tiny-qwen3"
@@ -51,14 +50,6 @@ def start_server(d, model, *extra, env=None):
         assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
         time.sleep(0.05)
     return proc, base, log_path
-
-
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import pytest
 from gpu_anchor.client import control
 from gpu_anchor.journal_keys import INCONSISTENT_KEY
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_http import _Stream, scrape
+from test_serve_http import _Stream, scrape, stop_server
 
 NS = "serve-tiny-qwen3"
 SERVE = ["--dtype", "float32", "--num-blocks", "600",
@@ -95,12 +95,7 @@ def _serving(tmp_path, socket_dir, device):
     srv = _Server(tmp_path, model, os.path.join(socket_dir, device.replace(":", "") + ".sock"), device)
     yield srv
     for p in srv.procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_server(p)
     control.stop(device, srv.sock)       # whatever still answers there (a test's own daemon)
 
 

@@ -47,6 +47,17 @@ def scrape(base) -> dict:
     return out
 
 
+def stop_server(proc, timeout: float = 60) -> None:
+    """SIGTERM a server that still runs (a clean stop), SIGKILL it if it is not gone in time."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @pytest.fixture
 def server(tmp_path, host_daemon):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
@@ -67,11 +78,7 @@ def server(tmp_path, host_daemon):
     procs = []
     yield model, start
     for p in procs:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop_server(p)
 
 
 def _wait_up(base, timeout=120):

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_http import _get, _reference, _Stream, _two_kill_jobs, _wait_up, scrape
+from test_serve_http import _get, _reference, _Stream, _two_kill_jobs, _wait_up, scrape, stop_server
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_TP_KILLS", "12"))
 CPU64 = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
@@ -185,12 +185,7 @@ def serve(tmp_path, host_daemon):
     start.stop, start.model, start.log = stop, model, tmp_path / "serve.log"
     yield start
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_server(p)
 
 
 def _client(base):
