@@ -8,7 +8,9 @@ import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NOT_SCENARIOS = {"common", "report", "__main__", "protocol", "figures", "serve_decode"}  # serve_decode: a part of serve_throughput
+# parts of a scenario (serve_decode of serve_throughput; the *_report modules render a scenario's results)
+NOT_SCENARIOS = {"common", "report", "__main__", "protocol", "figures", "serve_decode", "serve_throughput_report",
+                 "checkpoint_stall_report"}
 
 
 def scenarios() -> list[str]:
