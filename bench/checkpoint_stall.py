@@ -262,6 +262,18 @@ def _restore(directory, device, args, mode):
     return out
 
 
+def _steps(job, start: int, n: int, device: str) -> list[float]:
+    """``n`` committed steps of a ``Job`` from step ``start``, each timed to a device sync."""
+    times = []
+    for s in range(start, start + n):
+        t0 = time.perf_counter()
+        job.step(s)
+        job.commit(s)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _migrate(args, dest: str, sock: str) -> dict:
     """Downtime of moving the job ``args.device`` → ``dest``: live (pre-copy + cut-over + on-demand)
     vs stop-and-copy (stop, bind at the destination, copy every object device to device)."""

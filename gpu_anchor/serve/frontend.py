@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
-import random
 import signal
 import socket
 import sys
@@ -45,8 +43,8 @@ from aiohttp import web
 from . import openai_api as api
 from . import wire
 from .metrics import Metrics
-from .openai_api import ApiError, bad
-from .tokenizer import Codec, TemplateError
+from .routes import make_app
+from .tokenizer import Codec
 
 log = logging.getLogger("gpu_anchor.serve.frontend")
 
@@ -92,7 +90,7 @@ class Frontend:
         self.state_loss: dict = {}           # the last time the anchored state was lost, and why
 
     # ------------------------------------------------------------- engine side
-    def _send(self, obj) -> None:
+    def send(self, obj) -> None:
         if self.writer is not None:
             self.writer.write(wire.encode(obj))
 
@@ -102,7 +100,7 @@ class Frontend:
     def _resync(self, r: Req) -> None:
         """Make the engine continue ``r`` from the tokens its client has (it recomputes the KV)."""
         r.resyncing = True
-        self._send(dict(self._add_msg(r), t="readd"))
+        self.send(dict(self._add_msg(r), t="readd"))
 
     async def on_engine(self, reader, writer) -> None:
         m = self.metrics
@@ -148,10 +146,10 @@ class Frontend:
         for r in self.reqs.values():
             r.resyncing = False          # the new engine replays; a mismatch re-triggers it
         for rid in held - set(self.reqs):
-            self._send({"t": "abort", "rid": rid})
+            self.send({"t": "abort", "rid": rid})
         for r in list(self.reqs.values()):
             if r.rid not in held and r.finish is None:
-                self._send(self._add_msg(r))
+                self.send(self._add_msg(r))
         try:
             while True:
                 msg = await wire.read(reader)
@@ -262,7 +260,7 @@ class Frontend:
                 at, s = min(hits)
                 r.text = text[:at + len(s)] if r.q.include_stop_str else text[:at]
                 fin = "stop"
-                self._send({"t": "abort", "rid": rid})
+                self.send({"t": "abort", "rid": rid})
         if fin:
             r.finish = fin
         r.changed.set()
@@ -288,7 +286,7 @@ class Frontend:
         self.reqs[r.rid] = r
         self.metrics.requests.inc()
         self.metrics.prompt_tokens.inc(len(prompt))
-        self._send(self._add_msg(r))
+        self.send(self._add_msg(r))
         return r
 
     def drop(self, r: Req) -> None:
@@ -296,7 +294,7 @@ class Frontend:
             return
         m = self.metrics
         if r.finish is None:
-            self._send({"t": "abort", "rid": r.rid})
+            self.send({"t": "abort", "rid": r.rid})
         elif r.finish != "error":
             m.finished.inc()
             m.e2e.observe((r.t_last or time.monotonic()) - r.t0)
@@ -347,148 +345,6 @@ class Frontend:
         while self.reqs and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    # ------------------------------------------------------------- HTTP side
-    @web.middleware
-    async def guard(self, request, handler):
-        """The API key, and errors as OpenAI-shaped JSON (never a traceback)."""
-        try:
-            if self.api_key and request.path.startswith(("/v1/", "/admin/")):
-                got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, b"Bearer " + self.api_key.encode()):
-                    raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)")
-            return await handler(request)
-        except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
-        except web.HTTPException:
-            raise
-        except Exception:
-            log.exception("%s %s failed", request.method, request.path)
-            return web.json_response(ApiError(500, "internal server error (logged by the server)").body(),
-                                     status=500)
-
-    async def _body(self, request) -> dict:
-        try:
-            return await request.json()
-        except Exception:
-            raise ApiError(400, "the request body must be JSON") from None
-
-    async def completions(self, request):
-        return await self._serve(request, chat=False)
-
-    async def chat(self, request):
-        return await self._serve(request, chat=True)
-
-    def _prompt_ids(self, q: api.Request) -> list[int]:
-        if q.chat:
-            try:
-                text = self.codec.chat(q.messages, q.add_generation_prompt, **q.template_kwargs)
-            except TemplateError as e:
-                raise bad("messages", str(e)) from None
-            ids, where = self.codec.encode(text, q.add_special_tokens), "messages"
-        else:
-            where = "prompt"
-            ids = self.codec.encode(q.prompt, q.add_special_tokens) if isinstance(q.prompt, str) else q.prompt
-        if not ids:
-            raise bad(where, "encodes to no tokens")
-        if len(ids) >= self.max_model_len:
-            raise bad(where, f"{len(ids)} tokens; the context length is {self.max_model_len}")
-        return ids
-
-    def _params(self, q: api.Request, prompt_len: int) -> dict:
-        max_tokens = q.max_tokens if q.max_tokens is not None else self.max_model_len - prompt_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise bad("max_completion_tokens" if q.chat and q.max_tokens is not None else "max_tokens",
-                      f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                      f"{self.max_model_len}")
-        params = dict(q.sampling, max_tokens=max_tokens, logprobs=q.logprobs)
-        if params["temperature"] > 0 and params["seed"] is None:
-            params["seed"] = random.getrandbits(62)   # fixed now: a replay after a crash draws the same tokens
-        from .sequence import SamplingParams
-        try:
-            SamplingParams.from_dict(params)          # the engine's own check, to fail here and not there
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
-        return params
-
-    async def _serve(self, request, chat: bool):
-        q = api.parse(await self._body(request), chat, [self.model_name], self.vocab_size)
-        if self.failed:
-            raise ApiError(503, self.failed)
-        ids = self._prompt_ids(q)
-        r = self.submit(ids, self._params(q, len(ids)), q)
-        try:
-            if q.stream:
-                return await api.stream(request, self.codec, r)
-            while r.finish is None:
-                r.changed.clear()
-                await r.changed.wait()
-            if r.error:
-                raise ApiError(r.error_status, r.error)
-            return web.json_response(api.reply(self.codec, r))
-        finally:
-            self.drop(r)
-
-    async def migrate(self, request):
-        """``POST /admin/migrate {"device", "socket"?}``: move the live engine there (see
-        ``gpu-anchor migrate``).  Answers after the cut-over, with its timings."""
-        body = await self._body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("device"), str):
-            raise bad("device", "give the destination device, e.g. cuda:1 or cpu")
-        if self.writer is None:
-            raise ApiError(503, "no engine is connected")
-        mid = uuid.uuid4().hex
-        fut = self.migrations[mid] = asyncio.get_running_loop().create_future()
-        self._send({"t": "migrate", "mid": mid, "device": body["device"], "socket": body.get("socket")})
-        res = await fut
-        return web.json_response(res, status=400 if res.get("error") else 200)
-
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "gpu-anchor",
-                "max_model_len": self.max_model_len}
-
-    async def models(self, request):
-        return web.json_response({"object": "list", "data": [self._model_card()]})
-
-    async def model(self, request):
-        if request.match_info["name"] != self.model_name:
-            raise ApiError(404, f"The model `{request.match_info['name']}` does not exist.", "model")
-        return web.json_response(self._model_card())
-
-    async def health(self, request):
-        up = self.writer is not None and not self.failed
-        # starting: no engine connected yet; loading: one is building; engine_down: lost, the next one
-        # comes; failed: none will (a crash loop, or the server is stopping)
-        status = "failed" if self.failed else "ok" if up else "loading" if self.loading else \
-            "starting" if not self.connects else "engine_down"
-        body = {"status": status, **({"reason": self.failed} if self.failed else {}),
-                "engine_pid": self.engine_pid, "engine_restarts": max(0, self.connects - 1),
-                "open_requests": len(self.reqs), "last_recovery": self.last_timings,
-                "token_mismatches": self.mismatches, "last_migration": self.last_migration,
-                "last_state_loss": self.state_loss}
-        if self.loading and not up:
-            body["loading"] = dict(self.loading, message=wire.describe_loading(self.loading))
-        return web.json_response(body, status=200 if up else 503)
-
-    async def metrics_page(self, request):
-        m = self.metrics
-        m.open.set(len(self.reqs))
-        if self.writer is None:                 # no engine: every open request waits for one
-            m.running.set(0)
-            m.waiting.set(sum(r.finish is None for r in self.reqs.values()))
-        data, ctype = m.exposition(request.headers.get("Accept"))
-        return web.Response(body=data, headers={"Content-Type": ctype})
-
-
-def make_app(fe: Frontend) -> web.Application:
-    app = web.Application(client_max_size=64 << 20, middlewares=[fe.guard])
-    app.router.add_post("/v1/completions", fe.completions)
-    app.router.add_post("/v1/chat/completions", fe.chat)
-    app.router.add_get("/v1/models", fe.models)
-    app.router.add_get("/v1/models/{name}", fe.model)
-    app.router.add_get("/health", fe.health)
-    app.router.add_get("/metrics", fe.metrics_page)
-    app.router.add_post("/admin/migrate", fe.migrate)
-    return app
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,169 @@
+"""The frontend's HTTP side: the OpenAI-compatible routes, ``/health``, ``/metrics`` and
+``/admin/migrate`` over a ``frontend.Frontend`` (the engine side: open requests, the engine
+connection, replays).  A request is checked (``openai_api``), encoded, submitted to the
+frontend and answered as JSON or an SSE stream; every error leaves as OpenAI-shaped JSON."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import uuid
+
+from aiohttp import web
+
+from . import openai_api as api
+from . import wire
+from .openai_api import ApiError, bad
+from .tokenizer import TemplateError
+
+log = logging.getLogger("gpu_anchor.serve.frontend")
+
+
+class Routes:
+    def __init__(self, fe) -> None:
+        self.fe = fe
+
+    @web.middleware
+    async def guard(self, request, handler):
+        """The API key, and errors as OpenAI-shaped JSON (never a traceback)."""
+        try:
+            if self.fe.api_key and request.path.startswith(("/v1/", "/admin/")):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, b"Bearer " + self.fe.api_key.encode()):
+                    raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)")
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return web.json_response(ApiError(500, "internal server error (logged by the server)").body(),
+                                     status=500)
+
+    async def _body(self, request) -> dict:
+        try:
+            return await request.json()
+        except Exception:
+            raise ApiError(400, "the request body must be JSON") from None
+
+    async def completions(self, request):
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request):
+        return await self._serve(request, chat=True)
+
+    def _prompt_ids(self, q: api.Request) -> list[int]:
+        if q.chat:
+            try:
+                text = self.fe.codec.chat(q.messages, q.add_generation_prompt, **q.template_kwargs)
+            except TemplateError as e:
+                raise bad("messages", str(e)) from None
+            ids, where = self.fe.codec.encode(text, q.add_special_tokens), "messages"
+        else:
+            where = "prompt"
+            ids = self.fe.codec.encode(q.prompt, q.add_special_tokens) if isinstance(q.prompt, str) else q.prompt
+        if not ids:
+            raise bad(where, "encodes to no tokens")
+        if len(ids) >= self.fe.max_model_len:
+            raise bad(where, f"{len(ids)} tokens; the context length is {self.fe.max_model_len}")
+        return ids
+
+    def _params(self, q: api.Request, prompt_len: int) -> dict:
+        max_tokens = q.max_tokens if q.max_tokens is not None else self.fe.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.fe.max_model_len:
+            raise bad("max_completion_tokens" if q.chat and q.max_tokens is not None else "max_tokens",
+                      f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                      f"{self.fe.max_model_len}")
+        params = dict(q.sampling, max_tokens=max_tokens, logprobs=q.logprobs)
+        if params["temperature"] > 0 and params["seed"] is None:
+            params["seed"] = random.getrandbits(62)   # fixed now: a replay after a crash draws the same tokens
+        from .sequence import SamplingParams
+        try:
+            SamplingParams.from_dict(params)          # the engine's own check, to fail here and not there
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e)) from None
+        return params
+
+    async def _serve(self, request, chat: bool):
+        q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size)
+        if self.fe.failed:
+            raise ApiError(503, self.fe.failed)
+        ids = self._prompt_ids(q)
+        r = self.fe.submit(ids, self._params(q, len(ids)), q)
+        try:
+            if q.stream:
+                return await api.stream(request, self.fe.codec, r)
+            while r.finish is None:
+                r.changed.clear()
+                await r.changed.wait()
+            if r.error:
+                raise ApiError(r.error_status, r.error)
+            return web.json_response(api.reply(self.fe.codec, r))
+        finally:
+            self.fe.drop(r)
+
+    async def migrate(self, request):
+        """``POST /admin/migrate {"device", "socket"?}``: move the live engine there (see
+        ``gpu-anchor migrate``).  Answers after the cut-over, with its timings."""
+        body = await self._body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("device"), str):
+            raise bad("device", "give the destination device, e.g. cuda:1 or cpu")
+        if self.fe.writer is None:
+            raise ApiError(503, "no engine is connected")
+        mid = uuid.uuid4().hex
+        fut = self.fe.migrations[mid] = asyncio.get_running_loop().create_future()
+        self.fe.send({"t": "migrate", "mid": mid, "device": body["device"], "socket": body.get("socket")})
+        res = await fut
+        return web.json_response(res, status=400 if res.get("error") else 200)
+
+    def _model_card(self) -> dict:
+        return {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "gpu-anchor",
+                "max_model_len": self.fe.max_model_len}
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        if request.match_info["name"] != self.fe.model_name:
+            raise ApiError(404, f"The model `{request.match_info['name']}` does not exist.", "model")
+        return web.json_response(self._model_card())
+
+    async def health(self, request):
+        up = self.fe.writer is not None and not self.fe.failed
+        # starting: no engine connected yet; loading: one is building; engine_down: lost, the next one
+        # comes; failed: none will (a crash loop, or the server is stopping)
+        status = "failed" if self.fe.failed else "ok" if up else "loading" if self.fe.loading else \
+            "starting" if not self.fe.connects else "engine_down"
+        body = {"status": status, **({"reason": self.fe.failed} if self.fe.failed else {}),
+                "engine_pid": self.fe.engine_pid, "engine_restarts": max(0, self.fe.connects - 1),
+                "open_requests": len(self.fe.reqs), "last_recovery": self.fe.last_timings,
+                "token_mismatches": self.fe.mismatches, "last_migration": self.fe.last_migration,
+                "last_state_loss": self.fe.state_loss}
+        if self.fe.loading and not up:
+            body["loading"] = dict(self.fe.loading, message=wire.describe_loading(self.fe.loading))
+        return web.json_response(body, status=200 if up else 503)
+
+    async def metrics_page(self, request):
+        m = self.fe.metrics
+        m.open.set(len(self.fe.reqs))
+        if self.fe.writer is None:                 # no engine: every open request waits for one
+            m.running.set(0)
+            m.waiting.set(sum(r.finish is None for r in self.fe.reqs.values()))
+        data, ctype = m.exposition(request.headers.get("Accept"))
+        return web.Response(body=data, headers={"Content-Type": ctype})
+
+
+def make_app(fe) -> web.Application:
+    """The aiohttp application serving ``fe``."""
+    routes = Routes(fe)
+    app = web.Application(client_max_size=64 << 20, middlewares=[routes.guard])
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/models/{name}", routes.model)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics_page)
+    app.router.add_post("/admin/migrate", routes.migrate)
+    return app
