@@ -211,8 +211,10 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
     g = hq // hkv
     if d & (d - 1) or d < 16 or bs & (bs - 1):
         raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16 and block_size, got {d}, {bs}")
-    q = q.to(cache.dtype).contiguous()
-    out = torch.empty_like(q)
+    q = q.to(cache.dtype)
+    if q.stride(2) != 1 or q.stride(1) != d:    # a token's heads may sit in a wider row (packed qkv)
+        q = q.contiguous()
+    out = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
     bt = meta.block_tables
     n = min(T, TOKEN_SLICE)
     mo = torch.empty(n, hq, SPLITS, d, dtype=torch.float32, device=q.device)

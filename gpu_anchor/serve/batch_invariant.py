@@ -51,6 +51,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
     import triton
     import triton.language as tl
@@ -117,14 +119,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rms_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    R, D = x.shape
-    y = torch.empty(R, D, dtype=x.dtype, device=x.device)
-    if R:
-        block = triton.next_power_of_2(D)
-        _rms_kernel[(R,)](x, w, y, x.stride(0), D, eps, BLOCK=block, num_warps=max(1, min(16, block // 256)))
-    return y
+    return fused.add_rms_norm(x, w, eps)[1]     # one program per row: batch-invariant as it is
 
 
 def _tree_sum(sq: torch.Tensor) -> torch.Tensor:
@@ -208,14 +203,3 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * sy_m + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _rms_kernel(X, W, Y, s_row, D, eps, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        ok = offs < D
-        x = tl.load(X + r * s_row + offs, mask=ok, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-        xn = (x * inv).to(Y.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Y + r * D + offs, (w * xn).to(Y.dtype.element_ty), mask=ok)

@@ -125,7 +125,8 @@ class Engine:
         self.anchor = st.anchor
         self.weights_loaded = st.weights_loaded
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
-                           tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic)
+                           tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic,
+                           packed=st.packed)
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -7,7 +7,9 @@ The forward mirrors the HF modules op for op (RMSNorm in float32, rotary from HF
 module, optional q/k/v biases, Qwen3's q_norm/k_norm), but attention reads the paged
 cache through :mod:`.attention`.  With ``deterministic=True`` every matmul, norm and the
 attention go through :mod:`.batch_invariant` instead, so a token's result does not depend
-on the batch it runs in (``gpu-anchor serve --deterministic``).
+on the batch it runs in (``gpu-anchor serve --deterministic``).  Otherwise, on the GPU, the
+norms, rotary, K/V store, residual adds and ``silu · up`` run as the fused kernels of
+:mod:`.fused` (same rounding points; ~13 launches a layer instead of ~58).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import batch_invariant
+from . import batch_invariant, fused
 from .attention import AttnMeta, attend, write_kv
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -150,10 +152,12 @@ class Model:
     ``embed`` → ``layers(lo, hi)`` → ``head``.  ``forward`` chains them (the eager path)."""
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], kv_caches: list[torch.Tensor], device,
-                 max_positions: int | None = None, tp=None, deterministic: bool = False) -> None:
+                 max_positions: int | None = None, tp=None, deterministic: bool = False, packed=None) -> None:
         """``tp``: this rank's tensor-parallel group (``tp.Group``), whose shards ``weights``
         and ``kv_caches`` are (``shards.py``); ``None``: the whole model.  ``deterministic``:
-        batch-invariant kernels (``batch_invariant.py``) for every matmul, norm and attention."""
+        batch-invariant kernels (``batch_invariant.py``) for every matmul, norm and attention.
+        ``packed``: ``packing.py``'s tensors (``qkv_proj``, ``gate_up_proj``) of which the
+        members in ``weights`` are views; the fused path multiplies by them."""
         from transformers.activations import ACT2FN
         self.cfg = cfg
         self.w = weights
@@ -166,6 +170,7 @@ class Model:
         self.scale = self.d ** -0.5
         self.act = ACT2FN[cfg.hidden_act]
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        self.packed = packed or {}
         rot_cls = type(meta_model(cfg).model.rotary_emb)
         try:   # the constructor's signature differs across transformers versions
             self.rotary = rot_cls(config=cfg, device=device)
@@ -186,6 +191,12 @@ class Model:
                 batch_invariant.attend
         else:
             self._linear, self._norm, self._attend = F.linear, _rms, attend
+        # the fused kernels: the default mode on the GPU (the batch-invariant mode keeps its own
+        # linear and attention; its norm is the same row kernel)
+        self.fused = (not deterministic and cfg.hidden_act == "silu"
+                      and fused.available(self.device, weights["model.embed_tokens.weight"].dtype, self.d))
+        if self.fused:
+            self._norm = lambda x, w, eps: fused.add_rms_norm(x, w, eps)[1]
 
     @torch.no_grad()
     def _rope_table(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +208,8 @@ class Model:
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        """Returns ``(h, cos, sin)``: the token embeddings and the rotary factors [T, 1, D]."""
+        """Returns ``(h, cos, sin)``: the token embeddings and the rotary factors [T, 1, D]
+        (with the fused kernels: the whole tables [positions, D], read at ``meta.positions``)."""
         emb = self.w["model.embed_tokens.weight"]
         if self.tp is None:
             h = F.embedding(input_ids, emb)
@@ -207,11 +219,15 @@ class Model:
             h = F.embedding((input_ids - lo).masked_fill(outside, 0), emb).masked_fill(outside[:, None], 0.0)
             self.tp.all_reduce(h)
         cos_t, sin_t = self._rope_table(h.dtype)
+        if self.fused:
+            return h, cos_t, sin_t
         return h, cos_t[positions][:, None, :], sin_t[positions][:, None, :]
 
     @torch.no_grad()
     def layers(self, h: torch.Tensor, cos, sin, meta: AttnMeta, lo: int, hi: int) -> torch.Tensor:
         """Decoder layers ``lo..hi-1``; writes their K/V into the cache."""
+        if self.fused:
+            return self._layers_fused(h, cos, sin, meta, lo, hi)
         w, T = self.w, h.shape[0]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
@@ -233,6 +249,44 @@ class Model:
             up = self._linear(x, w[m + "up_proj.weight"])
             h = h + self._row(self.act(self._linear(x, w[m + "gate_proj.weight"])) * up, w[m + "down_proj.weight"], None)
         return h
+
+    def _layers_fused(self, h: torch.Tensor, cos, sin, meta: AttnMeta, lo: int, hi: int) -> torch.Tensor:
+        """``layers`` with :mod:`.fused`'s kernels: each residual add is fused with the norm
+        that follows it (the last layer's with nothing: a plain add)."""
+        w, T = self.w, h.shape[0]
+        x = fused.add_rms_norm(h, w[f"model.layers.{lo}.input_layernorm.weight"], self.eps)[1]
+        for i in range(lo, hi):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            q, k, v = self._qkv(x, a, T)
+            fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
+                                     cos, sin, meta.positions, self.kv[i], meta.slots)
+            o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
+            h, x = fused.add_rms_norm(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
+                                      w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
+            m = p + "mlp."
+            gate_up = self.packed.get(m + "gate_up_proj.weight")
+            if gate_up is not None:
+                gate, up = self._linear(x, gate_up).chunk(2, dim=1)
+            else:
+                gate, up = self._linear(x, w[m + "gate_proj.weight"]), self._linear(x, w[m + "up_proj.weight"])
+            y = self._row(fused.silu_mul(gate, up), w[m + "down_proj.weight"], None)
+            if i + 1 < hi:
+                h, x = fused.add_rms_norm(y, w[f"model.layers.{i + 1}.input_layernorm.weight"], self.eps, residual=h)
+            else:
+                h = h + y
+        return h
+
+    def _qkv(self, x: torch.Tensor, a: str, T: int):
+        """q [T, Hq, D], k and v [T, Hkv, D]: one GEMM when the projections are packed (then
+        they are column views of its output)."""
+        w, qkv = self.w, self.packed.get(a + "qkv_proj.weight")
+        if qkv is not None and (a + "q_proj.bias" in w) == (a + "qkv_proj.bias" in self.packed):
+            y = self._linear(x, qkv, self.packed.get(a + "qkv_proj.bias"))
+            q, k, v = y.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=1)
+        else:
+            q, k, v = (self._linear(x, w[a + n + ".weight"], w.get(a + n + ".bias")) for n in ("q_proj", "k_proj", "v_proj"))
+        return q.view(T, self.hq, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
 
     def _row(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         """A row-parallel linear (o_proj, down_proj): each rank's partial product, summed over

@@ -31,7 +31,7 @@ import torch
 from gpu_anchor.errors import ConflictError
 
 from . import commit as C
-from . import shards
+from . import packing, shards
 from .anchor import Anchor
 from .model_runner import head_dim, init_random, load_weights, param_specs, weights_fingerprint
 
@@ -41,7 +41,7 @@ log = logging.getLogger("gpu_anchor.serve")
 @dataclass
 class RankState:
     anchor: Anchor
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]       # Hugging Face names (members of packed ones: row views)
     kv: list[torch.Tensor]
     status: dict[str, str]                 # name -> "matched" | "created"
     kv_names: list[str]
@@ -49,6 +49,7 @@ class RankState:
     weights_loaded: bool                   # read from disk / drawn again in this process
     problem: str = ""                      # why the KV cannot be trusted ("" if it can)
     timings: dict[str, float] = field(default_factory=dict)
+    packed: dict[str, torch.Tensor] = field(default_factory=dict)   # packing.py: qkv_proj, gate_up_proj
 
     @property
     def journal(self):
@@ -94,16 +95,19 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
     anchor = provider(str(device), cfg.namespace, cfg.socket, enabled=cfg.anchor,
                       **({"rank": rank, "world": n} if n > 1 else {}))
     wspecs = shards.shard_specs(full, mc.vocab_size, rank, n)
+    bspecs, groups = packing.pack_specs(wspecs)
     L, d = mc.num_hidden_layers, head_dim(mc)
     kshape = (2, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads // n, d)
     kspecs = [(f"kv_cache[{i}]", kshape, dtype) for i in range(L)]
-    report("bind", None, sum(math.prod(shape) * dt.itemsize for _, shape, dt in wspecs + kspecs))
+    report("bind", None, sum(math.prod(shape) * dt.itemsize for _, shape, dt in bspecs + kspecs))
     try:
-        tensors, status = anchor.bind(wspecs + kspecs)
+        tensors, status = anchor.bind(bspecs + kspecs)
     except ConflictError as e:   # another layout or model under these names: start them afresh
         log.warning("anchored objects do not fit this engine (%s); replacing them", str(e).splitlines()[0])
-        tensors, status = anchor.bind(wspecs + kspecs, policy="replace")
+        tensors, status = anchor.bind(bspecs + kspecs, policy="replace")
     timings = {"model_specs_s": specs_s, "bind_s": time.perf_counter() - t0}
+    tensors.update(packing.member_views(tensors, groups, wspecs))
+    status.update({m: status[p] for p, ms in groups.items() for m in ms})
     weights = {nm: tensors[nm] for nm, _, _ in wspecs}
     kv = [tensors[nm] for nm, _, _ in kspecs]
     journal = anchor.journal
@@ -116,7 +120,7 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
     if n > 1:
         rec["tp"] = [rank, n]
     st = RankState(anchor, weights, kv, status, [nm for nm, _, _ in kspecs], C.layout_record(rec), not matched,
-                   timings=timings)
+                   timings=timings, packed={p: tensors[p] for p in groups})
     if journal is not None:
         old = journal.get(C.LAYOUT)
         st.problem = st._judge(old)

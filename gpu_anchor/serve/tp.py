@@ -245,7 +245,7 @@ def serve_rank(cfg) -> None:
     why = st.kv_problem()
     link.send({"t": "ready", "rank": cfg.rank, "why": why, "init_s": time.perf_counter() - t0})
     model = Model(mc, st.weights, st.kv, device, max_positions=cfg.max_model_len, tp=group,
-                  deterministic=cfg.deterministic)
+                  deterministic=cfg.deterministic, packed=st.packed)
     graphs = decode_graphs(cfg, model, device, dtype)
     msg = link.recv()
     if msg["t"] != "go":
