@@ -3,24 +3,30 @@
 Built once per worker from the chunk plan: for chunk ``i``, the parameter / gradient /
 state slices (views of anchored tensors, no copies) and their places in undo slot
 ``i % 2``.  The protocol (``optimizer.py``) decides *when*; this module only does.
+
+Two ways to save and update a chunk: ``copy_to_undo`` then ``apply`` (any optimizer), or
+``apply_fused`` (Adam/AdamW on CUDA with Triton: one kernel saves and updates, block by
+block, with per-block tags; ``fused_adam``) — used only where ``fused_groups`` says so.
 """
 from __future__ import annotations
 
 import torch
 
 from . import chunking
+from .kinds import AdamKind
 from .protocol import slot_of
 
 
 class ChunkExecutor:
-    def __init__(self, params, chunks, elem_sizes, undo_slots, kind) -> None:
+    def __init__(self, params, chunks, elem_sizes, undo_slots, kind, tags=None) -> None:
         self._params = params
         self._chunks = chunks
         self._kind = kind
         self._views, self._undo_src, self._undo_dst = [], [], []
+        per_slice = []
         for i, chunk in enumerate(chunks):
             offs = chunking.layout(chunk, elem_sizes)
-            views, src, dst = [], [], []
+            views, src, dst, mine = [], [], [], []
             slot = undo_slots[slot_of(i)]
             for s, row in zip(chunk, offs):
                 q = params[s.param]
@@ -28,12 +34,19 @@ class ChunkExecutor:
                 sv = {k: t[s.start:s.stop] for k, t in q.sflat.items()}
                 views.append((pv, q.gflat[s.start:s.stop], sv))
                 n = s.stop - s.start
-                for t, off in zip([pv] + list(sv.values()), row):
-                    src.append(t)
-                    dst.append(slot[off:off + n * t.element_size()].view(t.dtype))
+                saved = [pv] + list(sv.values())
+                places = [slot[off:off + n * t.element_size()].view(t.dtype) for t, off in zip(saved, row)]
+                src += saved
+                dst += places
+                mine.append(([pv, views[-1][1]] + list(sv.values()), places))
+            per_slice.append(mine)
             self._views.append(views)
             self._undo_src.append(src)
             self._undo_dst.append(dst)
+        self.fused = None
+        if tags is not None and isinstance(kind, AdamKind) and type(kind) is AdamKind:
+            from .fused_adam import FusedAdam
+            self.fused = FusedAdam(per_slice, tags)
 
     def apply(self, i, mask, counts, steps, hps) -> None:
         """Run the optimizer's functional update on chunk ``i`` (parameters with a gradient only)."""
@@ -50,6 +63,40 @@ class ChunkExecutor:
             stp = [steps[i][k] for k, _ in items] if steps is not None else []
             for k, name, t in self._kind.apply(params, grads, states, cnts, stp, hps[gi]):
                 states[k][name].copy_(t)
+
+    def fused_groups(self, i, mask, counts, hps, memo=None):
+        """The launches of the fused update of chunk ``i`` — ``[(key, scalars, slices)]`` —
+        or None when any updated slice's configuration is not verified for it."""
+        from .fused_adam import scalars, structure
+        memo = {} if memo is None else memo
+        by: dict = {}
+        for k, s in enumerate(self._chunks[i]):
+            if mask[s.param]:
+                q = self._params[s.param]
+                by.setdefault((q.group, counts[s.param], q.flat.dtype), []).append(k)
+        out = []
+        for (gi, count, dtype), ks in by.items():
+            key = structure(hps[gi], dtype)
+            if not self.fused.usable(key, hps[gi], self._params[0].flat.device):
+                return None
+            if (gi, count) not in memo:
+                memo[(gi, count)] = scalars(hps[gi], count)
+            out.append((key, memo[(gi, count)], ks))
+        return out
+
+    def fused_step(self, mask, counts, hps) -> list | None:
+        """Per chunk, the fused launches for this step; None: this step saves by copy."""
+        if self.fused is None:
+            return None
+        memo: dict = {}
+        plan = [self.fused_groups(i, mask, counts, hps, memo) for i in range(len(self._chunks))]
+        return None if any(p is None for p in plan) else plan
+
+    def apply_fused(self, i, groups, tag_value) -> None:
+        self.fused.apply(i, groups, tag_value)
+
+    def restore_fused(self, i, tag_value) -> int:
+        return self.fused.restore(i, tag_value)
 
     def step_tensors(self, counts, hps, device=None):
         """Per-slice step counters for this step (Adam increments them; the counts live in the journal)."""
@@ -71,7 +118,15 @@ class ChunkExecutor:
     def copy_from_undo(self, i) -> None:
         torch._foreach_copy_(self._undo_src[i], self._undo_dst[i])
 
-    def scribble(self, i) -> None:
-        """Fault injection only: leave chunk ``i`` visibly half written before the kill."""
-        for t in self._undo_src[i]:
+    def scribble(self, i, mask=None) -> None:
+        """Fault injection only: leave chunk ``i`` visibly half written before the kill.
+
+        ``mask`` (fused update): only the slices it updated — the kernel writes nothing else
+        (and every block it wrote carries its tag)."""
+        if mask is None:
+            targets = self._undo_src[i]
+        else:
+            targets = [t for k, s in enumerate(self._chunks[i]) if mask[s.param]
+                       for t in [self._views[i][k][0]] + list(self._views[i][k][2].values())]
+        for t in targets:
             t[: max(1, t.numel() // 2)].fill_(float("nan"))

@@ -19,17 +19,24 @@ class StepProtocolConfig:
     ``chunk_bytes``: undo bytes per chunk (None: both slots <= 2 % of the anchored state; a
     restart keeps the first run's value).  ``progress``: where the per-chunk cursor lives,
     ``"journal"`` or ``"device"`` (None: device on CUDA, journal on the host).  ``track_rng``:
-    journal torch's CPU and CUDA RNG state with each step."""
+    journal torch's CPU and CUDA RNG state with each step.  ``fused_update``: with
+    ``progress="device"`` on CUDA, update Adam/AdamW chunks with one Triton kernel that also
+    writes their undo image (``fused_adam``), where Triton is importable and the kernel was
+    checked bit for bit against torch's own update on this device; False: always the undo
+    copy + torch's update."""
 
     prefix: str = "train"
     chunk_bytes: int | None = None
     progress: str | None = None
     track_rng: bool = True
+    fused_update: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ValueError(f"prefix must be a non-empty string, got {self.prefix!r}")
         if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0):
             raise ValueError(f"chunk_bytes must be a positive integer, got {self.chunk_bytes!r}")
+        if not isinstance(self.fused_update, bool):
+            raise ValueError(f"fused_update must be True or False, got {self.fused_update!r}")
         if self.progress is not None and self.progress not in PROGRESS:
             raise ValueError(f"progress must be one of {PROGRESS} or None, got {self.progress!r}")

@@ -31,9 +31,11 @@ class DeviceProgress:
         """Where the device left the in-flight step (``protocol.device_resume_point``)."""
         return protocol.device_resume_point(state, int(self.word.item()))
 
-    def publish(self, step: int, i: int) -> None:
-        """Save chunk ``i``, then let the stream record ``cursor = undo = i``."""
-        self._copy_to_undo(i)
+    def publish(self, step: int, i: int, save: bool = True) -> None:
+        """Save chunk ``i`` (unless the fused update saves it itself: ``save=False``), then let
+        the stream record ``cursor = undo = i``."""
+        if save:
+            self._copy_to_undo(i)
         self.word.fill_(protocol.encode_progress(step, i))
 
     def save_ahead(self, i: int) -> bool:
@@ -52,10 +54,11 @@ class DeviceProgress:
             self._copy_to_undo(i)
         return True
 
-    def advance(self, step: int, i: int) -> None:
-        """Chunk ``i-1`` is applied: move the word to ``i`` once chunk ``i`` is saved."""
-        if self._side is None:
-            self.publish(step, i)
+    def advance(self, step: int, i: int, save: bool = True) -> None:
+        """Chunk ``i-1`` is applied: move the word to ``i`` once chunk ``i`` is saved (with
+        ``save=False`` the fused update saves chunk ``i`` block by block as it writes it)."""
+        if self._side is None or not save:
+            self.publish(step, i, save)
             return
         torch.cuda.current_stream(self.device).wait_stream(self._side)
         self.word.fill_(protocol.encode_progress(step, i))

@@ -36,7 +36,8 @@ from . import amp
 from .hparams import hparams as _hparams
 from .hparams import set_hparams as _set_hparams
 from .state_dict import StateDictMixin
-from .kinds import kind_of
+from .kinds import AdamKind, kind_of
+from . import protocol
 from .protocol import StepState, key
 from gpu_anchor.journal_keys import STEP_KEY
 
@@ -114,7 +115,7 @@ class AnchoredOptimizer(StateDictMixin):
         self.track_rng = track_rng
         self.prefix = prefix
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
-        self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0}
+        self.stats = {"steps": 0, "commits": 0, "commit_s": 0.0, "wait_s": 0.0, "fused_steps": 0, "copy_steps": 0}
         faults.arm_from_env()
         self._state = None
         self._dev = None              # DeviceProgress (progress="device")
@@ -206,15 +207,24 @@ class AnchoredOptimizer(StateDictMixin):
         if resuming and lost:
             raise RuntimeError(f"the journal says {self._state.step} steps were committed but the anchored "
                                f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
+        # CUDA + Adam: the fused update's per-block undo tags (fused_adam), one row per slot
+        tag_spec = []
+        if self.device.type == "cuda" and type(self.kind) is AdamKind:
+            from .fused_adam import FusedAdam
+            nblocks = FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in self._chunks])
+            tag_spec = [(f"{prefix}.undo.tags", (2, nblocks), torch.int64)]
         undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]
-                           + [(f"{prefix}.progress", (1,), torch.int64)],
+                           + [(f"{prefix}.progress", (1,), torch.int64)] + tag_spec,
                            policy="match_or_create" if self._state.in_flight else "replace")
         if self._state.in_flight and any(b.status == "created" for b in undo):
             raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
         self._undo = [b.tensor for b in undo[:2]]
         self._word = word = undo[2].tensor     # held: an anchored object lives while referenced
+        tags = undo[3].tensor if tag_spec else None
         if not self._state.in_flight:
             word.fill_(-1)
+            if tags is not None:
+                tags.fill_(-1)     # no block of any (step, chunk) saved
         it = iter(bound)
         for q, ks in zip(self._params, keys_of):
             q.grad = next(it).tensor
@@ -227,7 +237,8 @@ class AnchoredOptimizer(StateDictMixin):
         self._cleared = [True] * len(self._params)
         self._hooks = [q.p.register_post_accumulate_grad_hook(self._make_hook(q.index))
                        for q in self._params if q.p.requires_grad]
-        self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind)
+        self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind, tags)
+        self.fused_reason = self._fused_reason(tags)   # None: steps may use the fused update
         if self.progress == "device":
             self._dev = DeviceProgress(word, self.device, self._copy_to_undo, self.stats)
         self._counts = [0] * len(self._params)
@@ -297,14 +308,15 @@ class AnchoredOptimizer(StateDictMixin):
             hps = [_hparams(g) for g in self.optimizer.param_groups]
             carry = self._capture_carry()
             device = self.progress == "device"
+            plan = self._fused_plan(mask, counts, hps)
             if not device:
                 self._copy_to_undo(0)
                 self._wait()     # the gradients (and chunk 0's undo image) are in memory
             # Device mode: no wait — the device word, not this commit, marks the gradients
             # final.  The previous step's pending commit rides along (device past it first).
             puts, landed = self._dev.take_pending() if device else ({}, None)
-            boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask),
-                                   "counts": counts, "hparams": hps}).encode()
+            boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask), "counts": counts,
+                                   "hparams": hps, **self._undo_record(plan)}).encode()
             new = st.begin(len(self._chunks), device_progress=device)
             puts.update({key(self.prefix, "state"): new.encode(), key(self.prefix, "boundary"): boundary,
                          key(self.prefix, "carry_inflight"): carry})
@@ -315,8 +327,8 @@ class AnchoredOptimizer(StateDictMixin):
             if self._barrier is not None:
                 self._barrier()
             if device:
-                self._dev.publish(new.step, 0)
-            self._run_from(0, mask, counts, hps, carry)
+                self._dev.publish(new.step, 0, save=plan is None)
+            self._run_from(0, mask, counts, hps, carry, plan)
 
     def flush(self) -> None:
         """Land the last step's journal commit now (waits for the device to finish it).
@@ -333,18 +345,23 @@ class AnchoredOptimizer(StateDictMixin):
             step_hooks.step_committed(landed, self.client)
 
     # ------------------------------------------------------------------ protocol
-    def _run_from(self, c0: int, mask, counts, hps, carry) -> None:
-        steps = self._step_tensors(mask, counts, hps)
+    def _run_from(self, c0: int, mask, counts, hps, carry, plan=None) -> None:
+        """Chunks ``c0..N-1`` of the step in flight; ``plan``: the fused update's launches
+        per chunk (device mode only: each chunk saves itself as it is written), else copies."""
+        steps = self._step_tensors(mask, counts, hps) if plan is None else None
         n = len(self._chunks)
         s = self._state.step
         device = self.progress == "device"
         for i in range(c0, n):
             faults.hit("before_update", s, i, before_kill=self._wait)
-            if device and i + 1 < n:
-                self._dev.save_ahead(i + 1)      # overlaps the update of chunk i
-            self._apply(i, mask, counts, steps, hps)
+            if plan is not None:
+                self._exec.apply_fused(i, plan[i], protocol.encode_progress(s, i))
+            else:
+                if device and i + 1 < n:
+                    self._dev.save_ahead(i + 1)      # overlaps the update of chunk i
+                self._apply(i, mask, counts, steps, hps)
             if faults.armed("mid_chunk", s, i):
-                faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i))
+                faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i, mask if plan else None))
             if i + 1 < n and not device:
                 self._copy_to_undo(i + 1)
                 self._wait()
@@ -352,7 +369,7 @@ class AnchoredOptimizer(StateDictMixin):
             if i + 1 == n:
                 self._finish(mask, counts, carry)
             elif device:
-                self._dev.advance(s, i + 1)
+                self._dev.advance(s, i + 1, save=plan is None)
             else:
                 new = self._state.chunk_done(i)
                 self._commit({key(self.prefix, "state"): new.encode()})
@@ -425,12 +442,29 @@ class AnchoredOptimizer(StateDictMixin):
             for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
                 _set_hparams(g, hp)
             carry = vals[key(p, "carry_inflight")]
+            fused = b.get("undo") == "fused"       # how this step saves its chunks (boundary)
+            if fused and b.get("undo_block") != self._fused_block():
+                raise RuntimeError(f"the step in flight was saved in blocks of {b.get('undo_block')} elements, "
+                                   f"this version uses {self._fused_block()}: restore from a checkpoint")
+            plan = None
             if device:
+                if fused:
+                    plan = self._fused_plan(mask, b["counts"], b["hparams"])
                 if cursor is None:      # another rank's device began it: ours has the final gradients
                     cursor = 0
-                    self._dev.publish(st.step, 0)
+                    self._dev.publish(st.step, 0, save=not fused)
+                elif cursor < len(self._chunks) and fused:
+                    self._exec.restore_fused(cursor, protocol.encode_progress(st.step, cursor))
+                    self._wait()
                 elif cursor < len(self._chunks):
                     self._copy_from_undo(cursor)
+                if fused and plan is None and cursor < len(self._chunks):
+                    # This worker cannot run the fused update: finish the step by copies.
+                    # Chunk ``cursor`` is whole again; save it whole, then say so (the
+                    # fused rollback stays right until the boundary's record changes).
+                    self._copy_to_undo(cursor)
+                    self._wait()
+                    self._commit({key(p, "boundary"): json.dumps(dict(b, undo="copy")).encode()})
             else:
                 cursor = self._state.cursor
                 if self._state.rollback_chunk() is not None:
@@ -438,7 +472,7 @@ class AnchoredOptimizer(StateDictMixin):
             if cursor == len(self._chunks):
                 self._finish(mask, b["counts"], carry)
             else:
-                self._run_from(cursor, mask, b["counts"], b["hparams"], carry)
+                self._run_from(cursor, mask, b["counts"], b["hparams"], carry, plan)
             vals = dict(vals, **{key(p, "carry"): carry})
         if key(p, "carry") in vals:
             self._restore_carry(vals[key(p, "carry")])
@@ -457,9 +491,36 @@ class AnchoredOptimizer(StateDictMixin):
         self._exec.copy_from_undo(i)
         self._wait()
 
-    def _scribble(self, i) -> None:
-        self._exec.scribble(i)
+    def _scribble(self, i, mask=None) -> None:
+        self._exec.scribble(i, mask)
         self._wait()
+
+    # ------------------------------------------------------------------ fused update
+    def _fused_reason(self, tags) -> str | None:
+        if not self.config.fused_update:
+            return "off (StepProtocolConfig.fused_update=False)"
+        if self.progress != "device":
+            return "progress='journal' saves each chunk before its cursor commit"
+        if tags is None:
+            return "not Adam/AdamW on CUDA"
+        from .fused_adam import unavailable_reason
+        return unavailable_reason(self.device)
+
+    def _fused_plan(self, mask, counts, hps):
+        """This step's fused launches per chunk, or None: it saves by copies."""
+        if self.fused_reason is not None:
+            return None
+        plan = self._exec.fused_step(mask, counts, hps)
+        self.stats["fused_steps" if plan is not None else "copy_steps"] += 1
+        return plan
+
+    @staticmethod
+    def _fused_block() -> int:
+        from .fused_adam import BLOCK
+        return BLOCK
+
+    def _undo_record(self, plan) -> dict:
+        return {"undo": "fused", "undo_block": self._fused_block()} if plan is not None else {"undo": "copy"}
 
     def _finalize_grads(self) -> list[bool]:
         """The gradient-finalization boundary: anchored buffers hold the final gradients."""
