@@ -156,12 +156,18 @@ def main(argv=None) -> int:
         win.run(model, opt, args.warmup, 0)
         peak_a = _peak(device) - base if device.startswith("cuda") else None
         win.run(plain, popt, args.warmup, 0)
-        times = {"plain": [], "anchored": []}
-        host = {"plain": [], "anchored": []}
-        losses = {"plain": [], "anchored": []}
+        modes = {"plain": (plain, popt), "anchored": (model, opt)}
+        if device.startswith("cuda") and not args.torch_fused:
+            # the fastest plain step torch offers: AdamW(fused=True), on a third copy of the model
+            twin = _llama(args.tiny, device, 0)
+            modes["plain_fused"] = (twin, torch.optim.AdamW(twin.parameters(), lr=adamw["lr"], fused=True))
+            win.run(*modes["plain_fused"], args.warmup, 0)
+        times = {k: [] for k in modes}
+        host = {k: [] for k in modes}
+        losses = {k: [] for k in modes}
         before = dict(opt.stats)
         for r in range(args.rounds):
-            for mode, (m, o) in (("plain", (plain, popt)), ("anchored", (model, opt))):
+            for mode, (m, o) in modes.items():
                 t, h, ls = win.run(m, o, args.steps, args.warmup + r * args.steps)
                 times[mode].append(t)
                 host[mode].append(h)
@@ -182,6 +188,11 @@ def main(argv=None) -> int:
             "step_s_plain": step_p, "step_s_anchored": step_a,
             "step_s_plain_windows": times["plain"], "step_s_anchored_windows": times["anchored"],
             "step_overhead_pct": 100 * (step_a - step_p) / step_p,
+            **({"step_s_plain_fused": statistics.median(times["plain_fused"]),
+                "step_s_plain_fused_windows": times["plain_fused"],
+                "step_overhead_vs_fastest_plain_pct":
+                    100 * (step_a - min(step_p, statistics.median(times["plain_fused"])))
+                    / min(step_p, statistics.median(times["plain_fused"]))} if "plain_fused" in times else {}),
             "host_step_call_ms_plain": 1000 * statistics.median(host["plain"]),
             "host_step_call_ms_anchored": 1000 * statistics.median(host["anchored"]),
             "protocol_blocking_ms": commit_ms + wait_ms,
@@ -237,6 +248,15 @@ def render(r: dict) -> str:
         ("Step time (forward + backward + step + zero_grad, unsynchronised loop), plain vs anchored",
          f"{r['step_s_plain'] * 1e3:.1f} vs {r['step_s_anchored'] * 1e3:.1f} ms: "
          f"{r['step_overhead_pct']:+.2f} %", "≤ 1 % [paper 2.6 %]", verdict(r["step_overhead_pct"] <= 1)),
+    ]
+    if "step_s_plain_fused" in r:
+        rows.append(("Step time against the fastest plain step torch offers (`AdamW(fused=True)`, a third copy of "
+                     "the model in the same alternation: " + ", ".join(f"{x * 1e3:.1f}" for x in
+                                                                      r["step_s_plain_fused_windows"]) + " ms)",
+                     f"{min(r['step_s_plain'], r['step_s_plain_fused']) * 1e3:.1f} vs {r['step_s_anchored'] * 1e3:.1f}"
+                     f" ms: {r['step_overhead_vs_fastest_plain_pct']:+.2f} %", "≤ 1 %",
+                     verdict(r["step_overhead_vs_fastest_plain_pct"] <= 1)))
+    rows += [
         ("Extra GPU memory vs plain with `zero_grad(set_to_none=True)` (torch's default: gradients freed "
          "between steps)", "— (CPU run)" if ext is None else f"{ext:+.2f} %", "≤ 2 % [paper 4.9 %]",
          verdict(None if ext is None else ext <= 2)),
