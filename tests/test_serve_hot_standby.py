@@ -26,7 +26,7 @@ from gpu_anchor.serve.engine import Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
 from gpu_anchor.serve.state import NotAttachable
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_daemon_loss import NS, _client, _jobs, _progress, _restores, _wait, server  # noqa: F401
+from test_serve_daemon_loss import NS, _client, _jobs, _progress, _restores, _wait, gpu_server, server  # noqa: F401
 from test_serve_engine import Client, _ctx, _requests
 from test_serve_http import _Stream, scrape
 
@@ -172,6 +172,17 @@ def _hot_standby(not_pid=None) -> dict | None:
 def test_hot_standby_takes_over_after_two_engine_kills(server):
     """The engine SIGKILLed twice under open openai streams, each time with a hot standby attached
     (the second one made after the first take-over): every stream equals its fault-free run."""
+    _two_engine_kills(server)
+
+
+@pytest.mark.gpu
+def test_hot_standby_takes_over_after_two_cuda_engine_kills(gpu_server):
+    """The same on cuda:0 (float32): the standby's decode graphs are captured before the fault,
+    against the live engine's mapped weights and KV cache, and replayed after the take-over."""
+    _two_engine_kills(gpu_server)
+
+
+def _two_engine_kills(server):
     from gpu_anchor.launch import jobstate
     base = server.start("--hot-standby")
     c = _client(base)
@@ -189,7 +200,7 @@ def test_hot_standby_takes_over_after_two_engine_kills(server):
         _wait(lambda: server.health().get("engine_pid") == standbys[-1]["pid"] and server.health()["status"] == "ok",
               "the hot standby serving")
         assert server.health()["last_recovery"]["hot_standby"] == 1, server.health()["last_recovery"]
-        assert _job()["ranks"]["0"] == {"pid": standbys[-1]["pid"], "how": "hot standby", "device": "cpu"}
+        assert _job()["ranks"]["0"] == {"pid": standbys[-1]["pid"], "how": "hot standby", "device": server.device}
     got = [s.result() for s in streams]
     for j, r, g in zip(jobs, ref, got):
         assert g == r, (j, g, r)
