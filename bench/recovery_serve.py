@@ -22,6 +22,13 @@ each method's tokens/s over the steady window before each kill.  Weights are ran
 once as safetensors.
 
     python -m bench recovery_serve --modes warm,standby,prewarm
+    python -m bench recovery_serve --methods gpu_anchor --modes prewarm,hot --repeat 20
+
+``hot`` (gpu-anchor only; ``gpu-anchor serve --hot-standby``): the ``prewarm`` standby also
+attaches to the live engine's anchored state once that engine serves (``Engine(standby=True)``:
+weights and KV cache mapped, nothing written, decode graphs captured), and after the kill only
+takes over (``Engine.take_over``: the journal read, the restore).  Its ``engine`` phase is
+that take-over; ``attach_s`` / ``capture_s`` are what it did before the fault.
 """
 from __future__ import annotations
 
@@ -99,18 +106,24 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
     trials = {m: [] for m in modes}
     if a.tiny:
         trials.pop("cold", None)  # smoke size: recovery_train --tiny exercises the cold path
+    if method != "gpu_anchor":
+        trials.pop("hot", None)   # a hot standby maps gpu-anchor's state: the baselines have none to map
     modes = list(trials)
     sid, steady = None, []
     try:
         for mode in modes:
             for _ in range(a.repeat):
                 sid = ready = None
+                shapes = standby.prewarm_env(PREWARM_ENV, _args(method, a, model_dir, device, state, ns, evfile))
                 if mode in standby.STANDBY_MODES:  # the next engine waits, ready, before the fault
-                    shapes = standby.prewarm_env(PREWARM_ENV, _args(method, a, model_dir, device, state, ns, evfile))
                     sid, ready = standby.start(launchers["warm"], device, "bench.baselines.server:prewarm"
                                                if mode == "prewarm" else None, shapes)
                 full = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= a.concurrency,
                                 lambda: launcher.alive(pid), timeout=1800)
+                if mode == "hot":  # attaches to the live engine's state: only once that one serves
+                    sid, ready = standby.start(launchers["warm"], device, "bench.baselines.server:hot", shapes)
+                    full = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["t"] > ready["t"],
+                                    lambda: launcher.alive(pid), timeout=1800)
                 log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["t"] > full["t"] and
                          sum(1 for x in log.events if x["ev"] == "step" and x["pid"] == pid
                              and x["t"] >= full["t"]) >= a.steady_steps, lambda: launcher.alive(pid), timeout=1800)
@@ -143,7 +156,12 @@ def run_method(method, a, model_dir, device, modes, work, launchers) -> dict:
                       "restored": by["engine"]["restored"], "weights_s": tm.get("weights_load_s", tm.get("bind_s")),
                       "kv_back_s": tm.get("kv_copy_back_s", 0.0), "cuda_init_s": tm.get("cuda_init_s"),
                       "kv_blocks_restored": tm.get("kv_blocks_restored"),
-                      "weights_loaded": by["engine"]["weights_loaded"], "notes": by["engine"]["notes"]}
+                      "weights_loaded": by["engine"]["weights_loaded"], "notes": by["engine"]["notes"],
+                      "hot": by["engine"].get("hot", 0),
+                      "attach_s": ready["info"].get("standby_attach_s") if ready else None,
+                      "capture_s": ready["info"].get("standby_capture_s") if ready else None}
+                if mode == "hot" and not ph["hot"]:
+                    raise RuntimeError(f"the hot standby did not take over as one (attached: {ready['info']})")
                 # the steps between the engine's start and "resumed": what the resume time is made of
                 ph["resume_steps"] = [{"t": round(e["t"] - by["engine"]["t"], 4), "dt": e.get("dt"),
                                        "graph": e.get("graph"), "tokens": e["n"], "admitted": len(e["adm"])}
@@ -172,7 +190,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen3-8b")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--modes", default="cold,warm", help="any of cold, warm, standby, prewarm")
+    p.add_argument("--modes", default="cold,warm", help="any of cold, warm, standby, prewarm, hot (gpu-anchor only: "
+                   "the prewarm standby, attached to the live engine's state once it serves, graphs captured)")
     p.add_argument("--device", default=None)
     p.add_argument("--repeat", type=int, default=3, help="kills per method and mode (the protocol's n; >= 3)")
     p.add_argument("--concurrency", type=int, default=64)
@@ -265,8 +284,9 @@ def render(result: dict) -> str:
         firsts = [f"{LABELS.get(r['method'], r['method'])} {mode} {fmt_s(t['resume_steps'][0]['dt'])}"
                   for r in rows for mode, x in r["modes"].items() for t in x["trials"][:1] if t.get("resume_steps")]
         if firsts:
-            lines.append("\nThe restarted engine's first step (eager; every kernel and cuBLAS heuristic met for the "
-                         "first time by that process; its tokens are published with the next step): "
+            lines.append("\nThe restarted engine's first step (eager, every kernel and cuBLAS heuristic met for the "
+                         "first time by that process — except in mode hot, whose decode graphs were captured before "
+                         "the fault; its tokens are published with the next step): "
                          + ", ".join(firsts) + ".")
         steady = [(LABELS.get(r["method"], r["method"]), Cell(r["fault_free_tokens_per_s"])
                    if r.get("fault_free_tokens_per_s") else None) for r in rows]

@@ -109,6 +109,33 @@ def test_scheduler_preempts_youngest_when_blocks_run_out():
     assert [x.seq.rid for x in w] == ["old"] and s.preemptions == 1
 
 
+def test_a_sequence_scheduled_in_this_step_is_never_preempted_by_it():
+    """The youngest sequence needs a block and none is free, while the older one (already
+    scheduled in this step) fits: the youngest gives way itself.  Preempting the scheduled one
+    left its work with an empty block table (an IndexError that killed every engine on that
+    state)."""
+    bm = BlockManager(2, 4)
+    s = Scheduler(bm, max_batched_tokens=64)
+    s.add(seq("old", 2, max_tokens=8, arrival=0))
+    s.add(seq("young", 3, max_tokens=8, arrival=1))
+    for _ in range(2):                 # prefill, then one decode: each holds one full-ish block
+        w = s.schedule()
+        s.finish_step(w, {x.seq.rid: 1 for x in w if x.sample})
+        bm.on_commit()
+    w = s.schedule()                   # old: position 3 fits its block; young: position 4 needs one
+    assert [x.seq.rid for x in w] == ["old"] and s.seqs["young"].status is Status.WAITING
+    assert all(x.seq.status is Status.RUNNING and len(x.seq.block_table) * 4 >= x.start + x.n for x in w)
+    steps = 0
+    while s.has_work():
+        s.finish_step(w, {x.seq.rid: 1 for x in w if x.sample})
+        bm.on_commit()
+        bm.check()
+        w = s.schedule()
+        steps += 1
+        assert steps < 100
+    assert s.preemptions >= 1
+
+
 def test_random_schedules_keep_block_accounting():
     rng = random.Random(3)
     bm = BlockManager(24, 4)

@@ -13,7 +13,8 @@ restored requests), ``step`` (tokens, finished and admitted request indices, the
 step's duration ``dt`` and whether it replayed a CUDA graph; emitted after the step's
 commit), ``resumed`` (every restored request produced a token), ``done``.  A standby of the
 warm fork server can run it after a fault (``standby``); its pre-warm, ``prewarm`` below, runs
-a 1-layer scratch engine (``gpu_anchor.serve.prewarm``) with this command line's shapes.
+a 1-layer scratch engine (``gpu_anchor.serve.prewarm``) with this command line's shapes; ``hot``
+also attaches the engine to the live one's anchored state (a hot standby), which ``main`` takes over.
 """
 from __future__ import annotations
 
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
     from gpu_anchor.serve.sequence import SamplingParams
     ev("imported")
     cfg = engine_config(args)
+    eng = _take_over_hot(cfg)
+    hot = eng is not None
     anchor_cls = None
     if args.method != "gpu_anchor":
         from bench.baselines.kv_memory import KVMemoryAnchor
@@ -108,13 +111,14 @@ def main(argv=None) -> int:
         anchor_cls = KVMemoryAnchor if args.method == "kv_memory" else ReplayAnchor
         anchor_cls.model_dir, anchor_cls.state_dir = args.model_dir, args.state_dir
         E.Anchor = anchor_cls  # the engine's memory provider, swapped for the baseline's
-    eng = E.Engine(cfg)
+    if eng is None:
+        eng = E.Engine(cfg)
     if hasattr(eng.anchor, "attach"):
         eng.anchor.attach(eng)
     timings = dict(eng.timings, **(anchor_cls.timings if anchor_cls else {}))
     pending = {s.rid for s in eng.restored}
     ev("engine", timings=timings, restored=len(pending), notes=eng.recovery_notes[:3],
-       weights_loaded=eng.weights_loaded,
+       weights_loaded=eng.weights_loaded, hot=int(hot),
        **({"toks": [[s.rid, 0, list(s.output_ids)] for s in eng.restored]} if args.record_tokens else {}))
     nxt = args.next_request
     readmit = lost_requests(args.events, pending)
@@ -159,6 +163,7 @@ def engine_config(args):
 
 
 PREWARM_ENV = "BENCH_SERVE_PREWARM"
+HOT = None            # a hot standby's attached engine (``hot``), in this module of the standby process
 
 
 def prewarm(device: str) -> dict:
@@ -167,6 +172,36 @@ def prewarm(device: str) -> dict:
     engine must not touch any method's state)."""
     from gpu_anchor.serve.prewarm import warm_engine
     return warm_engine(engine_config(parser().parse_args(json.loads(os.environ[PREWARM_ENV]))))
+
+
+def hot(device: str) -> dict:
+    """A hot standby's preparation (mode ``hot`` of ``bench recovery_serve``, gpu-anchor only): the
+    pre-warm above, then the engine of the command line attached to the live engine's anchored
+    state without writing it (``Engine(standby=True)``: weights and KV mapped, decode graphs
+    captured).  ``main`` takes it over after the fault.  Made only once the live engine serves."""
+    global HOT
+    import gpu_anchor.serve.engine as E
+    info = prewarm(device)
+    args = parser().parse_args(json.loads(os.environ[PREWARM_ENV]))
+    if args.method != "gpu_anchor":
+        raise ValueError(f"a hot standby maps gpu-anchor's state; method {args.method} has none to map")
+    HOT = E.Engine(engine_config(args), standby=True)
+    return dict(info, hot=1, **HOT.timings)
+
+
+def _take_over_hot(cfg):
+    """In the standby that ran ``hot``: its engine, taken over, if it was built for ``cfg``; else None."""
+    import dataclasses
+    import sys
+    me = sys.modules.get("bench.baselines.server")
+    eng = getattr(me, "HOT", None) if me is not None else None
+    if eng is None:
+        return None
+    me.HOT = None
+    if dataclasses.replace(eng.cfg, graph_after_steps=cfg.graph_after_steps) != cfg:
+        return None
+    eng.take_over()
+    return eng
 
 
 if __name__ == "__main__":

@@ -137,6 +137,10 @@ def format_jobs(jobs: list[dict]) -> str:
         for r, sb in sorted((job.get("standbys") or {}).items(), key=lambda kv: int(kv[0])):
             what = f"failed to prepare: {sb['failed']}" if sb.get("failed") else "ready" + (
                 f" (pre-warmed in {sb['prewarm_s']:.2f} s)" if sb.get("prewarm_s") is not None else "")
+            if sb.get("hot"):
+                what += f", hot: attached to the engine's state in {sb.get('attach_s', 0.0):.2f} s"
+            elif sb.get("not_attachable"):
+                what += f", warm only (could not attach: {sb['not_attachable']})"
             lines.append(f"  standby for rank {r}: pid {sb.get('pid')}, {what}")
         for i, rs in enumerate(job["restarts"], 1):
             rec = rs.get("recovery_s")

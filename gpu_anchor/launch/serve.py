@@ -83,7 +83,7 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    args.warm_pool |= args.prewarm
+    args.warm_pool |= args.prewarm or args.hot_standby
     # The fork server's role: import the heavy modules once, run nothing that starts threads.
     import torch  # noqa: F401
     from gpu_anchor.serve.model_runner import load_config, meta_model
@@ -165,6 +165,8 @@ class _EngineSupervisor:
         self.engines: dict[int, int] = {}          # rank -> pid: the running engine (group)
         self.rendezvous: str | None = None         # this incarnation's control socket + store prefix
         self.standby = None
+        self.standby_at = None             # a hot standby's placement (device, daemon socket)
+        self.standby_noted = False
         self.incarnation = self.restarts = 0
         self.started = 0.0
         self.stopping = None
@@ -187,11 +189,9 @@ class _EngineSupervisor:
             if not self.engines:
                 self._start_engines()
                 continue
-            if self.args.warm_pool and self.standby is None and time.time() - self.started > STANDBY_AFTER_S:
-                # made once the engine has started, so its CUDA init does not slow that one's
-                cfg, esock, worker, ecli, progress = self.cfg, self.esock, self.worker, self.ecli, self.progress
-                self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, self.args.prewarm),
-                                               lambda go: ecli.standby_run(cfg, esock, go, worker, progress))
+            if self.args.warm_pool and self.standby is None and self._standby_due():
+                self._make_standby()
+            self._note_standby()
             # pidfds: a death is seen when it happens
             r = runtime.wait_any([self.engines[k] for k in sorted(self.engines)], 0.25)
             if r is not None:
@@ -200,6 +200,8 @@ class _EngineSupervisor:
             if len(self.ranks) == 1:
                 self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
                 self.anchor.follow()
+                if self.standby is not None and self.standby_at not in (None, (self.cfg.device, self.cfg.socket)):
+                    self._dismiss_standby("the engine moved (gpu-anchor migrate); a new one attaches there")
             lost = self.anchor.watch_problem(ready=self.progress.reached(self.engines.get(0, -1)) >= 1)
             if lost:
                 # the engine still runs on memory the daemon no longer holds for it: stop it before
@@ -212,6 +214,51 @@ class _EngineSupervisor:
         self.state.set(state="stopped", result=f"interrupted by {signal.Signals(self.stopping).name}"
                        + (f" after giving up ({self.failed})" if self.failed else ""))
         return 1 if self.failed else 0
+
+    def _standby_due(self) -> bool:
+        """A standby is made once the engine has started (its CUDA init must not slow that one's);
+        a hot one only once the engine is built: before, there is no complete state to attach to."""
+        if time.time() - self.started <= STANDBY_AFTER_S:
+            return False
+        return not self.args.hot_standby or self.progress.reached(self.engines.get(0, -1)) >= 1
+
+    def _make_standby(self) -> None:
+        import dataclasses
+        # a hot standby's graphs are captured for the fault plan of the incarnation it will serve
+        cfg = dataclasses.replace(self.cfg, fault=self.ecli.fault_for(self.args.fault_plan, self.incarnation).get(0))
+        esock, worker, ecli, progress, prewarm, hot = (self.esock, self.worker, self.ecli, self.progress,
+                                                        self.args.prewarm, self.args.hot_standby)
+        self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot),
+                                       lambda go: ecli.standby_run(cfg, esock, go, worker, progress))
+        self.standby_at = (cfg.device, cfg.socket) if hot else None
+        self.standby_noted = False
+
+    def _note_standby(self) -> None:
+        """Once the standby is ready: what it is, for ``gpu-anchor status`` and the log."""
+        sb = self.standby
+        if sb is None or self.standby_noted:
+            return
+        sb.ready()
+        if sb.info is None:
+            return
+        self.standby_noted = True
+        info = sb.info
+        rec = {"pid": sb.pid, **{k: info[k] for k in ("prepare_s", "engine_prewarm_s", "hot", "attach_s",
+                                                      "not_attachable", "failed") if k in info}}
+        if "engine_prewarm_s" in info:
+            rec["prewarm_s"] = info["engine_prewarm_s"]
+        self.state.data["standbys"] = {"0": rec}
+        self.state.save()
+
+    def _dismiss_standby(self, why: str) -> None:
+        """Kill and reap the standby (a hot one's mappings would keep memory of a lost state alive)."""
+        sb, self.standby = self.standby, None
+        if sb is None:
+            return
+        sb.close()
+        self.state.data["standbys"] = {}
+        if self.args.hot_standby:
+            log.info("standby %d closed: %s", sb.pid, why)
 
     def _start_engines(self) -> None:
         """Fork the engine (rank 0) and, with tensor parallelism, the other ranks of its group."""
@@ -228,11 +275,13 @@ class _EngineSupervisor:
         self.started = time.time()
         how = "forked"
         sb, self.standby = self.standby, None
+        self.state.data["standbys"] = {}
         if sb is not None and sb.ready(timeout=10.0):
             try:
                 self.engines = {0: sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket,
                                           "fault": cfg.fault})}
-                how = "warm standby"
+                how = "hot standby" if (sb.info or {}).get("hot") else "warm standby"
+                log.info("engine %d: the %s takes over", sb.pid, how)
             except OSError:              # the standby died meanwhile: start one the usual way
                 log.warning("the warm standby is gone; forking an engine")
         if not self.engines:
@@ -338,6 +387,9 @@ class _EngineSupervisor:
         self.state.add_restart({"action": d.action, "kind": d.kind, "reason": reason, "step": None,
                                 "chaos": False, "t_detect": time.time(), "t_exit": time.time(),
                                 "generation": self.incarnation, "marks": {}, "recovery_s": None, "rank": ex.rank})
+        if d.action != "restart" and self.standby_at is not None:
+            # a hot standby maps the state that is being given up (and keeps its memory alive)
+            self._dismiss_standby(f"{d.action}: the state it attached to is not used again")
         if d.action == "stop":
             self._give_up(reason)
             return

@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --warm-pool (implied): the standby also runs a 1-layer scratch engine of the same "
                         "shapes through prefill and decode before any failure, so the first step after a "
                         "take-over finds its kernels loaded (never touches the live engine's state)")
+    p.add_argument("--hot-standby", action="store_true",
+                   help="implies --warm-pool: once the engine is ready, the standby also maps its weights and KV "
+                        "cache (read-only until it takes over), builds the model and captures its decode graphs, so "
+                        "a take-over is a journal read and the next step (docs/serving.md, 'Hot takeover'); not with "
+                        "--tensor-parallel-size > 1 or --no-anchor")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
                         "for the first LIMIT engines (default: all); with tensor parallelism, one random "
@@ -92,23 +97,69 @@ def _dtype(name: str):
     return DTYPES.get(name)
 
 
-def standby_prepare(cfg, prewarm: bool) -> dict:
-    """A standby's start-up, on scratch tensors only: CUDA context and cuBLAS, then (``--prewarm``)
-    the scratch engine of ``serve.prewarm``."""
+# A hot standby's engine, attached to the live engine's state (``Engine(standby=True)``): made by
+# ``standby_prepare`` in the standby process, handed to ``worker.run`` by ``standby_run``.
+_hot = None
+
+
+def standby_prepare(cfg, prewarm: bool, hot: bool = False) -> dict:
+    """A standby's start-up: CUDA context and cuBLAS, then (``--prewarm``) the scratch engine of
+    ``serve.prewarm`` — scratch tensors only —, then (``--hot-standby``) the engine attached to
+    the live engine's state, which it writes nothing of (``Engine(standby=True)``; the supervisor
+    asks for it only once the live engine is built).  A state it cannot attach to leaves an
+    ordinary warm standby (``info["hot"]`` is False and says why)."""
     from gpu_anchor.runtime.warm import warm_cuda
     info = warm_cuda(cfg.device, _dtype(cfg.dtype))
     if prewarm:
         from .prewarm import warm_engine
         info.update(warm_engine(cfg))
+    if hot:
+        info.update(_attach(cfg))
     return info
 
 
+def _attach(cfg) -> dict:
+    global _hot
+    from .engine import Engine
+    from .state import NotAttachable
+    try:
+        _hot = Engine(cfg, standby=True)
+    except NotAttachable as e:
+        log.warning("standby %d cannot attach to the engine's state (%s): it stays a warm standby", os.getpid(), e)
+        return {"hot": False, "not_attachable": str(e)}
+    graphs = (f"{_hot.graphs.stats['graphs']} decode graphs captured in {_hot.timings['standby_capture_s']:.2f} s"
+              if _hot.graphs is not None and _hot.graphs.capture else "no decode graphs (eager)")
+    log.info("hot standby %d attached to namespace %r in %.2f s (%s)", os.getpid(), cfg.namespace,
+             _hot.timings["standby_attach_s"], graphs)
+    return {"hot": True, "attach_s": _hot.timings["standby_attach_s"], "capture_s": _hot.timings["standby_capture_s"]}
+
+
 def standby_run(cfg, esock: str, go: dict, worker, on_progress=None) -> None:
-    """The standby takes over: what is only known now comes in ``go``."""
+    """The standby takes over: what is only known now comes in ``go``.  A hot standby's engine
+    is used when it was attached for this placement and fault plan; otherwise it is dropped and
+    the engine is built the usual way (a warm take-over)."""
     import dataclasses
+    global _hot
     c = dataclasses.replace(cfg, device=go["device"], socket=go["socket"],
                             fault=tuple(go["fault"]) if go.get("fault") else None)
-    worker.run(c, esock, started_at=go["started"], standby=True, on_progress=on_progress)
+    eng, _hot = _hot, None
+    if eng is not None and (eng.cfg.device, eng.cfg.socket, eng.cfg.fault) != (c.device, c.socket, c.fault):
+        log.warning("hot standby %d attached to %s (daemon %s, fault %s), asked to serve %s (daemon %s, fault %s): "
+                    "building the engine anew", os.getpid(), eng.cfg.device, eng.cfg.socket, eng.cfg.fault,
+                    c.device, c.socket, c.fault)
+        eng = None
+        discard_engine()
+    worker.run(c, esock, started_at=go["started"], standby=True, on_progress=on_progress, engine=eng)
+
+
+def discard_engine() -> None:
+    """After a hot engine was dropped: its graph pool goes back to the device (its mappings, which
+    never owned their objects, free nothing in the daemon)."""
+    import gc
+    gc.collect()
+    import torch
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def follow_migration(cfg, path: str) -> None:

@@ -15,6 +15,7 @@ sends each step's plan to the other ranks, and its forward runs with theirs.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -35,7 +36,7 @@ from .model_runner import Model, load_config
 from .sampling import sample, token_logprobs
 from .scheduler import Scheduler, Work
 from .sequence import SamplingParams, Sequence, Status
-from .state import bind_state
+from .state import NotAttachable, bind_state
 from .tp import LeaderSide, fault_due
 
 log = logging.getLogger("gpu_anchor.serve")
@@ -90,13 +91,26 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, progress=None) -> None:
+    def __init__(self, cfg: EngineConfig, progress=None, standby: bool = False) -> None:
         """``progress(phase, done=None, total=None)``, if given, hears how the start-up goes:
         phases ``cuda_init``, ``group`` (tensor parallelism: the other ranks connect),
         ``bind`` (mapping or creating the anchored objects), ``weights`` (bytes loaded of
-        the total; only when they are not already anchored), ``restore`` (reading the journal)."""
+        the total; only when they are not already anchored), ``restore`` (reading the journal).
+
+        ``standby=True`` builds a *hot standby* (``gpu-anchor serve --hot-standby``): it attaches
+        to the live engine's namespace without writing anything that engine owns — the objects
+        looked up, never created (``state.NotAttachable`` if any is missing or different, or the
+        journal lacks the weights fingerprint or layout record), no journal key written, no weight
+        loaded, no KV zeroed — builds the model on them and captures every decode graph now
+        (capture writes no KV: its slots are -1).  ``take_over`` does the rest once the live
+        engine is dead.  The ordinary constructor is the same code: bind, then ``take_over``."""
         t0 = time.perf_counter()
+        if standby and cfg.tensor_parallel_size > 1:
+            raise NotAttachable("a hot standby of a tensor-parallel engine group is not built (one engine only)")
+        if standby:   # this engine's graphs exist before its first step: no eager steps first
+            cfg = dataclasses.replace(cfg, graph_after_steps=0)
         self.cfg = cfg
+        self.standby = standby
         report = progress or (lambda phase, done=None, total=None: None)
         self.timings: dict[str, float] = {}
         if cfg.dtype not in DTYPES:
@@ -120,13 +134,40 @@ class Engine:
             report("group")
             self.tp = LeaderSide(cfg, self.device, self.mc.vocab_size)
         # ``Anchor`` is looked up here, at construction: the benchmarks' baselines replace it
-        self.state = st = bind_state(cfg, self.mc, self.dtype, self.device, report, provider=Anchor)
+        self.state = st = bind_state(cfg, self.mc, self.dtype, self.device, report, provider=Anchor, attach=standby)
         self.timings.update(st.timings)
         self.anchor = st.anchor
         self.weights_loaded = st.weights_loaded
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
                            tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic,
                            packed=st.packed)
+        if cfg.fault is not None:     # before any capture: with a hook, each graph is captured in two halves
+            self.model.mid_hook = self._mid_forward
+        self.steps = 0
+        self.graphs = decode_graphs(cfg, self.model, self.device, self.dtype)
+        if standby:
+            t1 = time.perf_counter()
+            self.capture_graphs()
+            self.timings["standby_capture_s"] = time.perf_counter() - t1
+            self.timings["standby_attach_s"] = time.perf_counter() - t0
+            return
+        self.take_over(progress, _t0=t0)
+
+    def take_over(self, progress=None, _t0: float | None = None) -> None:
+        """Become the serving engine: judge the anchored KV by the journal as it is now, restore
+        every committed sequence, and set up the scheduler and the commit pipeline.  The
+        constructor calls it; a hot standby (``standby=True``) calls it at take-over, once the
+        engine it replaces is dead (never before: the dead engine's queued kernels could still
+        write KV).  Raises ``NotAttachable`` if the namespace changed under the standby since it
+        attached (the weights fingerprint is gone or another): build an ordinary engine then."""
+        t0 = time.perf_counter() if _t0 is None else _t0
+        cfg, st = self.cfg, self.state
+        report = progress or (lambda phase, done=None, total=None: None)
+        if self.standby:
+            st.recheck()
+            self.standby = False
+            # what the standby did before the fault is not part of this take-over's time
+            self.timings = {k if k.startswith("standby_") else "standby_" + k: v for k, v in self.timings.items()}
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -150,7 +191,6 @@ class Engine:
         if self.tp is not None:     # the decision is committed: the other ranks may record their layout
             self.tp.send({"t": "go"})
         self.timings["restore_s"] = time.perf_counter() - t3
-        self.steps = 0
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
         self._added: list[Sequence] = []     # admitted since the last commit (not yet scheduled)
@@ -161,16 +201,13 @@ class Engine:
         self._inflight = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit") if journal is not None else \
             _Immediate()
-        if cfg.fault is not None:
-            self.model.mid_hook = self._mid_forward
         self._prefill_step = False
         self.tokens_generated = 0
-        self.graphs = decode_graphs(cfg, self.model, self.device, self.dtype)
         # host seconds per phase, summed over steps (bench/serve_throughput.py reports them)
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
                                          "finish", "commit_prepare", "commit_wait"), 0.0)
         self.step_counts = {"graph": 0, "eager": 0}
-        self.timings["init_s"] = time.perf_counter() - t0
+        self.timings["init_s" if _t0 is not None else "take_over_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ recovery
     def _restore(self, journal, why: str) -> None:

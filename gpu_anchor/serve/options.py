@@ -2,8 +2,8 @@
 
 - ``--tensor-parallel-size N``: N engine processes, one per device (``serve/tp.py``); N must
   divide the model's attention heads, KV heads and MLP width (``shards.check``), and on CUDA
-  the devices ``cuda:K .. cuda:K+N-1`` must exist.  Not with ``--warm-pool`` (one standby per
-  rank is not built) nor, on CUDA, with ``--socket`` (each device has its own daemon).
+  the devices ``cuda:K .. cuda:K+N-1`` must exist.  Not with ``--warm-pool`` / ``--hot-standby``
+  (one standby per rank is not built) nor, on CUDA, with ``--socket`` (each device has its own daemon).
 - ``--max-num-batched-tokens`` (vLLM's name); ``--max-batched-tokens`` still works, with a
   deprecation warning.
 - KV-cache size, one of: ``--num-blocks N``; ``--kv-cache-gib G``; ``--gpu-memory-utilization F``
@@ -44,9 +44,13 @@ def check(args) -> None:
     tp = args.tensor_parallel_size
     if tp is not None and tp < 1:
         raise OptionError(f"--tensor-parallel-size must be >= 1, got {tp}")
-    if tp is not None and tp > 1 and (getattr(args, "warm_pool", False) or getattr(args, "prewarm", False)):
-        raise OptionError(f"--warm-pool / --prewarm with --tensor-parallel-size {tp}: a warm standby per rank is not "
-                          "built yet; drop --warm-pool (a rank's death restarts the group from the fork server)")
+    if tp is not None and tp > 1 and (getattr(args, "warm_pool", False) or getattr(args, "prewarm", False)
+                                      or getattr(args, "hot_standby", False)):
+        raise OptionError(f"--warm-pool / --prewarm / --hot-standby with --tensor-parallel-size {tp}: a standby per "
+                          "rank is not built yet; drop them (a rank's death restarts the group from the fork server)")
+    if getattr(args, "hot_standby", False) and getattr(args, "no_anchor", False):
+        raise OptionError("--hot-standby with --no-anchor: a hot standby maps the engine's anchored state, and "
+                          "--no-anchor has none; use --warm-pool")
     old = args.max_batched_tokens_deprecated
     if old is not None:
         if args.max_num_batched_tokens is not None and args.max_num_batched_tokens != old:

@@ -57,10 +57,16 @@ class Scheduler:
     def _ordered(self, status: Status) -> list[Sequence]:
         return sorted((s for s in self.seqs.values() if s.status is status), key=lambda s: (s.arrival, s.rid))
 
-    def _preempt_one(self, keep: Sequence) -> bool:
-        victims = [s for s in self._ordered(Status.RUNNING) if s is not keep]
+    def _preempt_one(self, keep: Sequence, scheduled: set[str]) -> bool:
+        """Free blocks for ``keep``: preempt the youngest running sequence not scheduled in this
+        step, else ``keep`` itself if another one is running (a sequence already given work in
+        this step is never preempted: its work would have no blocks).  False: ``keep`` runs
+        alone."""
+        victims = [s for s in self._ordered(Status.RUNNING) if s is not keep and s.rid not in scheduled]
         if not victims:
-            return False
+            if not scheduled:
+                return False
+            victims = [keep]
         v = victims[-1]          # youngest first: the oldest keep making progress
         self.blocks.release(v.block_table)
         v.reset_kv()
@@ -78,17 +84,18 @@ class Scheduler:
         #    its blocks are reusable only after this step's commit, so the step goes on
         #    without the sequences that need them.
         self._cache_full: list[Sequence] = []
+        scheduled: set[str] = set()
         for seq in running:
             if seq.status is not Status.RUNNING or seq.in_prefill or budget < 1:
                 continue
             if not self.blocks.can_grow(seq.block_table, seq.num_computed + 1):
-                if not self.blocks.has_pending and not self._preempt_one(keep=seq):
+                if not self.blocks.has_pending and not self._preempt_one(seq, scheduled):
                     self._cache_full.append(seq)      # alone and still too long for the cache
                 continue
             self.blocks.grow(seq.rid, seq.block_table, seq.num_computed + 1)
             work.append(Work(seq, seq.num_computed, 1, True))
+            scheduled.add(seq.rid)
             budget -= 1
-        scheduled = {w.seq.rid for w in work}
         # 2. prefill chunks: partly prefilled sequences first, then new admissions.
         n_running = sum(1 for s in self.seqs.values() if s.status is Status.RUNNING)
         candidates = [s for s in self._ordered(Status.RUNNING) if s.rid not in scheduled]

@@ -18,6 +18,12 @@ when the daemon created them or their fingerprint is missing.
 again only once rank 0's journal no longer counts on the old contents (rank 0: in the
 restore's commit; the others: after rank 0's ``go``).  A crash in between leaves no record,
 so the next start recomputes again instead of trusting memory no step wrote.
+
+``attach=True`` (a hot standby, ``Engine(standby=True)``) binds without owning: the objects are
+looked up (``policy="lookup"``: created never, freed never by this process), nothing is
+loaded, zeroed or written to the journal, and anything short of a complete, fingerprinted
+namespace of this layout raises ``NotAttachable``.  ``RankState.recheck`` repeats the journal
+check at take-over and judges the KV by the journal as it is then.
 """
 from __future__ import annotations
 
@@ -38,6 +44,11 @@ from .model_runner import head_dim, init_random, load_weights, param_specs, weig
 log = logging.getLogger("gpu_anchor.serve")
 
 
+class NotAttachable(RuntimeError):
+    """A hot standby cannot attach to (or take over) the namespace as it is: the caller builds an
+    ordinary engine instead (the standby is then a warm one)."""
+
+
 @dataclass
 class RankState:
     anchor: Anchor
@@ -50,6 +61,7 @@ class RankState:
     problem: str = ""                      # why the KV cannot be trusted ("" if it can)
     timings: dict[str, float] = field(default_factory=dict)
     packed: dict[str, torch.Tensor] = field(default_factory=dict)   # packing.py: qkv_proj, gate_up_proj
+    fingerprint: str = ""                  # what serve/weights must say for these weights
 
     @property
     def journal(self):
@@ -74,16 +86,26 @@ class RankState:
             return "the weights had to be loaded again"
         return ""
 
+    def recheck(self) -> None:
+        """At a hot standby's take-over: the journal must still vouch for the weights this process
+        attached to; the KV is judged by the layout record as it is now (``kv_problem``)."""
+        j = self.journal
+        if j.get(C.WEIGHTS) != self.fingerprint.encode():
+            raise NotAttachable("the weights' fingerprint changed since the standby attached")
+        self.problem = self._judge(j.get(C.LAYOUT))
+
     def record_layout(self) -> None:
         if self.journal is not None:
             self.journal.commit({C.LAYOUT: self.layout})
 
 
-def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, provider=Anchor) -> RankState:
+def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, provider=Anchor,
+               attach: bool = False) -> RankState:
     """Bind this rank's weights and KV cache (``cfg.rank`` of ``cfg.tensor_parallel_size``);
     load or draw the weights unless they are anchored and complete; zero a new KV cache.
     ``report(phase, done, total)``: start-up progress (``bind``, ``weights``).  ``provider``:
-    the memory provider, ``Anchor``'s interface (the benchmarks' baselines bring their own)."""
+    the memory provider, ``Anchor``'s interface (the benchmarks' baselines bring their own).
+    ``attach``: a hot standby's bind, which writes nothing (the module's doc)."""
     report = report or (lambda phase, done=None, total=None: None)
     rank, n = cfg.rank, cfg.tensor_parallel_size
     t0 = time.perf_counter()
@@ -100,6 +122,8 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
     kshape = (2, cfg.num_blocks, cfg.block_size, mc.num_key_value_heads // n, d)
     kspecs = [(f"kv_cache[{i}]", kshape, dtype) for i in range(L)]
     report("bind", None, sum(math.prod(shape) * dt.itemsize for _, shape, dt in bspecs + kspecs))
+    if attach:
+        return _attach(anchor, cfg, mc, dtype, wspecs, bspecs, kspecs, groups, full, specs_s, t0)
     try:
         tensors, status = anchor.bind(bspecs + kspecs)
     except ConflictError as e:   # another layout or model under these names: start them afresh
@@ -111,16 +135,12 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
     weights = {nm: tensors[nm] for nm, _, _ in wspecs}
     kv = [tensors[nm] for nm, _, _ in kspecs]
     journal = anchor.journal
-    part = f"tp{rank}/{n}" if n > 1 else ""
-    fp = weights_fingerprint(cfg.model, mc, dtype, cfg.seed if cfg.random_weights else None, part)
+    fp, rec = _identity(cfg, mc, dtype, kspecs)
     t1 = time.perf_counter()
     have = journal.get(C.WEIGHTS) if journal is not None else None
     matched = all(status[nm] == "matched" for nm, _, _ in wspecs) and have == fp.encode()
-    rec = {"fp": fp, "kv": [list(kshape)], "layers": L, "dtype": cfg.dtype}
-    if n > 1:
-        rec["tp"] = [rank, n]
     st = RankState(anchor, weights, kv, status, [nm for nm, _, _ in kspecs], C.layout_record(rec), not matched,
-                   timings=timings, packed={p: tensors[p] for p in groups})
+                   timings=timings, packed={p: tensors[p] for p in groups}, fingerprint=fp)
     if journal is not None:
         old = journal.get(C.LAYOUT)
         st.problem = st._judge(old)
@@ -150,3 +170,43 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
         for t in kv:          # fresh CUDA memory is undefined: start from zeros (once, at creation)
             t.zero_()
     return st
+
+
+def _attach(anchor, cfg, mc, dtype, wspecs, bspecs, kspecs, groups, full, specs_s, t0) -> RankState:
+    """``bind_state(attach=True)``: look the objects up and check the journal; write nothing."""
+    if anchor.journal is None:
+        raise NotAttachable("the engine runs without anchoring (--no-anchor): there is nothing to attach to")
+    try:
+        tensors, status = anchor.bind(bspecs + kspecs, policy="lookup")
+    except ConflictError as e:
+        raise NotAttachable(f"the anchored objects have another shape or dtype: {str(e).splitlines()[0]}") from None
+    missing = [nm for nm, st in status.items() if st != "matched"]
+    if missing:
+        raise NotAttachable(f"{len(missing)} of {len(status)} objects are not anchored (e.g. {missing[0]!r}): no "
+                            "complete engine state to attach to")
+    timings = {"model_specs_s": specs_s, "bind_s": time.perf_counter() - t0, "weights_s": 0.0}
+    tensors.update(packing.member_views(tensors, groups, wspecs))
+    status.update({m: status[p] for p, ms in groups.items() for m in ms})
+    fp, rec = _identity(cfg, mc, dtype, kspecs)
+    journal = anchor.journal
+    if journal.get(C.WEIGHTS) != fp.encode():
+        raise NotAttachable("the journal has no fingerprint of these weights (never loaded completely, or another "
+                            "model)")
+    layout = C.layout_record(rec)
+    if journal.get(C.LAYOUT) != layout:
+        raise NotAttachable("the journal has no layout record of this KV cache (the live engine has not committed "
+                            "its start, or it uses another layout)")
+    return RankState(anchor, {nm: tensors[nm] for nm, _, _ in wspecs}, [tensors[nm] for nm, _, _ in kspecs], status,
+                     [nm for nm, _, _ in kspecs], layout, False, timings=timings,
+                     packed={p: tensors[p] for p in groups}, fingerprint=fp)
+
+
+def _identity(cfg, mc, dtype, kspecs) -> tuple[str, dict]:
+    """The weights' fingerprint and the ``serve/layout`` record of this rank's configuration."""
+    rank, n = cfg.rank, cfg.tensor_parallel_size
+    part = f"tp{rank}/{n}" if n > 1 else ""
+    fp = weights_fingerprint(cfg.model, mc, dtype, cfg.seed if cfg.random_weights else None, part)
+    rec = {"fp": fp, "kv": [list(kspecs[0][1])], "layers": mc.num_hidden_layers, "dtype": cfg.dtype}
+    if n > 1:
+        rec["tp"] = [rank, n]
+    return fp, rec

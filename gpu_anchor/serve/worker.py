@@ -22,6 +22,7 @@ import time
 from . import wire
 from .engine import Engine, EngineConfig
 from .sequence import SamplingParams
+from .state import NotAttachable
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -97,17 +98,29 @@ class _Migrating:
 
 
 def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False,
-        on_progress=None) -> None:
+        on_progress=None, engine: Engine | None = None) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown); ``standby``: this process
     is a warm standby taking over (``runtime.Standby``); ``on_progress(what)``, if given,
     hears ``"ready"`` once the engine is built and ``"tokens"`` once it published new tokens
-    (the supervisor tells a crash at start-up from a failure after progress)."""
+    (the supervisor tells a crash at start-up from a failure after progress); ``engine``: a
+    hot standby's attached engine (``Engine(standby=True)``), which takes over here — or, if
+    the state changed under it since it attached, is dropped for an engine built anew."""
     progress = on_progress or (lambda what: None)
     t0 = time.time()
     sock = _connect(frontend_socket)
-    eng = Engine(cfg, progress=_Progress(sock, t0))
-    timings = dict(eng.timings, warm_standby=int(standby), tensor_parallel_size=cfg.tensor_parallel_size)
+    eng, hot = None, 0
+    if engine is not None:
+        try:
+            engine.take_over(_Progress(sock, t0))
+            eng, hot = engine, 1
+        except NotAttachable as e:
+            log.warning("the hot standby's engine cannot take over (%s): building the engine anew", e)
+            engine = None
+    if eng is None:
+        eng = Engine(cfg, progress=_Progress(sock, t0))
+    timings = dict(eng.timings, warm_standby=int(standby), hot_standby=hot,
+                   tensor_parallel_size=cfg.tensor_parallel_size)
     if started_at is not None:
         timings["process_start_s"] = t0 - started_at
     sock.sendall(wire.encode({"t": "hello", "pid": os.getpid(), "rids": [s.rid for s in eng.restored],
