@@ -20,6 +20,17 @@ from .shm_journal import ShmJournal
 WEIGHTS_KEY = "serve/weights"
 
 
+def checkpoint_views(model_dir: str, specs, tensors) -> dict[str, torch.Tensor]:
+    """The bound weights under the checkpoint's names: the engine binds q/k/v and gate/up
+    packed (``serve/packing.py``), the safetensors files hold them apart."""
+    from gpu_anchor.serve import packing
+    from gpu_anchor.serve.model_runner import load_config, param_specs
+    full = param_specs(load_config(model_dir), specs[0][2])
+    _, groups = packing.pack_specs(full)
+    views = packing.member_views(tensors, groups, full)
+    return {n: views[n] if n in views else tensors[n] for n, _, _ in full}
+
+
 class ReplayAnchor:
     name = "replay"
     model_dir: str = ""
@@ -37,7 +48,7 @@ class ReplayAnchor:
         if not self.restart:
             return {n: "created" for n, _, _ in specs}
         t0 = time.perf_counter()
-        load_weights(self.model_dir, {n: tensors[n] for n, _, _ in specs})
+        load_weights(self.model_dir, checkpoint_views(self.model_dir, specs, tensors))
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
         type(self).timings["weights_load_s"] = time.perf_counter() - t0
