@@ -146,7 +146,7 @@ def test_bad_tensor_parallel_options_are_refused_clearly(tmp_path):
     r = serve("--tensor-parallel-size", "3")
     assert r.returncode == 2 and "num_attention_heads 4 is not divisible by 3" in r.stderr, r.stderr
     r = serve("--tensor-parallel-size", "2", "--warm-pool")
-    assert r.returncode == 2 and "a warm standby per rank is not built yet" in r.stderr, r.stderr
+    assert r.returncode == 2 and "a standby per rank is not built yet" in r.stderr, r.stderr
     r = serve("--tensor-parallel-size", "0")
     assert r.returncode == 2 and "must be >= 1" in r.stderr, r.stderr
 
