@@ -221,6 +221,7 @@ def test_recovery_intervals_do_not_overlap_when_a_kill_lands_during_recovery():
     assert recovery_and_recomputed(steps, []) == ([], 2)
 
 
+@pytest.mark.slow     # a whole benchmark scenario end to end (issue 18: at most three in `make test`)
 def test_recovery_train_supervised_standby_rows(tmp_path, monkeypatch):
     """`recovery_train --modes standby,prewarm --supervised warm_pool,prewarm,default`: every
     method's worker is released from a standby the fork server made before the kill (the

@@ -50,7 +50,7 @@ def test_timeout_kills_the_child(tmp_path):
     path = tmp_path / "pid"
     run_isolated(_pid_and_env, "HOME", timeout=120)  # the fork server is up: the child starts at once
     with pytest.raises(TimeoutError):
-        run_isolated(_child_pid_file, str(path), timeout=15)
+        run_isolated(_child_pid_file, str(path), timeout=5)   # a fork of the running fork server
     pid = int(path.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

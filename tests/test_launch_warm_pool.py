@@ -60,7 +60,9 @@ def test_wait_exit_sees_a_sigkill_at_once():
 
 
 
-@pytest.mark.parametrize("flag", ["--warm-pool", "--prewarm"])
+# --prewarm implies --warm-pool (the same standby, plus its scratch engine): the plain
+# --warm-pool run is the same path minus the scratch engine, so it runs with `make test-all`
+@pytest.mark.parametrize("flag", [pytest.param("--warm-pool", marks=pytest.mark.slow), "--prewarm"])
 def test_serve_warm_pool_takes_over_after_sigkills(tmp_path, host_daemon, flag):
     """``--prewarm`` (implies the warm pool): the standby also ran a scratch engine first."""
     import openai
