@@ -15,7 +15,8 @@ import random
 import pytest
 import torch
 
-from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
+from gpu_anchor.serve.engine import Engine, EngineConfig
+from gpu_anchor.serve.engine_config import PHASES
 from gpu_anchor.serve.sequence import SamplingParams
 from gpu_anchor.testing.tiny import make_tiny_model
 from forkserver_context import forkserver_context

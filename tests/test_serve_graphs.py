@@ -14,7 +14,8 @@ import pytest
 
 from gpu_anchor.serve import commit as C
 from gpu_anchor.serve.cuda_graphs import batch_sizes
-from gpu_anchor.serve.engine import PHASES, Engine, EngineConfig
+from gpu_anchor.serve.engine import Engine, EngineConfig
+from gpu_anchor.serve.engine_config import PHASES
 from gpu_anchor.serve.sequence import SamplingParams, Sequence, Status, pack_ints, request_record, state_record
 from gpu_anchor.testing.tiny import make_tiny_model
 

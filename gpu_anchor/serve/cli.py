@@ -82,7 +82,7 @@ def fault_for(plan: str | None, incarnation: int, ranks: int = 1) -> dict[int, t
     """``{rank: (step, phase)}``: where this incarnation's engine (group) kills itself."""
     if not plan:
         return {}
-    from .engine import PHASES
+    from .engine_config import PHASES
     parts = [int(x) for x in plan.split(":")]
     seed, maxstep = parts[0], parts[1]
     if len(parts) > 2 and incarnation >= parts[2]:

@@ -22,16 +22,17 @@ import random
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from . import batch_invariant
 from . import commit as C
+from . import step_plan
 from .anchor import Anchor
 from .attention import step_inputs
 from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
+from .engine_config import EngineConfig
 from .model_runner import Model, load_config
 from .sampling import sample, token_logprobs
 from .scheduler import Scheduler, Work
@@ -42,9 +43,6 @@ from .tp import LeaderSide, fault_due
 log = logging.getLogger("gpu_anchor.serve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-# Fault-injection points (tests): mid_prefill / mid_decode fire halfway through the layers of
-# the first step at or after the given one that has prefill work / only decodes.
-PHASES = ("between_steps", "mid_prefill", "mid_decode", "before_commit", "after_commit")
 
 
 class _Immediate:
@@ -54,40 +52,6 @@ class _Immediate:
         f: Future = Future()
         f.set_result(fn(*args))
         return f
-
-
-@dataclass
-class EngineConfig:
-    model: str                       # model dir (config + safetensors) or, with random_weights, a config path
-    random_weights: bool = False
-    seed: int = 0                    # for random weights
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_blocks: int = 256
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 512
-    max_model_len: int = 2048
-    anchor: bool = True
-    namespace: str | None = None
-    socket: str | None = None        # daemon socket
-    fault: tuple[int, str] | None = None   # (step, phase): SIGKILL self there (tests)
-    cpu_threads: int | None = None   # torch intra-op threads on the CPU (None: torch's default)
-    # decode steps from CUDA graphs; None: on for CUDA.  True on the CPU runs the same padded
-    # static-buffer path without capture (tests its bookkeeping)
-    cuda_graphs: bool | None = None
-    # the first steps of an engine run eagerly: a restarted engine's first tokens are not
-    # held up by capturing a graph (each size is captured at its first use after these)
-    graph_after_steps: int = 2
-    # batch-invariant kernels (batch_invariant.py): a request's tokens do not depend on the
-    # batch it runs in, so a recomputed step or prefill gives exactly the fault-free tokens
-    deterministic: bool = False
-    # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
-    # ``rendezvous``: the path prefix of this incarnation's control socket and store
-    tensor_parallel_size: int = 1
-    rank: int = 0
-    rendezvous: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -350,13 +314,7 @@ class Engine:
         tables = [w.seq.block_table for w in work]
         if not g.fits(len(work), max(map(len, tables))):
             return None
-        bs = self.cfg.block_size
-        ids, pos, slots = [], [], []
-        for w in work:
-            p, t = w.start, w.seq.block_table
-            ids.append(w.seq.token(p))
-            pos.append(p)
-            slots.append(t[p // bs] * bs + p % bs)
+        ids, pos, slots = step_plan.decode_inputs(work, self.cfg.block_size)
         t0 = time.perf_counter()
         if self.tp is not None:
             self.tp.send({"t": "graph", "step": self.steps, "prefill": False, "ids": ids, "pos": pos, "slots": slots,
@@ -370,28 +328,7 @@ class Engine:
         return logits
 
     def _plan(self, work: list[Work]) -> dict:
-        """An eager step's inputs as host lists (``attention.step_inputs`` makes the tensors;
-        a tensor-parallel group's other ranks get the same plan)."""
-        bs = self.cfg.block_size
-        ids, pos, slots, tseq, rows = [], [], [], [], []
-        q_starts, q_lens, ctx, tables = [], [], [], []
-        for b, w in enumerate(work):
-            s = w.seq
-            q_starts.append(len(ids))
-            ids += s.tokens(w.start, w.start + w.n)
-            r = range(w.start, w.start + w.n)
-            pos += r
-            t = s.block_table
-            slots += [t[p // bs] * bs + p % bs for p in r]
-            tseq += [b] * w.n
-            q_lens.append(w.n)
-            ctx.append(w.start + w.n)
-            tables.append(t)
-            if w.sample:
-                rows.append(len(ids) - 1)
-        return {"t": "eager", "step": self.steps, "prefill": self._prefill_step, "ids": ids, "pos": pos,
-                "slots": slots, "tseq": tseq, "q_starts": q_starts, "q_lens": q_lens, "ctx": ctx, "tables": tables,
-                "rows": rows}
+        return step_plan.eager_plan(work, self.cfg.block_size, self.steps, self._prefill_step)
 
     def step(self) -> list[tuple]:
         """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``."""

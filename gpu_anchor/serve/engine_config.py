@@ -1,0 +1,43 @@
+"""The serving engine's configuration (one dataclass; ``gpu-anchor serve``'s options build it:
+``serve/cli.py``), and the fault-injection points the tests name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Fault-injection points (tests): mid_prefill / mid_decode fire halfway through the layers of
+# the first step at or after the given one that has prefill work / only decodes.
+PHASES = ("between_steps", "mid_prefill", "mid_decode", "before_commit", "after_commit")
+
+
+@dataclass
+class EngineConfig:
+    model: str                       # model dir (config + safetensors) or, with random_weights, a config path
+    random_weights: bool = False
+    seed: int = 0                    # for random weights
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 256
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_model_len: int = 2048
+    anchor: bool = True
+    namespace: str | None = None
+    socket: str | None = None        # daemon socket
+    fault: tuple[int, str] | None = None   # (step, phase): SIGKILL self there (tests)
+    cpu_threads: int | None = None   # torch intra-op threads on the CPU (None: torch's default)
+    # decode steps from CUDA graphs; None: on for CUDA.  True on the CPU runs the same padded
+    # static-buffer path without capture (tests its bookkeeping)
+    cuda_graphs: bool | None = None
+    # the first steps of an engine run eagerly: a restarted engine's first tokens are not
+    # held up by capturing a graph (each size is captured at its first use after these)
+    graph_after_steps: int = 2
+    # batch-invariant kernels (batch_invariant.py): a request's tokens do not depend on the
+    # batch it runs in, so a recomputed step or prefill gives exactly the fault-free tokens
+    deterministic: bool = False
+    # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
+    # ``rendezvous``: the path prefix of this incarnation's control socket and store
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    rendezvous: str | None = None
+    extra: dict = field(default_factory=dict)

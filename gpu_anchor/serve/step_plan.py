@@ -1,0 +1,44 @@
+"""A step's inputs as host lists, from the scheduler's work (torch-free bookkeeping).
+
+Token ``p`` of a sequence lives in KV slot ``table[p // block_size] * block_size + p %
+block_size``.  A decode-only step that replays a CUDA graph needs each sequence's token,
+position and slot (``decode_inputs``; its block tables go as they are); an eager step needs the
+plan ``attention.step_inputs`` turns into tensors (``eager_plan``), which is also what rank 0
+sends the other ranks of a tensor-parallel group.
+"""
+from __future__ import annotations
+
+
+def decode_inputs(work, block_size: int) -> tuple[list[int], list[int], list[int]]:
+    """``(ids, positions, slots)`` of a decode step: one token per sequence (``w.n == 1``)."""
+    ids, pos, slots = [], [], []
+    for w in work:
+        p, t = w.start, w.seq.block_table
+        ids.append(w.seq.token(p))
+        pos.append(p)
+        slots.append(t[p // block_size] * block_size + p % block_size)
+    return ids, pos, slots
+
+
+def eager_plan(work, block_size: int, step: int, prefill: bool) -> dict:
+    """An eager step's plan: per token ``ids``, ``pos``, ``slots``, ``tseq`` (its row of the
+    block tables); per sequence ``q_starts``, ``q_lens``, ``ctx`` (keys its last token sees),
+    ``tables``; ``rows``: the tokens whose logits are sampled."""
+    ids, pos, slots, tseq, rows = [], [], [], [], []
+    q_starts, q_lens, ctx, tables = [], [], [], []
+    for b, w in enumerate(work):
+        s = w.seq
+        q_starts.append(len(ids))
+        ids += s.tokens(w.start, w.start + w.n)
+        r = range(w.start, w.start + w.n)
+        pos += r
+        t = s.block_table
+        slots += [t[p // block_size] * block_size + p % block_size for p in r]
+        tseq += [b] * w.n
+        q_lens.append(w.n)
+        ctx.append(w.start + w.n)
+        tables.append(t)
+        if w.sample:
+            rows.append(len(ids) - 1)
+    return {"t": "eager", "step": step, "prefill": prefill, "ids": ids, "pos": pos, "slots": slots, "tseq": tseq,
+            "q_starts": q_starts, "q_lens": q_lens, "ctx": ctx, "tables": tables, "rows": rows}
