@@ -17,7 +17,11 @@ steady step of the real model after a *pre-warm* done beforehand on scratch tens
   size, heads, vocabulary, batch, sequence) on its own random weights;
 * ``shape_release`` — ``shape``, then ``torch.cuda.empty_cache()``: the kernels and
   heuristics stay warm, the allocator's blocks go back, so the difference to ``shape``
-  is what the caching allocator's warm blocks are worth.
+  is what the caching allocator's warm blocks are worth;
+* ``eager_modules`` — ``cublas`` with ``CUDA_MODULE_LOADING=EAGER``: the context loads every
+  kernel module of every library at creation (in a standby, before the fault) instead of each
+  at its first launch; it needs no knowledge of the job, so a default standby could do it.
+  ``context_bytes`` shows what the context then holds on the device.
 
 The real model's weights and optimizer state are created before the clock starts (a
 restarted worker maps or loads them first); the clock covers one full step, synchronised.
@@ -30,7 +34,7 @@ import time
 
 from bench.common import default_device, fmt_s, run_isolated, write_result
 
-VARIANTS = ("none", "cublas", "shape", "shape_release")
+VARIANTS = ("none", "cublas", "shape", "shape_release", "eager_modules")
 
 
 def _step(model, opt, step, bsz, seq):
@@ -41,7 +45,7 @@ def _step(model, opt, step, bsz, seq):
 def _prewarm(variant, name, device, tiny, bsz, seq) -> float:
     from bench.baselines.trainer import scratch_step
     t0 = time.perf_counter()
-    if variant in ("cublas", "shape", "shape_release") and device.startswith("cuda"):
+    if variant in ("cublas", "shape", "shape_release", "eager_modules") and device.startswith("cuda"):
         from gpu_anchor.runtime.warm import warm_cuda
         warm_cuda(device)
     if variant in ("shape", "shape_release"):
@@ -54,10 +58,16 @@ def probe(variant: str, name: str, device: str, tiny: bool, bsz: int, seq: int, 
     import torch
     from bench import models
     from bench.baselines.trainer import make_optimizer
+    import os
+    if variant == "eager_modules":      # read by the driver when this process creates its context
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     t0 = time.perf_counter()
+    context_bytes = None
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
         torch.empty(1, device=device)
+        free, total = torch.cuda.mem_get_info()
+        context_bytes = total - free    # the context, kernels and the 1-element tensor's block
     cuda_s = time.perf_counter() - t0
     warm_s = _prewarm(variant, name, device, tiny, bsz, seq)
     model = models.build(name, device, tiny=tiny, init=False)
@@ -74,7 +84,7 @@ def probe(variant: str, name: str, device: str, tiny: bool, bsz: int, seq: int, 
         t = time.perf_counter()
         _step(model, opt, s + 1, bsz, seq)
         dts.append(time.perf_counter() - t)
-    return {"variant": variant, "cuda_init_s": cuda_s, "prewarm_s": warm_s, "first_step_s": dts[0],
+    return {"variant": variant, "cuda_init_s": cuda_s, "context_bytes": context_bytes, "prewarm_s": warm_s, "first_step_s": dts[0],
             "steady_step_s": statistics.median(dts[1:]), "step_dts": dts}
 
 
@@ -104,6 +114,8 @@ def main(argv=None) -> int:
         row = {"variant": v, "trials": trials,
                **{k: statistics.median(t[k] for t in trials)
                   for k in ("cuda_init_s", "prewarm_s", "first_step_s", "steady_step_s")}}
+        if all(t.get("context_bytes") is not None for t in trials):
+            row["context_bytes"] = statistics.median(t["context_bytes"] for t in trials)
         rows.append(row)
         print(f"{a.model} {v:14s} first step {row['first_step_s']:.3f}s  steady {row['steady_step_s']:.3f}s  "
               f"(pre-warm {row['prewarm_s']:.3f}s, off the critical path)", flush=True)
@@ -120,16 +132,19 @@ def render(result: dict) -> str:
     lines = [f"{result['model']}, batch {result['batch']} × {result['seq']} tokens, bf16 weights + AdamW; "
              f"medians of {result['repeat']} fresh process(es) per row.", "",
              "| pre-warm in the standby (before the fault) | pre-warm time | first step | each process's first step "
-             "| steady step | first − steady | vs no pre-warm |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| steady step | first − steady | vs no pre-warm | context creation | device memory after it |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     label = {"none": "none (CUDA context only)", "cublas": "cuBLAS + a bf16 matmul",
              "shape": "one step of a 1-layer model of the same shapes",
-             "shape_release": "same, then `empty_cache()` (kernels warm, allocator cold)"}
+             "shape_release": "same, then `empty_cache()` (kernels warm, allocator cold)",
+             "eager_modules": "`CUDA_MODULE_LOADING=EAGER` + cuBLAS (every kernel module loaded at context creation)"}
     for r in rows:
         extra = r["first_step_s"] - r["steady_step_s"]
         lines.append(f"| {label.get(r['variant'], r['variant'])} | {fmt_s(r['prewarm_s'])} | "
                      f"**{fmt_s(r['first_step_s'])}** | {', '.join(fmt_s(t['first_step_s']) for t in r['trials'])} | "
                      f"{fmt_s(r['steady_step_s'])} | {fmt_s(extra)} | "
-                     f"{base['first_step_s'] / r['first_step_s']:.2f}× |")
+                     f"{base['first_step_s'] / r['first_step_s']:.2f}× | {fmt_s(r['cuda_init_s'])} | "
+                     + (f"{r['context_bytes'] / 2**20:.0f} MiB |" if r.get("context_bytes") is not None else "– |"))
     if result["repeat"] < 3:
         lines += ["", f"n = {result['repeat']} processes per row: below the benchmark protocol's n ≥ 3 (not a "
                   "headline)."]

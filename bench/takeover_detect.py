@@ -14,7 +14,13 @@ process SIGKILLs it mid-work and timestamps, from the kill:
 - ``exit``: the process's pidfd readable (the process has finished exiting: a zombie);
 - ``reaped``: ``waitpid`` returned (what ``detect`` of the serving recovery benchmark waits for);
 - ``private_freed``: this process sees the child's private device memory free again (the
-  CUDA context torn down; CUDA only).
+  CUDA context torn down; CUDA only);
+- ``fence``: the child's step fence (``gpu_anchor.serve.step_fence``) says its last launched
+  work has finished on the device: what a hot takeover started at ``late_eof`` waits for;
+- ``successor_step``: when this process, a successor with its own CUDA context and a captured
+  graph, has replayed one step and synchronised, started at ``fence`` — does the dead
+  context's teardown hold other processes' work back?  (``successor_step_alone_ms``: the same
+  replay with nothing dying, for comparison.)
 
 The kernel closes descriptors in ``exit_files`` after ``exit_mm`` has unmapped the address
 space, and the NVIDIA driver tears the context down when its device files close, so the order
@@ -36,13 +42,15 @@ import time
 from bench.common import default_device, private_daemon, write_result
 
 GiB = 1 << 30
-EVENTS = ("early_eof", "late_eof", "exit", "reaped", "private_freed")
+EVENTS = ("early_eof", "late_eof", "fence", "successor_step", "exit", "reaped", "private_freed")
 
 
-def _child(device: str, ns: str, early_fd: int, late_path: str, anchored: int, private: int) -> None:
+def _child(device: str, ns: str, early_fd: int, late_path: str, anchored: int, private: int, fence=None) -> None:
     import torch
 
     import gpu_anchor
+    from gpu_anchor.serve.step_fence import StepFence
+    fence = StepFence(_page(fence))
     c = gpu_anchor.connect(device, namespace=ns)
     n = max(1, anchored // GiB)
     held = c.bind([(f"obj[{i}]", (anchored // n,), torch.uint8) for i in range(n)])
@@ -59,15 +67,53 @@ def _child(device: str, ns: str, early_fd: int, late_path: str, anchored: int, p
         with torch.cuda.graph(g):
             work()
         replay = g.replay
+        fence.register_device()
+    stream = torch.cuda.current_stream().cuda_stream if device.startswith("cuda") else None
     late = socket.socket(socket.AF_UNIX)
     late.connect(late_path)
     os.write(early_fd, b"r")
     late.sendall(b"ready %d %d" % (early_fd, late.fileno()))
     while True:            # busy, as a decoding engine is, until the kill
+        fence.launching()
         replay()
+        fence.launched_all(stream)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
     del mine, held
+
+
+def _page(path: str):
+    import mmap
+
+    from gpu_anchor.serve.step_fence import PAGE
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, PAGE)
+    finally:
+        os.close(fd)
+
+
+class _Successor:
+    """A process with its own CUDA context and a captured graph, as a hot standby has."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+        self.torch = torch
+        self.a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+        self.a @ self.a             # cuBLAS's handle and workspace exist before the capture
+        torch.cuda.synchronize()
+        self.g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.g):
+            for _ in range(4):
+                self.a @ self.a
+        self.step()
+        self.alone_ms = round(min(self.step() for _ in range(5)) * 1e3, 3)
+
+    def step(self) -> float:
+        t = time.perf_counter()
+        self.g.replay()
+        self.torch.cuda.synchronize()
+        return time.perf_counter() - t
 
 
 def _free_bytes(device: str) -> int | None:
@@ -77,15 +123,19 @@ def _free_bytes(device: str) -> int | None:
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
-def trial(device: str, ns: str, anchored: int, private: int, timeout: float = 60.0) -> dict:
+def trial(device: str, ns: str, anchored: int, private: int, successor=None, timeout: float = 60.0) -> dict:
+    from gpu_anchor.serve.step_fence import PAGE, StepFence
     early, child_end = socket.socketpair()
-    with tempfile.TemporaryDirectory() as d:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory() as d, tempfile.NamedTemporaryFile(dir=shm, prefix="gpu-anchor-fence-") as pf:
+        pf.truncate(PAGE)
+        fence = StepFence(_page(pf.name))
         path = os.path.join(d, "late")
         srv = socket.socket(socket.AF_UNIX)
         srv.bind(path)
         srv.listen(1)
         code = ("import sys; from bench.takeover_detect import _child; "
-                f"_child({device!r}, {ns!r}, {child_end.fileno()}, {path!r}, {anchored}, {private})")
+                f"_child({device!r}, {ns!r}, {child_end.fileno()}, {path!r}, {anchored}, {private}, {pf.name!r})")
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()])
         child_end.close()
         srv.settimeout(timeout)
@@ -104,9 +154,15 @@ def trial(device: str, ns: str, anchored: int, private: int, timeout: float = 60
         now = time.perf_counter()
         for fd in ready:
             seen[watch.pop(fd)] = now - t0
+        if "fence" not in seen and "late_eof" in seen:
+            if fence.quiet():
+                seen["fence"] = time.perf_counter() - t0
+                if successor is not None:
+                    successor.step()
+                    seen["successor_step"] = time.perf_counter() - t0
         if before is not None and "private_freed" not in seen and _free_bytes(device) >= before + 0.9 * private:
             seen["private_freed"] = time.perf_counter() - t0
-        if not watch and (before is None or "private_freed" in seen):
+        if not watch and (before is None or "private_freed" in seen) and "fence" in seen:
             break
     proc.wait()
     seen["reaped"] = time.perf_counter() - t0
@@ -131,9 +187,10 @@ def main(argv=None) -> int:
     private = (16 << 20) if a.tiny else int(a.private_gib * GiB)
     repeat = 2 if a.tiny else a.repeat
     trials = []
+    successor = _Successor(device) if device.startswith("cuda") else None
     with private_daemon(device):
         for i in range(repeat):
-            trials.append(trial(device, f"detect-{os.getpid()}-{i}", anchored, private))
+            trials.append(trial(device, f"detect-{os.getpid()}-{i}", anchored, private, successor))
             print(f"[bench] trial {i}: {trials[-1]['ms']}", flush=True)
     summary = {}
     for k in EVENTS:
@@ -142,6 +199,7 @@ def main(argv=None) -> int:
             summary[k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
     result = {"benchmark": "takeover_detect", "device": device, "anchored_bytes": anchored,
               "private_bytes": private, "trials": trials, "summary": summary,
+              "successor_step_alone_ms": successor.alone_ms if successor is not None else None,
               "command": "python -m bench takeover_detect " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(write_result("takeover_detect" + ("_tiny" if a.tiny else ""), result, a.out))
     return 0
@@ -160,7 +218,9 @@ def render(result: dict) -> str:
             "late_eof": "a socket the engine opened after CUDA initialisation",
             "exit": "the engine's pidfd (the process finished exiting)",
             "reaped": "`waitpid` (today's detection)",
-            "private_freed": "the engine's own device memory free again (its CUDA context gone)"}
+            "private_freed": "the engine's own device memory free again (its CUDA context gone)",
+            "fence": "the engine's step fence: its last launched step finished on the device (after `late_eof`)",
+            "successor_step": "another process's graph step, started at `fence`, finished"}
     for k in EVENTS:
         s = result["summary"].get(k)
         if s:

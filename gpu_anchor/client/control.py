@@ -71,6 +71,18 @@ def stop(device: str, socket_path: str | None = None, timeout: float = 10.0) -> 
     return True
 
 
+def await_gone(device: str, socket_path: str | None, pid: int, timeout: float = 30.0) -> None:
+    """Return once the daemon holds no connection of process ``pid`` (which must be dying):
+    whatever it sent whole has been handled, so a journal read after this sees its last commit
+    if that commit reached the daemon at all.  Raises ``DaemonUnavailable`` (the daemon is gone,
+    or ``pid`` kept a connection open for ``timeout`` seconds)."""
+    ch = Channel(device, socket_path, timeout=timeout)
+    try:
+        ch.request({"op": "await_gone", "pid": int(pid)})
+    finally:
+        ch.close()
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
     try:

@@ -8,6 +8,8 @@ State machine of a connection::
     SERVING --bad request (valid frame, bad fields)--> error reply, SERVING
     SERVING --framing error (bad magic, oversize)--> error reply, CLOSED
     SERVING --peer closed / died--> CLOSED   (frees nothing: anchored state outlives sessions)
+    SERVING --await_gone(pid) while pid has connections--> WAITING (no reply yet)
+    WAITING --pid's last connection CLOSED--> reply, SERVING
 
 The daemon trusts nothing a client sends: every field is validated before use,
 descriptors sent by clients are closed unread, and a handler that raises turns
@@ -79,6 +81,7 @@ class Daemon:
         self._listening = False   # False while accept is paused for lack of descriptors
         self._lock_fd: int | None = None
         self.requests = 0
+        self._gone_waiters: dict[int, list[_Conn]] = {}   # pid -> connections awaiting its departure
 
     # ---------------------------------------------------------------- lifecycle
     def bind_socket(self) -> None:
@@ -200,6 +203,14 @@ class Daemon:
             protocol.close_fds(fds)
         conn.outq.clear()
         conn.sock.close()
+        for waiters in self._gone_waiters.values():
+            if conn in waiters:
+                waiters.remove(conn)
+        if conn.pid in self._gone_waiters and not any(c.pid == conn.pid for c in self._conns.values()):
+            for w in self._gone_waiters.pop(conn.pid):
+                if w.sock.fileno() >= 0:
+                    self._queue(w, {"ok": True, "pid": conn.pid})
+                    self._flush(w)
         if not self._listening and self._listener is not None:
             self._sel.register(self._listener, selectors.EVENT_READ, None)
             self._listening = True
@@ -284,6 +295,8 @@ class Daemon:
             return
         op = req.get("op")
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
+        if op == "await_gone":        # the one op that needs its connection: its reply may wait
+            handler = lambda req, blob: self._await_gone(conn, req)    # noqa: E731
         if handler is None:
             self._reply_error(conn, "bad_request", f"unknown op {op!r:.60}")
             return
@@ -303,8 +316,9 @@ class Daemon:
             log.exception("op %s failed", op)
             self._reply_error(conn, "internal", f"{op}: {type(e).__name__}: {e}")
         else:
-            header["ok"] = True
-            self._queue(conn, header, out_blob, fds)
+            if header is not None:          # None: the reply comes later (await_gone)
+                header["ok"] = True
+                self._queue(conn, header, out_blob, fds)
         if op == "shutdown":
             self.stop()
 
@@ -401,6 +415,22 @@ class Daemon:
                   "reserved_bytes": self.arena.reserved_bytes(), "object_bytes": self.registry.object_bytes(),
                   "backend": self.backend.info(), "namespaces": namespaces}
         return header, b"", []
+
+    def _await_gone(self, conn: _Conn, req: dict):
+        """Reply once no connection of process ``pid`` is open any more: every frame it sent
+        whole has then been handled (frames are handled in order as they are read, and a
+        connection closes only at its end of file).  A successor that takes over from a dead
+        process calls this before it reads the journal, so no commit of the dead one can land
+        after that read."""
+        pid = req.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise BadRequest("pid must be a positive integer")
+        if pid == conn.pid:
+            raise BadRequest("a process cannot await its own departure")
+        if not any(c.pid == pid for c in self._conns.values()):
+            return {"pid": pid}, b"", []
+        self._gone_waiters.setdefault(pid, []).append(conn)
+        return None, b"", []
 
     def _op_shutdown(self, req, blob):
         return {}, b"", []

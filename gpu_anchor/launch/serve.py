@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ import tempfile
 import time
 
 from gpu_anchor import runtime
+from gpu_anchor.serve.step_fence import StepFence
 
 from . import classify, health, jobstate
 from .config import RestartPolicy
@@ -172,6 +174,18 @@ class _EngineSupervisor:
         self.stopping = None
         self.failed: str | None = None     # why it gave up: no engine is started any more
         self.lost = ""                     # what the watch saw before it killed the engine
+        # the page every engine marks its steps in (step_fence), shared by fork with each
+        # engine and standby; made before the first of them
+        self.fence = StepFence()
+        # pid -> the read end of a pipe only that engine (or standby) holds the write end of:
+        # its end of file is the process's death, ~0.3 ms after a SIGKILL, long before its
+        # pidfd (the CUDA context's teardown comes first)
+        self.lifelines: dict[int, int] = {}
+        self.standby_lifeline: int | None = None
+        # engines whose lifeline closed and whose hot standby already took over: pid -> what
+        # the exit's classification needs of them once their pidfd says they exited
+        self.dying: dict[int, dict] = {}
+        self.last_engine: int | None = None    # the pid of the engine before the current one
 
     def run(self) -> int:
         def on_signal(signum, frame):
@@ -192,10 +206,16 @@ class _EngineSupervisor:
             if self.args.warm_pool and self.standby is None and self._standby_due():
                 self._make_standby()
             self._note_standby()
-            # pidfds: a death is seen when it happens
-            r = runtime.wait_any([self.engines[k] for k in sorted(self.engines)], 0.25)
+            # pidfds (a death is seen when it happens) and the engine's lifeline (its start)
+            r = self._wait(0.25)
             if r is not None:
-                self._on_exit(*r)
+                kind, pid, status = r
+                if kind == "lifeline":
+                    self._on_lifeline(pid)
+                elif pid in self.dying:
+                    self._on_exit(pid, status, early=self.dying.pop(pid))
+                else:
+                    self._on_exit(pid, status)
                 continue
             if len(self.ranks) == 1:
                 self.ecli.follow_migration(self.cfg, self.worker.placement_path(self.esock))
@@ -228,8 +248,15 @@ class _EngineSupervisor:
         cfg = dataclasses.replace(self.cfg, fault=self.ecli.fault_for(self.args.fault_plan, self.incarnation).get(0))
         esock, worker, ecli, progress, prewarm, hot = (self.esock, self.worker, self.ecli, self.progress,
                                                         self.args.prewarm, self.args.hot_standby)
-        self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot),
-                                       lambda go: ecli.standby_run(cfg, esock, go, worker, progress))
+        fence = self.fence
+        life_r, life_w = os.pipe()
+        try:
+            self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot),
+                                           lambda go: ecli.standby_run(cfg, esock, go, worker, progress, fence),
+                                           before_main=lambda: os.close(life_r))
+        finally:
+            os.close(life_w)
+        self.standby_lifeline = life_r
         self.standby_at = (cfg.device, cfg.socket) if hot else None
         self.standby_noted = False
 
@@ -256,9 +283,111 @@ class _EngineSupervisor:
         if sb is None:
             return
         sb.close()
+        self._close_fd(self.standby_lifeline)
+        self.standby_lifeline = None
         self.state.data["standbys"] = {}
         if self.args.hot_standby:
             log.info("standby %d closed: %s", sb.pid, why)
+
+    @staticmethod
+    def _close_fd(fd: int | None) -> None:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _go(self, sb, predecessor: int | None) -> int:
+        """The standby becomes the engine (``predecessor``: the engine it replaces, which it
+        waits to be quiet — step fence, daemon — before it reads the state); returns its pid."""
+        cfg = self.cfg
+        pid = sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket, "fault": cfg.fault,
+                     "predecessor": predecessor})
+        if self.standby_lifeline is not None:
+            self.lifelines[pid] = self.standby_lifeline
+            self.standby_lifeline = None
+        return pid
+
+    def _wait(self, timeout: float):
+        """The next event: ``("exit", pid, status)`` of an engine (or of a dying one whose
+        successor already runs), ``("lifeline", pid, None)`` when the engine's lifeline closed;
+        None after ``timeout`` seconds."""
+        pids = [self.engines[k] for k in sorted(self.engines)] + list(self.dying)
+        life = self.lifelines.get(self.engines.get(0, -1)) if len(self.ranks) == 1 else None
+        if life is None or not hasattr(os, "pidfd_open"):
+            r = runtime.wait_any(pids, timeout)
+            return None if r is None else ("exit", *r)
+        for p in pids:
+            r = os.waitpid(p, os.WNOHANG)
+            if r[0] != 0:
+                return ("exit", *r)
+        pidfds = []
+        try:
+            for p in pids:
+                pidfds.append(os.pidfd_open(p))
+            ready = select.select([life, *pidfds], [], [], timeout)[0]
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+        for p in pids:
+            r = os.waitpid(p, os.WNOHANG)
+            if r[0] != 0:
+                return ("exit", *r)
+        if life in ready:
+            return ("lifeline", self.engines[0], None)
+        return None
+
+    def _early_ok(self, pid: int) -> str:
+        """'' if the hot standby may take over from engine ``pid`` now, at its lifeline's end and
+        before its exit can be classified; else why not (the exit is then awaited as always).
+        Only when the decision cannot but be a restart in place: the engine had published
+        tokens (its failure does not count towards a crash loop), restarts are left, the
+        daemon's connection is open, nothing was seen lost, the frontend runs."""
+        sb = self.standby
+        if sb is None or not sb.ready() or not (sb.info or {}).get("hot"):
+            return "no hot standby attached"
+        if self.standby_at != (self.cfg.device, self.cfg.socket):
+            return "the hot standby is attached elsewhere"
+        if self.progress.reached(pid) < 2:
+            return "the engine had not published tokens"
+        if self.restarts >= self.policy.max_restarts:
+            return "no restart left"
+        if self.lost or not self.anchor.daemons_alive():
+            return "the anchored state is lost"
+        if self.frontend.poll() is not None:
+            return "the frontend exited"
+        return ""
+
+    def _on_lifeline(self, pid: int) -> None:
+        """The engine's process is dying (its descriptors closed).  With a hot standby attached
+        and nothing that could make this more than a restart in place, the standby takes over
+        now; the exit is classified when it comes, and a decision other than a restart then
+        undoes the take-over (``_on_exit``)."""
+        self._close_fd(self.lifelines.pop(pid, None))
+        why = self._early_ok(pid)
+        if why:
+            log.info("engine %d: its lifeline closed; %s: waiting for its exit", pid, why)
+            return
+        sb, self.standby = self.standby, None
+        self.state.data["standbys"] = {}
+        t_eof = time.time()
+        self.dying[pid] = {"started": self.started, "reached": self.progress.reached(pid), "t_eof": t_eof}
+        self.started = t_eof
+        self.cfg.fault = self.ecli.fault_for(self.args.fault_plan, self.incarnation).get(0)
+        try:
+            self.engines = {0: self._go(sb, pid)}
+        except OSError:                   # the standby died meanwhile: the exit path starts one
+            log.warning("engine %d: its lifeline closed, and the hot standby is gone", pid)
+            self.started = self.dying.pop(pid)["started"]
+            self._close_fd(self.standby_lifeline)
+            self.standby_lifeline = None
+            return
+        self.last_engine = pid
+        log.info("engine %d: the hot standby takes over at engine %d's lifeline end, before its exit", sb.pid, pid)
+        self.incarnation += 1
+        self.state.set(generation=self.incarnation - 1, state="running", device=self.cfg.device)
+        self.state.set_ranks({0: {"pid": self.engines[0], "how": "hot standby",
+                                  "device": self.cfg.device}})
 
     def _start_engines(self) -> None:
         """Fork the engine (rank 0) and, with tensor parallelism, the other ranks of its group."""
@@ -278,8 +407,7 @@ class _EngineSupervisor:
         self.state.data["standbys"] = {}
         if sb is not None and sb.ready(timeout=10.0):
             try:
-                self.engines = {0: sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket,
-                                          "fault": cfg.fault})}
+                self.engines = {0: self._go(sb, self.last_engine)}
                 how = "hot standby" if (sb.info or {}).get("hot") else "warm standby"
                 log.info("engine %d: the %s takes over", sb.pid, how)
             except OSError:              # the standby died meanwhile: start one the usual way
@@ -287,6 +415,8 @@ class _EngineSupervisor:
         if not self.engines:
             if sb is not None:
                 sb.close()
+                self._close_fd(self.standby_lifeline)
+                self.standby_lifeline = None
             started, worker, esock, progress = self.started, self.worker, self.esock, self.progress
             if len(self.ranks) > 1:
                 # a fresh control socket and process-group store for each incarnation of the group
@@ -295,10 +425,19 @@ class _EngineSupervisor:
                     c.rendezvous = self.rendezvous
                     c.fault = faults.get(c.rank)
             from gpu_anchor.serve.tp import serve_rank
+            fence = self.fence if len(self.ranks) == 1 else None
             for c in self.ranks:
-                main = (lambda c=c: worker.run(c, esock, started_at=started, on_progress=progress)) if c.rank == 0 \
-                    else (lambda c=c: serve_rank(c))
-                self.engines[c.rank] = runtime.fork(main)
+                main = (lambda c=c: worker.run(c, esock, started_at=started, on_progress=progress, fence=fence)) \
+                    if c.rank == 0 else (lambda c=c: serve_rank(c))
+                if fence is None:
+                    self.engines[c.rank] = runtime.fork(main)
+                    continue
+                life_r, life_w = os.pipe()
+                try:
+                    self.engines[c.rank] = runtime.fork(main, before_main=lambda: os.close(life_r))
+                finally:
+                    os.close(life_w)
+                self.lifelines[self.engines[c.rank]] = life_r
         self.incarnation += 1
         self.state.set(generation=self.incarnation - 1, state="running", device=cfg.device)
         self.state.set_ranks({r: {"pid": pid, "how": how, "device": self.ranks[r].device}
@@ -343,13 +482,23 @@ class _EngineSupervisor:
             return text.replace("rank 0", "engine")
         return text.replace("rank ", "engine rank ")
 
-    def _on_exit(self, pid: int, status: int) -> None:
-        """Classify the engine (group)'s death and act: restart, restore (fresh state), or give up."""
-        rank0 = self.engines.get(0)
-        alive_s = time.time() - self.started
-        exits = self._stop_group((pid, status))
+    def _on_exit(self, pid: int, status: int, early: dict | None = None) -> None:
+        """Classify the engine (group)'s death and act: restart, restore (fresh state), or give up.
+        ``early``: the engine's hot standby already took over at its lifeline's end (and what
+        was known of the engine then): a restart is then done, any other decision undoes it."""
+        if early is not None:
+            rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            alive_s = time.time() - early["started"]
+            exits = [classify.Exit.from_status(0, rc)]
+            reached = early["reached"]
+        else:
+            rank0 = self.engines.get(0)
+            alive_s = time.time() - self.started
+            exits = self._stop_group((pid, status))
+            reached = self.progress.reached(rank0) if rank0 is not None else 0
+            self.last_engine = pid if len(self.ranks) == 1 else None
+        self._close_fd(self.lifelines.pop(pid, None))
         ex = exits[0]
-        reached = self.progress.reached(rank0) if rank0 is not None else 0
         rest = ""
         if len(self.ranks) > 1:
             rest = "; the rest of the group " + ("also exited: " + ", ".join(e.describe() for e in exits[1:])
@@ -385,8 +534,19 @@ class _EngineSupervisor:
             reason = reason.split(". Anchored state is kept")[0]     # the training advice does not apply
         log.warning("decision: %s — %s", d.action.upper(), reason)
         self.state.add_restart({"action": d.action, "kind": d.kind, "reason": reason, "step": None,
-                                "chaos": False, "t_detect": time.time(), "t_exit": time.time(),
-                                "generation": self.incarnation, "marks": {}, "recovery_s": None, "rank": ex.rank})
+                                "chaos": False, "t_detect": early["t_eof"] if early else time.time(),
+                                "t_exit": time.time(), "generation": self.incarnation, "marks": {},
+                                "recovery_s": None, "rank": ex.rank, **({"early": True} if early else {})})
+        if early is not None:
+            if d.action == "restart":
+                log.info("engine %d exited %.0f ms after its lifeline closed; its hot standby had already taken over",
+                         pid, (time.time() - early["t_eof"]) * 1e3)
+                self.restarts += 1
+                return
+            # not a restart in place after all: the early take-over is undone
+            log.warning("the decision is %s: the engine that took over early (%s) is stopped", d.action,
+                        ", ".join(str(p) for p in self.engines.values()))
+            self._kill_engines()
         if d.action != "restart" and self.standby_at is not None:
             # a hot standby maps the state that is being given up (and keeps its memory alive)
             self._dismiss_standby(f"{d.action}: the state it attached to is not used again")
@@ -420,17 +580,27 @@ class _EngineSupervisor:
         log.error("gave up: %s. Every open request ended with an error; /health answers 503 until this server is "
                   "stopped (SIGTERM); the anchored state stays until then", reason)
 
+    def _kill_engines(self) -> None:
+        for pid in self.engines.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in self.engines.values():
+            os.waitpid(pid, 0)
+            self._close_fd(self.lifelines.pop(pid, None))
+        self.engines = {}
+
     def shutdown(self, clean: bool) -> None:
         """Engine and frontend down (the frontend ends every open stream with an error event
         first); then, on a clean stop, the namespace freed and the daemon we started stopped,
         unless ``--keep-state``.  One log line says what became of the state."""
         if self.standby is not None:
             self.standby.close()
-        for pid in self.engines.values():
-            os.kill(pid, signal.SIGKILL)
-        for pid in self.engines.values():
-            os.waitpid(pid, 0)
-        self.engines = {}
+        for pid in self.dying:
+            os.waitpid(pid, 0)           # killed already: exiting
+        self.dying = {}
+        self._kill_engines()
         if self.frontend.poll() is None:
             self.frontend.terminate()
             try:

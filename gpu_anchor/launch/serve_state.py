@@ -174,6 +174,10 @@ class AnchorGroup:
     def follow(self) -> None:                          # migration moves a single engine only
         self.members[0].follow()
 
+    def daemons_alive(self) -> bool:
+        """At once, no round trip: every daemon's watched connection is still open."""
+        return all(m.watch is None or not m.watch.peer_closed() for m in self.members)
+
     def watch_problem(self, ready: bool = False) -> str:
         for i, m in enumerate(self.members):
             problem = m.watch_problem(ready)

@@ -134,7 +134,7 @@ def _attach(cfg) -> dict:
     return {"hot": True, "attach_s": _hot.timings["standby_attach_s"], "capture_s": _hot.timings["standby_capture_s"]}
 
 
-def standby_run(cfg, esock: str, go: dict, worker, on_progress=None) -> None:
+def standby_run(cfg, esock: str, go: dict, worker, on_progress=None, fence=None) -> None:
     """The standby takes over: what is only known now comes in ``go``.  A hot standby's engine
     is used when it was attached for this placement and fault plan; otherwise it is dropped and
     the engine is built the usual way (a warm take-over)."""
@@ -149,7 +149,8 @@ def standby_run(cfg, esock: str, go: dict, worker, on_progress=None) -> None:
                     c.device, c.socket, c.fault)
         eng = None
         discard_engine()
-    worker.run(c, esock, started_at=go["started"], standby=True, on_progress=on_progress, engine=eng)
+    worker.run(c, esock, started_at=go["started"], standby=True, on_progress=on_progress, engine=eng, fence=fence,
+               predecessor=go.get("predecessor"))
 
 
 def discard_engine() -> None:

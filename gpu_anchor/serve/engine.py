@@ -55,7 +55,7 @@ class _Immediate:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, progress=None, standby: bool = False) -> None:
+    def __init__(self, cfg: EngineConfig, progress=None, standby: bool = False, fence=None) -> None:
         """``progress(phase, done=None, total=None)``, if given, hears how the start-up goes:
         phases ``cuda_init``, ``group`` (tensor parallelism: the other ranks connect),
         ``bind`` (mapping or creating the anchored objects), ``weights`` (bytes loaded of
@@ -67,8 +67,12 @@ class Engine:
         journal lacks the weights fingerprint or layout record), no journal key written, no weight
         loaded, no KV zeroed — builds the model on them and captures every decode graph now
         (capture writes no KV: its slots are -1).  ``take_over`` does the rest once the live
-        engine is dead.  The ordinary constructor is the same code: bind, then ``take_over``."""
+        engine is dead.  The ordinary constructor is the same code: bind, then ``take_over``.
+
+        ``fence``: the server's ``step_fence.StepFence``, marked by every step of this engine
+        from its take-over on, so that a successor can start before this process has exited."""
         t0 = time.perf_counter()
+        self.fence = None
         if standby and cfg.tensor_parallel_size > 1:
             raise NotAttachable("a hot standby of a tensor-parallel engine group is not built (one engine only)")
         if standby:   # this engine's graphs exist before its first step: no eager steps first
@@ -115,15 +119,17 @@ class Engine:
             self.timings["standby_capture_s"] = time.perf_counter() - t1
             self.timings["standby_attach_s"] = time.perf_counter() - t0
             return
-        self.take_over(progress, _t0=t0)
+        self.take_over(progress, _t0=t0, fence=fence)
 
-    def take_over(self, progress=None, _t0: float | None = None) -> None:
+    def take_over(self, progress=None, _t0: float | None = None, fence=None) -> None:
         """Become the serving engine: judge the anchored KV by the journal as it is now, restore
         every committed sequence, and set up the scheduler and the commit pipeline.  The
         constructor calls it; a hot standby (``standby=True``) calls it at take-over, once the
         engine it replaces is dead (never before: the dead engine's queued kernels could still
         write KV).  Raises ``NotAttachable`` if the namespace changed under the standby since it
-        attached (the weights fingerprint is gone or another): build an ordinary engine then."""
+        attached (the weights fingerprint is gone or another): build an ordinary engine then.
+        ``fence``: see the constructor; the engine before this one must be quiet by then
+        (``StepFence.quiesce``): this engine's marks start from the page's present count."""
         t0 = time.perf_counter() if _t0 is None else _t0
         cfg, st = self.cfg, self.state
         report = progress or (lambda phase, done=None, total=None: None)
@@ -171,6 +177,11 @@ class Engine:
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
                                          "finish", "commit_prepare", "commit_wait"), 0.0)
         self.step_counts = {"graph": 0, "eager": 0}
+        if fence is not None and self.tp is None:
+            self._on_device()
+            fence.register_device() if self.device.type == "cuda" else fence.host_only()
+            self.fence = fence
+            self._stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         self.timings["init_s" if _t0 is not None else "take_over_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ recovery
@@ -345,6 +356,8 @@ class Engine:
             self._send_commit()
         else:
             self._prefill_step = any(w.n > 1 or not w.sample for w in work)
+            if self.fence is not None:
+                self.fence.launching()
             logits = self._decode_graph(work)
             if logits is None:
                 plan = self._plan(work)
@@ -357,6 +370,8 @@ class Engine:
                 st["prepare_inputs"] += t2 - t1
                 st["forward"] += self._t_mark - t2
                 self.step_counts["eager"] += 1
+            if self.fence is not None:       # the step's KV writes are all enqueued before this mark
+                self.fence.launched_all(self._stream)
             self._send_commit()              # the previous step's, encoded while the GPU works
             sw = [w for w in work if w.sample]
             if sw:

@@ -97,30 +97,49 @@ class _Migrating:
         self.reported = False
 
 
+def _await_predecessor(cfg: EngineConfig, fence, predecessor: int | None) -> dict:
+    """Wait until the engine this one replaces can change nothing any more; returns timings."""
+    if predecessor is None:
+        return {}
+    t = time.perf_counter()
+    from .step_fence import StepFence
+    how = (fence or StepFence()).quiesce(predecessor)    # a page of its own says nothing: waits for the exit
+    t1 = time.perf_counter()
+    if cfg.anchor:
+        from gpu_anchor.client.control import await_gone
+        await_gone(cfg.device, cfg.socket, predecessor)
+    return {"quiesce_s": t1 - t, "quiesced_by": how, "await_gone_s": time.perf_counter() - t1}
+
+
 def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False,
-        on_progress=None, engine: Engine | None = None) -> None:
+        on_progress=None, engine: Engine | None = None, fence=None, predecessor: int | None = None) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown); ``standby``: this process
     is a warm standby taking over (``runtime.Standby``); ``on_progress(what)``, if given,
     hears ``"ready"`` once the engine is built and ``"tokens"`` once it published new tokens
     (the supervisor tells a crash at start-up from a failure after progress); ``engine``: a
     hot standby's attached engine (``Engine(standby=True)``), which takes over here — or, if
-    the state changed under it since it attached, is dropped for an engine built anew."""
+    the state changed under it since it attached, is dropped for an engine built anew.
+    ``fence``: the server's ``step_fence.StepFence``; ``predecessor``: the pid of the engine this
+    one replaces, which may still be exiting (a take-over started at its lifeline's end): the
+    new engine reads nothing of the state before that engine's last step is off the device
+    (``StepFence.quiesce``) and the daemon has handled all it sent (``await_gone``)."""
     progress = on_progress or (lambda what: None)
     t0 = time.time()
+    quiet = _await_predecessor(cfg, fence, predecessor)
     sock = _connect(frontend_socket)
     eng, hot = None, 0
     if engine is not None:
         try:
-            engine.take_over(_Progress(sock, t0))
+            engine.take_over(_Progress(sock, t0), fence=fence)
             eng, hot = engine, 1
         except NotAttachable as e:
             log.warning("the hot standby's engine cannot take over (%s): building the engine anew", e)
             engine = None
     if eng is None:
-        eng = Engine(cfg, progress=_Progress(sock, t0))
+        eng = Engine(cfg, progress=_Progress(sock, t0), fence=fence)
     timings = dict(eng.timings, warm_standby=int(standby), hot_standby=hot,
-                   tensor_parallel_size=cfg.tensor_parallel_size)
+                   tensor_parallel_size=cfg.tensor_parallel_size, **quiet)
     if started_at is not None:
         timings["process_start_s"] = t0 - started_at
     sock.sendall(wire.encode({"t": "hello", "pid": os.getpid(), "rids": [s.rid for s in eng.restored],
@@ -177,6 +196,8 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                 sock.sendall(_toks(eng, events))
                 mg.last_old = time.perf_counter()
             eng, events = mg.mig.cutover()
+            if fence is not None:        # the engine on the new device does not mark its steps
+                fence.unmark()
             if events:
                 sock.sendall(_toks(eng, events))
         if eng.has_work():

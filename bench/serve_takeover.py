@@ -1,0 +1,219 @@
+"""``gpu-anchor serve --hot-standby``: kill → next token on every open stream, as clients see it.
+
+    python -m bench serve_takeover                 # H200: Qwen3-8B shape, random bf16, 64 streams, 20 kills
+    python -m bench serve_takeover --tiny          # CPU smoke size (not published)
+
+One ``gpu-anchor serve --hot-standby --prewarm`` (its own daemon) of seeded random weights
+serves ``--streams`` concurrent SSE streams of ``/v1/completions`` (greedy, ``ignore_eos``).
+For each of ``--kills`` rounds: fresh streams start; once every stream has received tokens and
+the job record says a hot standby is attached to the running engine, the engine is SIGKILLed.
+Measured per kill, from the SIGKILL, for each stream: the chunk that ended its longest stall
+around the kill (a chunk the dead engine sent just before dying can still arrive after the
+kill; it is not the recovery); **the kill's pause = the last of them** (every open stream has
+its next token from the new engine), and their median.  Also the server's own
+breakdown of the take-over (``/health``'s ``last_recovery``: how the predecessor was found
+quiet — its step fence or its exit — and how long that, the daemon's ``await_gone``, the
+take-over and the first step took), and whether the supervisor started it at the engine's
+lifeline (its pipe's end of file) or at its exit.  This is the user's path: the product's
+supervisor, frontend and engine; nothing of the benchmark's own launcher.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from bench.common import default_device, get_json, write_result
+
+
+class _Stream(threading.Thread):
+    """One SSE stream; the arrival time of every chunk that carried tokens."""
+
+    def __init__(self, base: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.host, self.port = base.rsplit("/", 1)[1].split(":")
+        self.body, self.times, self.ntok, self.error, self.finish = body, [], 0, None, None
+        self.start()
+
+    def abort(self) -> None:
+        """Close the connection: the server aborts the request."""
+        conn = getattr(self, "conn", None)
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def run(self) -> None:
+        try:
+            self.conn = conn = http.client.HTTPConnection(self.host, int(self.port), timeout=1800)
+            conn.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
+            for line in conn.getresponse():
+                if not line.startswith(b"data: {"):
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    self.error = ev["error"]
+                    break
+                for ch in ev.get("choices", ()):
+                    # token ids, not text: without a tokenizer most ids decode to no text
+                    n = len((ch.get("logprobs") or {}).get("tokens", ()))
+                    if n:
+                        self.times.append(time.time())
+                        self.ntok += n
+                    self.finish = ch.get("finish_reason") or self.finish
+            conn.close()
+        except Exception as e:  # noqa: BLE001 - reported in the result
+            self.error = repr(e)
+
+
+def _resumed(times: list[float], t_kill: float) -> float:
+    """Kill → the chunk that ended a stream's longest stall around the kill (chunks the dead
+    engine had sent before it died may still arrive after the kill; they are not the recovery)."""
+    near = [t for t in times if t_kill - 1.0 <= t]
+    stall = max(((b - a, b) for a, b in zip(near, near[1:]) if b > t_kill), default=(0.0, near[0]))
+    return stall[1] - t_kill
+
+
+def _job(namespace: str) -> dict:
+    from gpu_anchor.launch import jobstate
+    return {j["namespace"]: j for j in jobstate.load_all()}.get(namespace, {})
+
+
+def _wait(cond, what: str, timeout: float, proc) -> None:
+    t0 = time.time()
+    while not cond():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited while waiting for {what}")
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.02)
+
+
+def main(argv=None) -> int:
+    from bench.serve_determinism import _Server, _prompts
+    ap = argparse.ArgumentParser(prog="python -m bench serve_takeover", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b", help="shape from bench/models.py")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--streams", type=int, default=None, help="default 64 (--tiny: 4)")
+    ap.add_argument("--kills", type=int, default=None, help="default 20 (--tiny: 2)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (--tiny: 8)")
+    ap.add_argument("--max-tokens", type=int, default=3000, help="per stream: long enough to outlive a round")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    a.device = "cpu" if a.tiny else default_device(a.device)
+    if a.tiny:
+        a.dtype = "float32"
+    for name, full, tiny in (("streams", 64, 4), ("kills", 20, 2), ("prompt_len", 128, 8)):
+        if getattr(a, name) is None:
+            setattr(a, name, tiny if a.tiny else full)
+    from bench import models
+    work = tempfile.mkdtemp(prefix="serve-takeover-")
+    config_path = os.path.join(work, "config.json")
+    cfg = models.config(a.model, tiny=a.tiny).to_dict()
+    vocab = cfg["vocab_size"]
+    with open(config_path, "w") as f:
+        json.dump(cfg, f)
+    t0 = time.time()
+    srv = _ServerHot(a, config_path, work)
+    print(f"[bench] server up in {time.time() - t0:.1f} s (log {srv.log})", flush=True)
+    kills = []
+    try:
+        ns = "bench-det-hot"          # serve_determinism's namespace for mode "hot"
+        pid = srv.wait_serving()
+        for k in range(a.kills):
+            bodies = [{"prompt": p, "max_tokens": a.max_tokens, "stream": True, "ignore_eos": True,
+                       "temperature": 0.0, "logprobs": 0, "return_tokens_as_token_ids": True} for p in _prompts(a.streams, a.prompt_len, vocab)]
+            streams = [_Stream(srv.base, b) for b in bodies]
+            _wait(lambda: all(s.ntok >= 8 or s.error for s in streams), "every stream's first tokens", 600, srv.proc)
+            print(f"[bench] round {k}: {len(streams)} streams at >= 8 tokens ({time.time() - t0:.1f} s)", flush=True)
+
+            def attached():
+                sb = (_job(ns).get("standbys") or {}).get("0") or {}
+                return bool(sb.get("hot")) and sb.get("pid") != pid
+            _wait(attached, "a hot standby attached", 600, srv.proc)
+            print(f"[bench] round {k}: hot standby attached ({time.time() - t0:.1f} s)", flush=True)
+            time.sleep(0.3)          # mid-stream, past the attach's own work
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda: all(s.error or s.finish or (s.times and s.times[-1] > t_kill) for s in streams),
+                  "every stream's next token", 600, srv.proc)
+            time.sleep(0.5)          # chunks keep coming: the stall's end is in the record
+            gaps = [_resumed(s.times, t_kill) for s in streams if not (s.error or s.finish)]
+            errors = [s.error for s in streams if s.error]
+            new = srv.wait_serving(not_pid=pid)
+            rec = get_json(srv.base + "/health").get("last_recovery", {})
+            restarts = _job(ns).get("restarts") or []
+            row = {"kill": k, "pause_s": max(gaps) if gaps else None, "median_gap_s": statistics.median(gaps)
+                   if gaps else None, "streams": len(gaps), "errors": errors, "engine": new,
+                   "early": bool(restarts and restarts[-1].get("early")),
+                   "server": {key: rec.get(key) for key in ("quiesced_by", "quiesce_s", "await_gone_s", "hot_standby",
+                                                            "take_over_s", "first_step_s", "down_s")}}
+            kills.append(row)
+            if row["pause_s"] is None:
+                raise RuntimeError(f"no stream got a token after the kill: {row}")
+            print(f"[bench] kill {k}: pause {row['pause_s'] * 1e3:.1f} ms (median stream {row['median_gap_s'] * 1e3:.1f}"
+                  f" ms), {'at the lifeline' if row['early'] else 'at the exit'}, {row['server']}", flush=True)
+            write_result("serve_takeover" + ("_tiny" if a.tiny else ""), _result(a, kills, argv), a.out)
+            for s in streams:
+                s.abort()
+            for s in streams:
+                s.join(60)
+            pid = new
+    finally:
+        srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(write_result("serve_takeover" + ("_tiny" if a.tiny else ""), _result(a, kills, argv), a.out))
+    return 0
+
+
+def _result(a, kills: list[dict], argv) -> dict:
+    pauses = [r["pause_s"] for r in kills if r["pause_s"] is not None]
+    return {"benchmark": "serve_takeover", "device": a.device, "config": a.model + (" (tiny)" if a.tiny else ""), "streams": a.streams,
+              "kills": kills, "summary": {"pause_s": {"median": statistics.median(pauses), "min": min(pauses),
+                                                      "max": max(pauses), "n": len(pauses)},
+                                          "early": sum(r["early"] for r in kills),
+                                          "stream_errors": sum(len(r["errors"]) for r in kills)},
+              "complete": len(kills) == a.kills,
+              "command": "python -m bench serve_takeover " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+
+def _ServerHot(a, config_path: str, work: str):
+    """``serve_determinism``'s server (same flags, own daemon) with ``--hot-standby --prewarm``."""
+    from bench import serve_determinism as sd
+    sd.MODES.setdefault("hot", ["--hot-standby", "--prewarm"])
+    return sd._Server(a, config_path, "hot", work)
+
+
+def title(result: dict) -> str:
+    return f"Serving: hot take-over, kill → next token on every stream ({result['device']})"
+
+
+def render(result: dict) -> str:
+    s = result["summary"]
+    lines = [f"{result['config']} shape, {result['streams']} concurrent SSE streams, `gpu-anchor serve --hot-standby "
+             f"--prewarm`; the engine SIGKILLed {len(result['kills'])} times (each once a hot standby was attached).", "",
+             "| | median | min | max | n |", "| --- | ---: | ---: | ---: | ---: |",
+             f"| kill → next token on every open stream | {s['pause_s']['median'] * 1e3:.1f} ms | "
+             f"{s['pause_s']['min'] * 1e3:.1f} ms | {s['pause_s']['max'] * 1e3:.1f} ms | {s['pause_s']['n']} |", "",
+             f"Take-overs started at the engine's lifeline (before its exit): {s['early']} of {len(result['kills'])}; "
+             f"stream errors: {s['stream_errors']}."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
