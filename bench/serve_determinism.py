@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -59,11 +60,22 @@ class _Stream(threading.Thread):
         super().__init__(daemon=True)
         self.host, self.port = base.rsplit("/", 1)[1].split(":")
         self.body, self.ids, self.lps, self.finish, self.error, self.done_at = body, [], [], None, None, None
+        self.times: list[float] = []      # arrival of each chunk that carried tokens
+        self.conn = None
         self.start()
+
+    def abort(self) -> None:
+        """Close the connection: the server aborts the request."""
+        conn = self.conn
+        if conn is not None and conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def run(self) -> None:
         try:
-            conn = http.client.HTTPConnection(self.host, int(self.port), timeout=1800)
+            self.conn = conn = http.client.HTTPConnection(self.host, int(self.port), timeout=1800)
             conn.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             for line in resp:
@@ -75,6 +87,8 @@ class _Stream(threading.Thread):
                     break
                 for ch in ev.get("choices", ()):
                     lp = ch.get("logprobs") or {}
+                    if lp.get("tokens"):
+                        self.times.append(time.time())
                     self.ids += [int(t.split(":")[1]) for t in lp.get("tokens", ())]
                     self.lps += lp.get("token_logprobs", [])
                     self.finish = ch.get("finish_reason") or self.finish

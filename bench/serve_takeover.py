@@ -20,60 +20,16 @@ supervisor, frontend and engine; nothing of the benchmark's own launcher.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 from bench.common import default_device, get_json, write_result
-
-
-class _Stream(threading.Thread):
-    """One SSE stream; the arrival time of every chunk that carried tokens."""
-
-    def __init__(self, base: str, body: dict) -> None:
-        super().__init__(daemon=True)
-        self.host, self.port = base.rsplit("/", 1)[1].split(":")
-        self.body, self.times, self.ntok, self.error, self.finish = body, [], 0, None, None
-        self.start()
-
-    def abort(self) -> None:
-        """Close the connection: the server aborts the request."""
-        conn = getattr(self, "conn", None)
-        if conn is not None and conn.sock is not None:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def run(self) -> None:
-        try:
-            self.conn = conn = http.client.HTTPConnection(self.host, int(self.port), timeout=1800)
-            conn.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
-            for line in conn.getresponse():
-                if not line.startswith(b"data: {"):
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    self.error = ev["error"]
-                    break
-                for ch in ev.get("choices", ()):
-                    # token ids, not text: without a tokenizer most ids decode to no text
-                    n = len((ch.get("logprobs") or {}).get("tokens", ()))
-                    if n:
-                        self.times.append(time.time())
-                        self.ntok += n
-                    self.finish = ch.get("finish_reason") or self.finish
-            conn.close()
-        except Exception as e:  # noqa: BLE001 - reported in the result
-            self.error = repr(e)
 
 
 def _resumed(times: list[float], t_kill: float) -> float:
@@ -100,7 +56,7 @@ def _wait(cond, what: str, timeout: float, proc) -> None:
 
 
 def main(argv=None) -> int:
-    from bench.serve_determinism import _Server, _prompts
+    from bench.serve_determinism import _prompts, _Stream
     ap = argparse.ArgumentParser(prog="python -m bench serve_takeover", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", help="shape from bench/models.py")
@@ -139,7 +95,7 @@ def main(argv=None) -> int:
             bodies = [{"prompt": p, "max_tokens": a.max_tokens, "stream": True, "ignore_eos": True,
                        "temperature": 0.0, "logprobs": 0, "return_tokens_as_token_ids": True} for p in _prompts(a.streams, a.prompt_len, vocab)]
             streams = [_Stream(srv.base, b) for b in bodies]
-            _wait(lambda: all(s.ntok >= 8 or s.error for s in streams), "every stream's first tokens", 600, srv.proc)
+            _wait(lambda: all(len(s.ids) >= 8 or s.error for s in streams), "every stream's first tokens", 600, srv.proc)
             print(f"[bench] round {k}: {len(streams)} streams at >= 8 tokens ({time.time() - t0:.1f} s)", flush=True)
 
             def attached():
