@@ -1,6 +1,6 @@
 """Random-kill campaigns through the public API: ``managed_scope`` + ``AnchoredOptimizer``.
 
-    python tests/scope_campaign.py --case gru|peft --kills 20 --out result.json
+    python tests/scope_campaign.py --case gru [--case peft] --kills 20 --out result.json
 
 Cases (CPU, a host daemon this script starts in a private directory):
 
@@ -8,8 +8,9 @@ Cases (CPU, a host daemon this script starts in a private directory):
 - ``peft``: a tiny Qwen3 with LoRA adapters (``peft.get_peft_model``), AdamW over the
   adapters.
 
-From this interpreter (torch, transformers and peft imported; no thread pool started) it
-forks: one *plain* worker (the same training without gpu-anchor: the reference), then
+The result file holds one result per ``--case``, in order.  From this interpreter (torch,
+transformers and peft imported once for every case; no thread pool started) it forks, per
+case: one *plain* worker (the same training without gpu-anchor: the reference), then
 workers of the anchored job in one namespace, each SIGKILLed after a random delay in
 [0, 0.8 × the plain run's wall time] — during the scope's bind, recovery, a forward, a
 backward or the optimizer's step — until ``--kills`` kills have landed; then workers run
@@ -163,7 +164,7 @@ def run(case: str, kills: int, seed: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", choices=sorted(STEPS), required=True)
+    ap.add_argument("--case", choices=sorted(STEPS), action="append", required=True)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -172,13 +173,17 @@ def main(argv=None) -> int:
     os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(work, "sock")
     os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
     os.environ.pop("GPU_ANCHOR_SOCKET", None)
-    result = {"case": args.case, "problems": ["did not run"]}
+    results = []
     sm.preload()
     try:
         sm._cli("daemon", "--device", "cpu", "--detach")
-        result = run(args.case, args.kills, args.seed)
-    except BaseException:
-        result = {"case": args.case, "problems": [traceback.format_exc()]}
+        for case in args.case:
+            try:
+                results.append(run(case, args.kills, args.seed))
+            except BaseException:
+                results.append({"case": case, "problems": [traceback.format_exc()]})
+    except BaseException:        # no daemon: no case ran
+        results = [{"case": case, "problems": [traceback.format_exc()]} for case in args.case]
     finally:
         try:
             sm._cli("stop")
@@ -186,8 +191,9 @@ def main(argv=None) -> int:
             pass
         shutil.rmtree(work, ignore_errors=True)
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "delays_s"}))
+            json.dump(results, f, indent=1)
+    for result in results:
+        print(json.dumps({k: v for k, v in result.items() if k != "delays_s"}))
     return 0
 
 

@@ -27,17 +27,20 @@ STEPS, EVERY = 12, 3
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
+    """``({"warm": Launcher}, work dir)``: the benchmarks' launchers, whose warm one a test may
+    replace (``launcher.revive``); every test takes the one there now."""
     work = str(tmp_path_factory.mktemp("bench-baselines"))
     with private_daemon("cpu"):
-        lau = Launcher(True, work)
+        launchers = {"warm": Launcher(True, work)}
         try:
-            yield lau, work
+            yield launchers, work
         finally:
-            lau.close()
+            launchers["warm"].close()
 
 
 def _train(harness, method, kills=()):
-    lau, work = harness
+    launchers, work = harness
+    lau = launchers["warm"]
     d = tempfile.mkdtemp(prefix=f"tb-{method}-", dir="/dev/shm" if method == "inmemory" else work)
     evfile = os.path.join(work, f"{method}-{len(kills)}-{random.getrandbits(32)}.events")
     dump = evfile + ".pt"
@@ -103,7 +106,8 @@ def tiny_model(tmp_path_factory):
 
 def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=False, device="cpu"):
     from bench.recovery_serve import next_request
-    lau, work = harness
+    launchers, work = harness
+    lau = launchers["warm"]
     state = tempfile.mkdtemp(prefix=f"ts-{method}-", dir="/dev/shm")
     evfile = os.path.join(work, f"serve-{method}-{random.getrandbits(32)}.events")
     log = EventLog(evfile)
@@ -268,20 +272,17 @@ def test_recovery_train_supervised_standby_rows(tmp_path, monkeypatch):
     assert bad.returncode == 2 and "unknown --supervised variant" in bad.stderr
 
 
-def test_a_dead_fork_server_is_replaced_and_the_next_method_runs(tmp_path):
+def test_a_dead_fork_server_is_replaced_and_the_next_method_runs(harness, reference):
     """A recovery bench keeps its later methods' figures when its warm fork server dies
-    (on the H200 one exited under the 14B serving bench); how it ended is recorded."""
+    (on the H200 one exited under the 14B serving bench); how it ended is recorded.  The
+    module's own launcher is the one killed: the later tests run on its replacement."""
     from bench.baselines.launcher import revive
-    with private_daemon("cpu"):
-        launchers = {"warm": Launcher(True, str(tmp_path))}
-        try:
-            assert revive(launchers, str(tmp_path)) is None
-            old = launchers["warm"]
-            old.zygote.proc.kill()
-            old.zygote.proc.wait()
-            assert revive(launchers, str(tmp_path)) == "killed by signal 9"
-            assert launchers["warm"] is not old
-            got, _ = _train((launchers["warm"], str(tmp_path)), "torch_save")
-            assert got
-        finally:
-            launchers["warm"].close()
+    launchers, work = harness
+    assert revive(launchers, work) is None
+    old = launchers["warm"]
+    old.zygote.proc.kill()
+    old.zygote.proc.wait()
+    assert revive(launchers, work) == "killed by signal 9"
+    assert launchers["warm"] is not old
+    got, _ = _train(harness, "torch_save")
+    assert not _same(got, reference), "the replacement fork server's run differs from the fault-free run"

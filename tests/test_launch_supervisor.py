@@ -93,7 +93,8 @@ def test_daemon_killed_falls_back_to_checkpoint(reference, clean_daemons, tmp_pa
 
 
 def test_torn_checkpoint_is_ignored_for_the_previous_complete_one(reference, clean_daemons, tmp_path):
-    env = {"GPU_ANCHOR_SNAPSHOT_THROTTLE_S": "0.4"}  # widen each write so the node "dies" inside one
+    # widen each write so the node "dies" inside one: 15 objects, ~2 s a write (polled every 5 ms)
+    env = {"GPU_ANCHOR_SNAPSHOT_THROTTLE_S": "0.15"}
     cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--checkpoint-dir", "ckpt",
            "--checkpoint-every", "40", "--checkpoint-keep", "1000", "--", sys.executable, DEMO, "--steps",
            str(STEPS), "--out", "r.pt"]

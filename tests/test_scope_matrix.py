@@ -49,10 +49,16 @@ def test_matrix_case_on_cpu(matrix, case):
     assert not r["problems"], "\n".join(r["problems"])
 
 
+@pytest.fixture(scope="module")
+def campaigns(tmp_path_factory):
+    """Both campaigns in one driver run (its imports of transformers and peft paid once)."""
+    path = tmp_path_factory.mktemp("campaigns") / "campaigns.json"
+    _driver("scope_campaign.py", "--case", "gru", "--case", "peft", "--kills", "20", "--out", str(path))
+    return {r["case"]: r for r in json.loads(path.read_text())}
+
+
 @pytest.mark.parametrize("case", ["gru", "peft"])
-def test_random_kill_campaign(tmp_path, case):
-    path = tmp_path / f"{case}.json"
-    _driver("scope_campaign.py", "--case", case, "--kills", "20", "--out", str(path))
-    r = json.loads(path.read_text())
+def test_random_kill_campaign(campaigns, case):
+    r = campaigns[case]
     assert not r["problems"], "\n".join(r["problems"])
     assert r["kills"] >= 20

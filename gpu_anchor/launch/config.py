@@ -15,9 +15,10 @@ _PY_FLAGS_NOARG = {"-u", "-O", "-OO", "-B", "-E", "-s", "-I", "-S", "-q", "-b", 
 _PY_FLAGS_ARG = {"-X", "-W"}
 
 
-# What every warm worker imports before it forks: torch, and gpu-anchor's own worker-side
-# modules (managed_scope pulls in torch._dynamo, ~1.2 s a worker otherwise pays after a kill).
-DEFAULT_PRELOAD = ("torch", "gpu_anchor.scope", "gpu_anchor.train.optimizer")
+# What every warm worker imports before it forks: torch, gpu-anchor's own worker-side modules,
+# and torch._dynamo, which torch.optim.Optimizer's constructor imports at its first call (torch's
+# dynamo-disable wrapper; managed_scope keeps it out): ~1.1 s a worker otherwise pays after a kill.
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "gpu_anchor.scope", "gpu_anchor.train.optimizer")
 
 
 @dataclass

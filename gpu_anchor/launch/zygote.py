@@ -254,7 +254,9 @@ def main(argv=None) -> None:
     p.add_argument("--preload", default="torch")
     p.add_argument("--standby", type=int, default=0, help="warm standbys, one per local rank (0: none)")
     a = p.parse_args(argv)
-    serve(a.fd, [m for m in a.preload.split(",") if m], a.standby)
+    # runtime's exit path (atexit, flush, os._exit): the interpreter's teardown of torch and
+    # torch._dynamo (~0.9 s) would only delay the supervisor, which waits for this exit
+    runtime.exit_path(lambda: serve(a.fd, [m for m in a.preload.split(",") if m], a.standby))
 
 
 if __name__ == "__main__":

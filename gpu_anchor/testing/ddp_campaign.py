@@ -174,6 +174,9 @@ def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 
     devices = devices or ["cpu"] * world
     if devices[0] == "cpu":
         C.prewarm(cfg)
+        if parallel.startswith("fsdp:"):
+            from . import fsdp_llama
+            fsdp_llama.preload(parallel[5:])
     fixed = list(faults_seq)
     left = random_kills
     kills = generations = 0

@@ -54,6 +54,17 @@ def build(shape: str, device, seed: int = 0):
         return Model(cfg).to(torch.bfloat16)
 
 
+def preload(shape: str) -> None:
+    """Import what ``rank_train`` imports (the model's transformers module, FSDP2) in the
+    process that forks CPU ranks, so that a rank forked after each kill does not again."""
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    if SHAPES[shape][0] == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: F401
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+
 def shard(model, dev, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
