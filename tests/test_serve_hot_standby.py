@@ -216,6 +216,39 @@ def _two_engine_kills(server):
     assert server.log.read_text().count("the hot standby takes over") == 2
 
 
+def test_hot_standby_takes_over_at_the_lifeline_before_the_exit(server, monkeypatch):
+    """An engine whose exit lags the end of its descriptors, as a CUDA context's teardown makes it
+    lag (~0.1 s on an H200; 4 s here): the hot standby takes over at the engine's lifeline, once
+    the step fence and the daemon's ``await_gone`` say the dying engine can change nothing; every
+    stream equals its fault-free run; the exit, classified when it comes, keeps the take-over
+    (one restart, marked early)."""
+    from gpu_anchor.serve.worker import LINGER_ENV
+    monkeypatch.setenv(LINGER_ENV, "4")
+    base = server.start("--hot-standby")
+    c = _client(base)
+    jobs = _jobs(tokens=300)
+    ref = [s.result() for s in [_Stream(c, j) for j in jobs]]
+    _wait(lambda: _hot_standby(), "an attached hot standby")
+    sb = _hot_standby()
+    streams = [_Stream(c, j) for j in jobs]
+    _progress(streams)
+    old = server.health()["engine_pid"]
+    os.kill(old, signal.SIGUSR2)            # descriptors closed now, the exit 4 s later
+    _wait(lambda: server.health().get("engine_pid") == sb["pid"] and server.health()["status"] == "ok",
+          "the hot standby serving")
+    rec = server.health()["last_recovery"]
+    assert rec["hot_standby"] == 1 and rec["quiesced_by"] == "fence", rec
+    got = [s.result() for s in streams]
+    for j, r, g in zip(jobs, ref, got):
+        assert g == r, (j, g, r)
+    _wait(lambda: "its hot standby had already taken over" in server.log.read_text(),
+          "the old engine's exit, classified")
+    r = _job()["restarts"]
+    assert [(x["action"], x["kind"], x.get("early")) for x in r] == [("restart", "shallow", True)], r
+    log = server.log.read_text()
+    assert "lifeline end, before its exit" in log, log[-3000:]
+
+
 def test_daemon_killed_with_a_hot_standby_attached_is_survived_without_it(server):
     """The standby maps the lost daemon's memory: it is closed and never used; the destructive path
     (a fresh daemon, the weights loaded, every open request recomputed) serves every stream to

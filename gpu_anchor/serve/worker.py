@@ -97,6 +97,27 @@ class _Migrating:
         self.reported = False
 
 
+LINGER_ENV = "GPU_ANCHOR_TEST_LINGER_S"
+
+
+def _arm_linger() -> None:
+    """Tests: with ``GPU_ANCHOR_TEST_LINGER_S`` set, SIGUSR2 makes this engine die the way a
+    SIGKILLed CUDA process does, slowly: every descriptor closed at once (its lifeline, sockets,
+    daemon connections), then nothing for that many seconds, then the kill — the window a CUDA
+    context's teardown leaves between the end of a process's descriptors and its exit."""
+    linger = os.environ.get(LINGER_ENV)
+    if not linger:
+        return
+    import resource
+    import signal
+
+    def die_slowly(signum, frame):
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        time.sleep(float(linger))
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGUSR2, die_slowly)
+
+
 def _await_predecessor(cfg: EngineConfig, fence, predecessor: int | None) -> dict:
     """Wait until the engine this one replaces can change nothing any more; returns timings."""
     if predecessor is None:
@@ -126,6 +147,7 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
     (``StepFence.quiesce``) and the daemon has handled all it sent (``await_gone``)."""
     progress = on_progress or (lambda what: None)
     t0 = time.time()
+    _arm_linger()
     quiet = _await_predecessor(cfg, fence, predecessor)
     sock = _connect(frontend_socket)
     eng, hot = None, 0

@@ -1,0 +1,198 @@
+"""The serving supervisor's standby and its engines' lifelines (a part of ``launch/serve.py``'s
+``_EngineSupervisor``, which mixes this in; torch-free).
+
+- the standby: made once the engine has started (a hot one once it is built), noted in the job
+  record when ready, dismissed (killed, reaped) when the state it maps is given up;
+- lifelines: every engine and standby is forked holding the only write end of a pipe; its end of
+  file is the process's death, ~0.4 ms after a SIGKILL, while its pidfd waits for the CUDA
+  context's teardown (~0.1 s on an H200);
+- the early take-over (docs/serving.md, "Taking over at the engine's lifeline"): at a lifeline's
+  end, with a hot standby attached and nothing that could make the failure more than a restart
+  in place, the standby takes over at once and waits itself, before it reads anything, until the
+  dying engine is quiet (``serve/step_fence.py``, the daemon's ``await_gone``); the exit is still
+  classified when it comes (``_on_exit(early=...)``), and undoes the take-over unless it is a
+  restart.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+
+from gpu_anchor import runtime
+
+log = logging.getLogger("gpu_anchor.serve")
+
+STANDBY_AFTER_S = 2.0
+
+
+class StandbyKeeper:
+    """Methods of ``_EngineSupervisor`` (its fields: ``standby``, ``standby_at``, ``lifelines``,
+    ``standby_lifeline``, ``dying``, ``engines``, ``fence``, ...)."""
+
+    def _standby_due(self) -> bool:
+        """A standby is made once the engine has started (its CUDA init must not slow that one's);
+        a hot one only once the engine is built: before, there is no complete state to attach to."""
+        if time.time() - self.started <= STANDBY_AFTER_S:
+            return False
+        return not self.args.hot_standby or self.progress.reached(self.engines.get(0, -1)) >= 1
+
+    def _make_standby(self) -> None:
+        import dataclasses
+        # a hot standby's graphs are captured for the fault plan of the incarnation it will serve
+        cfg = dataclasses.replace(self.cfg, fault=self.ecli.fault_for(self.args.fault_plan, self.incarnation).get(0))
+        esock, worker, ecli, progress, prewarm, hot = (self.esock, self.worker, self.ecli, self.progress,
+                                                        self.args.prewarm, self.args.hot_standby)
+        fence = self.fence
+        life_r, life_w = os.pipe()
+        try:
+            self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot),
+                                           lambda go: ecli.standby_run(cfg, esock, go, worker, progress, fence),
+                                           before_main=lambda: os.close(life_r))
+        finally:
+            os.close(life_w)
+        self.standby_lifeline = life_r
+        self.standby_at = (cfg.device, cfg.socket) if hot else None
+        self.standby_noted = False
+
+    def _note_standby(self) -> None:
+        """Once the standby is ready: what it is, for ``gpu-anchor status`` and the log."""
+        sb = self.standby
+        if sb is None or self.standby_noted:
+            return
+        sb.ready()
+        if sb.info is None:
+            return
+        self.standby_noted = True
+        info = sb.info
+        rec = {"pid": sb.pid, **{k: info[k] for k in ("prepare_s", "engine_prewarm_s", "hot", "attach_s",
+                                                      "not_attachable", "failed") if k in info}}
+        if "engine_prewarm_s" in info:
+            rec["prewarm_s"] = info["engine_prewarm_s"]
+        self.state.data["standbys"] = {"0": rec}
+        self.state.save()
+
+    def _dismiss_standby(self, why: str) -> None:
+        """Kill and reap the standby (a hot one's mappings would keep memory of a lost state alive)."""
+        sb, self.standby = self.standby, None
+        if sb is None:
+            return
+        sb.close()
+        self._close_fd(self.standby_lifeline)
+        self.standby_lifeline = None
+        self.state.data["standbys"] = {}
+        if self.args.hot_standby:
+            log.info("standby %d closed: %s", sb.pid, why)
+
+    @staticmethod
+    def _close_fd(fd: int | None) -> None:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _go(self, sb, predecessor: int | None) -> int:
+        """The standby becomes the engine (``predecessor``: the engine it replaces, which it
+        waits to be quiet — step fence, daemon — before it reads the state); returns its pid."""
+        cfg = self.cfg
+        pid = sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket, "fault": cfg.fault,
+                     "predecessor": predecessor})
+        if self.standby_lifeline is not None:
+            self.lifelines[pid] = self.standby_lifeline
+            self.standby_lifeline = None
+        return pid
+
+    def _wait(self, timeout: float):
+        """The next event: ``("exit", pid, status)`` of an engine (or of a dying one whose
+        successor already runs), ``("lifeline", pid, None)`` when the engine's lifeline closed;
+        None after ``timeout`` seconds."""
+        pids = [self.engines[k] for k in sorted(self.engines)] + list(self.dying)
+        life = self.lifelines.get(self.engines.get(0, -1)) if len(self.ranks) == 1 else None
+        if life is None or not hasattr(os, "pidfd_open"):
+            r = runtime.wait_any(pids, timeout)
+            return None if r is None else ("exit", *r)
+        for p in pids:
+            r = os.waitpid(p, os.WNOHANG)
+            if r[0] != 0:
+                return ("exit", *r)
+        pidfds = []
+        try:
+            for p in pids:
+                pidfds.append(os.pidfd_open(p))
+            ready = select.select([life, *pidfds], [], [], timeout)[0]
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+        for p in pids:
+            r = os.waitpid(p, os.WNOHANG)
+            if r[0] != 0:
+                return ("exit", *r)
+        if life in ready:
+            return ("lifeline", self.engines[0], None)
+        return None
+
+    def _early_ok(self, pid: int) -> str:
+        """'' if the hot standby may take over from engine ``pid`` now, at its lifeline's end and
+        before its exit can be classified; else why not (the exit is then awaited as always).
+        Only when the decision cannot but be a restart in place: the engine had published
+        tokens (its failure does not count towards a crash loop), restarts are left, the
+        daemon's connection is open, nothing was seen lost, the frontend runs."""
+        sb = self.standby
+        if sb is None or not sb.ready() or not (sb.info or {}).get("hot"):
+            return "no hot standby attached"
+        if self.standby_at != (self.cfg.device, self.cfg.socket):
+            return "the hot standby is attached elsewhere"
+        if self.progress.reached(pid) < 2:
+            return "the engine had not published tokens"
+        if self.restarts >= self.policy.max_restarts:
+            return "no restart left"
+        if self.lost or not self.anchor.daemons_alive():
+            return "the anchored state is lost"
+        if self.frontend.poll() is not None:
+            return "the frontend exited"
+        return ""
+
+    def _on_lifeline(self, pid: int) -> None:
+        """The engine's process is dying (its descriptors closed).  With a hot standby attached
+        and nothing that could make this more than a restart in place, the standby takes over
+        now; the exit is classified when it comes, and a decision other than a restart then
+        undoes the take-over (``_on_exit``)."""
+        self._close_fd(self.lifelines.pop(pid, None))
+        why = self._early_ok(pid)
+        if why:
+            log.info("engine %d: its lifeline closed; %s: waiting for its exit", pid, why)
+            return
+        sb, self.standby = self.standby, None
+        self.state.data["standbys"] = {}
+        t_eof = time.time()
+        self.dying[pid] = {"started": self.started, "reached": self.progress.reached(pid), "t_eof": t_eof}
+        self.started = t_eof
+        self.cfg.fault = self.ecli.fault_for(self.args.fault_plan, self.incarnation).get(0)
+        try:
+            self.engines = {0: self._go(sb, pid)}
+        except OSError:                   # the standby died meanwhile: the exit path starts one
+            log.warning("engine %d: its lifeline closed, and the hot standby is gone", pid)
+            self.started = self.dying.pop(pid)["started"]
+            self._close_fd(self.standby_lifeline)
+            self.standby_lifeline = None
+            return
+        self.last_engine = pid
+        log.info("engine %d: the hot standby takes over at engine %d's lifeline end, before its exit", sb.pid, pid)
+        self.incarnation += 1
+        self.state.set(generation=self.incarnation - 1, state="running", device=self.cfg.device)
+        self.state.set_ranks({0: {"pid": self.engines[0], "how": "hot standby",
+                                  "device": self.cfg.device}})
+
+    def _kill_engines(self) -> None:
+        for pid in self.engines.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in self.engines.values():
+            os.waitpid(pid, 0)
+            self._close_fd(self.lifelines.pop(pid, None))
+        self.engines = {}
