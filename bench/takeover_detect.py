@@ -225,4 +225,6 @@ def render(result: dict) -> str:
         s = result["summary"].get(k)
         if s:
             lines.append(f"| {k} | {s['median']:.1f} ms | {s['min']:.1f} ms | {s['max']:.1f} ms | {what[k]} |")
+    if result.get("successor_step_alone_ms") is not None:
+        lines += ["", f"The successor's graph step alone (nothing dying): {result['successor_step_alone_ms']:.2f} ms."]
     return "\n".join(lines)
