@@ -15,6 +15,8 @@ Size knob: ``GPU_ANCHOR_SERVE_TP_KILLS`` (self-kill campaign, default 12).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import json
 import os
 import signal
@@ -158,10 +160,10 @@ def serve(tmp_path, host_daemon):
     Qwen3 (``socket``: use the test's host daemon; else each device's default one, in the
     test's socket directory); ``stop()`` stops the last one."""
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
-    procs = []
+    procs, count = [], itertools.count()
 
     def start(*extra, env=None, socket=True):
-        port_file = tmp_path / f"port{len(procs)}"
+        port_file = tmp_path / f"port{next(count)}"          # start() may run in two threads at once
         sock = ["--socket", host_daemon[0]] if socket else []
         proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
                                  "--port-file", str(port_file), *sock, *extra],
@@ -246,13 +248,15 @@ def test_tp2_answers_as_tp1(serve):
     jobs = [j for j in _two_kill_jobs() if j.get("temperature") == 0]
     assert any("logprobs" in j for j in jobs) and any("logprobs" not in j for j in jobs)
     got = {}
-    for tp in (1, 2):
-        base = serve(*args, "--tensor-parallel-size", str(tp), "--namespace", f"tp{tp}")
+    # both servers start at once, each in its own namespace: their start-ups overlap
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bases = dict(zip((1, 2), pool.map(
+            lambda tp: serve(*args, "--tensor-parallel-size", str(tp), "--namespace", f"tp{tp}"), (1, 2))))
+    for tp, base in bases.items():
         _wait_up(base)
         streams = [_Stream(_client(base), j) for j in jobs]
         got[tp] = [s.result() for s in streams]
         got[tp, "lps"] = [s.lps for s in streams]
-        serve.stop()
     assert [g["ids"] for g in got[1]] == [g["ids"] for g in got[2]]
     assert all(g["ids"] for g, j in zip(got[1], jobs) if "logprobs" in j)
     assert [g["text"] for g in got[1]] == [g["text"] for g in got[2]]
