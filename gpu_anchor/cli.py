@@ -252,5 +252,14 @@ def main(argv=None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The ``gpu-anchor`` command: ``main`` through ``runtime.exit_path`` (non-daemon threads,
+    atexit, stdio flush, then ``os._exit``).  A supervisor that imported torch and transformers
+    (``serve``, ``torchrun``) has shut down what it started by then; the interpreter's teardown
+    of those modules would only delay its exit by ~1 s."""
+    from gpu_anchor import runtime
+    runtime.exit_path(lambda: sys.exit(main()))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 
+from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_HTTP_KILLS", "60"))
@@ -88,11 +89,41 @@ def _wait_up(base, timeout=120):
         time.sleep(0.05)
 
 
-def test_openai_client_against_frontend(server):
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """One server with the default options and a daemon of its own, for the tests that only send
+    requests (each counts from where it started): its base URL."""
+    d = tmp_path_factory.mktemp("plain")
+    (d / "sock").mkdir(mode=0o700)
+    path = str(d / "sock" / "cpu.sock")
+    with pytest.MonkeyPatch.context() as env:          # the job record lands in this directory
+        env.setenv("GPU_ANCHOR_SOCKET_DIR", str(d / "sock"))
+        env.delenv("GPU_ANCHOR_SOCKET", raising=False)
+        daemon = control.start("cpu", path)
+        try:
+            model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
+            proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                                     str(d / "port"), "--socket", path, *SERVE],
+                                    stdout=subprocess.DEVNULL, stderr=open(d / "serve.log", "ab"))
+            try:
+                deadline = time.time() + 120
+                while not (d / "port").exists():
+                    assert proc.poll() is None and time.time() < deadline, (d / "serve.log").read_text()[-3000:]
+                    time.sleep(0.1)
+                base = f"http://127.0.0.1:{(d / 'port').read_text()}"
+                _wait_up(base)
+                yield base
+            finally:
+                stop_server(proc)
+        finally:
+            control.stop("cpu", path)
+            daemon.wait(10)
+
+
+def test_openai_client_against_frontend(plain_server):
     import openai
-    model, start = server
-    base = start()
-    _wait_up(base)
+    base = plain_server
+    before = scrape(base)
     c = openai.OpenAI(base_url=base + "/v1", api_key="unused")
     assert [m.id for m in c.models.list().data] == ["tiny-qwen3"]
     r = c.completions.create(model="tiny-qwen3", prompt="The quick brown fox", max_tokens=12, temperature=0)
@@ -112,7 +143,8 @@ def test_openai_client_against_frontend(server):
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny-qwen3", prompt="x", max_tokens=10_000)
     m = scrape(base)
-    assert m["gpu_anchor_serve_requests_total"] == 4 and m["gpu_anchor_serve_engine_up"] == 1
+    assert m["gpu_anchor_serve_requests_total"] - before.get("gpu_anchor_serve_requests_total", 0) == 4
+    assert m["gpu_anchor_serve_engine_up"] == 1
 
 
 def _reference(model, jobs):
@@ -290,11 +322,9 @@ def test_openai_streams_equal_a_fault_free_run_over_two_engine_kills(server):
     assert m["gpu_anchor_serve_token_mismatch_total"] == 0
 
 
-def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(server, tmp_path):
+def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(plain_server, tmp_path):
     import openai
-    model, start = server
-    base = start()
-    _wait_up(base)
+    base = plain_server
     c = openai.OpenAI(base_url=base + "/v1", api_key="unused")
     s = c.completions.create(model="tiny-qwen3", prompt="hello", max_tokens=400, temperature=0, stream=True,
                              extra_body={"ignore_eos": True})

@@ -15,6 +15,8 @@ Size knob: ``GPU_ANCHOR_SERVE_TP_KILLS`` (self-kill campaign, default 12).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import json
 import os
 import signal
@@ -26,6 +28,7 @@ import time
 import pytest
 import torch
 
+from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_http import _get, _reference, _Stream, _two_kill_jobs, _wait_up, scrape, stop_server
 
@@ -152,26 +155,34 @@ def test_bad_tensor_parallel_options_are_refused_clearly(tmp_path):
 
 
 # ------------------------------------------------------------------ through gpu-anchor serve
+def _start(directory, port_file, model, *args, env=None):
+    """``gpu-anchor serve MODEL ARGS`` logging to ``directory/serve.log``: (process, base URL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
+                             "--port-file", str(port_file), *args],
+                            stdout=subprocess.DEVNULL, stderr=open(directory / "serve.log", "ab"), env=env)
+    deadline = time.time() + 180
+    while not port_file.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            stop_server(proc)
+            raise AssertionError((directory / "serve.log").read_text()[-3000:])
+        time.sleep(0.1)
+    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+
+
 @pytest.fixture
 def serve(tmp_path, host_daemon):
     """``start(*args, env=None, socket=True) -> base URL`` of a ``gpu-anchor serve`` of the tiny
     Qwen3 (``socket``: use the test's host daemon; else each device's default one, in the
     test's socket directory); ``stop()`` stops the last one."""
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
-    procs = []
+    procs, count = [], itertools.count()
 
     def start(*extra, env=None, socket=True):
-        port_file = tmp_path / f"port{len(procs)}"
+        port_file = tmp_path / f"port{next(count)}"          # start() may run in two threads at once
         sock = ["--socket", host_daemon[0]] if socket else []
-        proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
-                                 "--port-file", str(port_file), *sock, *extra],
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), env=env)
+        proc, base = _start(tmp_path, port_file, model, *sock, *extra, env=env)
         procs.append(proc)
-        deadline = time.time() + 180
-        while not port_file.exists():
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.1)
-        return f"http://127.0.0.1:{port_file.read_text()}"
+        return base
 
     def stop():
         p = procs[-1]
@@ -186,6 +197,32 @@ def serve(tmp_path, host_daemon):
     yield start
     for p in procs:
         stop_server(p)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """One float64 ``--tensor-parallel-size 2`` server, with a daemon and a socket directory of
+    its own, for the tests that stream through it and kill or drop its ranks: each counts
+    what its own faults did (restarts, log lines) from where it started, and ends with the
+    group serving.  ``{"base", "log", "socket"}``."""
+    d = tmp_path_factory.mktemp("tp2")
+    (d / "sock").mkdir(mode=0o700)
+    path = str(d / "sock" / "cpu.sock")
+    with pytest.MonkeyPatch.context() as env:          # the job record lands in this directory
+        env.setenv("GPU_ANCHOR_SOCKET_DIR", str(d / "sock"))
+        env.delenv("GPU_ANCHOR_SOCKET", raising=False)
+        daemon = control.start("cpu", path)
+        try:
+            model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
+            proc, base = _start(d, d / "port", model, "--socket", path, *CPU64, "--tensor-parallel-size", "2")
+            try:
+                _wait_up(base)
+                yield {"base": base, "log": d / "serve.log", "socket": path}
+            finally:
+                stop_server(proc)
+        finally:
+            control.stop("cpu", path)
+            daemon.wait(10)
 
 
 def _client(base):
@@ -246,13 +283,15 @@ def test_tp2_answers_as_tp1(serve):
     jobs = [j for j in _two_kill_jobs() if j.get("temperature") == 0]
     assert any("logprobs" in j for j in jobs) and any("logprobs" not in j for j in jobs)
     got = {}
-    for tp in (1, 2):
-        base = serve(*args, "--tensor-parallel-size", str(tp), "--namespace", f"tp{tp}")
+    # both servers start at once, each in its own namespace: their start-ups overlap
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bases = dict(zip((1, 2), pool.map(
+            lambda tp: serve(*args, "--tensor-parallel-size", str(tp), "--namespace", f"tp{tp}"), (1, 2))))
+    for tp, base in bases.items():
         _wait_up(base)
         streams = [_Stream(_client(base), j) for j in jobs]
         got[tp] = [s.result() for s in streams]
         got[tp, "lps"] = [s.lps for s in streams]
-        serve.stop()
     assert [g["ids"] for g in got[1]] == [g["ids"] for g in got[2]]
     assert all(g["ids"] for g, j in zip(got[1], jobs) if "logprobs" in j)
     assert [g["text"] for g in got[1]] == [g["text"] for g in got[2]]
@@ -260,12 +299,12 @@ def test_tp2_answers_as_tp1(serve):
     assert diff < 1e-4, diff
 
 
-def test_rank_kills_keep_every_stream_token_identical(serve):
+def test_rank_kills_keep_every_stream_token_identical(tp2):
     """Rank 1 SIGKILLed three times mid-stream, then both ranks at once twice: every stream
     (chat and completions, greedy and seeded sampling, with and without log-probabilities)
     equals its fault-free run, with the same usage; no replayed token differs."""
-    base = serve(*CPU64, "--tensor-parallel-size", "2")
-    _wait_up(base)
+    base = tp2["base"]
+    n0, log0 = len(_job()["restarts"]), len(tp2["log"].read_text())
     jobs = _two_kill_jobs()
     ref = [s.result() for s in [_Stream(_client(base), j) for j in jobs]]
     before = scrape(base)
@@ -279,9 +318,10 @@ def test_rank_kills_keep_every_stream_token_identical(serve):
     assert m["gpu_anchor_serve_token_mismatch_total"] == 0
     from gpu_anchor.launch import jobstate
     job = _job()
-    assert job["nproc"] == 2 and len(job["restarts"]) == 5
-    assert {(r["action"], r["kind"]) for r in job["restarts"]} == {("restart", "shallow")}
-    assert all("engine rank 1 killed by SIGKILL" in r["reason"] for r in job["restarts"][:3]), job["restarts"]
+    ours = job["restarts"][n0:]
+    assert job["nproc"] == 2 and len(ours) == 5
+    assert {(r["action"], r["kind"]) for r in ours} == {("restart", "shallow")}
+    assert all("engine rank 1 killed by SIGKILL" in r["reason"] for r in ours[:3]), ours
     text = jobstate.format_jobs([job])
     assert "serving engine group (2 tensor-parallel ranks)" in text and "engine rank 1: pid" in text, text
     # not built for a group: a migration is refused with a reason, and the group serves on
@@ -294,7 +334,7 @@ def test_rank_kills_keep_every_stream_token_identical(serve):
     assert e.value.code == 400 and "tensor-parallel engine group is not supported" in e.value.read().decode()
     assert [s.result() for s in [_Stream(_client(base), j) for j in jobs[:2]]] == ref[:2]
     # the anchored KV was reused every time: no rank asked for a recompute
-    assert "anchored KV state unusable" not in serve.log.read_text()
+    assert "anchored KV state unusable" not in tp2["log"].read_text()[log0:]
 
 
 def test_self_kills_at_every_phase_on_either_rank(serve):
@@ -319,18 +359,17 @@ def test_self_kills_at_every_phase_on_either_rank(serve):
     assert {r["rank"] for r in job["restarts"]} == {0, 1}, [r["reason"] for r in job["restarts"]]
 
 
-def test_a_rank_whose_state_is_gone_makes_every_rank_recompute(serve, host_daemon):
+def test_a_rank_whose_state_is_gone_makes_every_rank_recompute(tp2):
     """Rank 1's anchored weights and KV dropped from the daemon, then rank 1 killed: the new
     rank 1 reloads its shard and says its KV is new; rank 0 (whose KV is intact) recomputes
     every request's prefill with it, and every stream still equals its fault-free run."""
     from gpu_anchor.client.channel import Channel
-    base = serve(*CPU64, "--tensor-parallel-size", "2")
-    _wait_up(base)
+    base, log0 = tp2["base"], len(tp2["log"].read_text())
     jobs = _two_kill_jobs()[:4]
     ref = [s.result() for s in [_Stream(_client(base), j) for j in jobs]]
 
     def drop_rank1(ranks):
-        ch = Channel("cpu", host_daemon[0], timeout=10)
+        ch = Channel("cpu", tp2["socket"], timeout=10)
         try:
             ch.request({"op": "drop", "namespace": "serve-tiny-qwen3/rank1"})
         finally:
@@ -338,7 +377,7 @@ def test_a_rank_whose_state_is_gone_makes_every_rank_recompute(serve, host_daemo
         return [1]
     got, _ = _kill_while_streaming(base, jobs, drop_rank1, 1)
     assert got == ref
-    log = serve.log.read_text()
+    log = tp2["log"].read_text()[log0:]
     assert "rank 1: the KV cache memory is new" in log and "recomputing the prefill" in log, log[-3000:]
     assert scrape(base)["gpu_anchor_serve_token_mismatch_total"] == 0
 
@@ -387,7 +426,6 @@ def test_two_gpus_nccl_rank_kills_token_identical(serve, tmp_path, mode):
         assert "anchored KV state unusable" not in serve.log.read_text()
         serve.stop()
     finally:
-        from gpu_anchor.client import control
         from gpu_anchor.paths import default_socket
         for dev in ("cuda:0", "cuda:1"):          # the daemons serve started hold GPU memory: stop them
             if control.ping(dev, default_socket(dev)) is not None:

@@ -147,4 +147,5 @@ def _print_jobs(as_json: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gpu_anchor import runtime
+    runtime.exit_path(lambda: sys.exit(main()))      # as the gpu-anchor command ends (cli.entry)
