@@ -5,6 +5,7 @@ computed by an in-process engine.  Size knob: ``GPU_ANCHOR_SERVE_HTTP_KILLS`` (d
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -89,35 +90,43 @@ def _wait_up(base, timeout=120):
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def plain_server(tmp_path_factory):
-    """One server with the default options and a daemon of its own, for the tests that only send
-    requests (each counts from where it started): its base URL."""
-    d = tmp_path_factory.mktemp("plain")
+@contextlib.contextmanager
+def own_daemon(tmp_path_factory, name: str):
+    """A directory, a socket directory and a host daemon of a module's own server (its job record
+    lands there, not where the other tests look): yields ``(directory, socket path)``."""
+    d = tmp_path_factory.mktemp(name)
     (d / "sock").mkdir(mode=0o700)
     path = str(d / "sock" / "cpu.sock")
-    with pytest.MonkeyPatch.context() as env:          # the job record lands in this directory
+    with pytest.MonkeyPatch.context() as env:
         env.setenv("GPU_ANCHOR_SOCKET_DIR", str(d / "sock"))
         env.delenv("GPU_ANCHOR_SOCKET", raising=False)
         daemon = control.start("cpu", path)
         try:
-            model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
-            proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                                     str(d / "port"), "--socket", path, *SERVE],
-                                    stdout=subprocess.DEVNULL, stderr=open(d / "serve.log", "ab"))
-            try:
-                deadline = time.time() + 120
-                while not (d / "port").exists():
-                    assert proc.poll() is None and time.time() < deadline, (d / "serve.log").read_text()[-3000:]
-                    time.sleep(0.1)
-                base = f"http://127.0.0.1:{(d / 'port').read_text()}"
-                _wait_up(base)
-                yield base
-            finally:
-                stop_server(proc)
+            yield d, path
         finally:
             control.stop("cpu", path)
             daemon.wait(10)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """One server with the default options and a daemon of its own, for the tests that only send
+    requests (each counts from where it started): its base URL."""
+    with own_daemon(tmp_path_factory, "plain") as (d, path):
+        model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
+        proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                                 str(d / "port"), "--socket", path, *SERVE],
+                                stdout=subprocess.DEVNULL, stderr=open(d / "serve.log", "ab"))
+        try:
+            deadline = time.time() + 120
+            while not (d / "port").exists():
+                assert proc.poll() is None and time.time() < deadline, (d / "serve.log").read_text()[-3000:]
+                time.sleep(0.1)
+            base = f"http://127.0.0.1:{(d / 'port').read_text()}"
+            _wait_up(base)
+            yield base
+        finally:
+            stop_server(proc)
 
 
 def test_openai_client_against_frontend(plain_server):

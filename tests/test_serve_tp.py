@@ -30,7 +30,8 @@ import torch
 
 from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_http import _get, _reference, _Stream, _two_kill_jobs, _wait_up, scrape, stop_server
+from test_serve_http import (_get, _reference, _Stream, _two_kill_jobs, _wait_up, own_daemon, scrape,
+                             stop_server)
 
 KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_TP_KILLS", "12"))
 CPU64 = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-blocks", "600",
@@ -205,24 +206,14 @@ def tp2(tmp_path_factory):
     its own, for the tests that stream through it and kill or drop its ranks: each counts
     what its own faults did (restarts, log lines) from where it started, and ends with the
     group serving.  ``{"base", "log", "socket"}``."""
-    d = tmp_path_factory.mktemp("tp2")
-    (d / "sock").mkdir(mode=0o700)
-    path = str(d / "sock" / "cpu.sock")
-    with pytest.MonkeyPatch.context() as env:          # the job record lands in this directory
-        env.setenv("GPU_ANCHOR_SOCKET_DIR", str(d / "sock"))
-        env.delenv("GPU_ANCHOR_SOCKET", raising=False)
-        daemon = control.start("cpu", path)
+    with own_daemon(tmp_path_factory, "tp2") as (d, path):
+        model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
+        proc, base = _start(d, d / "port", model, "--socket", path, *CPU64, "--tensor-parallel-size", "2")
         try:
-            model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
-            proc, base = _start(d, d / "port", model, "--socket", path, *CPU64, "--tensor-parallel-size", "2")
-            try:
-                _wait_up(base)
-                yield {"base": base, "log": d / "serve.log", "socket": path}
-            finally:
-                stop_server(proc)
+            _wait_up(base)
+            yield {"base": base, "log": d / "serve.log", "socket": path}
         finally:
-            control.stop("cpu", path)
-            daemon.wait(10)
+            stop_server(proc)
 
 
 def _client(base):
