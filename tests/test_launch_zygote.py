@@ -37,8 +37,9 @@ def _wait_exit(z: Zygote, pid: int, timeout: float = 30.0) -> int:
     raise TimeoutError(pid)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def zygote():
+    """One server for the tests that fork workers from it: each waits for its own workers' exits."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     z = Zygote(sys.executable, ["torch"], env)
