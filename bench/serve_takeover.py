@@ -118,7 +118,8 @@ def main(argv=None) -> int:
                    if gaps else None, "streams": len(gaps), "errors": errors, "engine": new,
                    "early": bool(restarts and restarts[-1].get("early")),
                    "server": {key: rec.get(key) for key in ("quiesced_by", "quiesce_s", "await_gone_s", "hot_standby",
-                                                            "take_over_s", "first_step_s", "down_s")}}
+                                                            "take_over_s", "first_step_s", "down_s")},
+                   "server_all": rec}
             kills.append(row)
             if row["pause_s"] is None:
                 raise RuntimeError(f"no stream got a token after the kill: {row}")

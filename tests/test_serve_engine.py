@@ -258,3 +258,54 @@ def test_readd_adopts_the_delivered_history(models):
     while fresh.has_work():
         out += [t for _, _, ids, _ in fresh.step() for t in ids]
     assert got["r"] == out and len(out) == 12
+
+
+def test_readd_keeps_the_kv_of_the_shared_history_and_the_journal_follows(models):
+    """After a take-over, a request that wants log-probabilities gets the token replayed from
+    the journal (which keeps none) sampled again: the engine keeps the KV of what the client
+    has and feeds its last token again — a decode step, not a prefill.  After a mismatch, it
+    keeps the KV up to the first differing token.  Either way the journal's output segments
+    are rewritten from there (here across the 64-token segment boundary)."""
+    from gpu_anchor.serve import commit as C
+    from test_serve_bookkeeping import LocalJournal
+    cfg = EngineConfig(model=models["llama"], anchor=False, num_blocks=64, max_batched_tokens=64)
+    prompts = _prompts(2, seed=9)
+    sp = SamplingParams(max_tokens=80, ignore_eos=True)
+    ref = Engine(cfg).generate(prompts, sp)
+    eng = Engine(cfg)
+    eng.committer.journal = journal = LocalJournal()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(**sp.to_dict()))
+    got = {"r0": [], "r1": []}
+
+    def publish(events):
+        for rid, i, ids, _ in events:
+            got[rid][i:] = ids
+
+    def readd(out):
+        assert eng.readd("r0", prompts[0], SamplingParams(**sp.to_dict()), out) == []
+        got["r0"] = list(out)
+    while len(got["r0"]) < 60:
+        publish(eng.step())
+    seq = eng.scheduler.seqs["r0"]
+    assert len(seq.output_ids) > len(got["r0"])        # the engine is ahead of what was published
+    readd(got["r0"])
+    assert seq.output_ids == got["r0"] and seq.num_computed == len(prompts[0]) + 59 and not seq.in_prefill
+    while len(got["r0"]) < 66:
+        publish(eng.step())
+    assert got["r0"] == ref[0][:len(got["r0"])]
+    # the client's token 62 differs: KV up to it stands, the rest is recomputed from its tokens
+    readd(got["r0"][:62] + [(got["r0"][62] + 1) % 300] + got["r0"][63:66])
+    assert seq.num_computed == len(prompts[0]) + 62 and seq.in_prefill
+    publish(eng.step())
+    publish(eng.flush())
+    held = {s.rid: s.output_ids for s in C.read_sequences(journal)[0]}
+    assert held["r0"] == got["r0"] and len(got["r0"]) == 67 and held["r1"] == got["r1"]
+    while eng.has_work():
+        publish(eng.step())
+    alone = Engine(cfg)
+    alone.add_request("x", prompts[0], SamplingParams(**sp.to_dict()), got["r0"][:66])
+    tail = []
+    while alone.has_work():
+        tail += [t for _, _, ids, _ in alone.step() for t in ids]
+    assert got["r0"] == got["r0"][:66] + tail and got["r1"] == ref[1]

@@ -70,6 +70,12 @@ class Committer:
         self._table.pop(rid, None)
         self._nout.pop(rid, None)
 
+    def rewind(self, rid: str, n: int) -> None:
+        """Only the first ``n`` output tokens of ``rid`` stand as committed: the next commit
+        rewrites its output segments from there (its outputs were replaced after that)."""
+        if rid in self._nout:
+            self._nout[rid] = min(self._nout[rid], n)
+
     def commit(self, live, gone=()) -> None:
         """``live``: every unfinished sequence that may have changed since the last commit;
         ``gone``: rids finished or aborted since the last commit."""

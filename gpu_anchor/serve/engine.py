@@ -138,6 +138,7 @@ class Engine:
             self.standby = False
             # what the standby did before the fault is not part of this take-over's time
             self.timings = {k if k.startswith("standby_") else "standby_" + k: v for k, v in self.timings.items()}
+            self.timings["recheck_s"] = time.perf_counter() - t0
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = self.mc.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -163,7 +164,7 @@ class Engine:
         self.timings["restore_s"] = time.perf_counter() - t3
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
-        self._added: list[Sequence] = []     # admitted since the last commit (not yet scheduled)
+        self._added: list[Sequence] = []     # admitted or rewound since the last commit
         # Step N's commit is snapshotted at its end (cheap compares), encoded by step N+1 right
         # after launching its forward and sent from a helper thread while that forward runs;
         # its tokens are returned (published) only once it landed, and blocks freed by step N
@@ -178,8 +179,10 @@ class Engine:
                                          "finish", "commit_prepare", "commit_wait"), 0.0)
         self.step_counts = {"graph": 0, "eager": 0}
         if fence is not None and self.tp is None:
+            t5 = time.perf_counter()
             self._on_device()
             fence.register_device() if self.device.type == "cuda" else fence.host_only()
+            self.timings["fence_s"] = time.perf_counter() - t5
             self.fence = fence
             self._stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         self.timings["init_s" if _t0 is not None else "take_over_s"] = time.perf_counter() - t0
@@ -221,28 +224,52 @@ class Engine:
             raise ValueError(f"token id {bad[0]} outside the vocabulary (size {self.mc.vocab_size})")
         seq = Sequence(rid, [int(t) for t in prompt_ids], params, output_ids=[int(t) for t in output_ids],
                        arrival=self._arrivals)
-        if seq.output_ids:
-            last, p = seq.output_ids[-1], params
-            reason = None
-            if last in p.stop_token_ids or (not p.ignore_eos and last in self.scheduler.eos_token_ids):
-                reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens:
-                reason = "length"
-            if reason:
-                return [(rid, len(seq.output_ids), [], reason)]
+        reason = self.scheduler.stop_reason(seq) if seq.output_ids else None
+        if reason:
+            return [(rid, len(seq.output_ids), [], reason)]
         self.scheduler.add(seq)
         self._added.append(seq)
         self._arrivals += 1
         return []
 
     def readd(self, rid: str, prompt_ids, params: SamplingParams, output_ids) -> list[tuple]:
-        """Replace a request's history with the tokens the client actually received
-        (after a replay disagreed with them): its KV is dropped and recomputed."""
-        if self.scheduler.abort(rid) is not None:
-            self.committer.forget(rid)
+        """Replace a request's history with the tokens the client actually received (after a
+        replay disagreed with them, or brought a token without the log-probabilities its
+        request wants).  A running request keeps the KV of the history both share and
+        recomputes only from where they part (``_rewind``): the usual case, one undelivered
+        token replayed from the journal, costs one decode step.  Otherwise its KV is dropped
+        and recomputed."""
         self._drop_unpublished(rid)
         self._logprobs.pop(rid, None)
+        seq = self.scheduler.seqs.get(rid)
+        if seq is not None and seq.status is Status.RUNNING and seq.prompt_ids == [int(t) for t in prompt_ids]:
+            return self._rewind(seq, [int(t) for t in output_ids])
+        if self.scheduler.abort(rid) is not None:
+            self.committer.forget(rid)
         return self.add_request(rid, prompt_ids, params, output_ids)
+
+    def _rewind(self, seq: Sequence, out: list[int]) -> list[tuple]:
+        bad = [t for t in out if not 0 <= t < self.mc.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary (size {self.mc.vocab_size})")
+        common = 0
+        for a, b in zip(seq.output_ids, out):
+            if a != b:
+                break
+            common += 1
+        p = len(seq.prompt_ids)
+        # KV at position i depends on tokens 0..i only: it stands while those are the same.
+        # At least the last token is fed again, so the step samples the next one.
+        seq.num_computed = min(seq.num_computed, p + common, p + len(out) - 1)
+        # a new list: a snapshot in flight keeps the old one (its outputs are a prefix length)
+        seq.output_ids = out
+        self.committer.rewind(seq.rid, common)
+        self._added.append(seq)     # the next commit records it, scheduled or not
+        reason = self.scheduler.stop_reason(seq) if out else None
+        if reason:              # the client has every token already (it was the last one)
+            self.abort(seq.rid)
+            return [(seq.rid, len(out), [], reason)]
+        return []
 
     def _drop_unpublished(self, rid: str) -> None:
         if self._inflight is not None:

@@ -121,6 +121,15 @@ class Scheduler:
             budget -= n
         return work
 
+    def stop_reason(self, seq: Sequence) -> str | None:
+        """Why ``seq`` is complete with its last output token, or None."""
+        tok, p = seq.output_ids[-1], seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
     def finish_step(self, work: list[Work], sampled: dict[str, int]) -> tuple[list[Sequence], list[Sequence]]:
         """Advance after a step's forward.  Returns (sequences that got a token, finished ones)."""
         grown, finished = [], []
@@ -135,15 +144,9 @@ class Scheduler:
             seq.num_computed = w.start + w.n
             if not w.sample:
                 continue
-            tok = sampled[seq.rid]
-            seq.output_ids.append(tok)
+            seq.output_ids.append(sampled[seq.rid])
             grown.append(seq)
-            p = seq.params
-            reason = None
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-                reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
+            reason = self.stop_reason(seq)
             if reason:
                 seq.status, seq.finish_reason = Status.FINISHED, reason
                 self.blocks.release(seq.block_table)

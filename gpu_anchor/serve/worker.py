@@ -234,7 +234,8 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
             if first_step:
                 first_step = False
                 sock.sendall(wire.encode({"t": "stats", "first_step_s": time.perf_counter() - ts,
-                                          "ready_s": time.time() - t0}))
+                                          "ready_s": time.time() - t0,
+                                          "first_step_phases": {k: v for k, v in eng.step_times.items() if v}}))
         now = time.monotonic()
         if now - load_sent >= 0.1 or not eng.has_work():
             load = eng.load()
