@@ -119,12 +119,19 @@ def main(argv=None) -> int:
                    "early": bool(restarts and restarts[-1].get("early")),
                    "server": {key: rec.get(key) for key in ("quiesced_by", "quiesce_s", "await_gone_s", "hot_standby",
                                                             "take_over_s", "first_step_s", "down_s")},
-                   "server_all": rec}
+                   "server_all": rec,
+                   # from the kill, by the wall clock: the supervisor saw the lifeline end, the frontend
+                   # lost the engine, got the new one's hello, and its first token to any open stream
+                   "timeline_ms": {k: round((t - t_kill) * 1e3, 2) for k, t in (
+                       ("lifeline", (restarts[-1] if restarts else {}).get("t_detect")), ("lost", rec.get("lost_at")),
+                       ("hello", rec.get("hello_at")), ("first_token", rec.get("first_token_at"))) if t},
+                   "resyncs": rec.get("resyncs")}
             kills.append(row)
             if row["pause_s"] is None:
                 raise RuntimeError(f"no stream got a token after the kill: {row}")
             print(f"[bench] kill {k}: pause {row['pause_s'] * 1e3:.1f} ms (median stream {row['median_gap_s'] * 1e3:.1f}"
-                  f" ms), {'at the lifeline' if row['early'] else 'at the exit'}, {row['server']}", flush=True)
+                  f" ms), {'at the lifeline' if row['early'] else 'at the exit'}, timeline {row['timeline_ms']}, "
+                  f"{row['resyncs']} resyncs, {row['server']}", flush=True)
             write_result("serve_takeover" + ("_tiny" if a.tiny else ""), _result(a, kills, argv), a.out)
             for s in streams:
                 s.abort()

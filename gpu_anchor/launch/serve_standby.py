@@ -48,7 +48,7 @@ class StandbyKeeper:
         fence = self.fence
         life_r, life_w = os.pipe()
         try:
-            self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot),
+            self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot, fence),
                                            lambda go: ecli.standby_run(cfg, esock, go, worker, progress, fence),
                                            before_main=lambda: os.close(life_r))
         finally:

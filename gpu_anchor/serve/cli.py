@@ -102,12 +102,13 @@ def _dtype(name: str):
 _hot = None
 
 
-def standby_prepare(cfg, prewarm: bool, hot: bool = False) -> dict:
+def standby_prepare(cfg, prewarm: bool, hot: bool = False, fence=None) -> dict:
     """A standby's start-up: CUDA context and cuBLAS, then (``--prewarm``) the scratch engine of
     ``serve.prewarm`` — scratch tensors only —, then (``--hot-standby``) the engine attached to
     the live engine's state, which it writes nothing of (``Engine(standby=True)``; the supervisor
     asks for it only once the live engine is built).  A state it cannot attach to leaves an
-    ordinary warm standby (``info["hot"]`` is False and says why)."""
+    ordinary warm standby (``info["hot"]`` is False and says why).  ``fence``: the server's
+    step fence, which a hot standby maps into its CUDA context now rather than at take-over."""
     from gpu_anchor.runtime.warm import warm_cuda
     info = warm_cuda(cfg.device, _dtype(cfg.dtype))
     if prewarm:
@@ -115,6 +116,8 @@ def standby_prepare(cfg, prewarm: bool, hot: bool = False) -> dict:
         info.update(warm_engine(cfg))
     if hot:
         info.update(_attach(cfg))
+        if info.get("hot") and fence is not None and cfg.device.startswith("cuda"):
+            fence.map_device()
     return info
 
 

@@ -101,6 +101,7 @@ class Frontend:
         """Make the engine continue ``r`` from the tokens its client has (it recomputes the KV)."""
         r.resyncing = True
         self.send(dict(self._add_msg(r), t="readd"))
+        self.last_timings["resyncs"] = self.last_timings.get("resyncs", 0) + 1
 
     async def on_engine(self, reader, writer) -> None:
         m = self.metrics
@@ -132,7 +133,10 @@ class Frontend:
             for r in self.reqs.values():
                 if r.finish is None and r.lost_at is not None:
                     r.lost_state = True
-        self.last_timings = dict(hello.get("timings", {}), down_s=down)
+        # wall clock, to set against a kill's time: the engine's connection lost, the new one's hello,
+        # (set later) the first token any open stream got from it, and the resyncs it took
+        self.last_timings = dict(hello.get("timings", {}), down_s=down, lost_at=time.time() - down,
+                                 hello_at=time.time(), resyncs=0)
         if fresh and self.state_loss.get("replace_s") is not None:
             self.last_timings["state_replace_s"] = self.state_loss["replace_s"]    # fresh daemon / namespace
         m.set_last_recovery(self.last_timings)
@@ -273,6 +277,8 @@ class Frontend:
         else:
             m.itl.observe(now - r.t_last)
         if r.lost_at is not None:
+            if "first_token_at" not in self.last_timings:
+                self.last_timings["first_token_at"] = time.time()
             m.stream_gap.observe(now - r.lost_at)
             if r.lost_state:
                 m.state_stream_gap.observe(now - r.lost_at)

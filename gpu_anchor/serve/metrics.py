@@ -101,7 +101,7 @@ class Metrics:
     def set_last_recovery(self, timings: dict) -> None:
         self.last_recovery.clear()
         for k, v in timings.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_at"):   # not wall stamps
                 self.last_recovery.labels(self.model, k).set(v)
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:

@@ -45,11 +45,16 @@ class StepFence:
         self.page = page if page is not None else mmap.mmap(-1, PAGE)   # MAP_SHARED | MAP_ANONYMOUS
         self._words = memoryview(self.page).cast("I")
         self._dev = None          # the ``done`` word's device address once registered (CUDA engines)
+        self._mapped = None       # the same, once mapped into this process's context
         self._count = self._words[0]
 
     # ------------------------------------------------------------ the engine's side
-    def register_device(self) -> None:
-        """Map the page for the current CUDA context (call once, in the engine, after CUDA init)."""
+    def map_device(self) -> None:
+        """Map the page into this process's CUDA context (after CUDA init; once).  A hot standby
+        does it before any fault, so that its take-over does not pay for it (the driver's
+        bindings and the registration took ~30 ms on the H200)."""
+        if self._mapped is not None:
+            return
         from gpu_anchor.cuda_driver import check, driver
         drv = driver()
         addr = ctypes.addressof(ctypes.c_char.from_buffer(self.page))
@@ -60,7 +65,13 @@ class StepFence:
             if "ALREADY_REGISTERED" not in str(e):
                 raise
         base = int(check("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(addr, 0)))
-        self._dev = drv.CUdeviceptr(base + 4)          # the ``done`` word
+        self._mapped = drv.CUdeviceptr(base + 4)          # the ``done`` word
+
+    def register_device(self) -> None:
+        """This engine marks its steps from its CUDA stream from now on (in the engine, after
+        CUDA init; maps the page if ``map_device`` has not)."""
+        self.map_device()
+        self._dev = self._mapped
         self._count = self._words[0]
         self._words[1] = self._count
         self._words[2] = DEVICE
