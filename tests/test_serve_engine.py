@@ -232,6 +232,40 @@ def test_restart_does_not_reload_weights(models, host_daemon, tmp_path):
     p.join()
 
 
+def test_a_restored_request_that_wants_logprobs_resumes_one_token_back(models, host_daemon):
+    """Its last committed token may never have reached the client, and the journal keeps no
+    log-probabilities: the next engine samples it again with them in its first step (the KV
+    before it stands: no prefill), so the frontend never waits for a resync.  Others resume
+    where the journal says."""
+    cfg = EngineConfig(model=models["llama"], socket=host_daemon[0], namespace="lp-resume", num_blocks=32)
+    e1 = Engine(cfg)
+    prompt = _prompts(1, seed=4)[0]
+    sp = [SamplingParams(max_tokens=30, ignore_eos=True, logprobs=lp) for lp in (0, None)]
+    for rid, p in zip(("lp", "plain"), sp):
+        e1.add_request(rid, prompt, p)
+    for _ in range(6):
+        e1.step()
+    e1.flush()
+    held = {s.rid: list(s.output_ids) for s in e1.scheduler.seqs.values()}
+    q = _ctx().Queue()
+    p = _ctx().Process(target=_resume, args=(cfg, q))
+    p.start()
+    restored, first = q.get(timeout=60)
+    p.join()
+    n = len(held["lp"])
+    assert restored["lp"] == (held["lp"][:-1], len(prompt) + n - 2) and restored["plain"][0] == held["plain"]
+    ev = {e[0]: e for e in first}
+    assert ev["lp"][1:3] == (n - 1, [held["lp"][-1]]) and [x[:2] for x in ev["lp"][4]] == [["lp", n - 1]]
+    assert ev["plain"][1] == len(held["plain"]) and ev["plain"][4] == []   # published by the first step itself
+
+
+def _resume(cfg, q):
+    eng = Engine(cfg)
+    restored = {s.rid: (list(s.output_ids), s.num_computed) for s in eng.restored}
+    events = eng.step()
+    q.put((restored, [(rid, i, ids, fin, eng.take_logprobs([(rid, i, ids, fin)])) for rid, i, ids, fin in events]))
+
+
 def _rebind(cfg, q):
     e2 = Engine(cfg)
     q.put((e2.weights_loaded, float(e2.model.w["model.embed_tokens.weight"][0, 0])))

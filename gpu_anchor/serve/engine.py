@@ -185,6 +185,13 @@ class Engine:
         self._gone: list[str] = []
         self._added: list[Sequence] = []     # admitted or rewound since the last commit
         self._urgent = True       # the next step lands its commit at once (see ``step``)
+        # A request that wants log-probabilities resumes one token back: its last committed token
+        # may never have reached the client, and the journal keeps no log-probabilities, so the
+        # first step samples it again with them (the step runs anyway: no prefill, and no round
+        # trip to the frontend for the token).  A client that has it sees it replayed (compared).
+        for s in self.restored:
+            if s.params.logprobs is not None and s.output_ids:
+                self._rewind(s, s.output_ids[:-1])
         # Step N's commit is snapshotted at its end (cheap compares), encoded by step N+1 right
         # after launching its forward and sent from a helper thread while that forward runs;
         # its tokens are returned (published) only once it landed, and blocks freed by step N
