@@ -61,8 +61,9 @@ def step_inputs(plan: dict, device) -> tuple[torch.Tensor, AttnMeta, torch.Tenso
                     torch.tensor(plan["slots"], dtype=torch.long).to(device, non_blocking=True),
                     torch.tensor(plan["tseq"], dtype=torch.int32).to(device, non_blocking=True),
                     bt.to(device, non_blocking=True), plan["q_starts"], plan["q_lens"], plan["ctx"], tables)
-    return (torch.tensor(plan["ids"], dtype=torch.long).to(device), meta,
-            torch.tensor(plan["rows"], dtype=torch.long).to(device))
+    # no copy waits for the stream: a step launched ahead is enqueued while the one before runs
+    return (torch.tensor(plan["ids"], dtype=torch.long).to(device, non_blocking=True), meta,
+            torch.tensor(plan["rows"], dtype=torch.long).to(device, non_blocking=True))
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

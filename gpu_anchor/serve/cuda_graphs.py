@@ -168,14 +168,16 @@ class DecodeGraphs:
         on_device = isinstance(ids, torch.Tensor)
         host = torch.tensor([[0] * bs if on_device else ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
                             dtype=torch.long)
+        width = max(map(len, tables))
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        if self.capture:     # pinned: the copies never wait for the stream (a step may still run on it)
+            host, bt = host.pin_memory(), bt.pin_memory()
         self.ids[:bs].copy_(host[0], non_blocking=True)
         if on_device:
             self.ids[:n].copy_(ids)
         self.pos[:bs].copy_(host[1], non_blocking=True)
         self.slots[:bs].copy_(host[2], non_blocking=True)
-        width = max(map(len, tables))
-        self.bt[:n, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-                                  non_blocking=True)
+        self.bt[:n, :width].copy_(bt, non_blocking=True)
         if not self.capture:
             return self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
         graphs, out = self._graphs[bs]

@@ -179,8 +179,9 @@ class Engine:
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
                                          "finish", "commit_prepare", "commit_wait"), 0.0)
         # steps launched by their graph / eagerly; synchronously (scheduled after the previous
-        # step's tokens were read) / asynchronously (launched ahead of that read: async_step.py)
-        self.step_counts = {"graph": 0, "eager": 0, "sync": 0, "async": 0}
+        # step's tokens were read) / asynchronously (launched ahead of that read: async_step.py) a
+        # step launched ahead; ``discarded``: rows launched ahead whose sequence had finished (dropped)
+        self.step_counts = {"graph": 0, "eager": 0, "sync": 0, "async": 0, "discarded": 0}
         self.run_ahead = RunAhead(self) if cfg.async_scheduling and self.tp is None else None
         if cfg.async_scheduling and self.tp is not None:
             log.warning("asynchronous scheduling is not built for tensor parallelism: every step runs synchronously")
@@ -452,6 +453,7 @@ class Engine:
             toks = la.read()                 # waits for the GPU
             sw = [(b, w) for b, w in enumerate(la.sw) if live.get(w.seq.rid) is w.seq]
             sampled = {w.seq.rid: toks[b] for b, w in sw}
+            self.step_counts["discarded"] += len(la.sw) - len(sw)
             want = [(b, w) for b, w in sw if w.seq.params.logprobs is not None]
             if want:
                 lps = token_logprobs(la.logits[[b for b, _ in want]], [toks[b] for b, _ in want],
