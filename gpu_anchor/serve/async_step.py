@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import to_device
 from .scheduler import Work
 
 
@@ -135,7 +136,7 @@ class RunAhead:
             eng.blocks.grow(w.seq.rid, w.seq.block_table, w.start + 1)
         ids = cur.ids
         if len(self._rows) != ids.shape[0]:
-            ids = ids[torch.tensor(self._rows, dtype=torch.long).to(ids.device, non_blocking=True)]
+            ids = ids[to_device(torch.tensor(self._rows, dtype=torch.long), ids.device)]
         eng._t_mark = t1 = time.perf_counter()
         eng.step_times["schedule"] += t1 - t0
         self.pending = eng._launch(work, [], ahead_ids=ids)

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .attention import AttnMeta
+from .attention import AttnMeta, to_device
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -169,15 +169,14 @@ class DecodeGraphs:
         host = torch.tensor([[0] * bs if on_device else ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
                             dtype=torch.long)
         width = max(map(len, tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        if self.capture:     # pinned: the copies never wait for the stream (a step may still run on it)
-            host, bt = host.pin_memory(), bt.pin_memory()
-        self.ids[:bs].copy_(host[0], non_blocking=True)
+        host = to_device(host, self.device)           # one copy each, never waiting for the stream
+        self.ids[:bs].copy_(host[0])
         if on_device:
             self.ids[:n].copy_(ids)
-        self.pos[:bs].copy_(host[1], non_blocking=True)
-        self.slots[:bs].copy_(host[2], non_blocking=True)
-        self.bt[:n, :width].copy_(bt, non_blocking=True)
+        self.pos[:bs].copy_(host[1])
+        self.slots[:bs].copy_(host[2])
+        self.bt[:n, :width].copy_(to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                         dtype=torch.int32), self.device))
         if not self.capture:
             return self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
         graphs, out = self._graphs[bs]
