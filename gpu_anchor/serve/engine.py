@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -44,15 +43,6 @@ from .tp import LeaderSide, fault_due
 log = logging.getLogger("gpu_anchor.serve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-class _Immediate:
-    """Runs 'submitted' work at once (no journal: nothing to overlap)."""
-
-    def submit(self, fn, *args) -> Future:
-        f: Future = Future()
-        f.set_result(fn(*args))
-        return f
 
 
 class Engine:
@@ -146,6 +136,9 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
         journal = st.journal
         self.committer = C.Committer(journal)
+        self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
+                                         "finish", "commit_prepare", "commit_wait"), 0.0)
+        self.commits = C.Pipeline(self.committer, self.blocks, self.step_times)
         t3 = time.perf_counter()
         self.recovery_notes: list[str] = []
         self.restored: list[Sequence] = []
@@ -166,18 +159,8 @@ class Engine:
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
         self._added: list[Sequence] = []     # admitted or rewound since the last commit
-        # Step N's commit is snapshotted at its end (cheap compares), encoded by step N+1 right
-        # after launching its forward and sent from a helper thread while that forward runs;
-        # its tokens are returned (published) only once it landed, and blocks freed by step N
-        # become reusable only then (BlockManager epochs).
-        self._inflight = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit") if journal is not None else \
-            _Immediate()
         self._prefill_step = False
         self.tokens_generated = 0
-        # host seconds per phase, summed over steps (bench/serve_throughput.py reports them)
-        self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
-                                         "finish", "commit_prepare", "commit_wait"), 0.0)
         # steps launched by their graph / eagerly; synchronously (scheduled after the previous
         # step's tokens were read) / asynchronously (launched ahead of that read: async_step.py) a
         # step launched ahead; ``discarded``: rows launched ahead whose sequence had finished (dropped)
@@ -246,7 +229,7 @@ class Engine:
         recomputes only from where they part (``_rewind``): the usual case, one undelivered
         token replayed from the journal, costs one decode step.  Otherwise its KV is dropped
         and recomputed."""
-        self._drop_unpublished(rid)
+        self.commits.drop_unpublished(rid)
         self._logprobs.pop(rid, None)
         seq = self.scheduler.seqs.get(rid)
         if seq is not None and seq.status is Status.RUNNING and seq.prompt_ids == [int(t) for t in prompt_ids]:
@@ -278,14 +261,10 @@ class Engine:
             return [(seq.rid, len(out), [], reason)]
         return []
 
-    def _drop_unpublished(self, rid: str) -> None:
-        if self._inflight is not None:
-            self._inflight[2] = [e for e in self._inflight[2] if e[0] != rid]
-
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:
             self._gone.append(rid)
-        self._drop_unpublished(rid)
+        self.commits.drop_unpublished(rid)
         self._logprobs.pop(rid, None)
 
     def has_work(self) -> bool:
@@ -391,7 +370,7 @@ class Engine:
                 cur = self._launch(work, self.scheduler.preempted)
         if cur is not None and self.run_ahead is not None:
             self.run_ahead.launch_next(cur)
-        self._send_commit()                  # the previous step's, encoded while the GPU works
+        self.commits.send()                  # the previous step's, encoded while the GPU works
         self._fault("after_launch")
         return self._complete(cur)
 
@@ -480,50 +459,18 @@ class Engine:
         events = [(s.rid, len(s.output_ids) - 1, [s.output_ids[-1]], s.finish_reason) for s in grown]
         t6 = clock()
         st["commit_prepare"] += t6 - t5
-        published = self._await_commit()        # the previous step's commit ran during this forward
+        published = self.commits.land()         # the previous step's commit ran during this forward
         st["commit_wait"] += clock() - t6
         self._fault("after_commit")
-        # [future, snapshot not yet sent, events it makes publishable, epoch, device work to
-        # wait for]: sent by the next step right after its forward is launched, awaited at
-        # that step's end
-        self._inflight = [None, snap, events, epoch, la.done if la is not None else None]
+        self.commits.hold(snap, events, epoch, la.done if la is not None else None)
         if not self.scheduler.has_work():
             if self.run_ahead is not None:
                 self.run_ahead.drop()           # launched ahead, and every row of it finished
-            published += self._await_commit()   # nothing left to overlap with: land it now
+            published += self.commits.land()    # nothing left to overlap with: land it now
         self.steps += 1
         self.tokens_generated += len(grown)
         self._prefill_step = la is not None and la.prefill
         return published
-
-    def _send_commit(self) -> None:
-        """Encode the pending step's snapshot and hand it to the commit thread."""
-        inf = self._inflight
-        if inf is None or inf[1] is None:
-            return
-        t = time.perf_counter()
-        payload = self.committer.build(inf[1])
-        inf[1] = None
-        if payload is not None:
-            inf[0] = self._pool.submit(self._commit_after, inf[4], *payload)
-        self.step_times["commit_build"] += time.perf_counter() - t
-
-    def _commit_after(self, done, puts, deletes) -> None:
-        if done is not None:
-            done.synchronize()
-        self.committer.apply(puts, deletes)
-
-    def _await_commit(self) -> list[tuple]:
-        """Wait for the in-flight commit; then its blocks may be reused and its tokens published."""
-        if self._inflight is None:
-            return []
-        self._send_commit()
-        fut, _, events, epoch, _ = self._inflight
-        self._inflight = None
-        if fut is not None:
-            fut.result()             # a failed commit raises: the engine dies, nothing unsafe was published
-        self.blocks.on_commit(epoch)
-        return events
 
     def flush(self) -> list[tuple]:
         """Complete a step launched ahead, land the in-flight commit and return the tokens they
@@ -533,7 +480,7 @@ class Engine:
             if self.run_ahead.pending is not None:
                 events = self._complete(self.run_ahead.take())
             self.run_ahead.settle()
-        return events + self._await_commit()
+        return events + self.commits.land()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline convenience: run ``prompts`` to completion, return their output ids."""
