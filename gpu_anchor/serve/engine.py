@@ -5,6 +5,8 @@
     while eng.has_work(): events = eng.step()
 
 Step contract: ``schedule → forward (writes KV) → sample → commit → return events``.
+With ``async_scheduling`` the next decode step's forward is launched before this step's tokens
+are read (``async_step.py``); each ``step()`` still completes one step.
 On CUDA, decode-only steps replay a captured CUDA graph (``cuda_graphs.py``; off with
 ``cuda_graphs=False``); prefill and mixed steps run the eager forward.
 Tokens leave the engine only after the commit that contains them, so whatever a client
