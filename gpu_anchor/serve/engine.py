@@ -484,6 +484,14 @@ class Engine:
             self.run_ahead.settle()
         return events + self.commits.land()
 
+    def set_async_scheduling(self, on: bool) -> list[tuple]:
+        """Turn asynchronous scheduling on or off between steps (the benchmark compares both on
+        one engine); what was in flight is completed first: returns its events (``flush``)."""
+        events = self.flush()
+        self.cfg = dataclasses.replace(self.cfg, async_scheduling=on)
+        self.run_ahead = RunAhead(self) if on and self.tp is None else None
+        return events
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline convenience: run ``prompts`` to completion, return their output ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
