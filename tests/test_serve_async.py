@@ -69,10 +69,10 @@ def _prompts(n, seed):
     return [[rng.randrange(3, 380) for _ in range(rng.randint(3, 30))] for _ in range(n)]
 
 
-def _with_stops(model, prompts, params, which):
+def _with_stops(model, prompts, params, which, **kw):
     """``params`` where request ``b`` of ``which`` stops on a token that a free run of it first
     produces mid-way: those requests finish on a stop token, mid-batch."""
-    free = _engine(model, False).generate(prompts, [SamplingParams(**dict(p.to_dict(), max_tokens=40,
+    free = _engine(model, False, **kw).generate(prompts, [SamplingParams(**dict(p.to_dict(), max_tokens=40,
                                                                           ignore_eos=True)) for p in params])
     out = list(params)
     for b in which:
@@ -81,11 +81,11 @@ def _with_stops(model, prompts, params, which):
     return out
 
 
-def _scenario(model, n=10, seed=1):
+def _scenario(model, n=10, seed=1, **kw):
     prompts = _prompts(n, seed)
     params = [SamplingParams(max_tokens=6 + 3 * b, ignore_eos=True, temperature=0.0 if b % 3 else 0.8, seed=100 + b)
               for b in range(n)]
-    params = _with_stops(model, prompts, params, which=(1, 4, 6))
+    params = _with_stops(model, prompts, params, which=(1, 4, 6), **kw)
     reqs = {f"r{b}": (p, sp) for b, (p, sp) in enumerate(zip(prompts, params))}
     joins = {"r6": 5, "r7": 9, "r8": 14, "r9": 20}           # arrivals while others decode
     return reqs, joins
@@ -194,6 +194,20 @@ def test_sigkill_at_async_transitions_matches_sync_fault_free(model, host_daemon
     assert {ref.done[r] for r in reqs} == {"stop", "length"}
 
 
+def test_async_scheduling_option(model):
+    """``--async-scheduling`` / ``--no-async-scheduling`` reach the engine's configuration; without
+    either, ``EngineConfig``'s default holds (one line to flip)."""
+    import argparse
+
+    from gpu_anchor.serve.cli import add_arguments, engine_config
+    from gpu_anchor.serve.model_runner import load_config
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    got = {tuple(flag): engine_config(p.parse_args([model, "--device", "cpu", "--num-blocks", "64"] + flag), load_config(model))
+           .async_scheduling for flag in ([], ["--async-scheduling"], ["--no-async-scheduling"])}
+    assert list(got.values()) == [EngineConfig.async_scheduling, True, False]
+
+
 @pytest.mark.gpu
 def test_async_equals_sync_on_cuda(tmp_path):
     """On the GPU with CUDA graphs captured: the next step's ids copied on the device, the
@@ -201,10 +215,11 @@ def test_async_equals_sync_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
     m = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", seed=3, hidden=128, heads=4, kv_heads=2, head_dim=32)
-    reqs, joins = _scenario(m)
+    kw = dict(device="cuda:0", block_size=16, num_blocks=128, max_num_seqs=16)
+    reqs, joins = _scenario(m, **kw)
     res, engines = {}, {}
     for a in (False, True):
-        engines[a] = eng = _engine(m, a, device="cuda:0", block_size=16, num_blocks=128, max_num_seqs=16)
+        engines[a] = eng = _engine(m, a, **kw)
         eng.capture_graphs()
         res[a] = drive(eng, reqs, joins, {"r2": 12})
     assert {r: o for r, o in res[True][0].items() if r != "r2"} == \
