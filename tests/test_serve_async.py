@@ -194,6 +194,44 @@ def test_sigkill_at_async_transitions_matches_sync_fault_free(model, host_daemon
     assert {ref.done[r] for r in reqs} == {"stop", "length"}
 
 
+def test_readd_rewinds_a_request_with_a_step_launched_ahead(model):
+    """``readd`` (a replayed token without its log-probabilities) rewinds a running request in
+    place while its next step is on the device: that row continues the old history and is
+    dropped; the request decodes again from what the client has, the journal follows, and the
+    stream ends as a fault-free one (deterministic kernels: the token decoded again runs in
+    another batch than it first did, which in plain float32 may round a near-tie the other way)."""
+    from test_serve_bookkeeping import LocalJournal
+    prompts = _prompts(2, seed=9)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = _engine(model, False, deterministic=True).generate(prompts, sp)
+    eng = _engine(model, True, cuda_graphs=True, deterministic=True)
+    eng.committer.journal = journal = LocalJournal()
+    got = {"r0": [], "r1": []}
+
+    def publish(events):
+        for rid, i, ids, _ in events:
+            got[rid][i:] = ids
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(**sp.to_dict()))
+    while len(got["r0"]) < 20:
+        publish(eng.step())
+    seq = eng.scheduler.seqs["r0"]
+    assert any(w.seq is seq for w in eng.run_ahead.pending.work)     # r0's next token is on the device
+    dropped = eng.step_counts["discarded"]
+    assert eng.readd("r0", prompts[0], SamplingParams(**sp.to_dict()), got["r0"]) == []
+    assert seq.output_ids == got["r0"] and seq.num_computed == len(prompts[0]) + len(got["r0"]) - 1
+    publish(eng.step())
+    assert eng.step_counts["discarded"] == dropped + 1
+    publish(eng.flush())
+    held = {s.rid: s.output_ids for s in C.read_sequences(journal)[0]}
+    assert held == {rid: got[rid] for rid in held} and set(held) == {"r0", "r1"}
+    while eng.has_work():
+        publish(eng.step())
+    publish(eng.flush())
+    assert got == {"r0": ref[0], "r1": ref[1]}
+    assert eng.step_counts["async"] > eng.step_counts["sync"]
+
+
 def test_async_scheduling_option(model):
     """``--async-scheduling`` / ``--no-async-scheduling`` reach the engine's configuration; without
     either, ``EngineConfig``'s default holds (one line to flip)."""

@@ -16,9 +16,10 @@ decode, step N+1 is planned and launched *before* the host reads step N's tokens
 
 A sequence that finishes at step N (stop token, EOS, abort) has had one token too many computed
 at N+1: ``Engine._complete`` keeps only the rows whose sequence is still live (the same
-``Sequence`` object in the scheduler), so that token is never appended, journaled, published or
-counted.  Rows that will finish at N by length (``max_tokens``, ``max_model_len``) are known in
-advance and not computed at all.  The discarded row's KV write is harmless: it lands at the
+``Sequence`` object in the scheduler, its history not rewound in place by ``Engine.readd``
+since), so that token is never appended, journaled, published or counted.  Rows that will
+finish at N by length (``max_tokens``, ``max_model_len``) are known in advance and not computed
+at all.  The discarded row's KV write is harmless: it lands at the
 sequence's position ``num_computed`` of step N's commit (past everything any commit counts), in a
 block of its own table; that table's blocks are released at N's completion and, like every
 released block, reusable only once commit N has landed — after step N+1 was launched, so any
@@ -56,6 +57,12 @@ class Launched:
     host: torch.Tensor | None = None                 # pinned copy of ``ids`` ...
     ready: object = None                             # ... complete once this event has
     ahead: bool = False          # launched before the previous step's tokens were read
+    stale: set = field(default_factory=set)          # id() of sequences whose history changed since
+
+    def current(self, w: Work, live: dict) -> bool:
+        """Is row ``w`` still the sequence's next token?  Not once the sequence finished or was
+        aborted (it left ``live``, or another request took its id) or was rewound (``stale``)."""
+        return live.get(w.seq.rid) is w.seq and id(w.seq) not in self.stale
 
     def copy_to_host(self) -> None:
         """Start the copy of the sampled ids to the host now, before a later step is enqueued
@@ -103,8 +110,8 @@ class RunAhead:
         rows, ending = [], 0
         for b, w in enumerate(cur.sw):
             s = w.seq
-            if live.get(s.rid) is not s:
-                continue                                  # aborted since ``cur`` was launched
+            if not cur.current(w, live):
+                continue                                  # aborted or rewound since ``cur`` was launched
             if s.params.logprobs is not None:
                 return None
             # after ``cur`` (whose token is not appended yet) the sequence has w.start + w.n + 1 tokens
@@ -140,6 +147,12 @@ class RunAhead:
         eng._t_mark = t1 = time.perf_counter()
         eng.step_times["schedule"] += t1 - t0
         self.pending = eng._launch(work, [], ahead_ids=ids)
+
+    def forget(self, seq) -> None:
+        """``seq``'s history was replaced in place (``Engine.readd``): its row of the step
+        launched ahead computes a token of the old history; it is dropped at completion."""
+        if self.pending is not None:
+            self.pending.stale.add(id(seq))
 
     def drop(self) -> None:
         """Nothing is left to run: a step launched ahead now has no live row; forget it (its

@@ -255,6 +255,8 @@ class Engine:
         seq.num_computed = min(seq.num_computed, p + common, p + len(out) - 1)
         # a new list: a snapshot in flight keeps the old one (its outputs are a prefix length)
         seq.output_ids = out
+        if self.run_ahead is not None:
+            self.run_ahead.forget(seq)      # its row launched ahead continues the old history
         self.committer.rewind(seq.rid, common)
         self._added.append(seq)     # the next commit records it, scheduled or not
         reason = self.scheduler.stop_reason(seq) if out else None
@@ -428,11 +430,11 @@ class Engine:
         live = self.scheduler.seqs
         # rows of sequences that finished or were aborted after ``la`` was launched (a step
         # launched ahead) are dropped here: their tokens are never appended, journaled, published
-        work = [w for w in la.work if live.get(w.seq.rid) is w.seq] if la is not None else []
+        work = [w for w in la.work if la.current(w, live)] if la is not None else []
         sampled: dict[str, int] = {}
         if la is not None and la.sw:
             toks = la.read()                 # waits for the GPU
-            sw = [(b, w) for b, w in enumerate(la.sw) if live.get(w.seq.rid) is w.seq]
+            sw = [(b, w) for b, w in enumerate(la.sw) if la.current(w, live)]
             sampled = {w.seq.rid: toks[b] for b, w in sw}
             self.step_counts["discarded"] += len(la.sw) - len(sw)
             want = [(b, w) for b, w in sw if w.seq.params.logprobs is not None]
