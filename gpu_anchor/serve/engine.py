@@ -428,8 +428,8 @@ class Engine:
         st, clock = self.step_times, time.perf_counter
         t3 = clock()
         live = self.scheduler.seqs
-        # rows of sequences that finished or were aborted after ``la`` was launched (a step
-        # launched ahead) are dropped here: their tokens are never appended, journaled, published
+        # rows of sequences that finished, were aborted or rewound after ``la`` was launched (a
+        # step launched ahead) are dropped here: their tokens are never appended, journaled, published
         work = [w for w in la.work if la.current(w, live)] if la is not None else []
         sampled: dict[str, int] = {}
         if la is not None and la.sw:
