@@ -106,6 +106,8 @@ def decode_run(eng, prompts, sp, device, phases) -> dict:
     steps = eng.steps - s0
     return {"seconds": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": steps,
             "graph_steps": eng.step_counts["graph"] - n0["graph"], "eager_steps": eng.step_counts["eager"] - n0["eager"],
+            # launched after the previous step's read / ahead of it; rows computed ahead and dropped
+            **{f"{k}_steps": eng.step_counts[k] - n0[k] for k in ("sync", "async", "discarded")},
             "commits": eng.committer.commits - c0, "commit_bytes": eng.committer.bytes - b0,
             "decode_steps": dec_steps, "decode_s": dec_s, "decode_bytes": dec_bytes,
             "decode_tokens_per_s": dec_tokens / dec_s if dec_s else None,
@@ -114,9 +116,12 @@ def decode_run(eng, prompts, sp, device, phases) -> dict:
             "step_ms": {k: (eng.step_times[k] - t0[k]) * 1e3 / max(steps, 1) for k in phases}}
 
 
-def sweep(engines: dict, streams: list[int], rounds: int, make_prompts, sp, device, phases, bw: dict) -> dict:
+def sweep(engines: dict, streams: list[int], rounds: int, make_prompts, sp, device, phases, bw: dict,
+          modes: dict | None = None) -> dict:
     """For each stream count: ``rounds`` runs of each engine, alternating (order flips every
-    round); tokens/s and the decode steps' roofline fraction, median [min–max]."""
+    round); tokens/s and the decode steps' roofline fraction, median [min–max].  ``modes``:
+    name -> asynchronous scheduling on or off for that entry's runs (one engine may appear
+    under two names)."""
     out = {}
     for n in streams:
         prompts = make_prompts(n)
@@ -124,6 +129,8 @@ def sweep(engines: dict, streams: list[int], rounds: int, make_prompts, sp, devi
         order = list(engines)
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
+                if modes:
+                    engines[name].set_async_scheduling(modes[name])
                 x = decode_run(engines[name], prompts, sp, device, phases)
                 if x["decode_s"]:
                     x["roofline_fraction"] = {k: x["decode_bytes"] / (x["decode_s"] * v) for k, v in bw.items()}
@@ -145,6 +152,7 @@ def _cells(runs: list[dict]) -> dict:
             "decode_bytes_per_step": cell([r["decode_bytes_per_step"] for r in runs]),
             "roofline_fraction": {k: cell([r["roofline_fraction"][k] for r in runs]) for k in keys},
             "step_ms": {k: statistics.median(r["step_ms"][k] for r in runs) for k in runs[0]["step_ms"]},
+            "steps": {k: statistics.median(r.get(f"{k}_steps", 0) for r in runs) for k in ("sync", "async", "discarded")},
             "runs": runs}
 
 
@@ -334,19 +342,17 @@ def render(r: dict) -> list[str]:
                 "fraction = bytes / (step seconds × bandwidth) over the decode-only steps; bandwidths: "
                 + ", ".join(f"{k} = {v / 1e12:.2f} TB/s" for k, v in bw.items()) + "):", "",
                 "| streams | engine | tokens/s (whole run) | decode tokens/s | decode step ms | MB read per step | "
-                + " | ".join(f"roofline ({k})" for k in keys) + " |",
-                "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(keys)]
-        for n, x in sorted(sw.items(), key=lambda kv: int(kv[0])):
-            for name, c in x.items():
-                out.append(f"| {n} | {name} | {_c(c['tokens_per_s'])} | {_c(c['decode_tokens_per_s'])} | "
-                           f"{_c(c['decode_step_ms'], '{:.2f}')} | {c['decode_bytes_per_step']['median'] / 1e6:.0f} | "
-                           + " | ".join(_c(c["roofline_fraction"].get(k), "{:.1%}") for k in keys) + " |")
-        for label, x in tp.get("sampled", {}).items():
-            for name, c in x.items():
-                out.append(f"| {r['requests']}, {label} | {name} | {_c(c['tokens_per_s'])} | "
-                           f"{_c(c['decode_tokens_per_s'])} | {_c(c['decode_step_ms'], '{:.2f}')} | "
-                           f"{c['decode_bytes_per_step']['median'] / 1e6:.0f} | "
-                           + " | ".join(_c(c["roofline_fraction"].get(k), "{:.1%}") for k in keys) + " |")
+                "steps sync / async | " + " | ".join(f"roofline ({k})" for k in keys) + " |",
+                "| --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(keys)]
+        rows = [(n, name, c) for n, x in sorted(sw.items(), key=lambda kv: int(kv[0])) for name, c in x.items()]
+        rows += [(f"{r['requests']}, {label}", name, c) for label, x in tp.get("sampled", {}).items()
+                 for name, c in x.items()]
+        for n, name, c in rows:
+            st = c.get("steps", {})
+            out.append(f"| {n} | {name} | {_c(c['tokens_per_s'])} | {_c(c['decode_tokens_per_s'])} | "
+                       f"{_c(c['decode_step_ms'], '{:.2f}')} | {c['decode_bytes_per_step']['median'] / 1e6:.0f} | "
+                       f"{st.get('sync', 0):.0f} / {st.get('async', 0):.0f} | "
+                       + " | ".join(_c(c["roofline_fraction"].get(k), "{:.1%}") for k in keys) + " |")
     st = r.get("startup")
     if st and "error" not in st:
         out += ["", "Engine start-up, each in a fresh process, anchored and plain alternating (seconds, median "

@@ -106,6 +106,7 @@ def throughput(args, config_path) -> dict:
         t = time.perf_counter()
         cfg = _engine_cfg(args, config_path, anchor, "bench-throughput", seqs=max(streams))
         cfg.cuda_graphs = not args.no_cuda_graphs
+        cfg.async_scheduling = args.async_scheduling == "on"
         eng = engines[name] = Engine(cfg)
         _sync(args.device)
         t1 = time.perf_counter()
@@ -131,17 +132,26 @@ def throughput(args, config_path) -> dict:
 
     def make(n):
         return _prompts(n, args.prompt_len, vocab)
-    sweep = D.sweep(engines, streams, args.rounds, make, sp, args.device, PHASES, bw)
+    # --async-scheduling both: each engine runs in both modes, alternating with the others
+    # ("anchored" / "plain" synchronous, "…, async" launching decode steps ahead)
+    variants, modes = engines, None
+    if args.async_scheduling == "both":
+        variants = {f"{k}{sfx}": e for k, e in engines.items() for sfx in ("", ", async")}
+        modes = {k: k.endswith(", async") for k in variants}
+    sweep = D.sweep(variants, streams, args.rounds, make, sp, args.device, PHASES, bw, modes)
     sampled = {}
     for label, extra in (("temperature 0.8", {"temperature": 0.8}),
                          ("temperature 0.8, top-p 0.95", {"temperature": 0.8, "top_p": 0.95})):
         ssp = SamplingParams(**dict(sp.to_dict(), seed=11, **extra))
-        sampled[label] = D.sweep(engines, [args.requests], min(args.rounds, 3), make, ssp, args.device, PHASES,
-                                 bw)[str(args.requests)]
+        sampled[label] = D.sweep(variants, [args.requests], min(args.rounds, 3), make, ssp, args.device, PHASES,
+                                 bw, modes)[str(args.requests)]
+    for e in engines.values():           # the rest runs in the engines' configured mode
+        e.set_async_scheduling(args.async_scheduling == "on")
     cell = sweep[str(args.requests)]
     runs = {k: v["runs"] for k, v in cell.items()}
     summary = {k: dict(_summary(v), decode=cell[k]) for k, v in runs.items()}
     res = {"runs": runs, "summary": summary, "graphs": graphs, "cuda_graphs": not args.no_cuda_graphs,
+           "async_scheduling": args.async_scheduling,
            "median_tokens_per_s": {k: v["median"] for k, v in summary.items()},
            "anchored_over_plain": summary["anchored"]["median"] / summary["plain"]["median"],
            "engine_build_in_process": build, "bandwidth_bps": bw, "copy_bandwidth": copy,
@@ -150,6 +160,10 @@ def throughput(args, config_path) -> dict:
            "sweep_runs": {n: {k: c["runs"] for k, c in x.items()} for n, x in sweep.items() if n != str(args.requests)},
            "sampled": {lab: {k: {kk: vv for kk, vv in c.items() if kk != "runs"} for k, c in x.items()}
                        for lab, x in sampled.items()}}
+    if modes:      # async over sync, same engine, medians of alternating runs
+        res["async_over_sync"] = {k: summary[f"{k}, async"]["median"] / summary[k]["median"] for k in engines}
+        res["async_decode_step_ms"] = {k: {m: cell[k + sfx]["decode_step_ms"]["median"] for m, sfx in
+                                           (("sync", ""), ("async", ", async"))} for k in engines}
     if args.profile:
         res["profile"] = {}
         n = args.requests
@@ -370,6 +384,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kills", type=int, default=3, help="engine SIGKILLs per recovery measurement (n >= 3)")
     ap.add_argument("--eager-rounds", type=int, default=1, help="runs of each mode with the graphs set aside")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="eager decode in both modes")
+    ap.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
+                    help="decode steps launched ahead of the previous step's read (the engine's async_scheduling); "
+                         "both: each engine in both modes, alternating, with their ratio")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-recovery-baseline", action="store_true")

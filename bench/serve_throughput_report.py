@@ -30,8 +30,16 @@ def render(r: dict) -> str:
                          f"{e['anchored']['median']:.0f} vs {e['plain']['median']:.0f} tokens/s "
                          f"({eg['anchored_over_plain']:.3f}); graph decode {pl['median'] / e['plain']['median']:.2f}× "
                          f"eager; graph tokens equal to eager: {eg['graph_tokens_equal_to_eager']:.1%}", ""))
-        names = [("anchored", an), ("plain", pl)] + ([(f"{k}, eager", v) for k, v in eg["summary"].items()]
-                                                       if eg else [])
+        ao = tp.get("async_over_sync")
+        if ao:
+            ms = tp["async_decode_step_ms"]
+            rows.append(("Asynchronous scheduling (decode steps launched ahead of the previous step's read) vs "
+                         "synchronous, same engines, alternating runs",
+                         "; ".join(f"{k}: {sm[k + ', async']['median']:.0f} vs {sm[k]['median']:.0f} tokens/s "
+                                   f"({r:.3f}), decode step {ms[k]['async']:.2f} vs {ms[k]['sync']:.2f} ms"
+                                   for k, r in ao.items()), ""))
+        names = [(k, v) for k, v in sm.items()] + ([(f"{k}, eager", v) for k, v in eg["summary"].items()]
+                                                  if eg else [])
         extra += ["", "Host time per step (ms, median over runs; `sample` includes waiting for the GPU, "
                   "`commit build` runs while the forward is on the GPU):", "",
                   "| engine | wall | " + " | ".join(k.replace("_", " ") for k in PHASES) + " |",

@@ -10,7 +10,8 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend("bench")
     from serve_throughput import main
     assert main(["--tiny", "--requests", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1",
-                 "--skip-hf", "--skip-recovery", "--skip-startup", "--profile", "--out", str(tmp_path / "r.json")]) == 0
+                 "--skip-hf", "--skip-recovery", "--skip-startup", "--profile", "--async-scheduling", "both",
+                 "--out", str(tmp_path / "r.json")]) == 0
     res = json.loads((tmp_path / "r.json").read_text())
     t = res["throughput"]
     assert t["anchored_and_plain_outputs_equal"]
@@ -27,9 +28,14 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     assert 0 < cell["roofline_fraction"]["nominal_cpu_20GB/s"]["median"] < 1
     assert set(t["sampled"]) == {"temperature 0.8", "temperature 0.8, top-p 0.95"}
     assert all(p["steps"] > 0 and p["by_category_ms"] for p in t["profile"].values())
+    # --async-scheduling both: each engine also ran with decode steps launched ahead, same tokens
+    a = t["runs"]["anchored, async"][0]
+    assert a["tokens"] == 32 and a["async_steps"] > a["sync_steps"] and t["runs"]["anchored"][0]["async_steps"] == 0
+    assert set(t["async_over_sync"]) == {"anchored", "plain"} and t["sweep"]["4"]["plain, async"]["steps"]["async"] > 0
     from serve_throughput import render
     text = render(res)
     assert "alternating runs" in text and "roofline" in text and "Profile, plain, greedy, graphs" in text
+    assert "Asynchronous scheduling" in text and "steps sync / async" in text
 
 
 @pytest.mark.slow

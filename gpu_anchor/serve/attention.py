@@ -50,6 +50,15 @@ class AttnMeta:
     tables: list[list[int]]
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor of a step's inputs on ``device``, by a copy that never waits for the stream
+    (pinned on CUDA: a step launched ahead is enqueued while the one before still runs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def step_inputs(plan: dict, device) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
     """The tensors of an eager step — token ids, attention metadata, rows to sample — from
     its plan: host lists ``ids``, ``pos``, ``slots``, ``tseq`` (per token), ``q_starts``,
@@ -58,12 +67,12 @@ def step_inputs(plan: dict, device) -> tuple[torch.Tensor, AttnMeta, torch.Tenso
     tables = plan["tables"]
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    meta = AttnMeta(torch.tensor(plan["pos"], dtype=torch.long).to(device, non_blocking=True),
-                    torch.tensor(plan["slots"], dtype=torch.long).to(device, non_blocking=True),
-                    torch.tensor(plan["tseq"], dtype=torch.int32).to(device, non_blocking=True),
-                    bt.to(device, non_blocking=True), plan["q_starts"], plan["q_lens"], plan["ctx"], tables)
-    return (torch.tensor(plan["ids"], dtype=torch.long).to(device), meta,
-            torch.tensor(plan["rows"], dtype=torch.long).to(device))
+    meta = AttnMeta(to_device(torch.tensor(plan["pos"], dtype=torch.long), device),
+                    to_device(torch.tensor(plan["slots"], dtype=torch.long), device),
+                    to_device(torch.tensor(plan["tseq"], dtype=torch.int32), device),
+                    to_device(bt, device), plan["q_starts"], plan["q_lens"], plan["ctx"], tables)
+    return (to_device(torch.tensor(plan["ids"], dtype=torch.long), device), meta,
+            to_device(torch.tensor(plan["rows"], dtype=torch.long), device))
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

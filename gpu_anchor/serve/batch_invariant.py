@@ -139,14 +139,19 @@ def _tree_sum(sq: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list, indices: list[int]) -> list[int]:
     """``sampling.sample`` (same arguments, same draws) whose sampled rows do not depend on the
     other rows of the step: each is drawn by a call of its own, on the device; one host copy."""
-    from .sampling import sample_ids
+    return sample_ids(logits, params, indices).tolist()
+
+
+def sample_ids(logits: torch.Tensor, params: list, indices: list[int]) -> torch.Tensor:
+    """``sample`` without the host copy: the ids as an int64 tensor on the device."""
+    from . import sampling
     ids = logits.argmax(dim=-1)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if rows:
         ids = ids.clone()
         for b in rows:
-            ids[b:b + 1] = sample_ids(logits[b:b + 1], [params[b]], [indices[b]])
-    return ids.tolist()
+            ids[b:b + 1] = sampling.sample_ids(logits[b:b + 1], [params[b]], [indices[b]])
+    return ids
 
 
 # ------------------------------------------------------------------ attention

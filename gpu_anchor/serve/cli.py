@@ -60,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "depend on the batch it runs in, so a run with engine or daemon failures gives the same "
                         "tokens as a fault-free one, also on a GPU in bf16 (off by default: it costs throughput; "
                         "docs/serving.md, 'Determinism')")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="in steady decode, launch the next step before reading this one's tokens, so the GPU does "
+                        "not wait for the host's bookkeeping between steps (as vLLM's --async-scheduling; prefill "
+                        "and mixed steps, log-probabilities and tensor parallelism stay synchronous; default: "
+                        "off; docs/serving.md, 'Asynchronous scheduling')")
     p.add_argument("--warm-pool", action="store_true",
                    help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
                         "at once when the engine dies, instead of a fork + CUDA init")
@@ -200,7 +205,8 @@ def engine_config(args, mc):
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,
                         namespace=args.namespace or f"serve-{name}", socket=args.socket,
                         cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None,
-                        tensor_parallel_size=tp, deterministic=args.deterministic)
+                        tensor_parallel_size=tp, deterministic=args.deterministic,
+                        **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}))
 
 
 def rank_configs(cfg) -> list:

@@ -1,4 +1,5 @@
-"""The per-step commit and the recovery read (the inference consistency protocol).
+"""The per-step commit, its one-step-deep pipeline and the recovery read (the inference
+consistency protocol).
 
 Journal keys (namespace of the engine's anchored objects):
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .block_manager import BlockManager, InconsistentState
 from .sequence import (OUT_SEGMENT, Sequence, Status, pack_ints, pack_state, parse_request, parse_state,
@@ -162,6 +165,70 @@ class Committer:
         self.journal.commit(puts, deletes)
         self.commits += 1
         self.bytes += sum(len(k) + len(v) for k, v in puts.items())
+
+
+class _Immediate:
+    """Runs 'submitted' work at once (no journal: nothing to overlap)."""
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        f.set_result(fn(*args))
+        return f
+
+
+class Pipeline:
+    """The engine's commits, pipelined one step deep.  Step N's commit is snapshotted at its end
+    (``hold``: cheap compares), encoded by the step after it right after launching its forward
+    and sent from a helper thread while that forward runs (``send``), and awaited at that
+    step's end (``land``): only then are step N's tokens returned for publishing, and the
+    blocks step N released reusable (``BlockManager`` epochs).  ``times``: the engine's host
+    seconds per phase (``commit_build`` is added here)."""
+
+    def __init__(self, committer: Committer, blocks: BlockManager, times: dict) -> None:
+        self.committer, self.blocks, self.times = committer, blocks, times
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit") if committer.journal is not None \
+            else _Immediate()
+        # [future, snapshot not yet sent, events it makes publishable, epoch, device work to wait for]
+        self._held = None
+
+    def hold(self, snap, events: list[tuple], epoch: int, done=None) -> None:
+        """Step ``epoch``'s commit (``Committer.snapshot``) and the events it makes publishable;
+        ``done``: an event its KV writes end with, when no sampling waited for them."""
+        self._held = [None, snap, events, epoch, done]
+
+    def send(self) -> None:
+        """Encode the held snapshot and hand it to the commit thread."""
+        h = self._held
+        if h is None or h[1] is None:
+            return
+        t = time.perf_counter()
+        payload = self.committer.build(h[1])
+        h[1] = None
+        if payload is not None:
+            h[0] = self._pool.submit(self._apply_after, h[4], *payload)
+        self.times["commit_build"] += time.perf_counter() - t
+
+    def _apply_after(self, done, puts, deletes) -> None:
+        if done is not None:
+            done.synchronize()
+        self.committer.apply(puts, deletes)
+
+    def land(self) -> list[tuple]:
+        """Wait for the held commit; then its blocks may be reused and its tokens published."""
+        if self._held is None:
+            return []
+        self.send()
+        fut, _, events, epoch, _ = self._held
+        self._held = None
+        if fut is not None:
+            fut.result()             # a failed commit raises: the engine dies, nothing unsafe was published
+        self.blocks.on_commit(epoch)
+        return events
+
+    def drop_unpublished(self, rid: str) -> None:
+        """``rid`` was aborted or replaced: its held tokens are not published."""
+        if self._held is not None:
+            self._held[2] = [e for e in self._held[2] if e[0] != rid]
 
 
 def read_sequences(journal) -> tuple[list[Sequence], list[str]]:

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .attention import AttnMeta
+from .attention import AttnMeta, to_device
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -155,21 +155,28 @@ class DecodeGraphs:
                 if bs not in self._graphs:
                     self._capture(bs)
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """One decode step of ``n = len(ids)`` sequences; returns their hidden states [n, H]
-        after the last layer (to go through ``model.head``)."""
-        n = len(ids)
+    def run(self, ids, pos: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of ``n = len(pos)`` sequences; returns their hidden states [n, H]
+        after the last layer (to go through ``model.head``).  ``ids``: a host list, or a tensor
+        on the device (a step launched ahead: the previous step's sampled ids, copied on the
+        device into the static buffer behind that step's work on the stream)."""
+        n = len(pos)
         bs = self.size_for(n)
         pad = bs - n
         if self.capture and bs not in self._graphs:
             self._capture(bs)          # before the inputs go in: capture clobbers the buffers
-        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.long)
-        self.ids[:bs].copy_(host[0], non_blocking=True)
-        self.pos[:bs].copy_(host[1], non_blocking=True)
-        self.slots[:bs].copy_(host[2], non_blocking=True)
+        on_device = isinstance(ids, torch.Tensor)
+        host = torch.tensor([[0] * bs if on_device else ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
+                            dtype=torch.long)
         width = max(map(len, tables))
-        self.bt[:n, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-                                  non_blocking=True)
+        host = to_device(host, self.device)           # one copy each, never waiting for the stream
+        self.ids[:bs].copy_(host[0])
+        if on_device:
+            self.ids[:n].copy_(ids)
+        self.pos[:bs].copy_(host[1])
+        self.slots[:bs].copy_(host[2])
+        self.bt[:n, :width].copy_(to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                         dtype=torch.int32), self.device))
         if not self.capture:
             return self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
         graphs, out = self._graphs[bs]

@@ -5,6 +5,8 @@
     while eng.has_work(): events = eng.step()
 
 Step contract: ``schedule → forward (writes KV) → sample → commit → return events``.
+With ``async_scheduling`` the next decode step's forward is launched before this step's tokens
+are read (``async_step.py``); each ``step()`` still completes one step.
 On CUDA, decode-only steps replay a captured CUDA graph (``cuda_graphs.py``; off with
 ``cuda_graphs=False``); prefill and mixed steps run the eager forward.
 Tokens leave the engine only after the commit that contains them, so whatever a client
@@ -21,7 +23,6 @@ import os
 import random
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -29,12 +30,13 @@ from . import batch_invariant
 from . import commit as C
 from . import step_plan
 from .anchor import Anchor
+from .async_step import Launched, RunAhead
 from .attention import step_inputs
 from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
 from .model_runner import Model, load_config
-from .sampling import sample, token_logprobs
+from .sampling import sample_ids, token_logprobs
 from .scheduler import Scheduler, Work
 from .sequence import SamplingParams, Sequence, Status
 from .state import NotAttachable, bind_state
@@ -43,15 +45,6 @@ from .tp import LeaderSide, fault_due
 log = logging.getLogger("gpu_anchor.serve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-class _Immediate:
-    """Runs 'submitted' work at once (no journal: nothing to overlap)."""
-
-    def submit(self, fn, *args) -> Future:
-        f: Future = Future()
-        f.set_result(fn(*args))
-        return f
 
 
 class Engine:
@@ -131,7 +124,7 @@ class Engine:
         sizes = self.graphs.sizes if self.graphs is not None else [1]
         h = torch.zeros(max(sizes), self.mc.hidden_size, dtype=self.dtype, device=self.device)
         rnd = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=1)
-        draw = batch_invariant.sample if self.cfg.deterministic else sample
+        draw = batch_invariant.sample_ids if self.cfg.deterministic else sample_ids
         with torch.no_grad():
             for n in sizes:
                 logits = self.model.head(h[:n])
@@ -164,6 +157,9 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
         journal = st.journal
         self.committer = C.Committer(journal)
+        self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
+                                         "finish", "commit_prepare", "commit_wait"), 0.0)
+        self.commits = C.Pipeline(self.committer, self.blocks, self.step_times)
         t3 = time.perf_counter()
         self.recovery_notes: list[str] = []
         self.restored: list[Sequence] = []
@@ -185,6 +181,15 @@ class Engine:
         self._gone: list[str] = []
         self._added: list[Sequence] = []     # admitted or rewound since the last commit
         self._urgent = True       # the next step lands its commit at once (see ``step``)
+        self._prefill_step = False
+        self.tokens_generated = 0
+        # steps launched by their graph / eagerly; synchronously (scheduled after the previous
+        # step's tokens were read) / asynchronously (launched ahead of that read: async_step.py) a
+        # step launched ahead; ``discarded``: rows launched ahead whose sequence had finished (dropped)
+        self.step_counts = {"graph": 0, "eager": 0, "sync": 0, "async": 0, "discarded": 0}
+        self.run_ahead = RunAhead(self) if cfg.async_scheduling and self.tp is None else None
+        if cfg.async_scheduling and self.tp is not None:
+            log.warning("asynchronous scheduling is not built for tensor parallelism: every step runs synchronously")
         # A request that wants log-probabilities resumes one token back: its last committed token
         # may never have reached the client, and the journal keeps no log-probabilities, so the
         # first step samples it again with them (the step runs anyway: no prefill, and no round
@@ -192,19 +197,6 @@ class Engine:
         for s in self.restored:
             if s.params.logprobs is not None and s.output_ids:
                 self._rewind(s, s.output_ids[:-1])
-        # Step N's commit is snapshotted at its end (cheap compares), encoded by step N+1 right
-        # after launching its forward and sent from a helper thread while that forward runs;
-        # its tokens are returned (published) only once it landed, and blocks freed by step N
-        # become reusable only then (BlockManager epochs).
-        self._inflight = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit") if journal is not None else \
-            _Immediate()
-        self._prefill_step = False
-        self.tokens_generated = 0
-        # host seconds per phase, summed over steps (bench/serve_throughput.py reports them)
-        self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
-                                         "finish", "commit_prepare", "commit_wait"), 0.0)
-        self.step_counts = {"graph": 0, "eager": 0}
         if fence is not None and self.tp is None:
             t5 = time.perf_counter()
             self._on_device()
@@ -267,7 +259,7 @@ class Engine:
         recomputes only from where they part (``_rewind``): the usual case, one undelivered
         token replayed from the journal, costs one decode step.  Otherwise its KV is dropped
         and recomputed."""
-        self._drop_unpublished(rid)
+        self.commits.drop_unpublished(rid)
         self._logprobs.pop(rid, None)
         seq = self.scheduler.seqs.get(rid)
         if seq is not None and seq.status is Status.RUNNING and seq.prompt_ids == [int(t) for t in prompt_ids]:
@@ -291,6 +283,8 @@ class Engine:
         seq.num_computed = min(seq.num_computed, p + common, p + len(out) - 1)
         # a new list: a snapshot in flight keeps the old one (its outputs are a prefix length)
         seq.output_ids = out
+        if self.run_ahead is not None:
+            self.run_ahead.forget(seq)      # its row launched ahead continues the old history
         self.committer.rewind(seq.rid, common)
         self._added.append(seq)     # the next commit records it, scheduled or not
         self._urgent = True
@@ -300,14 +294,10 @@ class Engine:
             return [(seq.rid, len(out), [], reason)]
         return []
 
-    def _drop_unpublished(self, rid: str) -> None:
-        if self._inflight is not None:
-            self._inflight[2] = [e for e in self._inflight[2] if e[0] != rid]
-
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:
             self._gone.append(rid)
-        self._drop_unpublished(rid)
+        self.commits.drop_unpublished(rid)
         self._logprobs.pop(rid, None)
 
     def has_work(self) -> bool:
@@ -373,20 +363,21 @@ class Engine:
             self.tp.close()
             self.tp = None
 
-    def _decode_graph(self, work: list[Work]):
-        """Logits of a decode-only step from the graph, or None (eager)."""
+    def _decode_graph(self, work: list[Work], index: int, ahead_ids=None):
+        """Logits of a decode-only step from the graph, or None (eager).  ``index``: the step's
+        number; ``ahead_ids``: its input tokens on the device (a step launched ahead)."""
         g = self.graphs
-        if g is None or self.steps < self.cfg.graph_after_steps or not all(w.n == 1 and w.sample for w in work):
+        if g is None or index < self.cfg.graph_after_steps or not all(w.n == 1 and w.sample for w in work):
             return None
         tables = [w.seq.block_table for w in work]
         if not g.fits(len(work), max(map(len, tables))):
             return None
-        ids, pos, slots = step_plan.decode_inputs(work, self.cfg.block_size)
+        ids, pos, slots = step_plan.decode_inputs(work, self.cfg.block_size, known=ahead_ids is None)
         t0 = time.perf_counter()
         if self.tp is not None:
-            self.tp.send({"t": "graph", "step": self.steps, "prefill": False, "ids": ids, "pos": pos, "slots": slots,
+            self.tp.send({"t": "graph", "step": index, "prefill": False, "ids": ids, "pos": pos, "slots": slots,
                           "tables": tables})
-        h = g.run(ids, pos, slots, tables)
+        h = g.run(ids if ahead_ids is None else ahead_ids, pos, slots, tables)
         logits = self.model.head(h)
         self.step_times["prepare_inputs"] += t0 - self._t_mark
         self._t_mark = time.perf_counter()
@@ -394,69 +385,104 @@ class Engine:
         self.step_counts["graph"] += 1
         return logits
 
-    def _plan(self, work: list[Work]) -> dict:
-        return step_plan.eager_plan(work, self.cfg.block_size, self.steps, self._prefill_step)
-
     def step(self) -> list[tuple]:
-        """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``."""
+        """One batched step.  Returns events ``(rid, index_of_first_new_token, new_ids, finish_reason)``.
+
+        Each call completes one step: the one launched ahead by the previous call
+        (``async_scheduling``), else one scheduled and launched now; before reading its
+        tokens it launches the next decode step when that can run ahead (``async_step.py``)."""
         self._fault("between_steps")
         self._on_device()
+        cur = self.run_ahead.take() if self.run_ahead is not None else None
+        if cur is None:
+            t0 = time.perf_counter()
+            work = self.scheduler.schedule()
+            self._t_mark = t1 = time.perf_counter()
+            self.step_times["schedule"] += t1 - t0
+            if work:
+                cur = self._launch(work, self.scheduler.preempted)
+        if cur is not None and self.run_ahead is not None:
+            self.run_ahead.launch_next(cur)
+        self.commits.send()                  # the previous step's, encoded while the GPU works
+        self._fault("after_launch")
+        return self._complete(cur)
+
+    def _launch(self, work: list[Work], preempted, ahead_ids=None) -> Launched:
+        """Enqueue a step's forward (it writes the KV) and its sampling; nothing waits for the
+        device.  ``ahead_ids``: the step's input tokens on the device, for a step launched
+        before the previous one's tokens were read (their positions and slots are on the host)."""
         st, clock = self.step_times, time.perf_counter
-        t0 = clock()
-        work = self.scheduler.schedule()
-        self._t_mark = t1 = clock()
-        st["schedule"] += t1 - t0
-        sampled: dict[str, int] = {}
-        done = None        # the step's device work, when no sampling waited for it
-        if not work:
-            self._send_commit()
-        else:
-            self._prefill_step = any(w.n > 1 or not w.sample for w in work)
-            if self.fence is not None:
-                self.fence.launching()
-            logits = self._decode_graph(work)
-            if logits is None:
-                plan = self._plan(work)
-                if self.tp is not None:
-                    self.tp.send(plan)
-                ids, meta, rows = step_inputs(plan, self.device)
-                t2 = clock()
-                logits = self.model.forward(ids, meta, rows)
-                self._t_mark = clock()
-                st["prepare_inputs"] += t2 - t1
-                st["forward"] += self._t_mark - t2
-                self.step_counts["eager"] += 1
-            if self.fence is not None:       # the step's KV writes are all enqueued before this mark
-                self.fence.launched_all(self._stream)
-            self._send_commit()              # the previous step's, encoded while the GPU works
-            sw = [w for w in work if w.sample]
-            if sw:
-                draw = batch_invariant.sample if self.cfg.deterministic else sample
-                toks = draw(logits, [w.seq.params for w in sw], [len(w.seq.output_ids) for w in sw])
-                sampled = {w.seq.rid: t for w, t in zip(sw, toks)}
-                want = [b for b, w in enumerate(sw) if w.seq.params.logprobs is not None]
-                if want:
-                    lps = token_logprobs(logits[want], [toks[b] for b in want],
-                                         [sw[b].seq.params.logprobs for b in want])
-                    for b, lp in zip(want, lps):
-                        self._logprobs.setdefault(sw[b].seq.rid, {})[len(sw[b].seq.output_ids)] = lp
-            elif self.device.type == "cuda":
-                # nothing waited for this forward (no row sampled): its commit waits for it, so the
-                # journal never counts KV that a kill left unwritten (on a tensor-parallel group,
-                # this rank's work ends with collectives that need every rank's KV written first)
-                done = torch.cuda.Event()
-                done.record()
+        index = self.steps + (ahead_ids is not None)
+        self._prefill_step = prefill = any(w.n > 1 or not w.sample for w in work)
+        if self.fence is not None:
+            self.fence.launching()
+        logits = self._decode_graph(work, index, ahead_ids)
+        if logits is None:
+            plan = step_plan.eager_plan(work, self.cfg.block_size, index, prefill, known=ahead_ids is None)
+            if self.tp is not None:
+                self.tp.send(plan)
+            ids, meta, rows = step_inputs(plan, self.device)
+            t2 = clock()
+            st["prepare_inputs"] += t2 - self._t_mark
+            logits = self.model.forward(ids if ahead_ids is None else ahead_ids, meta, rows)
+            self._t_mark = clock()
+            st["forward"] += self._t_mark - t2
+            self.step_counts["eager"] += 1
+        if self.fence is not None:           # the step's KV writes are all enqueued before this mark
+            self.fence.launched_all(self._stream)
+        self.step_counts["sync" if ahead_ids is None else "async"] += 1
+        la = Launched(work, list(preempted), prefill, sw=[w for w in work if w.sample], ahead=ahead_ids is not None)
+        if la.sw:
+            draw = batch_invariant.sample_ids if self.cfg.deterministic else sample_ids
+            # the output index each row's token takes: its position + 1 - the prompt's length
+            la.ids = draw(logits, [w.seq.params for w in la.sw],
+                          [w.start + w.n - len(w.seq.prompt_ids) for w in la.sw])
+            if any(w.seq.params.logprobs is not None for w in la.sw):
+                la.logits = logits
+            if self.run_ahead is not None:
+                la.copy_to_host()
+        elif self.device.type == "cuda":
+            # nothing waits for this forward (no row sampled): its commit waits for it, so the
+            # journal never counts KV that a kill left unwritten (on a tensor-parallel group,
+            # this rank's work ends with collectives that need every rank's KV written first)
+            la.done = torch.cuda.Event()
+            la.done.record()
+        st["sample"] += clock() - self._t_mark
+        self._t_mark = clock()
+        return la
+
+    def _complete(self, la: Launched | None) -> list[tuple]:
+        """Read a launched step's tokens (``la`` None: a step with no work), finish it, snapshot
+        its commit, land the previous commit and return the tokens that one made publishable."""
+        st, clock = self.step_times, time.perf_counter
         t3 = clock()
-        st["sample"] += t3 - self._t_mark       # includes waiting for the GPU (the .tolist())
+        live = self.scheduler.seqs
+        # rows of sequences that finished, were aborted or rewound after ``la`` was launched (a
+        # step launched ahead) are dropped here: their tokens are never appended, journaled, published
+        work = [w for w in la.work if la.current(w, live)] if la is not None else []
+        sampled: dict[str, int] = {}
+        if la is not None and la.sw:
+            toks = la.read()                 # waits for the GPU
+            sw = [(b, w) for b, w in enumerate(la.sw) if la.current(w, live)]
+            sampled = {w.seq.rid: toks[b] for b, w in sw}
+            self.step_counts["discarded"] += len(la.sw) - len(sw)
+            want = [(b, w) for b, w in sw if w.seq.params.logprobs is not None]
+            if want:
+                lps = token_logprobs(la.logits[[b for b, _ in want]], [toks[b] for b, _ in want],
+                                     [w.seq.params.logprobs for _, w in want])
+                for (_, w), lp in zip(want, lps):
+                    self._logprobs.setdefault(w.seq.rid, {})[len(w.seq.output_ids)] = lp
+        t4 = clock()
+        st["sample"] += t4 - t3
         grown, finished = self.scheduler.finish_step(work, sampled)
         self._fault("before_commit")
-        t4 = clock()
-        st["finish"] += t4 - t3
+        t5 = clock()
+        st["finish"] += t5 - t4
         # only sequences this step touched can have changed (plus new and preempted ones)
         snap = None
         if self.committer.journal is not None:
-            live, seen = self.scheduler.seqs, set()
-            touched = [q for q in [w.seq for w in work] + self.scheduler.preempted + self._added
+            seen = set()
+            touched = [q for q in [w.seq for w in work] + (la.preempted if la is not None else []) + self._added
                        if live.get(q.rid) is q and not (id(q) in seen or seen.add(id(q)))]
             snap = self.committer.snapshot(touched, self._gone + [s.rid for s in finished])
         self._added = []
@@ -464,56 +490,43 @@ class Engine:
         epoch = self.blocks.epoch
         self.blocks.epoch += 1
         events = [(s.rid, len(s.output_ids) - 1, [s.output_ids[-1]], s.finish_reason) for s in grown]
-        t5 = clock()
-        st["commit_prepare"] += t5 - t4
-        published = self._await_commit()        # the previous step's commit ran during this forward
-        st["commit_wait"] += clock() - t5
+        t6 = clock()
+        st["commit_prepare"] += t6 - t5
+        published = self.commits.land()         # the previous step's commit ran during this forward
+        st["commit_wait"] += clock() - t6
         self._fault("after_commit")
-        # [future, snapshot not yet sent, events it makes publishable, epoch, device work to
-        # wait for]: sent by the next step right after its forward is launched, awaited at
-        # that step's end
-        self._inflight = [None, snap, events, epoch, done]
-        if not self.scheduler.has_work() or self._urgent:
-            # nothing left to overlap with; or a recovery's first step (this engine's first, or one
-            # that resumes a request from its delivered tokens): its tokens are not held back a step
-            published += self._await_commit()
+        self.commits.hold(snap, events, epoch, la.done if la is not None else None)
+        if not self.scheduler.has_work():
+            if self.run_ahead is not None:
+                self.run_ahead.drop()           # launched ahead, and every row of it finished
+            published += self.commits.land()    # nothing left to overlap with: land it now
+        elif self._urgent:
+            # a recovery's first step (this engine's first, or one that resumes a request from its
+            # delivered tokens): its tokens are not held back a step
+            published += self.commits.land()
         self._urgent = False
         self.steps += 1
         self.tokens_generated += len(grown)
+        self._prefill_step = la is not None and la.prefill
         return published
 
-    def _send_commit(self) -> None:
-        """Encode the pending step's snapshot and hand it to the commit thread."""
-        inf = self._inflight
-        if inf is None or inf[1] is None:
-            return
-        t = time.perf_counter()
-        payload = self.committer.build(inf[1])
-        inf[1] = None
-        if payload is not None:
-            inf[0] = self._pool.submit(self._commit_after, inf[4], *payload)
-        self.step_times["commit_build"] += time.perf_counter() - t
-
-    def _commit_after(self, done, puts, deletes) -> None:
-        if done is not None:
-            done.synchronize()
-        self.committer.apply(puts, deletes)
-
-    def _await_commit(self) -> list[tuple]:
-        """Wait for the in-flight commit; then its blocks may be reused and its tokens published."""
-        if self._inflight is None:
-            return []
-        self._send_commit()
-        fut, _, events, epoch, _ = self._inflight
-        self._inflight = None
-        if fut is not None:
-            fut.result()             # a failed commit raises: the engine dies, nothing unsafe was published
-        self.blocks.on_commit(epoch)
-        return events
-
     def flush(self) -> list[tuple]:
-        """Land the in-flight commit and return the tokens it makes publishable."""
-        return self._await_commit()
+        """Complete a step launched ahead, land the in-flight commit and return the tokens they
+        make publishable; no device work of this engine is left in flight after it."""
+        events = []
+        if self.run_ahead is not None:
+            if self.run_ahead.pending is not None:
+                events = self._complete(self.run_ahead.take())
+            self.run_ahead.settle()
+        return events + self.commits.land()
+
+    def set_async_scheduling(self, on: bool) -> list[tuple]:
+        """Turn asynchronous scheduling on or off between steps (the benchmark compares both on
+        one engine); what was in flight is completed first: returns its events (``flush``)."""
+        events = self.flush()
+        self.cfg = dataclasses.replace(self.cfg, async_scheduling=on)
+        self.run_ahead = RunAhead(self) if on and self.tp is None else None
+        return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline convenience: run ``prompts`` to completion, return their output ids."""

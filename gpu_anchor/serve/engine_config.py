@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 # Fault-injection points (tests): mid_prefill / mid_decode fire halfway through the layers of
 # the first step at or after the given one that has prefill work / only decodes.
 PHASES = ("between_steps", "mid_prefill", "mid_decode", "before_commit", "after_commit")
+# after_launch: the step's forward (and, with async scheduling, the next step's) is enqueued and the
+# previous commit handed to the commit thread; the step's tokens are not read yet.  Not drawn by
+# the random campaigns of PHASES (their seeded plans stay as they were); tests name it.
+ALL_PHASES = PHASES + ("after_launch",)
 
 
 @dataclass
@@ -35,6 +39,9 @@ class EngineConfig:
     # batch-invariant kernels (batch_invariant.py): a request's tokens do not depend on the
     # batch it runs in, so a recomputed step or prefill gives exactly the fault-free tokens
     deterministic: bool = False
+    # asynchronous scheduling (async_step.py): in steady decode the next step is launched
+    # before this one's tokens are read (vLLM's --async-scheduling); off until measured on the GPU
+    async_scheduling: bool = False
     # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
     # ``rendezvous``: the path prefix of this incarnation's control socket and store
     tensor_parallel_size: int = 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import to_device
 from .sequence import SamplingParams
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
@@ -126,7 +127,7 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
     fl = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32)
     it = torch.tensor([(p.top_k if 0 < p.top_k < V else V, *_split(p.seed or 0), i)
                        for p, i in zip(params, indices)], dtype=torch.long)
-    fl, it = fl.to(dev, non_blocking=True), it.to(dev, non_blocking=True)
+    fl, it = to_device(fl, dev), to_device(it, dev)
     sampled, top_p = fl[:, 0] > 0, fl[:, 1]
     top_k = it[:, 0]
     x = logits.float() / torch.where(sampled, fl[:, 0], 1.0)[:, None]     # greedy rows: any finite scale
@@ -140,7 +141,7 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
     sort_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
     if sort_rows:
         keep = torch.ones(B, V, dtype=torch.bool, device=dev) if keep is None else keep
-        rows = torch.tensor(sort_rows, dtype=torch.long).to(dev, non_blocking=True)
+        rows = to_device(torch.tensor(sort_rows, dtype=torch.long), dev)
         keep[rows] = _top_p_mask(probs[rows], top_k[rows], top_p[rows])
     w = _fixed(probs)
     if keep is not None:

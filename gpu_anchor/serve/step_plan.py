@@ -9,27 +9,29 @@ sends the other ranks of a tensor-parallel group.
 from __future__ import annotations
 
 
-def decode_inputs(work, block_size: int) -> tuple[list[int], list[int], list[int]]:
-    """``(ids, positions, slots)`` of a decode step: one token per sequence (``w.n == 1``)."""
+def decode_inputs(work, block_size: int, known: bool = True) -> tuple[list[int], list[int], list[int]]:
+    """``(ids, positions, slots)`` of a decode step: one token per sequence (``w.n == 1``).
+    ``known=False``: a step launched ahead of the previous one's read (``async_step.py``), whose
+    tokens are not on the host yet: ``ids`` are zeros, the engine copies the real ones on the device."""
     ids, pos, slots = [], [], []
     for w in work:
         p, t = w.start, w.seq.block_table
-        ids.append(w.seq.token(p))
+        ids.append(w.seq.token(p) if known else 0)
         pos.append(p)
         slots.append(t[p // block_size] * block_size + p % block_size)
     return ids, pos, slots
 
 
-def eager_plan(work, block_size: int, step: int, prefill: bool) -> dict:
+def eager_plan(work, block_size: int, step: int, prefill: bool, known: bool = True) -> dict:
     """An eager step's plan: per token ``ids``, ``pos``, ``slots``, ``tseq`` (its row of the
     block tables); per sequence ``q_starts``, ``q_lens``, ``ctx`` (keys its last token sees),
-    ``tables``; ``rows``: the tokens whose logits are sampled."""
+    ``tables``; ``rows``: the tokens whose logits are sampled.  ``known``: as ``decode_inputs``."""
     ids, pos, slots, tseq, rows = [], [], [], [], []
     q_starts, q_lens, ctx, tables = [], [], [], []
     for b, w in enumerate(work):
         s = w.seq
         q_starts.append(len(ids))
-        ids += s.tokens(w.start, w.start + w.n)
+        ids += s.tokens(w.start, w.start + w.n) if known else [0] * w.n
         r = range(w.start, w.start + w.n)
         pos += r
         t = s.block_table
