@@ -228,20 +228,24 @@ class Frontend:
         if r is None or r.finish is not None or r.resyncing:
             return
         new = 0
-        for j, t in enumerate(ids):
-            k = i + j
-            if k < len(r.out):
-                self.metrics.replayed.inc()
-                if r.out[k] != t:
-                    # The client has token r.out[k]: make the engine continue from what was
-                    # delivered (it recomputes the KV), never from its own different replay.
-                    self.metrics.mismatch.inc()
-                    self.mismatches += 1
-                    log.error("request %s: replayed token %d is %d, delivered %d; resyncing", rid, k, t,
-                              r.out[k])
-                    self._resync(r)
-                    return
-            elif k == len(r.out):
+        # the tokens the client has already: a replay, compared as one slice (a take-over
+        # replays every open stream from its first token at once)
+        have = max(0, min(len(ids), len(r.out) - i))
+        if have:
+            self.metrics.replayed.inc(have)
+            if ids[:have] != r.out[i:i + have]:
+                # The client has those tokens: make the engine continue from what was
+                # delivered (it recomputes the KV), never from its own different replay.
+                k = i + next(j for j in range(have) if ids[j] != r.out[i + j])
+                self.metrics.mismatch.inc()
+                self.mismatches += 1
+                log.error("request %s: replayed token %d is %d, delivered %d; resyncing", rid, k, ids[k - i],
+                          r.out[k])
+                self._resync(r)
+                return
+        for j in range(have, len(ids)):
+            k, t = i + j, ids[j]
+            if k == len(r.out):
                 if r.q.logprobs is not None:
                     lp = (lps or {}).get(k)
                     if lp is None:     # replayed from the journal, which keeps no log-probabilities
