@@ -230,8 +230,8 @@ class Supervisor:
             if self.zygote is not None and standby:
                 self.log("a standby worker per rank takes over after a failure (its CUDA context made"
                          + (f", {w.prewarm} run" if w.prewarm else "")
-                         + (", then, once the first step is done, one step of a 1-layer copy of the model "
-                            "(automatic pre-warm; --no-auto-prewarm for none)" if self.auto_prewarm else "") + ")"
+                         + ("; once the first step is done, also one step of a 1-layer copy of the model: the "
+                            "automatic pre-warm, --no-auto-prewarm for none" if self.auto_prewarm else "") + ")"
                          + ("; the default for GPU jobs: each holds a CUDA context on its GPU, --no-warm-pool "
                             "for none" if w.standby is None and not w.prewarm else ""))
 

@@ -35,8 +35,8 @@ def subscribe() -> None:
     from .boundary import STEPS
     step_hooks.subscribe(STEPS)
     from gpu_anchor.runtime.auto_prewarm import RECIPE_ENV, Recorder
-    if os.environ.get(RECIPE_ENV) == "1":
-        step_hooks.subscribe(Recorder(lambda out: events.mark("warm_recipe", **out)).install())
+    if os.environ.get(RECIPE_ENV) == "1" and not STEPS.watchers:
+        STEPS.watchers.append(Recorder(lambda out: events.mark("warm_recipe", **out)).install())
 
 
 def restore_if_asked() -> None:

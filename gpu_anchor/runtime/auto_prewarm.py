@@ -88,8 +88,9 @@ def _checkpointing(model) -> bool:
 
 class Recorder:
     """Records a job's warm-up recipe once and hands it to ``emit(dict)`` (see the module
-    docstring).  Also a ``train.step_hooks`` listener: the second committed step ends recording
-    when no torch optimizer step was seen (a loop with its own update)."""
+    docstring).  Also told of committed steps (``step_committed``, by the supervisor's
+    ``launch.boundary.STEPS``): the second one ends recording when no torch optimizer step was
+    seen (a loop with its own update)."""
 
     def __init__(self, emit) -> None:
         self.emit = emit
@@ -162,10 +163,6 @@ class Recorder:
                 opts[k] = v
         self.optimizer = {"class": f"{cls.__module__}:{cls.__qualname__}", "options": opts}
         self._finish()
-
-    # a train.step_hooks listener
-    def wants_landed(self, step: int) -> bool:
-        return False
 
     def step_committed(self, step: int, clients) -> None:
         # AnchoredOptimizer commits a step before it runs torch's step hooks: the optimizer is
