@@ -216,3 +216,54 @@ def test_auto_prewarm_on_gpu_frees_its_memory():
     info = run_auto_prewarm(r, "cuda:0")
     assert "auto_prewarm_s" in info, info
     assert torch.cuda.memory_reserved(0) <= before
+
+
+_COMPILE_PROBE = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+from gpu_anchor.runtime.auto_prewarm import Recorder
+out = {}
+# module.compile last: a recorder traced into a graph leaves its (no-op) hooks installed
+for mode in ("wrapper", "layers", "module"):
+    for recording in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+        opt = torch.optim.AdamW(m.parameters())
+        got = []
+        rec = Recorder(got.append).install() if recording else None
+        if mode == "wrapper":
+            m = torch.compile(m, backend="eager")
+        elif mode == "layers":
+            for layer in m.model.layers:
+                layer.compile(backend="eager")
+        else:
+            m.compile(backend="eager")
+        ids = torch.randint(0, 64, (2, 8))
+        for _ in range(3):
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[f"{mode}/{recording}"] = [counters["stats"]["unique_graphs"], got]
+print(json.dumps(out))
+"""
+
+
+def test_recording_never_makes_torch_compile_recompile():
+    """A global hook seen by a graph torch.compile traced is in that graph's guards: removing it
+    after the first step would recompile the model (seconds to minutes for a real one).  Whatever
+    the way the model is compiled, recording adds no graph; where it cannot see the model, it
+    says why."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mode in ("wrapper", "layers", "module"):
+        plain, recorded = res[f"{mode}/False"], res[f"{mode}/True"]
+        assert recorded[0] == plain[0], (mode, res)
+    assert "recipe" in res["wrapper/True"][1][0] and "recipe" in res["layers/True"][1][0]
+    assert "torch.compile" in res["module/True"][1][0]["skip"]

@@ -99,6 +99,10 @@ class Recorder:
         self.done = False
         self._commits = 0
         self._handles: list = []
+        # a hook ran inside a graph torch.compile traced: that graph's guards now include the
+        # hooks, and removing one would recompile it, so they all stay (no-ops once done)
+        self._traced = False
+        self._watching = False
 
     def install(self) -> "Recorder":
         import torch
@@ -110,11 +114,16 @@ class Recorder:
 
     def remove(self) -> None:
         for h in self._handles:
-            h.remove()
+            if not self._traced:
+                h.remove()
         self._handles = []
 
     def _guard(self, fn, *args) -> None:
         """A hook must never break the job: a failure ends recording with its reason."""
+        import torch
+        if torch.compiler.is_compiling():
+            self._traced = True
+            return
         if self.done:
             return
         try:
@@ -123,18 +132,19 @@ class Recorder:
             self._finish(f"recording failed: {type(e).__name__}: {e}")
 
     def _module_pre(self, module, args) -> None:
-        import torch
-        if torch.compiler.is_compiling():
-            return   # never inside a graph being traced
         model = _transformers_model(module)
-        if model is None:
+        if model is None or self._watching:
             return
-        self._handles[0].remove()      # the first transformers model called is the top-level one
+        self._watching = True
+        if not self._traced:
+            self._handles[0].remove()      # the first transformers model called is the top-level one
         self._handles.append(module.register_forward_hook(lambda m, a, out: self._guard(self._model_post, m, a, out)))
 
     def _model_post(self, module, args, output) -> None:
         import torch
-        self._handles.pop().remove()
+        h = self._handles.pop()
+        if not self._traced:
+            h.remove()
         model = _transformers_model(module)
         cfg = model.config.to_dict()
         vocab = cfg.get("vocab_size")
@@ -177,7 +187,9 @@ class Recorder:
         self.done = True
         self.remove()
         if problem is None and self.model is None:
-            problem = "no transformers model (PreTrainedModel) ran a forward before the first step"
+            problem = ("the model runs inside a torch.compile graph, where the recorder does not look (a "
+                       "--prewarm function can warm it)" if self._traced else
+                       "no transformers model (PreTrainedModel) ran a forward before the first step")
         out = {"skip": problem} if problem else {"recipe": {"model": self.model, "optimizer": self.optimizer}}
         size = len(json.dumps(out, default=str))
         if size > MAX_RECIPE_BYTES:
