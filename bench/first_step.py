@@ -22,6 +22,9 @@ steady step of the real model after a *pre-warm* done beforehand on scratch tens
   kernel module of every library at creation (in a standby, before the fault) instead of each
   at its first launch; it needs no knowledge of the job, so a default standby could do it.
   ``context_bytes`` shows what the context then holds on the device.
+* ``auto``      — ``cublas``, then the automatic pre-warm of ``gpu-anchor run`` without flags
+  (``runtime.auto_prewarm.run_auto_prewarm``) from the recipe its ``Recorder`` took from one
+  real step of the model in another fresh process (what a worker sends its supervisor).
 
 The real model's weights and optimizer state are created before the clock starts (a
 restarted worker maps or loads them first); the clock covers one full step, synchronised.
@@ -34,7 +37,7 @@ import time
 
 from bench.common import default_device, fmt_s, run_isolated, write_result
 
-VARIANTS = ("none", "cublas", "shape", "shape_release", "eager_modules")
+VARIANTS = ("none", "cublas", "shape", "shape_release", "eager_modules", "auto")
 
 
 def _step(model, opt, step, bsz, seq):
@@ -42,18 +45,41 @@ def _step(model, opt, step, bsz, seq):
     return float(train_step(model, opt, step, bsz, seq).detach())  # synchronises
 
 
-def _prewarm(variant, name, device, tiny, bsz, seq) -> float:
+def _prewarm(variant, name, device, tiny, bsz, seq, recipe=None) -> float:
     from bench.baselines.trainer import scratch_step
     t0 = time.perf_counter()
-    if variant in ("cublas", "shape", "shape_release", "eager_modules") and device.startswith("cuda"):
+    if variant in ("cublas", "shape", "shape_release", "eager_modules", "auto") and device.startswith("cuda"):
         from gpu_anchor.runtime.warm import warm_cuda
         warm_cuda(device)
     if variant in ("shape", "shape_release"):
         scratch_step(name, device, tiny, bsz, seq, release=variant == "shape_release")
+    if variant == "auto":
+        from gpu_anchor.runtime.auto_prewarm import run_auto_prewarm
+        info = run_auto_prewarm(recipe, device)
+        if "auto_prewarm_s" not in info:
+            raise RuntimeError(f"the automatic pre-warm did not run: {info}")
     return time.perf_counter() - t0
 
 
-def probe(variant: str, name: str, device: str, tiny: bool, bsz: int, seq: int, steps: int) -> dict:
+def record_recipe(name: str, device: str, tiny: bool, bsz: int, seq: int) -> dict:
+    """In a fresh process: the automatic pre-warm's recipe as ``runtime.auto_prewarm.Recorder``
+    takes it from one real training step of the model."""
+    from gpu_anchor.runtime.auto_prewarm import Recorder
+
+    from bench import models
+    from bench.baselines.trainer import make_optimizer, train_step
+    got = []
+    rec = Recorder(got.append).install()
+    model = models.build(name, device, tiny=tiny, init=False)
+    float(train_step(model, make_optimizer(model, device), 0, bsz, seq).detach())
+    rec.remove()
+    if not got or "recipe" not in got[0]:
+        raise RuntimeError(f"no recipe recorded: {got}")
+    return got[0]["recipe"]
+
+
+def probe(variant: str, name: str, device: str, tiny: bool, bsz: int, seq: int, steps: int,
+          recipe: dict | None = None) -> dict:
     """In a fresh process: CUDA context, pre-warm, the real model + optimizer state, then steps."""
     import torch
     from bench import models
@@ -69,7 +95,7 @@ def probe(variant: str, name: str, device: str, tiny: bool, bsz: int, seq: int, 
         free, total = torch.cuda.mem_get_info()
         context_bytes = total - free    # the context, kernels and the 1-element tensor's block
     cuda_s = time.perf_counter() - t0
-    warm_s = _prewarm(variant, name, device, tiny, bsz, seq)
+    warm_s = _prewarm(variant, name, device, tiny, bsz, seq, recipe)
     model = models.build(name, device, tiny=tiny, init=False)
     opt = make_optimizer(model, device)
     for group in opt.param_groups:  # the optimizer state a restarted worker finds restored
@@ -109,8 +135,10 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown variant(s) {sorted(bad)}; choose from {VARIANTS}")
     rows = []
+    recipe = run_isolated(record_recipe, a.model, device, a.tiny, a.batch, a.seq) if "auto" in variants else None
     for v in variants:
-        trials = [run_isolated(probe, v, a.model, device, a.tiny, a.batch, a.seq, a.steps) for _ in range(a.repeat)]
+        trials = [run_isolated(probe, v, a.model, device, a.tiny, a.batch, a.seq, a.steps, recipe)
+                  for _ in range(a.repeat)]
         row = {"variant": v, "trials": trials,
                **{k: statistics.median(t[k] for t in trials)
                   for k in ("cuda_init_s", "prewarm_s", "first_step_s", "steady_step_s")}}
@@ -137,7 +165,8 @@ def render(result: dict) -> str:
     label = {"none": "none (CUDA context only)", "cublas": "cuBLAS + a bf16 matmul",
              "shape": "one step of a 1-layer model of the same shapes",
              "shape_release": "same, then `empty_cache()` (kernels warm, allocator cold)",
-             "eager_modules": "`CUDA_MODULE_LOADING=EAGER` + cuBLAS (every kernel module loaded at context creation)"}
+             "eager_modules": "`CUDA_MODULE_LOADING=EAGER` + cuBLAS (every kernel module loaded at context creation)",
+             "auto": "the automatic pre-warm (`gpu-anchor run` without flags), from the recorded recipe"}
     for r in rows:
         extra = r["first_step_s"] - r["steady_step_s"]
         lines.append(f"| {label.get(r['variant'], r['variant'])} | {fmt_s(r['prewarm_s'])} | "

@@ -141,9 +141,10 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
 
 
 SUPERVISED = {  # variant -> (method name in the result, extra `gpu-anchor run` options, the baselines' mode)
-    "default": ("gpu_anchor_run_default", [], None),   # no recovery flags: what a new user gets
+    "default": ("gpu_anchor_run_default", [], None),   # no recovery flags: what a new user gets (GPU: a standby
+                                                       # that replays the first step's recipe, runtime.auto_prewarm)
     "fork": ("gpu_anchor_run", ["--no-warm-pool"], "warm"),
-    "warm_pool": ("gpu_anchor_run_warm_pool", ["--warm-pool"], "standby"),
+    "warm_pool": ("gpu_anchor_run_warm_pool", ["--warm-pool", "--no-auto-prewarm"], "standby"),
     "prewarm": ("gpu_anchor_run_prewarm", ["--prewarm", "bench.baselines.trainer:prewarm"], "prewarm"),
 }
 
@@ -198,8 +199,9 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
             restored = log.wait(lambda e: e["ev"] == "restored" and e["pid"] == pid, alive)["step"]
             done = log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["step"] >= restored + ckpt_every + 1,
                             alive)["step"]
+            sb = None
             if standbys:  # the fault must find a ready standby, as in a job that ran a while
-                _wait_standby_ready(sockets, ns, workers, alive)
+                sb = _wait_standby_ready(sockets, ns, workers, alive)
             log.poll()
             done = max(e["step"] for e in log.events if e["ev"] == "step" and e["pid"] == pid)
             t_kill = time.time()
@@ -211,6 +213,9 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
             ph["killed_after_step"] = done
             ph["lost_steps"] = max(0, done - ph["restored_step"])
             ph["how"] = _last_restart_how(sockets, ns)
+            for k in AUTO_PREWARM_KEYS:   # what the standby's automatic pre-warm did, or why it did not
+                if sb and k in sb:
+                    ph["standby_" + k] = sb[k]
             trials.append(ph)
             print(f"{model} gpu-anchor run ({variant}, {ph['how']}): total {ph['total_s']:.3f}s = start-up "
                   f"{ph['startup_s']:.3f} + restore {ph['restore_s']:.3f} + first step {ph['first_step_s']:.3f}",
@@ -242,13 +247,19 @@ def _job(socket_dir: str, namespace: str) -> dict:
         return {}
 
 
+AUTO_PREWARM_KEYS = ("auto_prewarm_s", "auto_prewarm_skipped", "auto_prewarm_failed")
+
+
 def _wait_standby_ready(socket_dir: str, namespace: str, workers: set, alive, timeout: float = 900) -> dict:
     """The supervisor's job record once it names a ready standby for rank 0 that has not been a
-    worker yet (the fork server reports each standby when its preparation is done)."""
+    worker yet (the fork server reports each standby when its preparation is done); once the
+    record holds rank 0's automatic pre-warm recipe, one that replayed it (or said why not)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sb = (_job(socket_dir, namespace).get("standbys") or {}).get("0")
-        if sb and sb.get("pid") not in workers:
+        job = _job(socket_dir, namespace)
+        sb = (job.get("standbys") or {}).get("0")
+        recipe = "recipe" in ((job.get("warm_recipes") or {}).get("0") or {})
+        if sb and sb.get("pid") not in workers and (not recipe or any(k in sb for k in AUTO_PREWARM_KEYS)):
             if sb.get("failed"):
                 raise RuntimeError(f"the supervisor's standby failed to prepare: {sb['failed']}")
             return sb
@@ -360,7 +371,7 @@ LABELS = {"torch_save": "torch.save", "checkfreq": "CheckFreq", "inmemory": "in-
           "dcp_async": "DCP async_save", "gpu_anchor": "gpu-anchor",
           "gpu_anchor_run_default": "gpu-anchor under `gpu-anchor run` (no recovery flags)",
           "gpu_anchor_run": "gpu-anchor under `gpu-anchor run --no-warm-pool`",
-          "gpu_anchor_run_warm_pool": "gpu-anchor under `gpu-anchor run --warm-pool`",
+          "gpu_anchor_run_warm_pool": "gpu-anchor under `gpu-anchor run --warm-pool --no-auto-prewarm`",
           "gpu_anchor_run_prewarm": "gpu-anchor under `gpu-anchor run --prewarm`"}
 
 

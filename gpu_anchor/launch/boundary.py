@@ -20,6 +20,9 @@ class SupervisedSteps:
     def __init__(self, settings: CheckpointSettings | None = None) -> None:
         self.settings = settings
         self._first_marked = False
+        # told of each committed step first, from AnchoredOptimizer and step_boundary alike (the
+        # automatic pre-warm's recorder, ``runtime.auto_prewarm.Recorder``, installed by the worker)
+        self.watchers: list = []
 
     def _settings(self) -> CheckpointSettings:
         # what the supervisor gave this worker (a few dict lookups: read at each step, so a
@@ -31,6 +34,8 @@ class SupervisedSteps:
 
     def step_committed(self, step: int, clients) -> bool:
         """True if a checkpoint was started at this step."""
+        for w in self.watchers:
+            w.step_committed(step, clients)
         if not self._first_marked:
             self._first_marked = True
             mark("first_step", step=step)

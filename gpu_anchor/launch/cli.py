@@ -45,6 +45,11 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                    help="each standby calls FUNCTION(device) after its CUDA init, on scratch tensors only, e.g. "
                         "one step of a 1-layer copy of the model, so the first step after a failure finds its "
                         "kernels loaded (implies --warm-pool)")
+    r.add_argument("--no-auto-prewarm", dest="auto_prewarm", action="store_false",
+                   help="standbys do not replay what the job trains (default: after the first step, each "
+                        "standby runs one step of a 1-layer copy of the job's transformers model with its batch "
+                        "shape and optimizer, on scratch tensors, when the device has the memory; --prewarm "
+                        "replaces it)")
     r.add_argument("--preload", default=",".join(DEFAULT_PRELOAD),
                    help="comma-separated modules the warm-worker server imports (e.g. torch,transformers,mymodel)")
     r.add_argument("--keep-daemons", action="store_true", help="leave daemons and anchored state after success")
@@ -89,7 +94,8 @@ def cmd_run(args) -> int:
             command=command, nproc=args.nproc, namespace=args.namespace, device_type=args.device_type,
             keep_daemons=args.keep_daemons, resume=args.resume, quiet=args.quiet,
             restart=RestartPolicy(args.max_restarts, args.backoff, args.crash_loop, args.hang_timeout),
-            warm=WarmStart(enabled=args.warm, prewarm=args.prewarm, preload=[m for m in args.preload.split(",") if m],
+            warm=WarmStart(enabled=args.warm, prewarm=args.prewarm, auto_prewarm=args.auto_prewarm,
+                           preload=[m for m in args.preload.split(",") if m],
                            **({"standby": args.warm_pool} if args.warm_pool is not None else {})),
             checkpoint=CheckpointSettings(args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep,
                                           args.checkpoint_mode, args.restore_mode),

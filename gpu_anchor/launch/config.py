@@ -46,6 +46,9 @@ class WarmStart:
     standby: bool | None = field(default_factory=_standby_from_env)
     # module:function each standby runs on scratch tensors before any failure (runtime.warm.run_prewarm)
     prewarm: str | None = None
+    # without ``prewarm``: each standby replays one step of a 1-layer copy of the job's model, as
+    # recorded by the worker's first step (runtime.auto_prewarm; transformers models)
+    auto_prewarm: bool = True
     preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
 
 

@@ -115,6 +115,19 @@ def _alive(pid) -> bool:
         return True
 
 
+def prewarm_text(sb: dict) -> str:
+    """What a standby's pre-warm did, from its report (empty when it ran none)."""
+    if sb.get("prewarm_s") is not None:
+        return f" (pre-warmed in {sb['prewarm_s']:.2f} s)"
+    if sb.get("auto_prewarm_s") is not None:
+        return f" (automatically pre-warmed in {sb['auto_prewarm_s']:.2f} s)"
+    if sb.get("auto_prewarm_skipped"):
+        return f" (automatic pre-warm skipped: {sb['auto_prewarm_skipped']})"
+    if sb.get("auto_prewarm_failed"):
+        return f" (automatic pre-warm failed: {sb['auto_prewarm_failed']}; a plain warm standby)"
+    return ""
+
+
 def format_jobs(jobs: list[dict]) -> str:
     """Human-readable lines for ``gpu-anchor status``."""
     lines = []
@@ -135,13 +148,20 @@ def format_jobs(jobs: list[dict]) -> str:
             who = (f"engine rank {r}" if group else "engine") if serving else f"rank {r}"
             lines.append(f"  {who}: pid {info.get('pid')}, {info.get('how', '')}")
         for r, sb in sorted((job.get("standbys") or {}).items(), key=lambda kv: int(kv[0])):
-            what = f"failed to prepare: {sb['failed']}" if sb.get("failed") else "ready" + (
-                f" (pre-warmed in {sb['prewarm_s']:.2f} s)" if sb.get("prewarm_s") is not None else "")
+            what = f"failed to prepare: {sb['failed']}" if sb.get("failed") else "ready" + prewarm_text(sb)
             if sb.get("hot"):
                 what += f", hot: attached to the engine's state in {sb.get('attach_s', 0.0):.2f} s"
             elif sb.get("not_attachable"):
                 what += f", warm only (could not attach: {sb['not_attachable']})"
             lines.append(f"  standby for rank {r}: pid {sb.get('pid')}, {what}")
+        for r, w in sorted((job.get("warm_recipes") or {}).items(), key=lambda kv: int(kv[0])):
+            if w.get("skip"):
+                lines.append(f"  automatic pre-warm for rank {r}: off ({w['skip']})")
+            else:
+                m = w["recipe"]["model"]
+                lines.append(f"  automatic pre-warm for rank {r}: {m['class'].rpartition(':')[2]}, 1 of "
+                             f"{m['config'].get('num_hidden_layers')} layers, batch {'x'.join(map(str, m['batch']))}, "
+                             f"{m['dtype']}")
         for i, rs in enumerate(job["restarts"], 1):
             rec = rs.get("recovery_s")
             rec_s = f"{rec:.3f} s to first step" if rec is not None else "recovery not yet measured"

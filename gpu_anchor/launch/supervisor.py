@@ -30,6 +30,7 @@ from gpu_anchor.paths import socket_dir
 
 from gpu_anchor.checkpoint import format as ckpt_format
 from gpu_anchor.checkpoint.settings import RESTORE_ENV
+from gpu_anchor.runtime.auto_prewarm import RECIPE_ENV
 
 from . import classify, daemons as daemons_mod, events, health, jobstate
 from .chaos import Chaos
@@ -61,6 +62,7 @@ class Supervisor:
         self.chaos = Chaos(cfg.chaos.kills, cfg.chaos.every, cfg.chaos.seed, cfg.chaos.target)
         self.crash = classify.CrashLoop(cfg.restart.crash_loop)
         self.zygote = None
+        self.auto_prewarm = False             # standbys replay the recipe the workers record
         self.workers: dict[int, _Worker] = {}
         self.gen = 0
         self.restarts = 0
@@ -165,6 +167,9 @@ class Supervisor:
                     "GPU_ANCHOR_RESTART_COUNT": str(self.gen), events.ENV: self.events.path})
         env.pop("GPU_ANCHOR_SOCKET", None)
         env.pop(RESTORE_ENV, None)
+        env.pop(RECIPE_ENV, None)
+        if self.auto_prewarm:
+            env[RECIPE_ENV] = "1"
         restore = None
         if self.pending_restore is not None:
             restore = f"{os.path.abspath(self.cfg.checkpoint.directory)}:{self.pending_restore}"
@@ -221,9 +226,12 @@ class Supervisor:
             standby = resolve_standby(w, self.devices)
             self.zygote = start_server(self.py[0], w.preload, self.log, standby=self.cfg.nproc if standby else 0,
                                        prewarm=w.prewarm)
+            self.auto_prewarm = self.zygote is not None and standby and w.auto_prewarm and not w.prewarm
             if self.zygote is not None and standby:
                 self.log("a standby worker per rank takes over after a failure (its CUDA context made"
-                         + (f", {w.prewarm} run" if w.prewarm else "") + ")"
+                         + (f", {w.prewarm} run" if w.prewarm else "")
+                         + ("; once the first step is done, also one step of a 1-layer copy of the model: the "
+                            "automatic pre-warm, --no-auto-prewarm for none" if self.auto_prewarm else "") + ")"
                          + ("; the default for GPU jobs: each holds a CUDA context on its GPU, --no-warm-pool "
                             "for none" if w.standby is None and not w.prewarm else ""))
 
@@ -254,16 +262,16 @@ class Supervisor:
         """The fork server says a rank's standby finished preparing: record it (``gpu-anchor status``
         shows it; benchmarks wait for it before the next kill)."""
         info = m.get("info") or {}
-        rec = {"pid": m.get("pid"), "t": m.get("t"), **{k: info[k] for k in ("cuda_init_s", "prewarm_s", "prepare_s",
-                                                                             "failed") if k in info}}
+        rec = {"pid": m.get("pid"), "t": m.get("t"), **{k: info[k] for k in (
+            "cuda_init_s", "prewarm_s", "prepare_s", "failed", "auto_prewarm_s", "auto_prewarm_skipped",
+            "auto_prewarm_failed", "auto_prewarm_peak_estimate", "auto_prewarm_note") if k in info}}
         self.state.data.setdefault("standbys", {})[str(m["rank"])] = rec
         self.state.save()
         if "failed" in info:
             self.log(f"standby for rank {m['rank']} failed to prepare ({info['failed']}); that rank forks on restart")
         else:
-            pre = f", pre-warm {info['prewarm_s']:.2f} s" if "prewarm_s" in info else ""
             self.log(f"standby for rank {m['rank']} ready (pid {m.get('pid')}, prepared in "
-                     f"{info.get('prepare_s', 0):.2f} s{pre})")
+                     f"{info.get('prepare_s', 0):.2f} s){jobstate.prewarm_text(info)}")
 
     def _kill_group(self, sig=signal.SIGKILL, grace: float = 10.0) -> None:
         for w in self.workers.values():
@@ -373,6 +381,9 @@ class Supervisor:
                 self.restored_ranks.add(ev["rank"])
                 if self.restored_ranks >= set(range(self.cfg.nproc)):
                     self.pending_restore = None
+            if ev["event"] == "warm_recipe":
+                self._warm_recipe(ev)
+                continue
             if ev["event"] == "first_step":
                 self.chaos.arm()
                 self._gen_stepped = True
@@ -391,6 +402,31 @@ class Supervisor:
                          f"{self.current['recovery_s']:.3f} s after the failure ({self.current.get('how')})")
                 self.current = None
             self.state.save()
+
+    def _warm_recipe(self, ev: dict) -> None:
+        """A worker recorded what its first step trained (or why it could not): kept in the job
+        record and, when new, handed to the fork server, whose standby for that rank is made
+        again to replay it (``runtime.auto_prewarm``)."""
+        rank, recipe = str(ev["rank"]), ev.get("recipe")
+        known = self.state.data.setdefault("warm_recipes", {})
+        entry = {"recipe": recipe} if recipe is not None else {"skip": ev.get("skip", "no recipe")}
+        if known.get(rank) == entry:
+            return
+        known[rank] = entry
+        if recipe is None:
+            self.log(f"automatic pre-warm off for rank {rank}: {entry['skip']}; its standby stays a plain warm one")
+        elif self.zygote is not None:
+            m = recipe["model"]
+            self.log(f"rank {rank} trains {m['class'].rpartition(':')[2]} ({m['config'].get('num_hidden_layers')} "
+                     f"layers, {m['dtype']}, batch {'x'.join(map(str, m['batch']))}"
+                     f"{', ' + recipe['optimizer']['class'].rpartition(':')[2] if recipe.get('optimizer') else ''}): "
+                     "its standby is made again to pre-warm one step of a 1-layer copy")
+            self.state.data.get("standbys", {}).pop(rank, None)   # that standby is being replaced
+            try:
+                self.zygote.recipe(int(rank), recipe)
+            except RuntimeError as e:
+                self.log(f"could not pass the recipe to the warm-worker server ({e})")
+        self.state.save()
 
     def _wait_io(self, timeout: float | None = None) -> None:
         sel = selectors.DefaultSelector()

@@ -4,7 +4,8 @@ Shared by the warm path (a child forked from the zygote) and the cold path
 (``python -m gpu_anchor.launch.worker TARGET...``):
 
 0. subscribe the supervisor to the training protocol's "step committed" event
-   (``subscribe``: checkpoints, recovery timing);
+   (``subscribe``: checkpoints, recovery timing) and, if asked, record what the job trains
+   for the standbys' automatic pre-warm;
 1. if the supervisor asked for a restore (``GPU_ANCHOR_RESTORE=DIR:STEP``), fill this
    rank's daemons from that checkpoint step — the user's code then binds
    exactly as after a shallow failure (``GPU_ANCHOR_RESTORE_MODE=on_demand``: the
@@ -27,10 +28,15 @@ from . import events
 
 
 def subscribe() -> None:
-    """The supervisor listens to this worker's committed steps (``boundary.SupervisedSteps``)."""
+    """The supervisor listens to this worker's committed steps (``boundary.SupervisedSteps``)
+    and, when it asked (``GPU_ANCHOR_WARM_RECIPE=1``), to what the first step trained: the
+    automatic pre-warm's recipe (``runtime.auto_prewarm.Recorder``), sent as a ``warm_recipe`` mark."""
     from gpu_anchor.train import step_hooks
     from .boundary import STEPS
     step_hooks.subscribe(STEPS)
+    from gpu_anchor.runtime.auto_prewarm import RECIPE_ENV, Recorder
+    if os.environ.get(RECIPE_ENV) == "1" and not STEPS.watchers:
+        STEPS.watchers.append(Recorder(lambda out: events.mark("warm_recipe", **out)).install())
 
 
 def restore_if_asked() -> None:

@@ -16,6 +16,9 @@ context made, optionally a pre-warm function run, then waiting):
   time one is ready the zygote says ``{"op": "standby_ready", "rank", "pid", "info"}``
   (``info``: what its preparation reported, or ``failed``), which the supervisor records
   in the job record.
+- ``{"op": "recipe", "rank", "recipe"}``: that rank's pool standbys run the automatic pre-warm
+  of ``recipe`` (what the job's first step trained, recorded in the worker); an unused standby
+  made before it is dismissed and made again.
 - A client may also ask for one explicitly (the benchmarks give every method the same
   standby this way): ``{"op": "standby", "id", "device", "prewarm", "env"}`` →
   ``{"op": "standby_ready", "id", "pid", "info"}``; then ``{"op": "go", "id", "target", "env",
@@ -70,11 +73,11 @@ STANDBY_AFTER_S = 2.0
 
 
 def _make_standby(sock: socket.socket, device: str | None, prewarm: str | None, env: dict | None,
-                  rank: int | None = None) -> runtime.Standby:
+                  rank: int | None = None, recipe: dict | None = None) -> runtime.Standby:
     """The one way this server makes a standby (the per-rank pool and explicit requests alike):
     made in a new process group, like a forked worker (the supervisor kills groups)."""
-    sb = runtime.Standby(lambda: _prepare(device, prewarm, env, rank), lambda req: _run_request(req, "standby"),
-                         new_process_group=True, sigint_raises=True, before_main=sock.close)
+    sb = runtime.Standby(lambda: _prepare(device, prewarm, env, rank, recipe),
+                         lambda req: _run_request(req, "standby"), new_process_group=True, sigint_raises=True, before_main=sock.close)
     sb.visible = (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
     return sb
 
@@ -83,18 +86,33 @@ class _Pool:
     """``--standby N``: one warm standby per local rank, its CUDA context created for
     ``cuda:<rank>``; a spawn for that rank is handed to it instead of a fork.  A standby is
     (re)made ``STANDBY_AFTER_S`` after the server starts or after its slot was used, so its
-    CUDA init does not compete with a starting worker."""
+    CUDA init does not compete with a starting worker.
+
+    Automatic pre-warm: once the supervisor passes a rank's recipe (``set_recipe``: what the
+    job's first step trained), that rank's standbys replay it (``runtime.auto_prewarm``); an
+    unused standby made before the recipe is dismissed and made again at once."""
 
     def __init__(self, n: int, sock: socket.socket) -> None:
         self.n, self.sock, self.sb = n, sock, {}
         self.due = {r: time.monotonic() + STANDBY_AFTER_S for r in range(n)}
+        self.recipes: dict[int, dict] = {}
+
+    def set_recipe(self, rank: int, recipe: dict) -> None:
+        if self.recipes.get(rank) == recipe or not 0 <= rank < self.n:
+            return
+        self.recipes[rank] = recipe
+        sb = self.sb.pop(rank, None)
+        if sb is not None:          # made without it: re-prepare now
+            sb.close()
+            self.due[rank] = time.monotonic()
 
     def refill(self) -> list[tuple[int, runtime.Standby]]:
         """Make the standbys that are due; returns the new ones (rank, standby)."""
         now, made = time.monotonic(), []
         for r in range(self.n):
             if r not in self.sb and now >= self.due[r]:
-                self.sb[r] = _make_standby(self.sock, None, os.environ.get(PREWARM_ENV), None, rank=r)
+                self.sb[r] = _make_standby(self.sock, None, os.environ.get(PREWARM_ENV), None, rank=r,
+                                           recipe=self.recipes.get(r))
                 made.append((r, self.sb[r]))
         return made
 
@@ -124,10 +142,11 @@ def _hand_over(sb: runtime.Standby, req: dict, timeout: float) -> int | None:
     return None
 
 
-def _prepare(device: str | None, prewarm: str | None, env: dict | None, rank: int | None) -> dict:
+def _prepare(device: str | None, prewarm: str | None, env: dict | None, rank: int | None,
+             recipe: dict | None = None) -> dict:
     """A standby's preparation: the environment it will run in (if given), the CUDA context of
-    its device (``cuda:<rank>`` for the pool), and the pre-warm function if one is named.  It
-    touches no anchored state."""
+    its device (``cuda:<rank>`` for the pool), and the pre-warm function if one is named, else
+    the automatic pre-warm when the job's recipe is known.  It touches no anchored state."""
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
@@ -140,6 +159,9 @@ def _prepare(device: str | None, prewarm: str | None, env: dict | None, rank: in
         info = warm_cuda(device)
     if prewarm:  # a failure here fails the standby: the caller forks as usual, the log has the traceback
         info.update(run_prewarm(prewarm, device))
+    elif recipe is not None:  # never raises: a skip or failure is reported, the standby stays warm
+        from gpu_anchor.runtime.auto_prewarm import run_auto_prewarm
+        info.update(run_auto_prewarm(recipe, device))
     return info
 
 
@@ -198,7 +220,10 @@ def serve(fd: int, preload: list[str], standby: int = 0) -> None:
                 for sb in list(asked.values()) + (list(pool.sb.values()) if pool is not None else []):
                     sb.close()
                 return
-            if op == "spawn":
+            if op == "recipe":
+                if pool is not None:
+                    pool.set_recipe(int(req["rank"]), req["recipe"])
+            elif op == "spawn":
                 pid = pool.take(req) if pool is not None else None
                 if pid is None:
                     pid = _fork_worker(sock, req)
@@ -349,6 +374,11 @@ class Zygote:
 
     def dismiss(self, sid: int) -> None:
         self._send({"op": "dismiss", "id": sid})
+
+    def recipe(self, rank: int, recipe: dict) -> None:
+        """Rank ``rank``'s standbys replay ``recipe`` from now on (``runtime.auto_prewarm``); one
+        made before it is made again."""
+        self._send({"op": "recipe", "rank": rank, "recipe": recipe})
 
     def pool_ready(self) -> list[dict]:
         """The per-rank pool's ``standby_ready`` reports received so far (non-blocking, each once)."""

@@ -329,6 +329,7 @@ class AnchoredOptimizer(StateDictMixin):
             if device:
                 self._dev.publish(new.step, 0, save=plan is None)
             self._run_from(0, mask, counts, hps, carry, plan)
+        step_hooks.optimizer_stepped(self.optimizer)   # torch's step post-hooks, as inner.step() runs them
 
     def flush(self) -> None:
         """Land the last step's journal commit now (waits for the device to finish it).

@@ -41,3 +41,15 @@ def wants_landed(step: int) -> bool:
 def step_committed(step: int, *clients) -> None:
     for li in list(_listeners):
         li.step_committed(step, clients)
+
+
+def optimizer_stepped(optimizer) -> None:
+    """Run torch's optimizer-step post-hooks for ``optimizer`` (its own, then the global ones
+    of ``torch.optim.optimizer.register_optimizer_step_post_hook``), as its ``step()`` would:
+    ``AnchoredOptimizer`` applies the inner optimizer's update itself, and tools that watch
+    steps through torch's hooks (the supervisor's automatic pre-warm among them) must see it.
+    Pre-hooks are not run: they may rewrite ``step``'s arguments, which this step has none of."""
+    from torch.optim import optimizer as torch_optimizer
+    for hook in (*getattr(optimizer, "_optimizer_step_post_hooks", {}).values(),
+                 *torch_optimizer._global_optimizer_post_hooks.values()):
+        hook(optimizer, (), {})
