@@ -94,7 +94,8 @@ def render(r: dict) -> str:
     b = r.get("recovery_anchored", {}).get("engine_breakdown_s")
     if b:
         out += ["", "Restarted engine, gpu-anchor (seconds): " + ", ".join(
-            f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}" for k, v in b.items()) + ".",
+            f"{k.removesuffix('_s').replace('_', ' ')} {v:.3f}" for k, v in b.items()
+            if isinstance(v, (int, float)) and not k.endswith("_at")) + ".",     # not wall stamps, not phase dicts
                 "",
                 "Read with care: the first token a stream receives after the kill can be one the dead engine "
                 "had committed but not yet sent (the new engine re-sends committed tokens at hello, after "

@@ -83,6 +83,17 @@ def await_gone(device: str, socket_path: str | None, pid: int, timeout: float = 
         ch.close()
 
 
+def drain(device: str, socket_path: str | None, pid: int, timeout: float = 30.0) -> int:
+    """Make the daemon handle now every whole frame process ``pid`` sent; call it only once no
+    thread of ``pid`` that could send runs any more (``runtime.liveness.Liveness.writers_gone``).
+    Returns the bytes of a torn last frame (never handled).  Raises ``DaemonUnavailable``."""
+    ch = Channel(device, socket_path, timeout=timeout)
+    try:
+        return int(ch.request({"op": "drain", "pid": int(pid)})[0].get("torn", 0))
+    finally:
+        ch.close()
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
     try:

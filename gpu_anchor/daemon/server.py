@@ -10,6 +10,7 @@ State machine of a connection::
     SERVING --peer closed / died--> CLOSED   (frees nothing: anchored state outlives sessions)
     SERVING --await_gone(pid) while pid has connections--> WAITING (no reply yet)
     WAITING --pid's last connection CLOSED--> reply, SERVING
+    SERVING --drain(pid)--> every whole frame pid's connections hold is handled now, reply, SERVING
 
 The daemon trusts nothing a client sends: every field is validated before use,
 descriptors sent by clients are closed unread, and a handler that raises turns
@@ -295,8 +296,10 @@ class Daemon:
             return
         op = req.get("op")
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
-        if op == "await_gone":        # the one op that needs its connection: its reply may wait
+        if op == "await_gone":        # the ops that need their connection: this reply may wait
             handler = lambda req, blob: self._await_gone(conn, req)    # noqa: E731
+        elif op == "drain":
+            handler = lambda req, blob: self._drain(conn, req)    # noqa: E731
         if handler is None:
             self._reply_error(conn, "bad_request", f"unknown op {op!r:.60}")
             return
@@ -422,15 +425,57 @@ class Daemon:
         connection closes only at its end of file).  A successor that takes over from a dead
         process calls this before it reads the journal, so no commit of the dead one can land
         after that read."""
-        pid = req.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-            raise BadRequest("pid must be a positive integer")
-        if pid == conn.pid:
-            raise BadRequest("a process cannot await its own departure")
+        pid = self._peer_pid(conn, req)
         if not any(c.pid == pid for c in self._conns.values()):
             return {"pid": pid}, b"", []
         self._gone_waiters.setdefault(pid, []).append(conn)
         return None, b"", []
+
+    def _peer_pid(self, conn: _Conn, req: dict) -> int:
+        pid = req.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise BadRequest("pid must be a positive integer")
+        if pid == conn.pid:
+            raise BadRequest("a process cannot wait for its own departure")
+        return pid
+
+    def _drain(self, conn: _Conn, req: dict):
+        """Handle now every whole frame process ``pid`` has sent.  The caller knows that no
+        thread of ``pid`` that could send runs any more (``runtime.liveness``): all it sent is
+        in its connections' queues, so after this a journal read sees its last commit if that
+        commit reached the daemon whole; a torn last frame stays unhandled (and is dropped at
+        the connection's end).  Its replies are dropped (nobody reads them).  Replies ``pid``
+        and ``torn``: the bytes of such a frame."""
+        pid = self._peer_pid(conn, req)
+        torn = 0
+        for c in [c for c in self._conns.values() if c.pid == pid]:
+            while c.sock.fileno() >= 0:
+                try:
+                    data, anc, _, _ = c.sock.recvmsg(1 << 20, socket.CMSG_SPACE(protocol.MAX_FDS_PER_FRAME * 4))
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    break
+                protocol.close_fds(protocol.fds_from_ancillary(anc))
+                if not data:
+                    break
+                c.inbuf += data
+            while c.sock.fileno() >= 0:      # every whole frame, however many replies pile up
+                self._drop_replies(c)
+                left = len(c.inbuf)
+                self._on_buffered(c)
+                if len(c.inbuf) == left:
+                    break
+            self._drop_replies(c)
+            torn += len(c.inbuf)
+        return {"pid": pid, "torn": torn}, b"", []
+
+    @staticmethod
+    def _drop_replies(conn: _Conn) -> None:
+        for _, fds in conn.outq:
+            protocol.close_fds(fds)
+        conn.outq.clear()
+        conn.outbytes = 0
 
     def _op_shutdown(self, req, blob):
         return {}, b"", []

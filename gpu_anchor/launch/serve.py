@@ -186,6 +186,11 @@ class _EngineSupervisor(StandbyKeeper):
         # the exit's classification needs of them once their pidfd says they exited
         self.dying: dict[int, dict] = {}
         self.last_engine: int | None = None    # the pid of the engine before the current one
+        # the writers' robust mutexes (runtime/liveness.py): pid -> its slot, the engines a
+        # watcher process waits on, and the pipe each watcher writes a dead engine's pid into
+        self.writer_slots: dict[int, int] = {}
+        self.watchers: dict[int, int] = {}     # engine pid -> its watcher's pid
+        self.writers_r, self.writers_w = os.pipe()
 
     def run(self) -> int:
         def on_signal(signum, frame):
@@ -206,12 +211,13 @@ class _EngineSupervisor(StandbyKeeper):
             if self.args.warm_pool and self.standby is None and self._standby_due():
                 self._make_standby()
             self._note_standby()
+            self._watch_writers()
             # pidfds (a death is seen when it happens) and the engine's lifeline (its start)
             r = self._wait(0.25)
             if r is not None:
                 kind, pid, status = r
                 if kind == "lifeline":
-                    self._on_lifeline(pid)
+                    self._on_lifeline(pid, status)
                 elif pid in self.dying:
                     self._on_exit(pid, status, early=self.dying.pop(pid))
                 else:
@@ -279,11 +285,14 @@ class _EngineSupervisor(StandbyKeeper):
                     self.engines[c.rank] = runtime.fork(main)
                     continue
                 life_r, life_w = os.pipe()
+                slot = self._arm_writers()
                 try:
                     self.engines[c.rank] = runtime.fork(main, before_main=lambda: os.close(life_r))
                 finally:
                     os.close(life_w)
                 self.lifelines[self.engines[c.rank]] = life_r
+                if slot is not None:
+                    self.writer_slots[self.engines[c.rank]] = slot
         self.incarnation += 1
         self.state.set(generation=self.incarnation - 1, state="running", device=cfg.device)
         self.state.set_ranks({r: {"pid": pid, "how": how, "device": self.ranks[r].device}
@@ -385,6 +394,7 @@ class _EngineSupervisor(StandbyKeeper):
         log.warning("decision: %s — %s", d.action.upper(), reason)
         self.state.add_restart({"action": d.action, "kind": d.kind, "reason": reason, "step": None,
                                 "chaos": False, "t_detect": early["t_eof"] if early else time.time(),
+                                **({"detected_by": early["by"]} if early else {}),
                                 "t_exit": time.time(), "generation": self.incarnation, "marks": {},
                                 "recovery_s": None, "rank": ex.rank, **({"early": True} if early else {})})
         if early is not None:

@@ -94,16 +94,49 @@ class StandbyKeeper:
             except OSError:
                 pass
 
-    def _go(self, sb, predecessor: int | None) -> int:
+    def _go(self, sb, predecessor: int | None, writers_gone: bool = False) -> int:
         """The standby becomes the engine (``predecessor``: the engine it replaces, which it
-        waits to be quiet — step fence, daemon — before it reads the state); returns its pid."""
+        waits to be quiet — step fence, daemon — before it reads the state; ``writers_gone``:
+        that engine's writer threads are known dead, so the daemon can ``drain`` what it sent
+        rather than wait for its connections to close); returns its pid."""
         cfg = self.cfg
+        slot = self._arm_writers()
         pid = sb.go({"started": self.started, "device": cfg.device, "socket": cfg.socket, "fault": cfg.fault,
-                     "predecessor": predecessor})
+                     "predecessor": predecessor, "writers_gone": writers_gone})
+        if slot is not None:
+            self.writer_slots[pid] = slot
         if self.standby_lifeline is not None:
             self.lifelines[pid] = self.standby_lifeline
             self.standby_lifeline = None
         return pid
+
+    # ------------------------------------------------------------ the writers' robust mutexes
+    def _arm_writers(self) -> int | None:
+        """A fresh slot of the writers' mutexes for the engine about to start (single rank)."""
+        w = self.fence.writers
+        return w.arm() if w is not None and len(self.ranks) == 1 else None
+
+    def _watch_writers(self) -> None:
+        """Once the engine is ready (its writers hold their mutexes), a watcher process waits on
+        them and writes the engine's pid into ``writers_w`` when every one of them died — a
+        process, not a thread: this one forks, and forks only while it runs alone."""
+        for pid, wpid in list(self.watchers.items()):       # reap the watchers that are done
+            if wpid and os.waitpid(wpid, os.WNOHANG)[0]:
+                self.watchers[pid] = 0
+        pid = self.engines.get(0)
+        slot = self.writer_slots.get(pid)
+        if slot is None or pid in self.watchers or self.progress.reached(pid) < 1:
+            return
+        writers, fd = self.fence.writers, self.writers_w
+
+        def watch():
+            if writers.writers_gone(slot):
+                os.write(fd, pid.to_bytes(4, "little"))
+        self.watchers[pid] = runtime.fork(watch)
+
+    def _writers_dead(self) -> list[int]:
+        data = os.read(self.writers_r, 4096)
+        return [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data) - 3, 4)]
 
     def _wait(self, timeout: float):
         """The next event: ``("exit", pid, status)`` of an engine (or of a dying one whose
@@ -122,7 +155,7 @@ class StandbyKeeper:
         try:
             for p in pids:
                 pidfds.append(os.pidfd_open(p))
-            ready = select.select([life, *pidfds], [], [], timeout)[0]
+            ready = select.select([life, self.writers_r, *pidfds], [], [], timeout)[0]
         finally:
             for fd in pidfds:
                 os.close(fd)
@@ -130,6 +163,8 @@ class StandbyKeeper:
             r = os.waitpid(p, os.WNOHANG)
             if r[0] != 0:
                 return ("exit", *r)
+        if self.writers_r in ready and self.engines[0] in self._writers_dead():
+            return ("lifeline", self.engines[0], "writers")
         if life in ready:
             return ("lifeline", self.engines[0], None)
         return None
@@ -155,32 +190,36 @@ class StandbyKeeper:
             return "the frontend exited"
         return ""
 
-    def _on_lifeline(self, pid: int) -> None:
-        """The engine's process is dying (its descriptors closed).  With a hot standby attached
-        and nothing that could make this more than a restart in place, the standby takes over
-        now; the exit is classified when it comes, and a decision other than a restart then
-        undoes the take-over (``_on_exit``)."""
+    def _on_lifeline(self, pid: int, how: str | None = None) -> None:
+        """The engine's process is dying: its writer threads are gone (``how == "writers"``, the
+        earliest sign) or its descriptors closed.  With a hot standby attached and nothing that
+        could make this more than a restart in place, the standby takes over now; the exit is
+        classified when it comes, and a decision other than a restart then undoes the take-over
+        (``_on_exit``)."""
         self._close_fd(self.lifelines.pop(pid, None))
+        by = how or "lifeline"
         why = self._early_ok(pid)
         if why:
-            log.info("engine %d: its lifeline closed; %s: waiting for its exit", pid, why)
+            log.info("engine %d: %s; %s: waiting for its exit", pid,
+                     "its writer threads are gone" if how else "its lifeline closed", why)
             return
         sb, self.standby = self.standby, None
         self.state.data["standbys"] = {}
         t_eof = time.time()
-        self.dying[pid] = {"started": self.started, "reached": self.progress.reached(pid), "t_eof": t_eof}
+        self.dying[pid] = {"started": self.started, "reached": self.progress.reached(pid), "t_eof": t_eof, "by": by}
         self.started = t_eof
         self.cfg.fault = self.ecli.fault_for(self.args.fault_plan, self.incarnation).get(0)
         try:
-            self.engines = {0: self._go(sb, pid)}
+            self.engines = {0: self._go(sb, pid, writers_gone=how == "writers")}
         except OSError:                   # the standby died meanwhile: the exit path starts one
-            log.warning("engine %d: its lifeline closed, and the hot standby is gone", pid)
+            log.warning("engine %d: it is dying, and the hot standby is gone", pid)
             self.started = self.dying.pop(pid)["started"]
             self._close_fd(self.standby_lifeline)
             self.standby_lifeline = None
             return
         self.last_engine = pid
-        log.info("engine %d: the hot standby takes over at engine %d's lifeline end, before its exit", sb.pid, pid)
+        log.info("engine %d: the hot standby takes over at engine %d's %s, before its exit", sb.pid, pid,
+                 "writer threads' end" if how else "lifeline end")
         self.incarnation += 1
         self.state.set(generation=self.incarnation - 1, state="running", device=self.cfg.device)
         self.state.set_ranks({0: {"pid": self.engines[0], "how": "hot standby",

@@ -158,7 +158,7 @@ def standby_run(cfg, esock: str, go: dict, worker, on_progress=None, fence=None)
         eng = None
         discard_engine()
     worker.run(c, esock, started_at=go["started"], standby=True, on_progress=on_progress, engine=eng, fence=fence,
-               predecessor=go.get("predecessor"))
+               predecessor=go.get("predecessor"), writers_gone=bool(go.get("writers_gone")))
 
 
 def discard_engine() -> None:

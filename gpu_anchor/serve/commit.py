@@ -191,6 +191,16 @@ class Pipeline:
         # [future, snapshot not yet sent, events it makes publishable, epoch, device work to wait for]
         self._held = None
 
+    def start(self, initializer) -> None:
+        """Run ``initializer`` on the commit thread, started now (else the thread starts at the
+        first commit), or on the caller's thread when commits run there (no journal)."""
+        if isinstance(self._pool, _Immediate):
+            initializer()
+            return
+        self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="serve-commit", initializer=initializer)
+        self._pool.submit(lambda: None).result()
+
     def hold(self, snap, events: list[tuple], epoch: int, done=None) -> None:
         """Step ``epoch``'s commit (``Committer.snapshot``) and the events it makes publishable;
         ``done``: an event its KV writes end with, when no sampling waited for them."""

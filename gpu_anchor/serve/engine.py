@@ -201,6 +201,9 @@ class Engine:
             t5 = time.perf_counter()
             self._on_device()
             fence.register_device() if self.device.type == "cuda" else fence.host_only()
+            # this thread and the commit thread are the writers the supervisor watches
+            fence.hold_writer(0)
+            self.commits.start(lambda: fence.hold_writer(1))
             self.timings["fence_s"] = time.perf_counter() - t5
             self.fence = fence
             self._stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None

@@ -118,8 +118,12 @@ class Frontend:
         finally:
             self.loading = None
             m.engine_loading.set(0)
-        if self.writer is not None:            # a stale connection: the new engine wins
+        if self.writer is not None:
+            # a stale connection: the new engine wins.  A hot standby that took over as soon as
+            # the old engine's writer threads were gone says hello before that engine's end of
+            # file is read here: its loss is dated now
             self.writer.close()
+            self._engine_lost(self.writer)
         if self.failed:                        # the supervisor gave up: nothing to serve any more
             writer.close()
             return
@@ -189,20 +193,23 @@ class Frontend:
             pass
         finally:
             if self.writer is writer:
-                for fut in self.migrations.values():
-                    if not fut.done():
-                        fut.set_result({"error": "the engine died during the migration; it restarts where "
-                                                 "its state was last complete"})
-                self.migrations.clear()
-                self.writer = None
-                self.engine_pid = None
-                self.down_since = now = time.monotonic()
-                m.engine_up.set(0)
-                for r in self.reqs.values():
-                    if r.finish is None and r.lost_at is None:
-                        r.lost_at = now
-                log.warning("engine disconnected; %d open request(s) wait for the next one", len(self.reqs))
+                self._engine_lost(writer)
             writer.close()
+
+    def _engine_lost(self, writer) -> None:
+        for fut in self.migrations.values():
+            if not fut.done():
+                fut.set_result({"error": "the engine died during the migration; it restarts where "
+                                         "its state was last complete"})
+        self.migrations.clear()
+        self.writer = None
+        self.engine_pid = None
+        self.down_since = now = time.monotonic()
+        self.metrics.engine_up.set(0)
+        for r in self.reqs.values():
+            if r.finish is None and r.lost_at is None:
+                r.lost_at = now
+        log.warning("engine disconnected; %d open request(s) wait for the next one", len(self.reqs))
 
     def _log_up(self, hello: dict, down: float, fresh: bool) -> None:
         t = hello.get("timings", {})

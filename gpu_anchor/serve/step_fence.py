@@ -34,6 +34,8 @@ import os
 import select
 import time
 
+from gpu_anchor.runtime import liveness
+
 PAGE = 4096
 UNMARKED, DEVICE, HOST = 0, 1, 2
 
@@ -44,6 +46,10 @@ class StepFence:
     def __init__(self, page: mmap.mmap | None = None) -> None:
         self.page = page if page is not None else mmap.mmap(-1, PAGE)   # MAP_SHARED | MAP_ANONYMOUS
         self._words = memoryview(self.page).cast("I")
+        # the live engine's writer threads (main, commit) hold robust mutexes in a page of their
+        # own: their release says those threads are gone, long before the process's descriptors
+        # close (runtime/liveness.py); None where glibc's robust mutexes are not there
+        self.writers = liveness.Liveness() if page is None and liveness.available() else None
         self._dev = None          # the ``done`` word's device address once registered (CUDA engines)
         self._mapped = None       # the same, once mapped into this process's context
         self._count = self._words[0]
@@ -75,6 +81,12 @@ class StepFence:
         self._count = self._words[0]
         self._words[1] = self._count
         self._words[2] = DEVICE
+
+    def hold_writer(self, writer: int) -> None:
+        """The calling thread is writer ``writer`` (0: the engine's main thread, 1: its commit
+        thread) of the engine the supervisor armed last, until it dies."""
+        if self.writers is not None:
+            self.writers.hold(self.writers.current(), writer)
 
     def host_only(self) -> None:
         """A CPU engine: its steps queue no device work."""

@@ -118,22 +118,31 @@ def _arm_linger() -> None:
     signal.signal(signal.SIGUSR2, die_slowly)
 
 
-def _await_predecessor(cfg: EngineConfig, fence, predecessor: int | None) -> dict:
-    """Wait until the engine this one replaces can change nothing any more; returns timings."""
+def _await_predecessor(cfg: EngineConfig, fence, predecessor: int | None, writers_gone: bool = False) -> dict:
+    """Wait until the engine this one replaces can change nothing any more; returns timings.
+    ``writers_gone``: its writer threads are known dead (``runtime.liveness``): the daemon
+    handles what it sent now (``drain``) instead of once its connections closed (``await_gone``)."""
     if predecessor is None:
         return {}
     t = time.perf_counter()
     from .step_fence import StepFence
     how = (fence or StepFence()).quiesce(predecessor)    # a page of its own says nothing: waits for the exit
     t1 = time.perf_counter()
+    out = {"quiesce_s": t1 - t, "quiesced_by": how}
     if cfg.anchor:
-        from gpu_anchor.client.control import await_gone
-        await_gone(cfg.device, cfg.socket, predecessor)
-    return {"quiesce_s": t1 - t, "quiesced_by": how, "await_gone_s": time.perf_counter() - t1}
+        from gpu_anchor.client import control
+        if writers_gone:
+            out["torn_bytes"] = control.drain(cfg.device, cfg.socket, predecessor)
+            out["drain_s"] = time.perf_counter() - t1
+        else:
+            control.await_gone(cfg.device, cfg.socket, predecessor)
+            out["await_gone_s"] = time.perf_counter() - t1
+    return out
 
 
 def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None, standby: bool = False,
-        on_progress=None, engine: Engine | None = None, fence=None, predecessor: int | None = None) -> None:
+        on_progress=None, engine: Engine | None = None, fence=None, predecessor: int | None = None,
+        writers_gone: bool = False) -> None:
     """Serve until the frontend goes away.  ``started_at``: wall time the supervisor
     decided to start this engine (for the recovery breakdown); ``standby``: this process
     is a warm standby taking over (``runtime.Standby``); ``on_progress(what)``, if given,
@@ -144,11 +153,12 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
     ``fence``: the server's ``step_fence.StepFence``; ``predecessor``: the pid of the engine this
     one replaces, which may still be exiting (a take-over started at its lifeline's end): the
     new engine reads nothing of the state before that engine's last step is off the device
-    (``StepFence.quiesce``) and the daemon has handled all it sent (``await_gone``)."""
+    (``StepFence.quiesce``) and the daemon has handled all it sent (``await_gone``, or ``drain``
+    when ``writers_gone``: the supervisor saw its writer threads' robust mutexes released)."""
     progress = on_progress or (lambda what: None)
     t0 = time.time()
     _arm_linger()
-    quiet = _await_predecessor(cfg, fence, predecessor)
+    quiet = _await_predecessor(cfg, fence, predecessor, writers_gone)
     sock = _connect(frontend_socket)
     eng, hot = None, 0
     if engine is not None:
