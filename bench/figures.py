@@ -10,7 +10,7 @@ a marker naming the result file and the value of each number in that clause:
   number between the previous marker (or the start of the paragraph or list item) and itself,
   in order, one ``EXPR`` each; ``_`` skips a number that is not a measurement (a model size, a
   count of requests; a sample count written ``n = 3`` is skipped by itself).  ``EXPR`` is a
-  path into the JSON — keys joined by ``.``, ``[key]`` for a key with dots or dashes, ``[3]``
+  path into the JSON — keys joined by ``.``, ``[key]`` for a key with dots, dashes or commas, ``[3]``
   for a list index, ``[field=value]`` for the list element whose field has that value —
   combined with other paths or numbers by ``+ - * /``, spaces around each, evaluated left to
   right without precedence (``a / b``, ``x * 1000`` for milliseconds, ``a - b / a * 100`` for
@@ -162,7 +162,7 @@ def check(path: str = README, results: str = RESULTS) -> tuple[list[Bound], list
         source, _, prefix = head.strip().partition(" ")
         if source == "none":
             continue
-        exprs = [" ".join(e.split()) for e in body.split(",")]
+        exprs = [" ".join(e.split()) for e in re.split(r",(?![^\[\]]*\])", body)]   # not a comma inside [key]
         if len(exprs) != len(nums):
             problems.append(f"{where}: {len(nums)} number(s) {[n for _, n in nums]} before the marker, "
                             f"{len(exprs)} expression(s)")
