@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import scope_program_changes as pc  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
+# resolve transformers' lazy imports here, once: the workers forked below build a Llama, and a
+# scope's hooks reach transformers.PreTrainedModel (modeling_utils, ~0.9 s in every worker else)
+transformers.LlamaForCausalLM  # noqa: B018
 
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2]])
 
