@@ -12,10 +12,11 @@ around the kill (a chunk the dead engine sent just before dying can still arrive
 kill; it is not the recovery); **the kill's pause = the last of them** (every open stream has
 its next token from the new engine), and their median.  Also the server's own
 breakdown of the take-over (``/health``'s ``last_recovery``: how the predecessor was found
-quiet — its step fence or its exit — and how long that, the daemon's ``await_gone``, the
-take-over and the first step took), and whether the supervisor started it at the engine's
-lifeline (its pipe's end of file) or at its exit.  This is the user's path: the product's
-supervisor, frontend and engine; nothing of the benchmark's own launcher.
+quiet — its step fence or its exit — and how long that, the daemon's ``await_gone`` or
+``drain``, the take-over and the first step took), whether the supervisor started it before the
+engine's exit and what told it the engine was dying (its writer threads' robust mutexes or its
+lifeline, a pipe's end of file), and a timeline from the kill by the wall clock.  This is the
+user's path: the product's supervisor, frontend and engine; nothing of the benchmark's own launcher.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 
 from bench.common import default_device, get_json, write_result
 
@@ -117,20 +119,23 @@ def main(argv=None) -> int:
             row = {"kill": k, "pause_s": max(gaps) if gaps else None, "median_gap_s": statistics.median(gaps)
                    if gaps else None, "streams": len(gaps), "errors": errors, "engine": new,
                    "early": bool(restarts and restarts[-1].get("early")),
+                   # what started the early take-over: the writer threads' robust mutexes or the lifeline
+                   "detected_by": restarts[-1].get("detected_by") if restarts else None,
                    "server": {key: rec.get(key) for key in ("quiesced_by", "quiesce_s", "await_gone_s", "hot_standby",
                                                             "take_over_s", "first_step_s", "down_s")},
                    "server_all": rec,
-                   # from the kill, by the wall clock: the supervisor saw the lifeline end, the frontend
+                   # from the kill, by the wall clock: the supervisor saw the engine dying (its writers
+                   # gone or its lifeline's end: ``detected_by``; results before it was built: "lifeline"), the frontend
                    # lost the engine, got the new one's hello, and its first token to any open stream
                    "timeline_ms": {k: round((t - t_kill) * 1e3, 2) for k, t in (
-                       ("lifeline", (restarts[-1] if restarts else {}).get("t_detect")), ("lost", rec.get("lost_at")),
+                       ("detected", (restarts[-1] if restarts else {}).get("t_detect")), ("lost", rec.get("lost_at")),
                        ("hello", rec.get("hello_at")), ("first_token", rec.get("first_token_at"))) if t},
                    "resyncs": rec.get("resyncs")}
             kills.append(row)
             if row["pause_s"] is None:
                 raise RuntimeError(f"no stream got a token after the kill: {row}")
             print(f"[bench] kill {k}: pause {row['pause_s'] * 1e3:.1f} ms (median stream {row['median_gap_s'] * 1e3:.1f}"
-                  f" ms), {'at the lifeline' if row['early'] else 'at the exit'}, timeline {row['timeline_ms']}, "
+                  f" ms), {'early, by ' + str(row['detected_by']) if row['early'] else 'at the exit'}, timeline {row['timeline_ms']}, "
                   f"{row['resyncs']} resyncs, {row['server']}", flush=True)
             write_result("serve_takeover" + ("_tiny" if a.tiny else ""), _result(a, kills, argv), a.out)
             for s in streams:
@@ -174,8 +179,20 @@ def render(result: dict) -> str:
              "| | median | min | max | n |", "| --- | ---: | ---: | ---: | ---: |",
              f"| kill → next token on every open stream | {s['pause_s']['median'] * 1e3:.1f} ms | "
              f"{s['pause_s']['min'] * 1e3:.1f} ms | {s['pause_s']['max'] * 1e3:.1f} ms | {s['pause_s']['n']} |", "",
-             f"Take-overs started at the engine's lifeline (before its exit): {s['early']} of {len(result['kills'])}; "
-             f"stream errors: {s['stream_errors']}."]
+             f"Take-overs started before the engine's exit: {s['early']} of {len(result['kills'])}"
+             + "".join(f"; by {how}: {n}" for how, n in sorted(Counter(
+                 k.get("detected_by") or "lifeline" for k in result["kills"] if k.get("early")).items()))
+             + f"; stream errors: {s['stream_errors']}."]
+    marks = [("detected", "the supervisor sees the engine dying"), ("lifeline", "the engine's lifeline ends"),
+             ("hello", "the new engine's hello at the frontend"), ("first_token", "its first token at the frontend")]
+    rows = []
+    for key, what in marks:
+        xs = [k["timeline_ms"][key] for k in result["kills"] if key in k.get("timeline_ms", {})]
+        if xs:
+            rows.append(f"| {what} | {statistics.median(xs):.1f} ms | {min(xs):.1f} ms | {max(xs):.1f} ms | {len(xs)} |")
+    if rows:
+        lines += ["", "Timeline from the kill (wall clock):", "", "| event | median | min | max | n |",
+                  "| --- | ---: | ---: | ---: | ---: |"] + rows
     return "\n".join(lines)
 
 

@@ -132,7 +132,15 @@ class StandbyKeeper:
         def watch():
             if writers.writers_gone(slot):
                 os.write(fd, pid.to_bytes(4, "little"))
-        self.watchers[pid] = runtime.fork(watch)
+
+        def keep_only_the_pipe():    # no copy of the supervisor's descriptors outlives it here
+            os.closerange(3, fd)
+            os.closerange(fd + 1, 1 << 16)
+        try:
+            self.watchers[pid] = runtime.fork(watch, before_main=keep_only_the_pipe)
+        except Exception as e:       # the lifeline still starts the take-over, later
+            self.watchers[pid] = 0
+            log.warning("engine %d: its writers are not watched (%s): a take-over waits for its lifeline", pid, e)
 
     def _writers_dead(self) -> list[int]:
         data = os.read(self.writers_r, 4096)

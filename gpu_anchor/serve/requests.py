@@ -1,0 +1,113 @@
+"""The engine's requests: admission, a client's history taken back (``readd``), abort, what
+is held (a part of ``engine.Engine``, which mixes this in).
+
+Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``,
+``mc`` (the model config), ``_arrivals``, ``_added`` (sequences the next commit records),
+``_gone`` (rids it deletes), ``_urgent`` (the next step lands its commit at once),
+``_logprobs`` (log-probabilities of tokens not yet published).
+"""
+from __future__ import annotations
+
+import random
+
+from .sequence import SamplingParams, Sequence, Status
+
+
+class Requests:
+    def add_request(self, rid: str, prompt_ids, params: SamplingParams, output_ids=()) -> list[tuple]:
+        """Queue a request (``output_ids``: tokens a client already received, to continue
+        after them).  Returns events if it is already complete."""
+        if params.seed is None and not params.greedy:
+            params.seed = random.getrandbits(62)
+        self._check_ids(list(prompt_ids) + list(output_ids))
+        seq = Sequence(rid, [int(t) for t in prompt_ids], params, output_ids=[int(t) for t in output_ids],
+                       arrival=self._arrivals)
+        reason = self.scheduler.stop_reason(seq) if seq.output_ids else None
+        if reason:
+            return [(rid, len(seq.output_ids), [], reason)]
+        self.scheduler.add(seq)
+        self._added.append(seq)
+        self._urgent |= bool(seq.output_ids)     # a request resumed after a recovery
+        self._arrivals += 1
+        return []
+
+    def _check_ids(self, ids) -> None:
+        # the vocabulary size read once: a transformers config attribute costs ~1 µs a read
+        # (~40 ms per take-over of 64 long streams when it was read per token)
+        v = self.mc.vocab_size
+        bad = next((t for t in ids if not 0 <= int(t) < v), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} outside the vocabulary (size {v})")
+
+    def readd(self, rid: str, prompt_ids, params: SamplingParams, output_ids) -> list[tuple]:
+        """Replace a request's history with the tokens the client actually received (after a
+        replay disagreed with them, or brought a token without the log-probabilities its
+        request wants).  A running request keeps the KV of the history both share and
+        recomputes only from where they part (``_rewind``): the usual case, one undelivered
+        token replayed from the journal, costs one decode step.  Otherwise its KV is dropped
+        and recomputed."""
+        self.commits.drop_unpublished(rid)
+        self._logprobs.pop(rid, None)
+        seq = self.scheduler.seqs.get(rid)
+        if seq is not None and seq.status is Status.RUNNING and seq.prompt_ids == [int(t) for t in prompt_ids]:
+            return self._rewind(seq, [int(t) for t in output_ids])
+        if self.scheduler.abort(rid) is not None:
+            self.committer.forget(rid)
+        return self.add_request(rid, prompt_ids, params, output_ids)
+
+    def _rewind(self, seq: Sequence, out: list[int]) -> list[tuple]:
+        self._check_ids(out)
+        common = 0
+        for a, b in zip(seq.output_ids, out):
+            if a != b:
+                break
+            common += 1
+        p = len(seq.prompt_ids)
+        # KV at position i depends on tokens 0..i only: it stands while those are the same.
+        # At least the last token is fed again, so the step samples the next one.
+        seq.num_computed = min(seq.num_computed, p + common, p + len(out) - 1)
+        # a new list: a snapshot in flight keeps the old one (its outputs are a prefix length)
+        seq.output_ids = out
+        if self.run_ahead is not None:
+            self.run_ahead.forget(seq)      # its row launched ahead continues the old history
+        self.committer.rewind(seq.rid, common)
+        self._added.append(seq)     # the next commit records it, scheduled or not
+        self._urgent = True
+        reason = self.scheduler.stop_reason(seq) if out else None
+        if reason:              # the client has every token already (it was the last one)
+            self.abort(seq.rid)
+            return [(seq.rid, len(out), [], reason)]
+        return []
+
+    def abort(self, rid: str) -> None:
+        if self.scheduler.abort(rid) is not None:
+            self._gone.append(rid)
+        self.commits.drop_unpublished(rid)
+        self._logprobs.pop(rid, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def load(self) -> dict:
+        """What the scheduler holds now: requests running (holding KV) and waiting, and the
+        KV blocks in use (blocks released by a step count until its commit lands)."""
+        running = sum(s.status is Status.RUNNING for s in self.scheduler.seqs.values())
+        return {"running": running, "waiting": len(self.scheduler.seqs) - running,
+                "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
+                "preemptions": self.scheduler.preemptions}
+
+    def take_logprobs(self, events) -> list[list]:
+        """The log-probabilities of the tokens in ``events`` (published ones), as
+        ``[[rid, index, logprob, [[id, logprob], ...]], ...]``; they are forgotten here."""
+        out = []
+        for rid, i, ids, _ in events:
+            held = self._logprobs.get(rid)
+            if held is None:
+                continue
+            for k in range(i, i + len(ids)):
+                if k in held:
+                    lp, top = held.pop(k)
+                    out.append([rid, k, lp, top])
+            if not held:
+                del self._logprobs[rid]
+        return out
