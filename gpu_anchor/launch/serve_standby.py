@@ -117,7 +117,7 @@ class StandbyKeeper:
         return w.arm() if w is not None and len(self.ranks) == 1 else None
 
     def _watch_writers(self) -> None:
-        """Once the engine is ready (its writers hold their mutexes), a watcher process waits on
+        """Once the engine published tokens (its writers hold their mutexes), a watcher process waits on
         them and writes the engine's pid into ``writers_w`` when every one of them died — a
         process, not a thread: this one forks, and forks only while it runs alone."""
         for pid, wpid in list(self.watchers.items()):       # reap the watchers that are done
@@ -125,7 +125,9 @@ class StandbyKeeper:
                 self.watchers[pid] = 0
         pid = self.engines.get(0)
         slot = self.writer_slots.get(pid)
-        if slot is None or pid in self.watchers or self.progress.reached(pid) < 1:
+        # armed once the engine published tokens: before, an early take-over is not allowed anyway
+        # (``_early_ok``), and the fork stays out of the new engine's first steps
+        if slot is None or pid in self.watchers or self.progress.reached(pid) < 2:
             return
         writers, fd = self.fence.writers, self.writers_w
 

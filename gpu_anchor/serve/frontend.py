@@ -121,9 +121,10 @@ class Frontend:
         if self.writer is not None:
             # a stale connection: the new engine wins.  A hot standby that took over as soon as
             # the old engine's writer threads were gone says hello before that engine's end of
-            # file is read here: its loss is dated now
+            # file is read here: its loss is dated when the supervisor decided to replace it
             self.writer.close()
-            self._engine_lost(self.writer)
+            decided = hello.get("timings", {}).get("decided_at")
+            self._engine_lost(self.writer, ago=max(0.0, time.time() - decided) if decided else 0.0)
         if self.failed:                        # the supervisor gave up: nothing to serve any more
             writer.close()
             return
@@ -196,7 +197,8 @@ class Frontend:
                 self._engine_lost(writer)
             writer.close()
 
-    def _engine_lost(self, writer) -> None:
+    def _engine_lost(self, writer, ago: float = 0.0) -> None:
+        """The engine's connection is gone (``ago`` seconds ago, by what the supervisor saw)."""
         for fut in self.migrations.values():
             if not fut.done():
                 fut.set_result({"error": "the engine died during the migration; it restarts where "
@@ -204,7 +206,7 @@ class Frontend:
         self.migrations.clear()
         self.writer = None
         self.engine_pid = None
-        self.down_since = now = time.monotonic()
+        self.down_since = now = time.monotonic() - ago
         self.metrics.engine_up.set(0)
         for r in self.reqs.values():
             if r.finish is None and r.lost_at is None:

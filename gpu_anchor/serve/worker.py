@@ -174,6 +174,7 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                    tensor_parallel_size=cfg.tensor_parallel_size, **quiet)
     if started_at is not None:
         timings["process_start_s"] = t0 - started_at
+        timings["decided_at"] = started_at      # wall clock: the frontend dates a loss it has not seen yet
     sock.sendall(wire.encode({"t": "hello", "pid": os.getpid(), "rids": [s.rid for s in eng.restored],
                               "timings": timings, "notes": eng.recovery_notes,
                               "weights_loaded": eng.weights_loaded}))
