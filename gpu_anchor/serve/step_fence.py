@@ -85,8 +85,13 @@ class StepFence:
     def hold_writer(self, writer: int) -> None:
         """The calling thread is writer ``writer`` (0: the engine's main thread, 1: its commit
         thread) of the engine the supervisor armed last, until it dies."""
-        if self.writers is not None:
+        if self.writers is None:
+            return
+        try:
             self.writers.hold(self.writers.current(), writer)
+        except (OSError, ValueError) as e:    # unmarked: a successor waits for the lifeline instead
+            import logging
+            logging.getLogger("gpu_anchor.serve").warning("writer %d does not mark its liveness: %s", writer, e)
 
     def host_only(self) -> None:
         """A CPU engine: its steps queue no device work."""
