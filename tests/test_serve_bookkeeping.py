@@ -198,8 +198,9 @@ def test_damaged_record_is_dropped_not_guessed():
     a = seq("a", 3)
     C.Committer(j).commit([a])
     j.commit({}, [C.P + "st/a"])
-    seqs, problems = C.read_sequences(j)
-    assert seqs == [] and "request a" in problems[0]
+    damaged = []
+    seqs, problems = C.read_sequences(j, damaged)
+    assert seqs == [] and "request a" in problems[0] and damaged == [C.P + "req/a"]   # the engine deletes it
 
 
 def test_sampling_params_validation():

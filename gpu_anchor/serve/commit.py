@@ -241,9 +241,10 @@ class Pipeline:
             self._held[2] = [e for e in self._held[2] if e[0] != rid]
 
 
-def read_sequences(journal) -> tuple[list[Sequence], list[str]]:
+def read_sequences(journal, damaged: list[str] | None = None) -> tuple[list[Sequence], list[str]]:
     """The committed sequences, oldest first, and a list of problems found (each dropped
-    record is named; a dropped request is re-sent by the frontend with its tokens)."""
+    record is named; a dropped request is re-sent by the frontend with its tokens).
+    ``damaged``, if given, gets the key of each dropped request record (one journal read)."""
     raw = journal.get_many(prefix=P)
     problems: list[str] = []
     seqs: list[Sequence] = []
@@ -265,6 +266,8 @@ def read_sequences(journal) -> tuple[list[Sequence], list[str]]:
             seq.output_ids = out[:n_out]
         except Exception as e:   # a damaged record: never guess
             problems.append(f"request {rid}: {e}")
+            if damaged is not None:
+                damaged.append(key)
             continue
         seqs.append(seq)
     seqs.sort(key=lambda s: (s.arrival, s.rid))

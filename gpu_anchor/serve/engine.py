@@ -213,7 +213,8 @@ class Engine(Requests):
     def _restore(self, journal, why: str) -> None:
         """Restore the committed sequences; ``why``: the reason (of any rank) not to trust the
         anchored KV, "" if every rank can."""
-        seqs, problems = C.read_sequences(journal)
+        bad: list[str] = []       # the damaged requests' records, removed below
+        seqs, problems = C.read_sequences(journal, bad)
         dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
         notes = problems + dropped
         for n in notes:
@@ -224,7 +225,6 @@ class Engine(Requests):
         # One atomic commit: the new layout, a dropped (damaged) record's removal and, if the
         # KV is gone, every sequence without it.  Were the layout committed first, a crash
         # before the rest would leave it vouching for a KV cache no step ever wrote.
-        bad = [k for k in journal.get_many(prefix=C.P + "req/") if k[len(C.P + "req/"):] not in self.scheduler.seqs]
         self.committer.adopt(seqs)
         puts, deletes = {C.LAYOUT: self.state.layout}, bad
         if dropped:
