@@ -155,11 +155,13 @@ class DecodeGraphs:
                 if bs not in self._graphs:
                     self._capture(bs)
 
-    def run(self, ids, pos: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(self, ids, pos: list[int], slots: list[int], tables: list[list[int]], around=None) -> torch.Tensor:
         """One decode step of ``n = len(pos)`` sequences; returns their hidden states [n, H]
         after the last layer (to go through ``model.head``).  ``ids``: a host list, or a tensor
         on the device (a step launched ahead: the previous step's sampled ids, copied on the
-        device into the static buffer behind that step's work on the stream)."""
+        device into the static buffer behind that step's work on the stream).  ``around``:
+        ``(before, after)`` called right around the launch of the kernels that write the KV (the
+        step fence's marks), once the inputs are in the graph's own buffers."""
         n = len(pos)
         bs = self.size_for(n)
         pad = bs - n
@@ -177,12 +179,18 @@ class DecodeGraphs:
         self.slots[:bs].copy_(host[2])
         self.bt[:n, :width].copy_(to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                          dtype=torch.int32), self.device))
+        before, after = around or (lambda: None, lambda: None)
         if not self.capture:
-            return self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
+            before()
+            h = self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
+            after()
+            return h
         graphs, out = self._graphs[bs]
+        before()
         for j, g in enumerate(graphs):
             if j and self.model.mid_hook is not None:
                 self.model.mid_hook()
             g.replay()
+        after()
         self.stats["replays"] += 1
         return out[:n]
