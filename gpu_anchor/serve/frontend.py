@@ -242,7 +242,7 @@ class Frontend:
         have = max(0, min(len(ids), len(r.out) - i))
         if have:
             self.metrics.replayed.inc(have)
-            if ids[:have] != r.out[i:i + have]:
+            if list(ids[:have]) != r.out[i:i + have]:
                 # The client has those tokens: make the engine continue from what was
                 # delivered (it recomputes the KV), never from its own different replay.
                 k = i + next(j for j in range(have) if ids[j] != r.out[i + j])
