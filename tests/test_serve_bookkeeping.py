@@ -74,6 +74,23 @@ def test_scheduler_chunked_prefill_then_decode():
     assert [(x.seq.rid, x.start, x.n) for x in w] == [("a", 10, 1), ("b", 3, 1)]
 
 
+def test_a_recovery_first_step_only_decodes():
+    """``decodes_only`` (a recovery's first step, so that it runs as a decode graph): no prefill
+    chunk and no admission when a decode is scheduled; without decodes, prefill as usual."""
+    bm = BlockManager(32, 4)
+    s = Scheduler(bm, max_batched_tokens=64)
+    a, b = seq("a", 5, max_tokens=10), seq("b", 6, max_tokens=10, arrival=1)
+    s.add(a)
+    s.finish_step(s.schedule(), {"a": 7})            # a's prompt, then it decodes
+    s.add(b)
+    assert [(w.seq.rid, w.n) for w in s.schedule(decodes_only=True)] == [("a", 1)]
+    assert b.status is Status.WAITING
+    bm.on_commit()
+    s2 = Scheduler(BlockManager(32, 4), max_batched_tokens=64)
+    s2.add(seq("c", 6))
+    assert [(w.seq.rid, w.n) for w in s2.schedule(decodes_only=True)] == [("c", 6)]
+
+
 def test_scheduler_stops_on_eos_and_length():
     bm = BlockManager(16, 4)
     s = Scheduler(bm, eos_token_ids=[99])

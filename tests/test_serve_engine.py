@@ -331,6 +331,8 @@ def test_readd_keeps_the_kv_of_the_shared_history_and_the_journal_follows(models
     # the client's token 62 differs: KV up to it stands, the rest is recomputed from its tokens
     readd(got["r0"][:62] + [(got["r0"][62] + 1) % 300] + got["r0"][63:66])
     assert seq.num_computed == len(prompts[0]) + 62 and seq.in_prefill
+    publish(eng.step())          # a recovery's first step only decodes (r1): r0's remainder waits a step
+    assert len(got["r0"]) == 66
     publish(eng.step())
     publish(eng.flush())
     held = {s.rid: s.output_ids for s in C.read_sequences(journal)[0]}

@@ -313,7 +313,7 @@ class Engine(Requests):
         cur = self.run_ahead.take() if self.run_ahead is not None else None
         if cur is None:
             t0 = time.perf_counter()
-            work = self.scheduler.schedule()
+            work = self.scheduler.schedule(decodes_only=self._urgent)
             self._t_mark = t1 = time.perf_counter()
             self.step_times["schedule"] += t1 - t0
             if work:

@@ -3,8 +3,9 @@
 Each step is a list of ``Work(seq, start, n, sample)``: ``n`` tokens of ``seq`` starting
 at position ``start`` (= its ``num_computed``) get their KV written; if they reach the
 sequence's last token, the step's logits for it are sampled.  Decode steps are the
-case ``n == 1``.  The schedule is a pure function of the sequences' state and arrival
-order, so a recovered engine makes the same decisions as the one that crashed.
+case ``n == 1``.  The schedule is a pure function of the sequences' state, their arrival
+order and ``decodes_only`` (set for a recovery's first step), so a recovered engine decides
+as the one that crashed would have, but for that first step, which only decodes.
 """
 from __future__ import annotations
 
@@ -75,7 +76,10 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ stepping
-    def schedule(self) -> list[Work]:
+    def schedule(self, decodes_only: bool = False) -> list[Work]:
+        """The next step's work.  ``decodes_only``: no prefill chunk or admission this step if
+        any decode was scheduled (a recovery's first step: a decode-only step runs as a CUDA
+        graph, so the open streams' next tokens are not held up by an eager mixed step)."""
         budget = self.max_batched_tokens
         work: list[Work] = []
         self.preempted = []
@@ -96,6 +100,8 @@ class Scheduler:
             work.append(Work(seq, seq.num_computed, 1, True))
             scheduled.add(seq.rid)
             budget -= 1
+        if decodes_only and work:
+            return work
         # 2. prefill chunks: partly prefilled sequences first, then new admissions.
         n_running = sum(1 for s in self.seqs.values() if s.status is Status.RUNNING)
         candidates = [s for s in self._ordered(Status.RUNNING) if s.rid not in scheduled]
