@@ -157,15 +157,24 @@ def _run(srv: _Server, bodies: list[dict], kill=None) -> dict:
     """Every stream at once; ``kill(streams)``, if given, runs while they stream."""
     t0 = time.time()
     streams = [_Stream(srv.base, b) for b in bodies]
-    if kill is not None:
-        kill(streams)
+    kill_times = kill(streams) if kill is not None else []
     for s in streams:
         s.join(1800)
     errors = [s.error for s in streams if s.error]
     tokens = sum(len(s.ids) for s in streams)
     wall = max(s.done_at for s in streams) - t0
     return {"ids": [s.ids for s in streams], "lps": [s.lps for s in streams], "errors": errors[:3],
-            "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+            "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "pauses": [_pause(streams, t) for t in kill_times]}
+
+
+def _pause(streams, t_kill: float) -> dict:
+    """Kill → the next token of each stream still open then, as its client saw it (seconds)."""
+    gaps = sorted(next(t for t in s.times if t > t_kill) - t_kill for s in streams
+                  if s.times and s.times[-1] > t_kill)
+    if not gaps:
+        return {"streams": 0}
+    return {"streams": len(gaps), "median_s": statistics.median(gaps), "max_s": gaps[-1]}
 
 
 def _at_progress(streams, share: float) -> None:
@@ -177,11 +186,13 @@ def _at_progress(streams, share: float) -> None:
 
 def _engine_kills(srv: _Server, n: int):
     def kill(streams):
-        pid = srv.wait_serving()
+        pid, times = srv.wait_serving(), []
         for k in range(n):
             _at_progress(streams, (k + 1) / (n + 1))
+            times.append(time.time())
             os.kill(pid, signal.SIGKILL)
             pid = srv.wait_serving(not_pid=pid)
+        return times
     return kill
 
 
@@ -189,10 +200,12 @@ def _daemon_kill(srv: _Server):
     def kill(streams):
         _at_progress(streams, 0.5)
         dead = srv.daemon_pid()
+        t = time.time()
         os.kill(dead, signal.SIGKILL)
         deadline = time.time() + 600
         while srv.daemon_pid() in (None, dead) and time.time() < deadline:
             time.sleep(0.05)
+        return [t]
     return kill
 
 
@@ -224,16 +237,17 @@ def run_mode(a, config_path: str, mode: str, work: str) -> dict:
             print(f"[bench] {mode} fault-free {r}: {run['tokens_per_s']:.0f} tok/s, "
                   f"{out['fault_free'][-1]['identical']}/{len(bodies)} identical", flush=True)
         run = _run(srv, bodies, _engine_kills(srv, a.engine_kills))
-        out["engine_kills"] = dict(_compare(ref, run), kills=a.engine_kills, seconds=run["seconds"])
+        out["engine_kills"] = dict(_compare(ref, run), kills=a.engine_kills, seconds=run["seconds"],
+                                   pauses=run["pauses"])
         print(f"[bench] {mode} {a.engine_kills} engine kills: {out['engine_kills']['identical']}/{len(bodies)} "
               "identical", flush=True)
         if a.daemon_kill:
             run = _run(srv, bodies, _daemon_kill(srv))
-            out["daemon_kill"] = dict(_compare(ref, run), seconds=run["seconds"])
+            out["daemon_kill"] = dict(_compare(ref, run), seconds=run["seconds"], pauses=run["pauses"])
             print(f"[bench] {mode} daemon kill: {out['daemon_kill']['identical']}/{len(bodies)} identical",
                   flush=True)
         out["health"] = {k: v for k, v in get_json(srv.base + "/health").items()
-                         if k in ("token_mismatches", "restarts", "last_state_loss")}
+                         if k in ("token_mismatches", "engine_restarts", "last_state_loss", "last_recovery")}
         tps = [r["tokens_per_s"] for r in out["fault_free"]]
         out["tokens_per_s"] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "n": len(tps),
                                "samples": tps}
@@ -325,6 +339,15 @@ def render(result: dict) -> str:
         ek = r.get("engine_kills")
         kills = f" ({ek['kills']} kills)" if ek else ""
         lines.append(f"| {m} | {_ident(worst)} | {_ident(ek)}{kills} | {_ident(r.get('daemon_kill'))} |")
+    pause_rows = [(m, kind, p) for m, r in modes.items() for kind in ("engine_kills", "daemon_kill")
+                  for p in (r.get(kind) or {}).get("pauses", ()) if p.get("streams")]
+    if pause_rows:
+        lines += ["", "Kill → the next token of each stream open then, as its client saw it (a daemon kill: a "
+                  "fresh daemon, the weights made again from the seed (`--random-weights`), not read from disk, "
+                  "every open context recomputed):", "",
+                  "| mode | fault | streams | median over streams | slowest stream |", "| --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {m} | {'engine SIGKILL' if kind == 'engine_kills' else 'daemon SIGKILL'} | {p['streams']} | "
+                  f"{p['median_s'] * 1e3:.0f} ms | {p['max_s'] * 1e3:.0f} ms |" for m, kind, p in pause_rows]
     rows = [(f"gpu-anchor serve ({m})", Cell(r["tokens_per_s"]["samples"])) for m, r in modes.items()]
     hf = result.get("transformers") or {}
     if hf.get("runs"):

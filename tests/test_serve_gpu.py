@@ -43,10 +43,12 @@ def test_greedy_equals_hf_generate_on_cuda(models, family, cuda_daemon):
     assert out[0][:8] == ref[0][:8]
 
 
-def test_sigkill_campaign_on_cuda(models, cuda_daemon):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sigkill_campaign_on_cuda(models, cuda_daemon, async_scheduling):
     from test_serve_engine import Client, _requests, _run
     base = EngineConfig(model=models["qwen3"], device="cuda:0", dtype="float32", block_size=16, num_blocks=200,
-                        max_batched_tokens=48, max_num_seqs=16, socket=cuda_daemon[0], namespace="gpu-campaign")
+                        max_batched_tokens=48, max_num_seqs=16, socket=cuda_daemon[0],
+                        namespace=f"gpu-campaign-{async_scheduling}", async_scheduling=async_scheduling)
     reqs = _requests(4, 4, max_tokens=40)
     ref = Client(reqs)
     assert _run(EngineConfig(**dict(base.__dict__, namespace="gpu-ref")), ref)[0] == 0

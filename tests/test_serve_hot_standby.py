@@ -176,15 +176,17 @@ def test_hot_standby_takes_over_after_two_engine_kills(server):
 
 
 @pytest.mark.gpu
-def test_hot_standby_takes_over_after_two_cuda_engine_kills(gpu_server):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_hot_standby_takes_over_after_two_cuda_engine_kills(gpu_server, async_scheduling):
     """The same on cuda:0 (float32): the standby's decode graphs are captured before the fault,
-    against the live engine's mapped weights and KV cache, and replayed after the take-over."""
-    _two_engine_kills(gpu_server)
+    against the live engine's mapped weights and KV cache, and replayed after the take-over;
+    also with asynchronous scheduling (a step launched ahead in flight at each kill)."""
+    _two_engine_kills(gpu_server, *(["--async-scheduling"] if async_scheduling else []))
 
 
-def _two_engine_kills(server):
+def _two_engine_kills(server, *flags):
     from gpu_anchor.launch import jobstate
-    base = server.start("--hot-standby")
+    base = server.start("--hot-standby", *flags)
     c = _client(base)
     jobs = _jobs(tokens=380)
     ref = [s.result() for s in [_Stream(c, j) for j in jobs]]
