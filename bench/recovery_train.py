@@ -213,6 +213,10 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
             ph["killed_after_step"] = done
             ph["lost_steps"] = max(0, done - ph["restored_step"])
             ph["how"] = _last_restart_how(sockets, ns)
+            rec = (_job(sockets, ns).get("restarts") or [{}])[-1]
+            if rec.get("t_exit") and rec.get("t_detect"):     # the supervisor's side of the start-up
+                ph.update(exit_s=rec["t_exit"] - t_kill, detect_s=rec["t_detect"] - t_kill,
+                          decide_s=rec.get("decide_s"), spawn_s=rec.get("spawn_s"))
             for k in AUTO_PREWARM_KEYS:   # what the standby's automatic pre-warm did, or why it did not
                 if sb and k in sb:
                     ph["standby_" + k] = sb[k]
@@ -247,7 +251,8 @@ def _job(socket_dir: str, namespace: str) -> dict:
         return {}
 
 
-AUTO_PREWARM_KEYS = ("auto_prewarm_s", "auto_prewarm_skipped", "auto_prewarm_failed")
+AUTO_PREWARM_KEYS = ("auto_prewarm_s", "auto_prewarm_skipped", "auto_prewarm_failed", "anchored_warm",
+                     "anchored_warm_s", "anchored_warm_failed")
 
 
 def _wait_standby_ready(socket_dir: str, namespace: str, workers: set, alive, timeout: float = 900) -> dict:

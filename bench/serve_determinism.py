@@ -165,13 +165,19 @@ def _run(srv: _Server, bodies: list[dict], kill=None) -> dict:
     wall = max(s.done_at for s in streams) - t0
     return {"ids": [s.ids for s in streams], "lps": [s.lps for s in streams], "errors": errors[:3],
             "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "pauses": [_pause(streams, t) for t in kill_times]}
+            "pauses": [_pause(streams, t, u) for t, u in zip(kill_times, kill_times[1:] + [float("inf")])]}
 
 
-def _pause(streams, t_kill: float) -> dict:
-    """Kill → the next token of each stream still open then, as its client saw it (seconds)."""
-    gaps = sorted(next(t for t in s.times if t > t_kill) - t_kill for s in streams
-                  if s.times and s.times[-1] > t_kill)
+def _pause(streams, t_kill: float, until: float = float("inf")) -> dict:
+    """The pause a kill caused, per stream open at the kill, as its client saw it: the longest
+    wait for a token from the kill until the next kill (a daemon kill may stop the streams only
+    when the engine next needs the daemon, not at once).  Seconds."""
+    gaps = []
+    for s in streams:
+        times = [t for t in s.times if t_kill < t < until]
+        if s.times and s.times[-1] > t_kill and times:
+            gaps.append(max(b - a for a, b in zip([t_kill] + times, times)))
+    gaps.sort()
     if not gaps:
         return {"streams": 0}
     return {"streams": len(gaps), "median_s": statistics.median(gaps), "max_s": gaps[-1]}
@@ -342,7 +348,8 @@ def render(result: dict) -> str:
     pause_rows = [(m, kind, p) for m, r in modes.items() for kind in ("engine_kills", "daemon_kill")
                   for p in (r.get(kind) or {}).get("pauses", ()) if p.get("streams")]
     if pause_rows:
-        lines += ["", "Kill → the next token of each stream open then, as its client saw it (a daemon kill: a "
+        lines += ["", "The pause a kill caused: the longest wait for a token of each stream open at the kill, from the "
+                  "kill to the next one, as its client saw it (a daemon kill: a "
                   "fresh daemon, the weights made again from the seed (`--random-weights`), not read from disk, "
                   "every open context recomputed):", "",
                   "| mode | fault | streams | median over streams | slowest stream |", "| --- | --- | ---: | ---: | ---: |"]

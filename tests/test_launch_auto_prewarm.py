@@ -182,6 +182,7 @@ def test_run_records_the_recipe_and_the_next_standby_replays_it(clean_daemons, t
                 else None
         j, sb = _wait(prewarmed, proc)
         assert "auto_prewarm_s" in sb, sb
+        assert sb.get("anchored_warm") == "foreach_zero", sb     # on CUDA also the fused Adam's verification
         recipe = j["warm_recipes"]["0"]["recipe"]
         assert recipe["model"]["batch"] == [3, 12] and recipe["model"]["config"]["num_hidden_layers"] == 2
         assert recipe["optimizer"]["class"] == "torch.optim.adamw:AdamW"   # through AnchoredOptimizer
@@ -216,6 +217,45 @@ def test_auto_prewarm_on_gpu_frees_its_memory():
     info = run_auto_prewarm(r, "cuda:0")
     assert "auto_prewarm_s" in info, info
     assert torch.cuda.memory_reserved(0) <= before
+
+
+def test_anchored_warm_on_the_cpu_zeroes_scratch_and_says_what_it_skipped():
+    from gpu_anchor.train.standby_warm import warm_anchored_update
+    r = {"model": {"dtype": "float32"}, "optimizer": {"class": "torch.optim.adamw:AdamW",
+                                                      "options": {"lr": 1e-3, "weight_decay": 0.01}}}
+    assert warm_anchored_update(r, "cpu")["anchored_warm"] == "foreach_zero"
+    assert "no optimizer" in warm_anchored_update({"model": {"dtype": "float32"}}, "cpu")["anchored_warm_skipped"]
+    bad = dict(r, optimizer={"class": "mypkg.opt:Lion", "options": {}})
+    assert "not a torch optimizer" in warm_anchored_update(bad, "cpu")["anchored_warm_skipped"]
+    assert "anchored_warm_failed" in warm_anchored_update(dict(r, model={"dtype": "float77"}), "cpu")
+
+
+def test_status_names_what_the_standby_warmed_of_the_anchored_update():
+    from gpu_anchor.launch.jobstate import prewarm_text
+    assert prewarm_text({"auto_prewarm_s": 0.5, "anchored_warm": "foreach_zero, fused adam verified"}) == \
+        " (automatically pre-warmed in 0.50 s; anchored update: foreach_zero, fused adam verified)"
+    assert "anchored update not warmed: TypeError: x" in prewarm_text({"auto_prewarm_s": 0.5,
+                                                                        "anchored_warm_failed": "TypeError: x"})
+
+
+@pytest.mark.gpu
+def test_a_standby_verifies_the_fused_adam_once_for_the_worker_it_becomes(monkeypatch):
+    """The standby's warm-up verifies the fused AdamW variant for the job's dtype and options;
+    the AnchoredOptimizer made afterwards in the same process uses that answer (no second
+    verification) and still updates as torch does."""
+    from gpu_anchor.train import fused_adam
+    from gpu_anchor.train.standby_warm import warm_anchored_update
+    monkeypatch.setattr(fused_adam, "_VERIFIED", {})
+    r = {"model": {"dtype": "bfloat16"}, "optimizer": {"class": "torch.optim.adamw:AdamW",
+                                                       "options": {"lr": 1e-4, "weight_decay": 0.01}}}
+    info = warm_anchored_update(r, "cuda:0")
+    assert info.get("anchored_warm") == "foreach_zero, fused adam verified", info
+    calls = []
+    real = fused_adam.verify
+    monkeypatch.setattr(fused_adam, "verify", lambda *a, **k: calls.append(a) or real(*a, **k))
+    key = fused_adam.structure(torch.optim.AdamW([torch.zeros(1)], lr=1e-4, weight_decay=0.01).param_groups[0],
+                               torch.bfloat16)
+    assert fused_adam.verified(key, {}, torch.device("cuda:0")) is not None and calls == []
 
 
 _COMPILE_PROBE = r"""

@@ -120,7 +120,9 @@ def prewarm_text(sb: dict) -> str:
     if sb.get("prewarm_s") is not None:
         return f" (pre-warmed in {sb['prewarm_s']:.2f} s)"
     if sb.get("auto_prewarm_s") is not None:
-        return f" (automatically pre-warmed in {sb['auto_prewarm_s']:.2f} s)"
+        anchored = f"; anchored update: {sb['anchored_warm']}" if sb.get("anchored_warm") else \
+            f"; anchored update not warmed: {sb['anchored_warm_failed']}" if sb.get("anchored_warm_failed") else ""
+        return f" (automatically pre-warmed in {sb['auto_prewarm_s']:.2f} s{anchored})"
     if sb.get("auto_prewarm_skipped"):
         return f" (automatic pre-warm skipped: {sb['auto_prewarm_skipped']})"
     if sb.get("auto_prewarm_failed"):

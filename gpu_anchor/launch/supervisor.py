@@ -264,7 +264,8 @@ class Supervisor:
         info = m.get("info") or {}
         rec = {"pid": m.get("pid"), "t": m.get("t"), **{k: info[k] for k in (
             "cuda_init_s", "prewarm_s", "prepare_s", "failed", "auto_prewarm_s", "auto_prewarm_skipped",
-            "auto_prewarm_failed", "auto_prewarm_peak_estimate", "auto_prewarm_note") if k in info}}
+            "auto_prewarm_failed", "auto_prewarm_peak_estimate", "auto_prewarm_note", "anchored_warm", "anchored_warm_s",
+            "anchored_warm_skipped", "anchored_warm_failed") if k in info}}
         self.state.data.setdefault("standbys", {})[str(m["rank"])] = rec
         self.state.save()
         if "failed" in info:
@@ -351,6 +352,7 @@ class Supervisor:
         self.restarts += 1
         self.gen += 1
         self.current = rec
+        rec["decide_s"] = round(time.time() - t_detect, 4)
         self._start_group()
         self.state.save()
         return None

@@ -161,7 +161,9 @@ def _prepare(device: str | None, prewarm: str | None, env: dict | None, rank: in
         info.update(run_prewarm(prewarm, device))
     elif recipe is not None:  # never raises: a skip or failure is reported, the standby stays warm
         from gpu_anchor.runtime.auto_prewarm import run_auto_prewarm
+        from gpu_anchor.train.standby_warm import warm_anchored_update
         info.update(run_auto_prewarm(recipe, device))
+        info.update(warm_anchored_update(recipe, device))
     return info
 
 

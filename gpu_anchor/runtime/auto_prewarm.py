@@ -40,7 +40,7 @@ MAX_RECIPE_BYTES = 48 * 1024            # travels in one datagram to the supervi
 HEADROOM = 2.0                          # run only when free memory >= HEADROOM x the estimated peak
 # optimizer options that choose the update's kernels (the rest are numbers the kernels take)
 _OPTIMIZER_OPTIONS = ("lr", "betas", "eps", "weight_decay", "momentum", "amsgrad", "maximize", "foreach", "fused",
-                      "capturable", "differentiable", "nesterov")
+                      "capturable", "differentiable", "nesterov", "decoupled_weight_decay")
 
 
 # ---------------------------------------------------------------------------------- recording

@@ -27,6 +27,10 @@ import torch
 BLOCK = 2048            # elements per program, and per undo tag (the restore granularity)
 _COLS = 10              # table row: p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, their 4 undo places, numel
 DTYPES = (torch.bfloat16, torch.float32)
+# (structure key, device) -> the fma flag verified in this process, or None (not reproducible):
+# a variant is verified once per process, with the first hyper-parameters it meets (a standby
+# verifies it with the job's before any fault: ``gpu_anchor.train.standby_warm``)
+_VERIFIED: dict = {}
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -118,7 +122,7 @@ class FusedAdam:
         if key is None:
             return False
         if key not in self._variant:
-            self._variant[key] = verify(key, hp, device)
+            self._variant[key] = verified(key, hp, device)
         return self._variant[key] is not None
 
     def apply(self, i: int, groups, tag_value: int) -> None:
@@ -179,6 +183,17 @@ def table(slices, bases, device):
         blks += [[r, j, base + j] for j in range(blocks(p.numel()))]
     return (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(blks, dtype=torch.int64).to(device),
             len(blks))
+
+
+def verified(key: tuple, hp: dict, device: torch.device) -> bool | None:
+    """``verify``'s answer for ``key`` on ``device``, computed once per process."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    where = (key, str(d))
+    if where not in _VERIFIED:
+        _VERIFIED[where] = verify(key, hp, device)
+    return _VERIFIED[where]
 
 
 def verify(key: tuple, hp: dict, device: torch.device, fmas=(True, False)) -> bool | None:
