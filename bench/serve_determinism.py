@@ -323,7 +323,8 @@ def main(argv=None) -> int:
 
 def title(result: dict) -> str:
     where = "CPU" if result["device"] == "cpu" else "GPU"
-    return f"Serving with --deterministic: identical streams across faults, and its cost ({where}, {result['model']})"
+    what = "the pause of each kill" if result.get("benchmark", "").endswith("_kills") else "its cost"
+    return f"Serving with --deterministic: identical streams across faults, and {what} ({where}, {result['model']})"
 
 
 def _ident(r: dict | None) -> str:

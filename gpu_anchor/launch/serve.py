@@ -85,7 +85,7 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    args.warm_pool |= args.prewarm or args.hot_standby
+    args.warm_pool |= bool(args.prewarm or args.hot_standby)
     # The fork server's role: import the heavy modules once, run nothing that starts threads.
     import torch  # noqa: F401
     from gpu_anchor.serve.model_runner import load_config, meta_model
@@ -103,6 +103,7 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
+    options.default_standby(args, cfg.device, cfg.anchor)
     if cfg.anchor:
         from gpu_anchor.paths import default_socket, normalize_device
         cfg.socket = args.socket or default_socket(normalize_device(cfg.device))
