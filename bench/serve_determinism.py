@@ -323,7 +323,9 @@ def main(argv=None) -> int:
 
 def title(result: dict) -> str:
     where = "CPU" if result["device"] == "cpu" else "GPU"
-    what = "the pause of each kill" if result.get("benchmark", "").endswith("_kills") else "its cost"
+    name = result.get("benchmark", "")
+    what = "the pause of each kill" + (", --hot-standby --prewarm" if name.endswith("_hot_kills") else "") \
+        if name.endswith("_kills") else "its cost"
     return f"Serving with --deterministic: identical streams across faults, and {what} ({where}, {result['model']})"
 
 

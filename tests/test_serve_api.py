@@ -402,27 +402,6 @@ def test_tensor_parallel_size_option():
         options.check(_args("--tensor-parallel-size", "0"))
 
 
-def test_a_gpu_server_keeps_a_hot_standby_by_default():
-    """One GPU with anchoring: a hot standby with its pre-warm unless --no-hot-standby; never on
-    the CPU, with --no-anchor or with tensor parallelism (where it is refused if asked for)."""
-    from gpu_anchor.serve import options
-
-    def resolved(*argv, device="cuda:0", anchor=True):
-        a = _args(*argv)
-        options.check(a)
-        options.default_standby(a, device, anchor)
-        return a.hot_standby, a.prewarm, a.warm_pool
-    assert resolved() == (True, True, True)
-    assert resolved("--no-hot-standby") == (False, False, False)
-    assert resolved("--no-hot-standby", "--warm-pool") == (False, False, True)
-    assert resolved("--hot-standby") == (True, False, False)       # as given: the supervisor adds the pool
-    assert resolved(device="cpu") == (False, False, False)
-    assert resolved("--no-anchor", anchor=False) == (False, False, False)
-    assert resolved("-tp", "2") == (False, False, False)
-    with pytest.raises(options.OptionError, match="a standby per rank is not built yet"):
-        options.check(_args("-tp", "2", "--hot-standby"))
-
-
 def test_max_batched_tokens_alias(caplog):
     from gpu_anchor.serve import options
     a = _args("--max-batched-tokens", "48")

@@ -103,7 +103,11 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    options.default_standby(args, cfg.device, cfg.anchor)
+    if args.hot_standby and cfg.device != "cpu" and args.num_blocks is None and args.kv_cache_gib is None:
+        log.warning("--hot-standby: the standby's CUDA context, graphs and pre-warm use device memory that the KV "
+                    "cache's sizing (--gpu-memory-utilization) does not count yet: on an H200 with the 0.9 default "
+                    "a server with --hot-standby --prewarm had 0.955 of the device in use; lower --gpu-memory-utilization to "
+                    "keep a margin")
     if cfg.anchor:
         from gpu_anchor.paths import default_socket, normalize_device
         cfg.socket = args.socket or default_socket(normalize_device(cfg.device))

@@ -72,12 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --warm-pool (implied): the standby also runs a 1-layer scratch engine of the same "
                         "shapes through prefill and decode before any failure, so the first step after a "
                         "take-over finds its kernels loaded (never touches the live engine's state)")
-    p.add_argument("--hot-standby", action=argparse.BooleanOptionalAction, default=None,
-                   help="implies --warm-pool: once the engine is ready, the standby also maps its "
-                        "weights and KV cache (read-only until it takes over), builds the model and captures its "
-                        "decode graphs, so a take-over is a journal read and the next step (docs/serving.md, 'Hot "
-                        "takeover'); default: on (with --prewarm) for one GPU with anchoring; off on the CPU, with "
-                        "--no-anchor and with --tensor-parallel-size > 1 (refused there if asked for)")
+    p.add_argument("--hot-standby", action="store_true",
+                   help="implies --warm-pool: once the engine is ready, the standby also maps its weights and KV "
+                        "cache (read-only until it takes over), builds the model and captures its decode graphs, so "
+                        "a take-over is a journal read and the next step (docs/serving.md, 'Hot takeover'); not with "
+                        "--tensor-parallel-size > 1 or --no-anchor.  Not the default: it costs device memory the "
+                        "KV-cache sizing does not count yet (docs/serving.md)")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
                         "for the first LIMIT engines (default: all); with tensor parallelism, one random "

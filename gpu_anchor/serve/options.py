@@ -75,16 +75,6 @@ def check(args) -> None:
         raise OptionError(f"--num-blocks must be >= 1, got {args.num_blocks}")
 
 
-def default_standby(args, device: str, anchor: bool) -> None:
-    """``--hot-standby`` not given: on for one GPU with anchoring (with its pre-warm: a default
-    user's engine SIGKILL then costs tens of milliseconds, not a fresh engine's start and first
-    steps), off on the CPU, with ``--no-anchor`` and with tensor parallelism (no standby per rank)."""
-    if args.hot_standby is None:
-        args.hot_standby = device != "cpu" and anchor and (args.tensor_parallel_size or 1) == 1
-        if args.hot_standby:
-            args.prewarm = args.warm_pool = True
-
-
 def check_tensor_parallel(args, mc, device: str) -> None:
     """``--tensor-parallel-size`` against the model and the devices."""
     from . import shards
