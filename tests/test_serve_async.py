@@ -265,3 +265,9 @@ def test_async_equals_sync_on_cuda(tmp_path):
     e = engines[True]
     assert e.step_counts["graph"] > 20 and e.step_counts["async"] > 2 * e.step_counts["sync"], e.step_counts
     assert e.step_counts["discarded"] >= 1
+    default = _engine(m, None, **kw)            # not given: on for CUDA (off on the CPU)
+    assert default.run_ahead is not None
+
+
+def test_async_is_off_by_default_on_the_cpu(model):
+    assert _engine(model, None).run_ahead is None and _engine(model, True).run_ahead is not None

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in steady decode, launch the next step before reading this one's tokens, so the GPU does "
                         "not wait for the host's bookkeeping between steps (as vLLM's --async-scheduling; prefill "
                         "and mixed steps, log-probabilities and tensor parallelism stay synchronous; default: "
-                        "off; docs/serving.md, 'Asynchronous scheduling')")
+                        "on for one GPU, off on the CPU; docs/serving.md, 'Asynchronous scheduling')")
     p.add_argument("--warm-pool", action="store_true",
                    help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
                         "at once when the engine dies, instead of a fork + CUDA init")

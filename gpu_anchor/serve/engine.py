@@ -187,7 +187,10 @@ class Engine(Requests):
         # step's tokens were read) / asynchronously (launched ahead of that read: async_step.py) a
         # step launched ahead; ``discarded``: rows launched ahead whose sequence had finished (dropped)
         self.step_counts = {"graph": 0, "eager": 0, "sync": 0, "async": 0, "discarded": 0}
-        self.run_ahead = RunAhead(self) if cfg.async_scheduling and self.tp is None else None
+        # asynchronous scheduling: on by default on CUDA without tensor parallelism
+        run_ahead = cfg.async_scheduling if cfg.async_scheduling is not None else \
+            (self.device.type == "cuda" and self.tp is None)
+        self.run_ahead = RunAhead(self) if run_ahead and self.tp is None else None
         if cfg.async_scheduling and self.tp is not None:
             log.warning("asynchronous scheduling is not built for tensor parallelism: every step runs synchronously")
         # A request that wants log-probabilities resumes one token back: its last committed token

@@ -40,8 +40,9 @@ class EngineConfig:
     # batch it runs in, so a recomputed step or prefill gives exactly the fault-free tokens
     deterministic: bool = False
     # asynchronous scheduling (async_step.py): in steady decode the next step is launched
-    # before this one's tokens are read (vLLM's --async-scheduling); off until measured on the GPU
-    async_scheduling: bool = False
+    # before this one's tokens are read (vLLM's --async-scheduling); None: on for CUDA without
+    # tensor parallelism (H200, 8B, 64 streams: 6.04 vs 7.30 ms a decode step), off on the CPU
+    async_scheduling: bool | None = None
     # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
     # ``rendezvous``: the path prefix of this incarnation's control socket and store
     tensor_parallel_size: int = 1
