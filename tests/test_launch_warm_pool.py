@@ -208,3 +208,6 @@ def test_status_shows_each_ranks_standby():
     text = format_jobs([job])
     assert "standby for rank 0: pid 7, ready (pre-warmed in 1.50 s)" in text
     assert "standby for rank 1: pid 8, failed to prepare: ValueError: x" in text
+    job["standbys"] = {"0": {"pid": 7, "hot": True, "attach_s": 0.5, "device_bytes": 3 << 29}}
+    assert "pid 7, ready, hot: attached to the engine's state in 0.50 s, holds 1.50 GiB of the device" in \
+        format_jobs([job])

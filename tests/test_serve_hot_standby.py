@@ -195,6 +195,8 @@ def _two_engine_kills(server, *flags):
     for _ in range(2):
         _wait(lambda: _hot_standby(standbys[-1]["pid"] if standbys else None), "an attached hot standby")
         standbys.append(_hot_standby())
+        if server.device != "cpu":            # what it holds of the device, for the KV cache's sizing
+            assert standbys[-1]["allocator_peak_bytes"] >= standbys[-1]["allocator_bytes"] > 0, standbys[-1]
         # fresh streams for each kill: on a GPU the first ones end before the next standby is ready
         streams = [_Stream(c, j) for j in jobs]
         _progress(streams)

@@ -155,6 +155,8 @@ def format_jobs(jobs: list[dict]) -> str:
                 what += f", hot: attached to the engine's state in {sb.get('attach_s', 0.0):.2f} s"
             elif sb.get("not_attachable"):
                 what += f", warm only (could not attach: {sb['not_attachable']})"
+            if sb.get("device_bytes") is not None:
+                what += f", holds {sb['device_bytes'] / (1 << 30):.2f} GiB of the device"
             lines.append(f"  standby for rank {r}: pid {sb.get('pid')}, {what}")
         for r, w in sorted((job.get("warm_recipes") or {}).items(), key=lambda kv: int(kv[0])):
             if w.get("skip"):

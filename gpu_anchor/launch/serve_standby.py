@@ -24,6 +24,7 @@ import time
 from gpu_anchor import runtime
 
 log = logging.getLogger("gpu_anchor.serve")
+GIB = 1 << 30
 
 STANDBY_AFTER_S = 2.0
 
@@ -68,7 +69,13 @@ class StandbyKeeper:
         self.standby_noted = True
         info = sb.info
         rec = {"pid": sb.pid, **{k: info[k] for k in ("prepare_s", "engine_prewarm_s", "hot", "attach_s",
-                                                      "not_attachable", "failed") if k in info}}
+                                                      "not_attachable", "failed", "device_bytes", "allocator_bytes",
+                                                      "allocator_peak_bytes") if k in info}}
+        if "allocator_peak_bytes" in info:
+            log.info("standby %d ready: it holds %s of the device (its allocator %.2f GiB; %.2f GiB at its peak while "
+                     "preparing), which the KV cache's sizing counts only within a fixed reserve", sb.pid,
+                     f"{info['device_bytes'] / GIB:.2f} GiB" if "device_bytes" in info else "an unknown share",
+                     info["allocator_bytes"] / GIB, info["allocator_peak_bytes"] / GIB)
         if "engine_prewarm_s" in info:
             rec["prewarm_s"] = info["engine_prewarm_s"]
         self.state.data["standbys"] = {"0": rec}

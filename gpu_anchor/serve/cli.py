@@ -124,7 +124,32 @@ def standby_prepare(cfg, prewarm: bool, hot: bool = False, fence=None) -> dict:
         info.update(_attach(cfg))
         if info.get("hot") and fence is not None and cfg.device.startswith("cuda"):
             fence.map_device()
+    if cfg.device.startswith("cuda"):
+        info.update(_device_memory(cfg.device))
     return info
+
+
+def _device_memory(device: str) -> dict:
+    """What this standby holds of the device once prepared, and its allocator's peak while it
+    prepared (the KV cache's sizing does not count a standby beyond a fixed reserve:
+    ``options.CUDA_FIXED_BYTES``): ``device_bytes`` (NVML, this process, CUDA context
+    included; absent without pynvml), ``allocator_bytes`` and ``allocator_peak_bytes`` (torch)."""
+    import torch
+    out = {"allocator_bytes": torch.cuda.memory_reserved(device),
+           "allocator_peak_bytes": torch.cuda.max_memory_reserved(device)}
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        index = torch.device(device).index or 0
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        h = pynvml.nvmlDeviceGetHandleByIndex(int(visible[index]) if index < len(visible) and
+                                               visible[index].isdigit() else index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                out["device_bytes"] = int(p.usedGpuMemory)
+    except Exception:  # noqa: BLE001  (NVML is optional: the allocator's figures stay)
+        pass
+    return out
 
 
 def _attach(cfg) -> dict:
