@@ -22,8 +22,13 @@ demo: venv
 demo-remap: venv
 	$(BIN)/python examples/kill_and_remap.py
 
+# Two pytest workers (pytest-xdist), one test file each at a time (module fixtures and a file's
+# order kept): most tests wait on the processes they start, so one worker left a core idle.
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-all: venv
 	$(BIN)/python -m pytest -q
