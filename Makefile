@@ -22,8 +22,13 @@ demo: venv
 demo-remap: venv
 	$(BIN)/python examples/kill_and_remap.py
 
+# Two pytest workers (pytest-xdist), one test file each at a time (module fixtures and a file's
+# order kept), files handed out in collection order (tests/conftest.py puts the longest first):
+# one pytest process kept only one of the two cores busy.  TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-all: venv
 	$(BIN)/python -m pytest -q

@@ -7,7 +7,9 @@ import os
 import pytest
 
 from gpu_anchor.client import control
-from launch_reference import reference  # noqa: F401  (one fault-free reference run per session)
+import launch_reference
+
+reference = launch_reference.reference    # one fault-free reference run per session
 
 try:
     import torch
@@ -40,7 +42,16 @@ def _cuda_ready() -> bool:
         return False
 
 
+# The longest test files on CPU (about a minute or more each), run first: `make test` hands whole
+# files to two workers (pytest-xdist, --dist loadfile) in collection order, so a long file taken
+# last would keep one worker busy while the other sits idle.  Only the order changes.
+LONGEST_FIRST = ["test_serve_daemon_loss.py", "test_scope_matrix.py", "test_launch_supervisor.py", "test_readme.py",
+                 "test_serve_tp.py", "test_serve_hot_standby.py", "test_train_faults.py", "test_bench_baselines.py"]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: each file keeps its order
     if _cuda_ready():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and cuda-bindings")

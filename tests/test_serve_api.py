@@ -19,9 +19,8 @@ import urllib.request
 
 import pytest
 
-from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_http import _get, scrape, stop_server
+from test_serve_http import _get, own_daemon, scrape, stop_server
 
 KEY = "test-key-123"
 MODEL = "tiny-qwen3"
@@ -54,15 +53,16 @@ def start_server(d, model, *extra, env=None):
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("api"))
-    model = make_tiny_model(os.path.join(d, MODEL), "qwen3", seed=3)
-    sock = os.path.join(d, "cpu.sock")
-    daemon = control.start("cpu", sock)
-    proc, base, log_path = start_server(d, model, "--socket", sock, "--api-key", KEY, "--chat-template", TEMPLATE)
-    yield {"base": base, "model": model, "log": log_path}
-    stop_server(proc)
-    control.stop("cpu", sock)
-    daemon.wait(10)
+    """The module's server, with a daemon and a socket directory of its own: its job record and
+    job lock land there, not in the default directory that other servers on this host use."""
+    with own_daemon(tmp_path_factory, "api") as (d, sock):
+        model = make_tiny_model(str(d / MODEL), "qwen3", seed=3)
+        proc, base, log_path = start_server(str(d), model, "--socket", sock, "--api-key", KEY,
+                                            "--chat-template", TEMPLATE)
+        try:
+            yield {"base": base, "model": model, "log": log_path}
+        finally:
+            stop_server(proc)
 
 
 def post(base, path, body, key=KEY):
