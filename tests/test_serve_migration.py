@@ -47,7 +47,10 @@ def _jobs(n=10, seed=0):
     return out
 
 
-def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemons):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemons, async_scheduling):
+    """Also with asynchronous scheduling (the default on a GPU): the cut-over completes the step
+    launched ahead before it moves the engine."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from gpu_anchor.checkpoint import migrate
@@ -61,7 +64,7 @@ def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemo
     ref = Engine(EngineConfig(model=model, anchor=False, **CFG)).generate(
         [j[0] for j in jobs], [SamplingParams(**j[1].to_dict()) for j in jobs])
 
-    eng = Engine(EngineConfig(model=model, namespace="srv", socket=src, **CFG))
+    eng = Engine(EngineConfig(model=model, namespace="srv", socket=src, async_scheduling=async_scheduling, **CFG))
     out = {f"r{i}": [] for i in range(len(jobs))}
 
     def publish(events):
@@ -90,12 +93,18 @@ def test_engine_migrates_between_host_daemons_mid_generation(tmp_path, two_daemo
     eng, events = mig.cutover()
     publish(events)
     assert mig.placement["socket"] == src, "the source stays authoritative until the restore is done"
-    assert mig.stats["restored"] == 8 and mig.stats["carried"] == 2
+    # sync: the last commit was built before r8, r9 arrived, so they are carried over; async: if a
+    # step was launched ahead, the cut-over completes it and its commit records them (restored)
+    if async_scheduling:
+        assert mig.stats["restored"] + mig.stats["carried"] == 10 and mig.stats["restored"] >= 8, mig.stats
+    else:
+        assert mig.stats["restored"] == 8 and mig.stats["carried"] == 2, mig.stats
     assert any(s.num_computed > 0 for s in eng.restored), "KV came along: no prefill recomputed"
     while eng.has_work():
         publish(eng.step())
         mig.poll()
     stats = mig.finish()
+    assert (eng.run_ahead is not None) == async_scheduling and (eng.step_counts["async"] > 0) == async_scheduling
     assert mig.placement == {"device": "cpu", "socket": dst}
     assert stats["on_demand_objects"] > 0
     assert [out[f"r{i}"] for i in range(len(jobs))] == ref
