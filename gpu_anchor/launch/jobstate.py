@@ -115,6 +115,12 @@ def _alive(pid) -> bool:
         return True
 
 
+# what a training standby's report puts in the job record (``standbys``)
+STANDBY_KEYS = ("cuda_init_s", "prewarm_s", "prepare_s", "failed", "auto_prewarm_s", "auto_prewarm_skipped",
+                "auto_prewarm_failed", "auto_prewarm_peak_estimate", "auto_prewarm_note", "anchored_warm",
+                "anchored_warm_s", "anchored_warm_skipped", "anchored_warm_failed")
+
+
 def prewarm_text(sb: dict) -> str:
     """What a standby's pre-warm did, from its report (empty when it ran none)."""
     if sb.get("prewarm_s") is not None:

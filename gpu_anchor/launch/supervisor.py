@@ -262,10 +262,7 @@ class Supervisor:
         """The fork server says a rank's standby finished preparing: record it (``gpu-anchor status``
         shows it; benchmarks wait for it before the next kill)."""
         info = m.get("info") or {}
-        rec = {"pid": m.get("pid"), "t": m.get("t"), **{k: info[k] for k in (
-            "cuda_init_s", "prewarm_s", "prepare_s", "failed", "auto_prewarm_s", "auto_prewarm_skipped",
-            "auto_prewarm_failed", "auto_prewarm_peak_estimate", "auto_prewarm_note", "anchored_warm", "anchored_warm_s",
-            "anchored_warm_skipped", "anchored_warm_failed") if k in info}}
+        rec = {"pid": m.get("pid"), "t": m.get("t"), **{k: info[k] for k in jobstate.STANDBY_KEYS if k in info}}
         self.state.data.setdefault("standbys", {})[str(m["rank"])] = rec
         self.state.save()
         if "failed" in info:
