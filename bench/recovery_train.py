@@ -143,6 +143,8 @@ def run_method(method, model, device, tiny, modes, repeat, ckpt_every, bsz, seq,
 SUPERVISED = {  # variant -> (method name in the result, extra `gpu-anchor run` options, the baselines' mode)
     "default": ("gpu_anchor_run_default", [], None),   # no recovery flags: what a new user gets (GPU: a standby
                                                        # that replays the first step's recipe, runtime.auto_prewarm)
+    "no_early_start": ("gpu_anchor_run_no_early_start", ["--no-early-start"], None),  # the default, successor
+                                                       # started at the worker's exit (the default before early start)
     "fork": ("gpu_anchor_run", ["--no-warm-pool"], "warm"),
     "warm_pool": ("gpu_anchor_run_warm_pool", ["--warm-pool", "--no-auto-prewarm"], "standby"),
     "prewarm": ("gpu_anchor_run_prewarm", ["--prewarm", "bench.baselines.trainer:prewarm"], "prewarm"),
@@ -216,7 +218,9 @@ def run_supervised(model, device, tiny, repeat, ckpt_every, bsz, seq, work, vari
             rec = (_job(sockets, ns).get("restarts") or [{}])[-1]
             if rec.get("t_exit") and rec.get("t_detect"):     # the supervisor's side of the start-up
                 ph.update(exit_s=rec["t_exit"] - t_kill, detect_s=rec["t_detect"] - t_kill,
-                          decide_s=rec.get("decide_s"), spawn_s=rec.get("spawn_s"))
+                          decide_s=rec.get("decide_s"), spawn_s=rec.get("spawn_s"), early=bool(rec.get("early")))
+                if rec.get("early"):    # the successor started at the death, waited at its gate until t_gate
+                    ph.update(early_start_s=rec["t_started"] - t_kill, gate_open_s=rec["t_gate"] - t_kill)
             for k in AUTO_PREWARM_KEYS:   # what the standby's automatic pre-warm did, or why it did not
                 if sb and k in sb:
                     ph["standby_" + k] = sb[k]

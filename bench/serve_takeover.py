@@ -105,6 +105,9 @@ def main(argv=None) -> int:
                 return bool(sb.get("hot")) and sb.get("pid") != pid
             _wait(attached, "a hot standby attached", 600, srv.proc)
             print(f"[bench] round {k}: hot standby attached ({time.time() - t0:.1f} s)", flush=True)
+            # what the standby holds of the device (its own report: NVML for its process, its allocator)
+            standby = {key: ((_job(ns).get("standbys") or {}).get("0") or {}).get(key)
+                       for key in ("device_bytes", "allocator_bytes", "allocator_peak_bytes", "attach_s")}
             time.sleep(0.3)          # mid-stream, past the attach's own work
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
                    "timeline_ms": {k: round((t - t_kill) * 1e3, 2) for k, t in (
                        ("detected", (restarts[-1] if restarts else {}).get("t_detect")), ("lost", rec.get("lost_at")),
                        ("hello", rec.get("hello_at")), ("first_token", rec.get("first_token_at"))) if t},
-                   "resyncs": rec.get("resyncs")}
+                   "resyncs": rec.get("resyncs"), "standby": standby}
             kills.append(row)
             if row["pause_s"] is None:
                 raise RuntimeError(f"no stream got a token after the kill: {row}")

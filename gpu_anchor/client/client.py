@@ -32,7 +32,7 @@ from gpu_anchor.dtypes import check_dtype, check_shape
 from gpu_anchor.errors import BadRequest
 from gpu_anchor.paths import normalize_device
 
-from . import mapping
+from . import gate, mapping
 from .channel import Channel
 from .journal import Journal
 
@@ -132,6 +132,7 @@ class Client:
     def _request(self, header: dict, blob: bytes = b"") -> tuple[dict, bytes, list[int]]:
         if os.getpid() != self._channel.pid:
             raise RuntimeError("this gpu-anchor client was created in the parent process; call connect() in the child")
+        gate.wait_open()         # a worker started early touches no anchored state before its supervisor says so
         self.flush_frees()
         header.setdefault("namespace", self.namespace)
         return self._channel.request(header, blob)

@@ -49,6 +49,9 @@ class WarmStart:
     # without ``prewarm``: each standby replays one step of a 1-layer copy of the job's model, as
     # recorded by the worker's first step (runtime.auto_prewarm; transformers models)
     auto_prewarm: bool = True
+    # a failed worker's successor starts at the worker's death, not its exit, and waits at a
+    # start gate before touching anchored state until the failure is classified (early_start.py)
+    early_start: bool = True
     preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
 
 

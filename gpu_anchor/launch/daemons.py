@@ -66,6 +66,11 @@ class JobDaemons:
                 problems.append(f"{d} is a new instance")
         return alive, same, problems
 
+    def seem_alive(self) -> bool:
+        """Cheap, without asking them: no daemon this job started has exited.  (A daemon we
+        did not start counts as alive; ``check`` asks them all.)"""
+        return all(proc.poll() is None for _, proc in self.started.values())
+
     def replace_dead(self) -> list[str]:
         """Fresh daemons for those that died or were replaced; drops this job's namespaces
         in the survivors' places too, so a restore starts from nothing.  Returns devices restarted."""

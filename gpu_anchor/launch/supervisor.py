@@ -7,6 +7,8 @@ State machine of a job (one node, ``nproc`` local ranks = one group)::
     RUNNING --a rank fails--> KILL GROUP (SIGKILL every rank's process group; the
             collectives of the others are broken anyway) --> CLASSIFY (classify.decide)
     CLASSIFY --restart (shallow)--> RUNNING(g+1): same daemons, workers reattach
+            (early start: the successors of g+1 were started at the first rank's death,
+            held at their start gates until here — launch/early_start.py)
     CLASSIFY --restore (destructive)--> fresh daemons, namespaces dropped,
             GPU_ANCHOR_RESTORE=DIR:STEP for gen g+1 (until every rank reports "restored")
     CLASSIFY --stop--> STOPPED (daemons and anchored state kept for a rerun)
@@ -32,7 +34,8 @@ from gpu_anchor.checkpoint import format as ckpt_format
 from gpu_anchor.checkpoint.settings import RESTORE_ENV
 from gpu_anchor.runtime.auto_prewarm import RECIPE_ENV
 
-from . import classify, daemons as daemons_mod, events, health, jobstate
+from . import classify, daemons as daemons_mod, early_start, events, health, jobstate
+from .early_start import EarlyStarter
 from .chaos import Chaos
 from .config import SupervisorConfig, free_port, resolve_standby, split_python  # noqa: F401  (re-exported)
 
@@ -43,7 +46,7 @@ class _Worker:
         self.rank, self.pid, self.popen, self.status, self.t_exit = rank, pid, popen, None, None
 
 
-class Supervisor:
+class Supervisor(EarlyStarter):
     def __init__(self, cfg: SupervisorConfig) -> None:
         if cfg.nproc < 1:
             raise ValueError("--nproc-per-node must be >= 1")
@@ -62,6 +65,8 @@ class Supervisor:
         self.chaos = Chaos(cfg.chaos.kills, cfg.chaos.every, cfg.chaos.seed, cfg.chaos.target)
         self.crash = classify.CrashLoop(cfg.restart.crash_loop)
         self.zygote = None
+        self.early: early_start.EarlyStart | None = None
+        self._early_events: list[dict] = []
         self.auto_prewarm = False             # standbys replay the recipe the workers record
         self.workers: dict[int, _Worker] = {}
         self.gen = 0
@@ -93,6 +98,7 @@ class Supervisor:
         self._install_signals()
         try:
             self._start_zygote()
+            self._start_early_start()
             self.pending_restore = self._initial_restore()
             self._start_group()
             return self._loop()
@@ -102,6 +108,7 @@ class Supervisor:
     def _loop(self) -> int:
         while True:
             self._wait_io()
+            self._early_tick()
             self._collect_exits()
             self._drain_events()
             if self._stop_signal is not None:
@@ -157,14 +164,15 @@ class Supervisor:
                 for ns in self.daemons.namespaces_of(d, self.cfg.nproc, ranks)]
 
     # ------------------------------------------------------------------ workers
-    def _env(self, rank: int, port: int) -> dict:
+    def _env(self, rank: int, port: int, gen: int | None = None) -> dict:
+        gen = self.gen if gen is None else gen
         env = dict(os.environ)
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.cfg.nproc),
                     "LOCAL_WORLD_SIZE": str(self.cfg.nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                     "ROLE_WORLD_SIZE": str(self.cfg.nproc), "MASTER_ADDR": self.cfg.master_addr,
-                    "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(self.gen),
+                    "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(gen),
                     "GPU_ANCHOR_NAMESPACE": self.namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir(),
-                    "GPU_ANCHOR_RESTART_COUNT": str(self.gen), events.ENV: self.events.path})
+                    "GPU_ANCHOR_RESTART_COUNT": str(gen), events.ENV: self.events.path})
         env.pop("GPU_ANCHOR_SOCKET", None)
         env.pop(RESTORE_ENV, None)
         env.pop(RECIPE_ENV, None)
@@ -176,24 +184,16 @@ class Supervisor:
         env.update(dataclasses.replace(self.cfg.checkpoint, restore=restore).to_env())
         return env
 
-    def _start_group(self) -> None:
+    def _start_group(self, adopted: dict | None = None) -> None:
+        """Start generation ``self.gen``'s workers, or make ``adopted`` (the early-started
+        successor group, its gates open) that generation."""
         self._gen_stepped = False
         self._hang_step, self._hang_since, self._hang_polled = None, time.monotonic(), 0.0
-        port = free_port()
-        self.workers = {}
         self.restored_ranks = set()
         t0 = time.time()
-        for rank in range(self.cfg.nproc):
-            env = self._env(rank, port)
-            if self.zygote is not None:
-                try:
-                    pid = self.zygote.spawn(self.py[1], env, os.getcwd())
-                    self.workers[rank] = _Worker(rank, pid)
-                    continue
-                except (RuntimeError, OSError) as e:
-                    self.log(f"warm start failed ({e}); falling back to cold starts")
-                    self.zygote = None
-            self.workers[rank] = self._cold(rank, env)
+        if self.early is not None and adopted is None:
+            self.early.close_gates()
+        self.workers = adopted if adopted is not None else self._spawn_group(self.gen)
         how = "warm (forked)" if self.zygote is not None else "cold"
         if self.zygote is not None:
             # every rank's standby was used or dismissed by these spawns; reports that arrived
@@ -206,6 +206,36 @@ class Supervisor:
             self.current["spawn_s"] = time.time() - t0
             self.current["how"] = how
         self._mtime = self._code_mtime()
+        if adopted is not None:     # what the successors reported while they waited at their gates
+            events_, self._early_events = self._early_events, []
+            self._drain_events(events_)
+
+    def _spawn_group(self, gen: int, gated: bool = False) -> dict:
+        port = free_port()
+        workers = {}
+        for rank in range(self.cfg.nproc):
+            env = self._env(rank, port, gen)
+            if self.zygote is not None:
+                slot = self.early.arm(env) if self.early is not None else None
+                if gated:
+                    if rank == 0:
+                        self.early.close_gates()    # the current generation's: passed long ago
+                    self.early.gate(rank, env)
+                try:
+                    workers[rank] = _Worker(rank, self.zygote.spawn(self.py[1], env, os.getcwd()))
+                    if slot is not None:
+                        self.early.watch(workers[rank].pid, slot)
+                    continue
+                except (RuntimeError, OSError) as e:
+                    self.log(f"warm start failed ({e}); falling back to cold starts")
+                    self.zygote = None
+                    if gated:       # the early start needs the fork server: drop what it started
+                        for w in workers.values():
+                            os.killpg(w.pid, signal.SIGKILL)
+                        raise
+            env.pop(early_start.LIVENESS_ENV, None)
+            workers[rank] = self._cold(rank, env)
+        return workers
 
     def _cold(self, rank: int, env: dict) -> _Worker:
         import subprocess
@@ -250,7 +280,15 @@ class Supervisor:
             for m in self.zygote.pool_ready() if self.zygote is not None else ():
                 self._standby_ready(m)
             by_pid = {w.pid: w for w in self.workers.values()}
+            early = self.early.pids() if self.early is not None else set()
             for m in msgs:
+                if self.early is not None:
+                    self.early.forget(m["pid"])
+                if m["pid"] in early:
+                    self.log(f"early-started worker pid {m['pid']} exited ({m['status']}) at its gate: "
+                             "its group is dropped")
+                    self._drop_early()
+                    early = set()
                 w = by_pid.get(m["pid"])
                 if w is not None and w.status is None:
                     w.status, w.t_exit = m["status"], m.get("t", now)
@@ -320,6 +358,8 @@ class Supervisor:
         reason = d.reason + ("; code changed since the last start" if code_changed else "") + \
             (" [chaos]" if by_chaos else "") + (f" ({'; '.join(dproblems)})" if dproblems else "")
         self.log(f"decision: {d.action.upper()} — {reason}")
+        if d.action != "restart":
+            self._drop_early()
         rec = {"action": d.action, "kind": d.kind, "reason": reason, "step": step, "chaos": by_chaos,
                "t_detect": t_detect, "t_kill": self.t_chaos if by_chaos else None,
                "t_exit": first.t_exit, "generation": self.gen + 1, "marks": {}, "recovery_s": None}
@@ -350,7 +390,7 @@ class Supervisor:
         self.gen += 1
         self.current = rec
         rec["decide_s"] = round(time.time() - t_detect, 4)
-        self._start_group()
+        self._start_group(self._adopt_early(rec))
         self.state.save()
         return None
 
@@ -372,8 +412,11 @@ class Supervisor:
         return ckpt
 
     # ------------------------------------------------------------------ events
-    def _drain_events(self) -> None:
-        for ev in self.events.drain():
+    def _drain_events(self, received: list[dict] | None = None) -> None:
+        for ev in self.events.drain() if received is None else received:
+            if self.early is not None and self.early.group is not None and ev.get("generation") == self.gen + 1:
+                self._early_events.append(ev)     # an early-started worker: its generation is not decided
+                continue
             if ev.get("generation") != self.gen:
                 continue
             if ev["event"] == "restored":
@@ -398,7 +441,8 @@ class Supervisor:
                 last = max(self.current["marks"][str(r)]["first_step"] for r in range(self.cfg.nproc))
                 self.current["recovery_s"] = round(last - t0, 4)
                 self.log(f"recovered: first step of generation {self.gen} done "
-                         f"{self.current['recovery_s']:.3f} s after the failure ({self.current.get('how')})")
+                         f"{self.current['recovery_s']:.3f} s after the failure ({self.current.get('how')}"
+                         f"{', started early' if self.current.get('early') else ''})")
                 self.current = None
             self.state.save()
 
@@ -434,6 +478,8 @@ class Supervisor:
             if self.zygote is not None:
                 sel.register(self.zygote, selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)
+            if self.early is not None:
+                sel.register(self.early, selectors.EVENT_READ)
             t = 0.25 if timeout is None else timeout
             ct = self.chaos.timeout()
             if ct is not None:
@@ -488,6 +534,8 @@ class Supervisor:
     def _shutdown(self) -> None:
         if any(w.status is None for w in self.workers.values()):
             self._kill_group(signal.SIGKILL, 5.0)
+        if self.early is not None:
+            self.early.close()
         if self.zygote is not None:
             self.zygote.close()
         self.events.close()

@@ -95,6 +95,38 @@ def _recorded_devices(directory: str, step: int, rank: int) -> list[str]:
     return [e["device"] for e in man["files"]]
 
 
+LIVENESS_ENV = "GPU_ANCHOR_LIVENESS"      # "PATH:SLOT": this worker's writers' slot (launch.early_start)
+
+
+def run(target: list[str]) -> dict:
+    """``run_target`` with this process marked as a writer of the job's anchored state when the
+    supervisor watches it (``LIVENESS_ENV``): its main thread holds the slot's robust mutexes
+    from now until it dies, or lets go of them when the target ends cleanly — so that the
+    supervisor tells a death (start the successor now) from the end of the work."""
+    spec = os.environ.pop(LIVENESS_ENV, None)
+    if not spec:
+        return run_target(target)
+    from gpu_anchor.runtime import liveness
+    path, _, slot = spec.rpartition(":")
+    live, slot = liveness.Liveness(liveness.shared_file(path)), int(slot)
+    for w in range(liveness.WRITERS):
+        live.hold(slot, w)
+    try:
+        out = run_target(target)
+    except SystemExit as e:
+        if e.code in (0, None):
+            _release(live, slot)
+        raise
+    _release(live, slot)
+    return out
+
+
+def _release(live, slot: int) -> None:
+    from gpu_anchor.runtime import liveness
+    for w in range(liveness.WRITERS):
+        live.release(slot, w)
+
+
 def run_target(target: list[str]) -> dict:
     """Run ``target`` as ``python`` would, in this process; raises SystemExit like it.
 
@@ -132,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     subscribe()
     events.mark("user_code", how="cold")
     restore_if_asked()
-    run_target(argv)
+    run(argv)
 
 
 if __name__ == "__main__":

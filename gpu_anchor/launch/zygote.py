@@ -61,7 +61,7 @@ def _run_request(req: dict, how: str = "warm"):
     worker.subscribe()
     events.mark("user_code", how=how)
     worker.restore_if_asked()
-    return worker.run_target(req["target"])
+    return worker.run(req["target"])
 
 
 def _fork_worker(sock: socket.socket, req: dict) -> int:

@@ -114,18 +114,26 @@ class Liveness:
         False at once if some writer has not taken its mutex: then nothing is known (wait for the
         process's lifeline instead).  The watched process takes every mutex before it says it is
         ready; call this after that."""
+        return self.wait_writers(slot) is not None
+
+    def wait_writers(self, slot: int) -> str | None:
+        """``writers_gone``, saying how: ``"died"`` if some writer ended holding its mutex (killed,
+        or the process exited without ``release``), ``"released"`` if every writer let go of its
+        own (a clean end), None at once if some writer has not taken its mutex."""
         if not self.held(slot):
-            return False
+            return None
         lib = _libc()
+        how = "released"
         for w in range(WRITERS):
             m = ctypes.c_void_p(self._entry(slot, w))
             rc = lib.pthread_mutex_lock(m)
             if rc == errno.EOWNERDEAD:
                 lib.pthread_mutex_consistent(m)
+                how = "died"
             elif rc:
                 raise OSError(rc, f"pthread_mutex_lock: {os.strerror(rc)}")
             lib.pthread_mutex_unlock(m)
-        return True
+        return how
 
     # ------------------------------------------------------------ the watched process
     def hold(self, slot: int, writer: int) -> None:
@@ -137,3 +145,22 @@ class Liveness:
         elif rc:
             raise OSError(rc, f"pthread_mutex_lock: {os.strerror(rc)}")
         self._tid(slot, writer).value = threading.get_native_id()
+
+    def release(self, slot: int, writer: int) -> None:
+        """The calling thread, which ``hold`` s the mutex, lets go of it: its writes are over (a
+        clean end; the watcher's ``wait_writers`` then says ``"released"``)."""
+        rc = _libc().pthread_mutex_unlock(ctypes.c_void_p(self._entry(slot, writer)))
+        if rc:
+            raise OSError(rc, f"pthread_mutex_unlock: {os.strerror(rc)}")
+
+
+def shared_file(path: str, create: bool = False) -> mmap.mmap:
+    """A page for ``Liveness`` that processes which do not share a fork ancestor map by path
+    (``gpu-anchor run``'s workers are forked by its fork server, a process of its own)."""
+    fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if create else os.O_RDWR, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, PAGE)
+        return mmap.mmap(fd, PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
