@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-BLOCK = 2048            # elements per program, and per undo tag (the restore granularity)
+BLOCK = 1024            # elements per program, and per undo tag (the restore granularity)
 _COLS = 10              # table row: p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, their 4 undo places, numel
 DTYPES = (torch.bfloat16, torch.float32)
 # (structure key, device) -> the fma flag verified in this process, or None (not reproducible):
@@ -89,7 +89,7 @@ def launch(rows: torch.Tensor, blks: torch.Tensor, nblocks: int, tags: torch.Ten
                           sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"],
                           T=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, AMSGRAD=amsgrad,
                           MAXIMIZE=maximize, WD=wd, LERP_SMALL=small, FMA=fma, BLOCK=BLOCK,
-                          num_warps=8, enable_fp_fusion=False)
+                          num_warps=4, enable_fp_fusion=False)
 
 
 class FusedAdam:
