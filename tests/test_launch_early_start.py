@@ -160,3 +160,16 @@ def test_a_decision_other_than_restart_drops_the_successor_at_its_gate(clean_dae
     assert "resuming at step" not in p.stdout           # it never bound anything
     (rec,) = _job(clean_daemons)["restarts"]
     assert rec["action"] == "stop" and not rec.get("early")
+
+
+def test_status_says_which_restart_started_early_and_reads_serving_records_too():
+    from gpu_anchor.launch import jobstate
+    base = {"namespace": "j", "state": "running", "supervisor_alive": True, "nproc": 1, "devices": ["cuda:0"],
+            "warm": True, "command": ["python", "t.py"], "ranks": {}}
+    train = dict(base, restarts=[{"action": "restart", "kind": "shallow", "step": 7, "recovery_s": 0.31,
+                                  "reason": "killed", "early": True, "early_s": 0.1}])
+    serve = dict(base, kind="serve", restarts=[{"action": "restart", "kind": "shallow", "step": None,
+                                                "recovery_s": 0.05, "reason": "killed", "early": True}])
+    text = jobstate.format_jobs([train, serve])
+    assert "0.310 s to first step (started early, 100 ms before its gate opened)" in text
+    assert "0.050 s to first step: killed" in text

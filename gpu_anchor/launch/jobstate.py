@@ -175,7 +175,7 @@ def format_jobs(jobs: list[dict]) -> str:
         for i, rs in enumerate(job["restarts"], 1):
             rec = rs.get("recovery_s")
             rec_s = f"{rec:.3f} s to first step" if rec is not None else "recovery not yet measured"
-            if rs.get("early"):
+            if rs.get("early_s") is not None:      # a training restart's early start (serving: "early" only)
                 rec_s += f" (started early, {rs['early_s'] * 1e3:.0f} ms before its gate opened)"
             lines.append(f"  restart {i}: {rs['action']} ({rs.get('kind') or '-'}), step {rs.get('step')}, "
                          f"{rec_s}: {rs['reason']}")
