@@ -11,7 +11,11 @@ Shared by the warm path (a child forked from the zygote) and the cold path
    exactly as after a shallow failure (``GPU_ANCHOR_RESTORE_MODE=on_demand``: the
    objects are bound at once and filled as the user's ops first touch them, see
    ``gpu_anchor.checkpoint.supervised``);
-2. run the target like ``python script.py args`` / ``python -m module args``.
+2. run the target like ``python script.py args`` / ``python -m module args``, with torch's
+   destroyed process groups kept until the worker exits (``process_groups``: a gloo group's
+   destructor could otherwise deadlock on the GIL when ``main()`` returns);
+3. exit through ``runtime.exit_path`` (atexit, flush, ``os._exit``: no destructor runs), on the
+   cold path as on the warm one.
 
 TARGET is ``script.py args...``, ``-m module args...`` or ``-c code args...``.
 """
@@ -135,6 +139,8 @@ def run_target(target: list[str]) -> dict:
     (a plain ``python script.py`` keeps its globals until shutdown too)."""
     if not target:
         raise SystemExit("gpu-anchor worker: nothing to run")
+    from . import process_groups
+    process_groups.install()
     if target[0] == "-m":
         sys.argv = [target[1]] + target[2:]
         sys.path.insert(0, os.getcwd())
@@ -152,7 +158,8 @@ def run_target(target: list[str]) -> dict:
         return runpy.run_path(script, run_name="__main__")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None):
+    """The cold worker; returns the script's globals (``runtime.exit_path`` holds them)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     from gpu_anchor.runtime import install_stack_dumps
     install_stack_dumps()       # as in a forked worker: stacks on SIGABRT, and on SIGUSR1
@@ -160,12 +167,13 @@ def main(argv: list[str] | None = None) -> None:
         from gpu_anchor.checkpoint.settings import RESTORE_MODE_ENV
         os.environ[RESTORE_MODE_ENV] = "full"
         restore_if_asked()
-        return
+        return None
     subscribe()
     events.mark("user_code", how="cold")
     restore_if_asked()
-    run(argv)
+    return run(argv)
 
 
 if __name__ == "__main__":
-    main()
+    from gpu_anchor.runtime import exit_path
+    exit_path(main)     # as a forked worker ends: no destructor runs (see process_groups)
