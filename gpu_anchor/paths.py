@@ -76,9 +76,30 @@ def process_identity(pid: int) -> str | None:
 
 def daemon_alive(socket_path: str) -> bool:
     """True while the daemon that took ``socket_path``'s lock runs (listening yet or not)."""
+    path = lock_path(socket_path)
     try:
-        with open(lock_path(socket_path)) as f:
+        with open(path) as f:
             owner = f.read().split()
     except OSError:
         return False
-    return len(owner) == 2 and owner[0].isdigit() and process_identity(int(owner[0])) == " ".join(owner)
+    if len(owner) == 2 and owner[0].isdigit() and process_identity(int(owner[0])) == " ".join(owner):
+        return True
+    # A starting daemon empties the file before it writes who it is: between the two, the
+    # file names nobody, but the daemon already holds the lock (seen by the kernel's lock table)
+    return _flock_held(path)
+
+
+def _flock_held(path: str) -> bool:
+    """Someone holds a granted flock on ``path`` (read from ``/proc/locks``, which takes no lock)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            table = f.read().splitlines()
+    except OSError:
+        return False
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table:       # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; waiters have "->"
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
+            return True
+    return False

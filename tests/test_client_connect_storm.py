@@ -167,3 +167,22 @@ def test_out_of_descriptors_the_daemon_pauses_accept_and_serves_everyone(socket_
         for s in socks:
             s.close()
         _stop(proc, path)
+
+
+def test_a_daemon_that_emptied_its_lock_file_but_not_yet_wrote_it_counts_as_starting(socket_dir):
+    """A starting daemon truncates its lock file, then writes who it is: a client that reads the
+    file in between must wait for it, not say "no daemon" (seen once in a loaded CI run)."""
+    from gpu_anchor.paths import daemon_alive
+    path = os.path.join(socket_dir, "cpu.sock")
+    dead = control.start("cpu", path)
+    dead.kill()
+    dead.wait(10)
+    assert not daemon_alive(path)             # the dead daemon's identity, nobody holding the lock
+    lock = os.open(lock_path(path), os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.ftruncate(lock, 0)                 # the daemon's first two moves (daemon/server.py)
+        assert daemon_alive(path)
+    finally:
+        os.close(lock)
+    assert not daemon_alive(path)             # lock released, file empty: nobody
