@@ -101,7 +101,16 @@ def test_state_is_anchored_and_named(host_daemon):
     assert "model.0.weight" in names and "train.grad.0.weight" in names
     assert "train.state.0.weight.exp_avg" in names and {"train.undo.0", "train.undo.1"} <= names
     p = next(model.parameters())
+    assert p.grad is None                     # as torch leaves it before the first backward
+    x, y = C.batch(0, cfg.seed)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    # the gradient backward made was copied home at once: p.grad is the anchored buffer
     assert p.grad.data_ptr() == client.lookup("train.grad.0.weight", p.shape, p.dtype).data_ptr()
+    opt.zero_grad(set_to_none=False)          # kept, zeroed in place
+    assert p.grad.data_ptr() == client.lookup("train.grad.0.weight", p.shape, p.dtype).data_ptr()
+    assert not p.grad.any()
+    opt.zero_grad()
+    assert p.grad is None
     total = sum(t.numel() * t.element_size() * 4 for t in model.parameters())
     assert opt.undo_bytes <= max(2 * 4096, 0.5 * total)
 
