@@ -42,6 +42,7 @@ from .protocol import StepState, key
 from gpu_anchor.journal_keys import STEP_KEY
 
 from . import step_hooks
+from .grads import GradientBuffers
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -234,20 +235,14 @@ class AnchoredOptimizer(StateDictMixin):
             q.gflat = q.grad.view(-1)
             q.sflat = {k: t.view(-1) for k, t in q.states.items()}
             optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
-        self._cleared = [True] * len(self._params)
-        self._hooks = [q.p.register_post_accumulate_grad_hook(self._make_hook(q))
-                       for q in self._params if q.p.requires_grad]
         self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind, tags)
         self.fused_reason = self._fused_reason(tags)   # None: steps may use the fused update
         if self.progress == "device":
             self._dev = DeviceProgress(word, self.device, self._copy_to_undo, self.stats)
         self._counts = [0] * len(self._params)
         self._rank, self._world = distributed.world()
-        # One process, plain tensors: zero_grad() leaves p.grad None, as torch's default does, and
-        # each gradient backward makes is copied home by its hook.  Under DDP / FSDP2 (whose
-        # buckets and sharded gradients own p.grad's life) the anchored gradients are zeroed and
-        # accumulated into instead.
-        self._fresh_grads = self._world == 1 and all(_local(q.p) is q.p for q in self._params)
+        self._grads = GradientBuffers(self._params, fresh=self._world == 1 and
+                                      all(_local(q.p) is q.p for q in self._params))
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
 
         with torch.no_grad():
@@ -261,7 +256,7 @@ class AnchoredOptimizer(StateDictMixin):
                 self._resume(vals)
                 if meta is None or json.loads(self._meta()) != meta:
                     self._commit({key(prefix, "meta"): self._meta()})
-            self._zero_grads()
+            self._grads.zero()
         _holders[holder_key] = self
 
     # ------------------------------------------------------------------ public
@@ -295,7 +290,7 @@ class AnchoredOptimizer(StateDictMixin):
             raise RuntimeError("zero_grad during an optimizer step")
         faults.hit("between_steps", self._state.step - 1)   # "after step s committed"
         with torch.no_grad():
-            self._zero_grads(cleared=set_to_none)
+            self._grads.zero(cleared=set_to_none)
 
     def step(self, closure=None) -> None:
         """Finalize gradients, then apply the update chunk by chunk under the protocol.
@@ -534,48 +529,13 @@ class AnchoredOptimizer(StateDictMixin):
         return {"undo": "fused", "undo_block": self._fused_block()} if plan is not None else {"undo": "copy"}
 
     def _finalize_grads(self) -> list[bool]:
-        """The gradient-finalization boundary: anchored buffers hold the final gradients."""
-        mask = []
-        for q in self._params:
-            g = q.p.grad
-            if g is None:
-                q.p.grad = q.gview
-                mask.append(False)
-            elif _local(g).data_ptr() != q.grad.data_ptr():
-                q.grad.copy_(_local(g))      # someone replaced p.grad: bring it home
-                q.p.grad = q.gview
-                mask.append(True)
-            else:
-                mask.append(not self._cleared[q.index])
+        """The gradient-finalization boundary (``grads.GradientBuffers.finalize``), then the
+        GradScaler's unscale: an inf/NaN masks every parameter out, as ``GradScaler.step`` skips."""
+        mask = self._grads.finalize()
         if self.scaler is not None and amp.unscale(self.scaler, [q.grad for q, m in zip(self._params, mask) if m],
                                                    self.device, self._world > 1):
-            mask = [False] * len(mask)       # inf/NaN: skip the update, as GradScaler.step does
+            mask = [False] * len(mask)
         return mask
-
-    def _zero_grads(self, cleared: bool = True) -> None:
-        if cleared and self._fresh_grads:
-            # Zeroing the anchored gradients and accumulating into them costs a write and a
-            # read-modify-write of every gradient per step; the hook's copy of a fresh one, a read
-            # and a write (bench train_overhead: plain AdamW(fused=True) keeping its gradients
-            # is 0.7-3.2 % slower on the H200).  The anchored buffers keep the last step's
-            # gradients until then: the redo log of a step in flight is never cleared here.
-            for q in self._params:
-                q.p.grad = None
-        else:
-            torch._foreach_zero_([q.grad for q in self._params])
-            for q in self._params:
-                if q.p.grad is None or _local(q.p.grad).data_ptr() != q.grad.data_ptr():
-                    q.p.grad = q.gview
-        self._cleared = [cleared] * len(self._params)
-
-    def _make_hook(self, q):
-        def hook(p):
-            self._cleared[q.index] = False
-            g = p.grad
-            if self._fresh_grads and g is not None and g.data_ptr() != q.grad.data_ptr():
-                q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
-                p.grad = q.gview
-        return hook
 
     def _capture_carry(self) -> bytes:
         return carry_mod.capture(self.loop_state, self.device if self.track_rng else None, self.scaler)
