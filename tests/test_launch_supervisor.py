@@ -166,3 +166,15 @@ def test_hung_group_is_killed_and_restarted_in_place(reference, clean_daemons, t
     assert "hang: no new committed step" in rs[0]["reason"]
     assert "resuming at step 29" in p.stdout
     assert torch.equal(result(tmp_path / "r.pt"), reference[1])
+
+
+def test_cpu_device_type_hides_the_gpus_from_the_workers(clean_daemons, tmp_path):
+    # on a GPU host, examples/demo_train.py would otherwise pick cuda:LOCAL_RANK, where no daemon of
+    # this job runs (rank 1 of a 2-rank job on a one-GPU host failed outright)
+    p = subprocess.run([sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--nproc-per-node",
+                        "2", "--", sys.executable, "-c",
+                        "import os; print('visible=%r' % os.environ.get('CUDA_VISIBLE_DEVICES'))"],
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "0"},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("visible=''") == 2, p.stdout

@@ -32,7 +32,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                         "at once and load each object when first touched (on_demand; GPU_ANCHOR_RESTORE_MODE)")
     r.add_argument("--no-resume", dest="resume", action="store_false",
                    help="do not restore the newest checkpoint when the daemons hold nothing of this job")
-    r.add_argument("--device-type", default="auto", choices=["auto", "cuda", "cpu"])
+    r.add_argument("--device-type", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: the GPUs if the host has any; cpu: host daemons only, and the workers see no GPU "
+                        "(their CUDA_VISIBLE_DEVICES is empty)")
     r.add_argument("--cold", dest="warm", action="store_false", help="no warm-worker server: every start is cold")
     r.add_argument("--warm-pool", action="store_true", default=None,
                    help="keep a standby worker per rank (CUDA context created, kernels warmed) that takes over "

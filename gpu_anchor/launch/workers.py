@@ -39,6 +39,8 @@ class WorkerProcesses:
                     "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": str(gen),
                     "GPU_ANCHOR_NAMESPACE": self.namespace, "GPU_ANCHOR_SOCKET_DIR": socket_dir(),
                     "GPU_ANCHOR_RESTART_COUNT": str(gen), events.ENV: self.events.path})
+        if self.cfg.device_type == "cpu":   # no GPU daemon runs: a worker that found the GPUs would anchor nothing there
+            env["CUDA_VISIBLE_DEVICES"] = ""
         env.pop("GPU_ANCHOR_SOCKET", None)
         env.pop(RESTORE_ENV, None)
         env.pop(RECIPE_ENV, None)
