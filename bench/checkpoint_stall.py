@@ -22,9 +22,14 @@ Definitions (the same for every row):
 * **job-level extra** — the checkpoint's *window* is the step at whose boundary it starts, the
   steps while it is in flight, and ``--trail`` steps after it completed (the device→host drain
   of GPU-side buffers and the background writer start there); extra = wall time of the window −
-  its number of steps × the median step without a checkpoint (``--gap`` plain steps before every
-  repetition, pooled).  Disk writes run in a background thread in every row and are waited for
-  between repetitions, outside every window.
+  its number of steps × the mean step of its own controls: ``--gap`` plain steps just before it
+  and as many plain steps as the window just after it.  Paired, because the 12 GB MLP's plain
+  step on the H200 has modes that last several steps (~198 vs ~225 ms in one run): against a
+  pooled median, a window measures the mode it fell in.  The pooled figure is kept as
+  ``extra_pooled_s``.  The ``gpu_clock`` record (NVML, every 10 ms) says what the SM clock and
+  its clock-event reasons did meanwhile: in that run the clock stayed at 1 980 MHz with no
+  reason set, so the modes are not the clock.  Disk writes run in a background thread in every row and are waited for
+  between the window and its after-controls.
 * **tracker overhead** — median step time in windows of ``--window`` steps: plain (no tracker,
   no checkpointer); idle (the loop inside ``with tracker:``, the checkpointer's ``boundary`` at
   every step, no checkpoint in flight); in flight, tracking only (a copy-on-write flight whose
@@ -127,20 +132,25 @@ class _Runner:
 
     def __init__(self, wl, device: str) -> None:
         self.wl, self.device, self.step, self.plain = wl, device, 0, []
+        self.spans: list[tuple[str, float, float]] = []   # (what, start, end) of every timed step
 
-    def steps(self, n: int, boundary=lambda s: None) -> list[float]:
+    def steps(self, n: int, boundary=lambda s: None, what: str = "other") -> list[float]:
         times = []
         for _ in range(n):
             self.step += 1
             t0 = time.perf_counter()
             self.wl.run(self.step, boundary)
             _sync(self.device)
-            times.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            times.append(t1 - t0)
+            self.spans.append((what, t0, t1))
         return times
 
-    def gap(self, n: int) -> None:
-        """Plain steps (no checkpoint anywhere): the baseline every window is compared with."""
-        self.plain += self.steps(n)
+    def gap(self, n: int) -> list[float]:
+        """Plain steps (no checkpoint anywhere): the controls every window is compared with."""
+        ts = self.steps(n, what="plain")
+        self.plain += ts
+        return ts
 
 
 def _overhead(run: _Runner, ck, tracker, args) -> dict:
@@ -151,8 +161,7 @@ def _overhead(run: _Runner, ck, tracker, args) -> dict:
     ck.write_files = False  # the tracking-only flights just hold the mode: nothing to write
     try:
         for _ in range(args.rounds):
-            ts = run.steps(args.window)
-            run.plain += ts
+            ts = run.gap(args.window)
             plain.append(statistics.median(ts))
             with tracker:
                 idle.append(statistics.median(run.steps(args.window, lambda s: ck.boundary(s, due=False))))
@@ -172,15 +181,59 @@ def _overhead(run: _Runner, ck, tracker, args) -> dict:
 def _window(run: _Runner, start_at, done, args) -> tuple[list[float], int]:
     """The due step (its boundary starts the checkpoint via ``start_at``), the steps until ``done()``,
     then ``--trail`` steps.  Returns (step times, steps in flight)."""
-    times = run.steps(1, start_at)
+    times = run.steps(1, start_at, "window")
     inflight = 0
     while not done() and inflight < args.inflight_steps:
-        times += run.steps(1, start_at)
+        times += run.steps(1, start_at, "window")
         inflight += 1
-    return times + run.steps(args.trail, start_at), inflight
+    return times + run.steps(args.trail, start_at, "window"), inflight
 
 
 def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
+    """One checkpoint between its two controls: ``--gap`` plain steps before it, and as many plain
+    steps as its window after it (once its disk write is done)."""
+    i = len(run.spans)
+    before = run.gap(args.gap)
+    r = _checkpoint(run, ck, policy, args, dcp_dir)
+    after = run.gap(len(r["window_s"]))
+    sp = run.spans[i:]
+    nb, nw = len(before), len(r["window_s"])
+    bounds = {"before": (sp[0][1], sp[nb - 1][2]), "window": (sp[nb][1], sp[nb + nw - 1][2]),
+              "after": (sp[nb + nw][1], sp[-1][2])}
+    return dict(r, before_s=before, after_s=after, bounds=bounds)
+
+
+def _clock(run: _Runner, clock, raw: dict) -> dict | None:
+    """What the GPU's clock did: plain steps split at their median SM clock (step time of each
+    half), and each repetition's window against its controls."""
+    if clock is None:
+        return None
+    steps = []
+    for what, t0, t1 in run.spans:
+        c = clock.mean_between(t0, t1)
+        if what == "plain" and c:
+            steps.append((t1 - t0, c["sm_mhz"], c["power_w"], c["reasons"]))
+    for reps in raw.values():
+        for r in reps:
+            if "bounds" in r:
+                r["clock"] = {k: clock.mean_between(*b) for k, b in r["bounds"].items()}
+    if len(steps) < 4:
+        return {"plain_steps": steps}
+    mid = statistics.median(s[1] for s in steps)
+    fast = [s for s in steps if s[1] >= mid]
+    slow = [s for s in steps if s[1] < mid] or fast
+    reasons = 0
+    for s in steps:
+        reasons |= s[3]
+    from bench.gpu_clock import describe
+    return {"plain_steps": steps, "reasons_seen": describe(reasons),
+            "fast": {"sm_mhz": statistics.mean(s[1] for s in fast), "step_s": _stats([s[0] for s in fast])},
+            "slow": {"sm_mhz": statistics.mean(s[1] for s in slow), "step_s": _stats([s[0] for s in slow])},
+            "correlation": statistics.correlation([s[0] for s in steps], [s[1] for s in steps])
+            if len({s[1] for s in steps}) > 1 and len({s[0] for s in steps}) > 1 else None}
+
+
+def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
     if policy == "dcp":
         import torch.distributed.checkpoint as dcp
         box = {}
@@ -208,10 +261,22 @@ def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
             "seconds": res.seconds, "reason": res.reason}
 
 
+def paired_extra(rep: dict) -> float:
+    """The window's wall time minus as many steps at the mean of its own two controls (the plain
+    steps just before and just after it): a repetition is compared with the GPU's state around
+    it, not with a pooled median that mixes the clock's modes."""
+    ctrl = rep["before_s"] + rep["after_s"]
+    return sum(rep["window_s"]) - len(rep["window_s"]) * sum(ctrl) / len(ctrl)
+
+
 def _summarise(row_reps: list[dict], base: float, trail: int) -> dict:
-    """Per policy: host blocking, job-level extra and in-flight step ratio over the repetitions."""
-    extra = [sum(r["window_s"]) - len(r["window_s"]) * base for r in row_reps]
-    out = {"reps": row_reps, "stall_s": _stats([r["stall_s"] for r in row_reps]), "extra_s": _stats(extra),
+    """Per policy: host blocking, job-level extra (paired with its controls; also against the pooled
+    median, as earlier results were) and in-flight step ratio over the repetitions."""
+    pooled = [sum(r["window_s"]) - len(r["window_s"]) * base for r in row_reps]
+    paired = [paired_extra(r) for r in row_reps if r.get("before_s") and r.get("after_s")]
+    out = {"reps": row_reps, "stall_s": _stats([r["stall_s"] for r in row_reps]),
+           "extra_s": _stats(paired) if len(paired) == len(row_reps) else _stats(pooled),
+           "extra_pooled_s": _stats(pooled), "extra_definition": "paired" if paired else "pooled",
            "inflight_steps": _stats([r["inflight_steps"] for r in row_reps])}
     flight = [statistics.median(r["window_s"][1:1 + r["inflight_steps"]]) / base
               for r in row_reps if r["inflight_steps"]]
@@ -381,6 +446,8 @@ def main(argv=None) -> int:
         build_s = time.perf_counter() - t0
         run = _Runner(wl, args.device)
         run.steps(args.warmup)
+        from bench.gpu_clock import ClockSampler
+        clock = ClockSampler.start(args.device)
         tracker = WriteSetTracker()
         ck_dir = os.path.join(base_dir, "ga")
         ck = ConcurrentCheckpointer([client], ck_dir, tracker, throttle_s=args.throttle)
@@ -397,6 +464,7 @@ def main(argv=None) -> int:
 
         def save():  # after every section: a run cut short still leaves what it measured
             if run.plain:
+                result["gpu_clock"] = _clock(run, clock, raw)
                 result["baseline_step_s"] = statistics.median(run.plain)
                 result["baseline_step"] = _stats(run.plain)
                 for p, reps in raw.items():
@@ -414,9 +482,10 @@ def main(argv=None) -> int:
         for policy in policies:
             raw[policy] = []
             for _ in range((args.dcp_reps or args.reps) if policy == "dcp" else args.reps):
-                run.gap(args.gap)
                 raw[policy].append(_rep(run, ck, policy, args, os.path.join(base_dir, "dcp")))
             save()
+        if clock is not None:
+            clock.stop()
         ck.close()
         wl.close()
         del wl, ck, tracker

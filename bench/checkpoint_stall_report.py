@@ -31,6 +31,10 @@ def _ratio(st) -> str:
     return (f"{100 * (st['median'] - 1):+.1f} % ({100 * (st['min'] - 1):+.1f} to {100 * (st['max'] - 1):+.1f})")
 
 
+def _paired(ck: dict) -> bool:
+    return any(x.get("extra_definition") == "paired" for x in ck.values() if isinstance(x, dict))
+
+
 NAMES = {"stw": "stop-the-world (copy all to host, then resume)", "cow": "gpu-anchor soft copy-on-write",
          "device": "gpu-anchor device-side snapshot (clone on the GPU, drain later)",
          "recopy": "gpu-anchor soft recopy", "dcp": "`torch.distributed.checkpoint.async_save`",
@@ -56,7 +60,20 @@ def render(r: dict) -> str:
            + (" Written before repetitions and job-level windows were measured: n = 1 per row." if legacy else
               f" {r['reps']} repetitions per row: median (min–max). Job-level extra = wall time of the steps from "
               f"the one whose boundary starts the checkpoint to {r['trail']} steps after it completed, minus as "
-              f"many steps without one; host blocking = time the job's thread was blocked."), ""]
+              f"many steps without one" + (" at the mean step of that repetition's own controls (plain steps just "
+                                           "before and just after it)" if _paired(ck) else "")
+              + "; host blocking = time the job's thread was blocked."), ""]
+    gc = r.get("gpu_clock") or {}
+    if gc.get("plain_steps"):
+        ps = gc["plain_steps"]
+        lo, hi = min(s[1] for s in ps), max(s[1] for s in ps)
+        clock = f"{lo:.0f} MHz throughout" if hi - lo < 1 else f"{lo:.0f}–{hi:.0f} MHz"
+        out += [f"Plain steps took {_fmt(min(s[0] for s in ps))}–{_fmt(max(s[0] for s in ps))} (n = {len(ps)}), "
+                f"with the SM clock (NVML, every 10 ms) at {clock}"
+                + (f" (correlation of step time with clock {gc['correlation']:+.2f})" if gc.get("correlation") is not None else "")
+                + (f", clock-event reasons: {', '.join(gc['reasons_seen'])}" if gc.get("reasons_seen") else ", no clock-event reason set")
+                + ". Hence the paired extra; the extra against the pooled median of every plain step is in the last "
+                  "column.", ""]
     ov = r.get("overhead")
     if ov:
         out += [f"Write-set tracker: {ov['plain_step_s']['n']} rounds of three back-to-back windows (plain, idle, "
@@ -73,8 +90,10 @@ def render(r: dict) -> str:
                        f"{100 * (cow['median'] - 1):+.1f} % ({100 * (cow['min'] - 1):+.1f} to "
                        f"{100 * (cow['max'] - 1):+.1f}) | ≤ 10 % |")
         out.append("")
+    paired = _paired(ck)
     out += ["| checkpoint | job-level extra | vs stop-the-world | host blocking | vs stop-the-world | steps in flight "
-            "| notes |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "| notes |" + (" extra vs the pooled median |" if paired else ""),
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |" + (" ---: |" if paired else "")]
     for k in ("stw", "cow", "device", "recopy", "dcp", "dcp_async_save"):
         x = ck.get(k)
         if x is None:
@@ -96,7 +115,7 @@ def render(r: dict) -> str:
         steps = x.get("inflight_steps")
         steps = steps["median"] if isinstance(steps, dict) else steps
         out.append(f"| {NAMES[k]} | {_cell(x.get('extra_s'))} | {ev} | {_cell(x['stall_s'])} | {sv} | "
-                   f"{'—' if steps is None else steps} | {note} |")
+                   f"{'—' if steps is None else steps} | {note} |" + (f" {_cell(x.get('extra_pooled_s'))} |" if paired else ""))
     t = ["", "| target | measured | verdict |", "| --- | --- | --- |"]
     for k in ("cow", "device"):
         x = ck.get(k, {})
