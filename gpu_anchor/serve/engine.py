@@ -86,6 +86,8 @@ class Engine(Requests):
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)
+            if cfg.blas_library:
+                torch.backends.cuda.preferred_blas_library(cfg.blas_library)
         self.timings["cuda_init_s"] = time.perf_counter() - t0
         self.mc = load_config(cfg.model)
         self.tp = None

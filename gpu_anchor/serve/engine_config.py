@@ -45,6 +45,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
     # ``rendezvous``: the path prefix of this incarnation's control socket and store
+    # the CUDA matmul library (torch.backends.cuda.preferred_blas_library, process-wide):
+    # "cublas", "cublaslt", or None to leave torch's choice
+    blas_library: str | None = None
     tensor_parallel_size: int = 1
     rank: int = 0
     rendezvous: str | None = None
