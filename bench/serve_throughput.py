@@ -73,7 +73,7 @@ def _engine_cfg(args, config_path, anchor, namespace, seqs=None):
                         block_size=args.block_size, num_blocks=per_seq * seqs + 8,
                         max_num_seqs=seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=args.prompt_len + args.max_tokens + 8, anchor=anchor, namespace=namespace,
-                        socket=args.socket, blas_library=args.blas_library)
+                        socket=args.socket, **({"blas_library": args.blas_library} if args.blas_library else {}))
 
 
 def _sync(device):
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     ap.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
                     help="decode steps launched ahead of the previous step's read (the engine's async_scheduling); "
                          "both: each engine in both modes, alternating, with their ratio")
-    ap.add_argument("--blas-library", choices=("cublas", "cublaslt"), default=None,
+    ap.add_argument("--blas-library", choices=("auto", "cublas", "cublaslt"), default=None,
                     help="both engines' CUDA matmul library (default: the engine's default)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")

@@ -402,6 +402,22 @@ def test_tensor_parallel_size_option():
         options.check(_args("--tensor-parallel-size", "0"))
 
 
+def test_blas_library_option(tmp_path):
+    """``--blas-library`` reaches the configuration; ``auto`` (the default) picks cuBLASLt only
+    while no decode step can exceed 64 rows (where it measured faster on the H200)."""
+    from gpu_anchor.serve.cli import engine_config
+    from gpu_anchor.serve.engine import EngineConfig, blas_library
+    from gpu_anchor.serve.model_runner import load_config
+    model = make_tiny_model(str(tmp_path / "m"), "qwen3", seed=1)
+    cfg = {flag: engine_config(_args("--device", "cpu", "--num-blocks", "64", *flag.split()), load_config(model))
+           for flag in ("", "--blas-library cublas", "--max-num-seqs 128")}
+    cfg = {k: (v.blas_library, blas_library(v)) for k, v in cfg.items()}
+    assert cfg == {"": ("auto", "cublaslt"), "--blas-library cublas": ("cublas", "cublas"),
+                   "--max-num-seqs 128": ("auto", "cublas")}
+    with pytest.raises(ValueError, match="blas_library must be"):
+        blas_library(EngineConfig(model=model, blas_library="mkl"))
+
+
 def test_max_batched_tokens_alias(caplog):
     from gpu_anchor.serve import options
     a = _args("--max-batched-tokens", "48")

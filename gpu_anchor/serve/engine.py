@@ -47,6 +47,15 @@ log = logging.getLogger("gpu_anchor.serve")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+
+def blas_library(cfg: EngineConfig) -> str | None:
+    """The matmul library an engine of ``cfg`` sets on CUDA (None: torch's own choice)."""
+    if cfg.blas_library == "auto":
+        return "cublaslt" if cfg.max_num_seqs <= 64 else "cublas"   # explicit: the setting is process-wide
+    if cfg.blas_library not in (None, "cublas", "cublaslt"):
+        raise ValueError(f"blas_library must be auto, cublas, cublaslt or None, got {cfg.blas_library!r}")
+    return cfg.blas_library
+
 class Engine(Requests):
     def __init__(self, cfg: EngineConfig, progress=None, standby: bool = False, fence=None) -> None:
         """``progress(phase, done=None, total=None)``, if given, hears how the start-up goes:
@@ -86,8 +95,9 @@ class Engine(Requests):
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)
-            if cfg.blas_library:
-                torch.backends.cuda.preferred_blas_library(cfg.blas_library)
+            blas = blas_library(cfg)
+            if blas:
+                torch.backends.cuda.preferred_blas_library(blas)
         self.timings["cuda_init_s"] = time.perf_counter() - t0
         self.mc = load_config(cfg.model)
         self.tp = None

@@ -40,7 +40,8 @@ def scratch_config(cfg: EngineConfig, config_path: str) -> EngineConfig:
                         max_num_seqs=cfg.max_num_seqs,
                         max_batched_tokens=max(cfg.max_batched_tokens, cfg.max_num_seqs * cfg.block_size),
                         max_model_len=cfg.max_model_len, anchor=False, cuda_graphs=False,
-                        cpu_threads=cfg.cpu_threads, deterministic=cfg.deterministic)
+                        cpu_threads=cfg.cpu_threads, deterministic=cfg.deterministic,
+                        blas_library=cfg.blas_library)
 
 
 def warm_engine(cfg: EngineConfig) -> dict:
