@@ -127,8 +127,10 @@ def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None,
             g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
             shape = full_shapes[name] if full_shapes is not None else t.shape
             x = torch.randn(shape, generator=g, device=t.device, dtype=torch.float32)
+            x.mul_(std)     # in place: one float32 copy of the tensor at a time (the 8B embedding's is 2.5 GB)
             ix = part(name, tuple(shape)) if part is not None else None
-            t.copy_((x if ix is None else x[ix]) * std)
+            t.copy_(x if ix is None else x[ix])
+            del x
         done += t.numel() * t.element_size()
         if progress is not None:
             progress(done)

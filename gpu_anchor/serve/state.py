@@ -159,6 +159,10 @@ def bind_state(cfg, mc, dtype: torch.dtype, device: torch.device, report=None, p
         if cfg.random_weights:
             init_random(weights, mc, cfg.seed, progress=lambda done: report("weights", done, total),
                         full_shapes={nm: s for nm, s, _ in full}, part=index)
+            if device.type == "cuda":
+                # the float32 draws' blocks go back now: a later small allocation split from one
+                # would pin the whole block (2.5 GB for the 8B embedding) for the process's life
+                torch.cuda.empty_cache()
         else:
             load_weights(cfg.model, weights, progress=lambda done: report("weights", done, total), part=index)
         if device.type == "cuda":
