@@ -102,8 +102,17 @@ def _run(tmp_path, script: str, how: str, during=None) -> str:
 
 @pytest.mark.parametrize("how", ["warm", "cold"])
 def test_job_ends_when_a_gloo_thread_needs_the_gil_as_the_group_is_freed(tmp_path, how):
-    out = _run(tmp_path, JOB, how)
-    assert "rank 0 returns" in out and "rank 1 returns" in out and "not forced" not in out
+    # A run whose all-reduce had completed before rank 0 added its callback (seen once in CI, cause
+    # not known) did not set up the interleaving, so it proves nothing either way: run again, up to
+    # three times.  Every run must end, each rank returning; at least one must have been forced.
+    for attempt in range(3):
+        d = tmp_path / f"run{attempt}"
+        d.mkdir()
+        out = _run(d, JOB, how)
+        assert "rank 0 returns" in out and "rank 1 returns" in out, out[-3000:]
+        if "not forced" not in out:
+            return
+    pytest.fail(f"three runs, none forced the interleaving:\n{out[-3000:]}")
 
 
 # The CI hang's own interleaving, forced with gdb: the reference job's tail (DDP steps, barrier,

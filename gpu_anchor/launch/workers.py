@@ -97,7 +97,7 @@ class WorkerProcesses:
             w = self.cfg.warm
             standby = resolve_standby(w, self.devices)
             self.zygote = start_server(self.py[0], w.preload, self.log, standby=self.cfg.nproc if standby else 0,
-                                       prewarm=w.prewarm)
+                                       prewarm=w.prewarm, hide_gpus=self.cfg.device_type == "cpu")
             self.auto_prewarm = self.zygote is not None and standby and w.auto_prewarm and not w.prewarm
             if self.zygote is not None and standby:
                 self.log("a standby worker per rank takes over after a failure (its CUDA context made"

@@ -420,11 +420,15 @@ class Zygote:
 
 
 def start_server(python: str, preload: list[str], log, standby: int = 0,
-                 prewarm: str | None = None) -> "Zygote | None":
+                 prewarm: str | None = None, hide_gpus: bool = False) -> "Zygote | None":
     """A ready warm-worker server, or None (logged why) when the warm path is unusable.
-    ``prewarm``: ``module:function`` each standby calls after its CUDA init (``runtime.warm.run_prewarm``)."""
+    ``prewarm``: ``module:function`` each standby calls after its CUDA init (``runtime.warm.run_prewarm``).
+    ``hide_gpus``: the server and its standbys see no GPU, as the job's workers (``--device-type cpu``);
+    a standby only takes a spawn made under its own device visibility."""
     from gpu_anchor.runtime.warm import PREWARM_ENV
     env = dict(os.environ)
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop(PREWARM_ENV, None)
     if prewarm and standby:
         env[PREWARM_ENV] = prewarm

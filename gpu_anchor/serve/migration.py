@@ -53,7 +53,8 @@ def provide(library) -> None:
 
 
 class EngineMigration:
-    def __init__(self, eng, device: str, socket: str | None = None, throttle_s: float | None = None) -> None:
+    def __init__(self, eng, device: str, socket: str | None = None, throttle_s: float | None = None,
+                 background: bool = True) -> None:
         if eng.anchor.client is None:
             raise ValueError("migration needs an anchored engine (not --no-anchor)")
         if eng.tp is not None:
@@ -71,6 +72,7 @@ class EngineMigration:
         paths = {self.device: socket} if socket else None
         self.m = Migration([eng.anchor.client], self.tracker, {self.src_device: self.device},
                            socket_paths=paths, throttle_s=throttle_s)
+        self.background = background      # False: objects move only when touched, the rest at finish()
         self.restore = None
         self.new = None
         self.stats: dict = {}
@@ -102,7 +104,7 @@ class EngineMigration:
         # KV object counts as dirty, and is loaded at the destination before any step.
         kv = [f"kv_cache[{i}]" for i in range(old.mc.num_hidden_layers)]
         self.m.ckpt.written_untracked(kv)
-        self.restore = self.m.cutover(old.steps)
+        self.restore = self.m.cutover(old.steps, background=self.background)
         self.restore.ensure(*[k for k in kv if k in self.restore.targets])
         self.tracker.__enter__()            # the new engine's ops load what they touch first
         self._entered = True
@@ -139,6 +141,7 @@ class EngineMigration:
             self.new.graphs = self._graphs
             self.stats["stream_s"] = self.restore.stats.get("seconds")
             self.stats["on_demand_objects"] = len(self.restore.stats.get("on_demand", []))
+            self.stats["background_objects"] = len(self.restore.stats.get("background", []))
             client = self.old.anchor.client
             self.old = None                   # its tensors go: the source objects are freed
             try:
