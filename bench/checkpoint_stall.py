@@ -203,36 +203,6 @@ def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
     return dict(r, before_s=before, after_s=after, bounds=bounds)
 
 
-def _clock(run: _Runner, clock, raw: dict) -> dict | None:
-    """What the GPU's clock did: plain steps split at their median SM clock (step time of each
-    half), and each repetition's window against its controls."""
-    if clock is None:
-        return None
-    steps = []
-    for what, t0, t1 in run.spans:
-        c = clock.mean_between(t0, t1)
-        if what == "plain" and c:
-            steps.append((t1 - t0, c["sm_mhz"], c["power_w"], c["reasons"]))
-    for reps in raw.values():
-        for r in reps:
-            if "bounds" in r:
-                r["clock"] = {k: clock.mean_between(*b) for k, b in r["bounds"].items()}
-    if len(steps) < 4:
-        return {"plain_steps": steps}
-    mid = statistics.median(s[1] for s in steps)
-    fast = [s for s in steps if s[1] >= mid]
-    slow = [s for s in steps if s[1] < mid] or fast
-    reasons = 0
-    for s in steps:
-        reasons |= s[3]
-    from bench.gpu_clock import describe
-    return {"plain_steps": steps, "reasons_seen": describe(reasons),
-            "fast": {"sm_mhz": statistics.mean(s[1] for s in fast), "step_s": _stats([s[0] for s in fast])},
-            "slow": {"sm_mhz": statistics.mean(s[1] for s in slow), "step_s": _stats([s[0] for s in slow])},
-            "correlation": statistics.correlation([s[0] for s in steps], [s[1] for s in steps])
-            if len({s[1] for s in steps}) > 1 and len({s[0] for s in steps}) > 1 else None}
-
-
 def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
     if policy == "dcp":
         import torch.distributed.checkpoint as dcp
@@ -263,8 +233,8 @@ def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
 
 def paired_extra(rep: dict) -> float:
     """The window's wall time minus as many steps at the mean of its own two controls (the plain
-    steps just before and just after it): a repetition is compared with the GPU's state around
-    it, not with a pooled median that mixes the clock's modes."""
+    steps just before and just after it): a repetition is compared with the steps around it, not
+    with a pooled median that mixes the step's modes."""
     ctrl = rep["before_s"] + rep["after_s"]
     return sum(rep["window_s"]) - len(rep["window_s"]) * sum(ctrl) / len(ctrl)
 
@@ -464,7 +434,7 @@ def main(argv=None) -> int:
 
         def save():  # after every section: a run cut short still leaves what it measured
             if run.plain:
-                result["gpu_clock"] = _clock(run, clock, raw)
+                result["gpu_clock"] = clock and clock.summarize(run.spans, [r for reps in raw.values() for r in reps])
                 result["baseline_step_s"] = statistics.median(run.plain)
                 result["baseline_step"] = _stats(run.plain)
                 for p, reps in raw.items():

@@ -17,6 +17,7 @@ the device is matched by PCI bus id, which is what ``CUDA_VISIBLE_DEVICES`` renu
 from __future__ import annotations
 
 import ctypes
+import statistics
 import threading
 import time
 
@@ -80,6 +81,25 @@ class ClockSampler:
             mask |= s[3]
         return {"sm_mhz": sum(s[1] for s in xs) / len(xs), "power_w": sum(s[2] for s in xs) / len(xs),
                 "reasons": mask, "n": len(xs)}
+
+    def summarize(self, spans: list[tuple[str, float, float]], reps: list[dict]) -> dict:
+        """``spans``: (kind, start, end) of timed steps; the ``"plain"`` ones with their mean SM clock,
+        power and reasons, the reasons seen, the correlation of step time with clock; each
+        repetition in ``reps`` with ``bounds`` ({part: (start, end)}) gets its parts' ``clock``."""
+        steps = []
+        for what, t0, t1 in spans:
+            c = self.mean_between(t0, t1)
+            if what == "plain" and c:
+                steps.append((t1 - t0, c["sm_mhz"], c["power_w"], c["reasons"]))
+        for r in reps:
+            if "bounds" in r:
+                r["clock"] = {k: self.mean_between(*b) for k, b in r["bounds"].items()}
+        mask = 0
+        for s in steps:
+            mask |= s[3]
+        varied = len({s[0] for s in steps}) > 1 and len({s[1] for s in steps}) > 1
+        return {"plain_steps": steps, "reasons_seen": describe(mask),
+                "correlation": statistics.correlation([s[0] for s in steps], [s[1] for s in steps]) if varied else None}
 
     def stop(self) -> None:
         self._stop.set()

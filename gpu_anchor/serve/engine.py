@@ -47,7 +47,6 @@ log = logging.getLogger("gpu_anchor.serve")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-
 def blas_library(cfg: EngineConfig) -> str | None:
     """The matmul library an engine of ``cfg`` sets on CUDA (None: torch's own choice)."""
     if cfg.blas_library == "auto":
@@ -55,6 +54,7 @@ def blas_library(cfg: EngineConfig) -> str | None:
     if cfg.blas_library not in (None, "cublas", "cublaslt"):
         raise ValueError(f"blas_library must be auto, cublas, cublaslt or None, got {cfg.blas_library!r}")
     return cfg.blas_library
+
 
 class Engine(Requests):
     def __init__(self, cfg: EngineConfig, progress=None, standby: bool = False, fence=None) -> None:

@@ -43,14 +43,14 @@ class EngineConfig:
     # before this one's tokens are read (vLLM's --async-scheduling); None: on for CUDA without
     # tensor parallelism (H200, 8B, 64 streams: 6.04 vs 7.30 ms a decode step), off on the CPU
     async_scheduling: bool | None = None
-    # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
-    # ``rendezvous``: the path prefix of this incarnation's control socket and store
     # the CUDA matmul library (torch.backends.cuda.preferred_blas_library, set process-wide when
     # the engine starts): "cublas", "cublaslt", None to leave it as it is, or "auto": cuBLASLt
     # when no decode step has more than 64 rows (max_num_seqs <= 64), else cuBLAS.  On the
     # H200 (8B shape, bench decode_gemm) a decode step's matmuls took 4.15 / 4.24 / 5.00 ms with
     # cuBLASLt against 4.38 / 4.40 / 4.82 ms with cuBLAS at 32 / 64 / 128 rows
     blas_library: str | None = "auto"
+    # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
+    # ``rendezvous``: the path prefix of this incarnation's control socket and store
     tensor_parallel_size: int = 1
     rank: int = 0
     rendezvous: str | None = None
