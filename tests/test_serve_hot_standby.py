@@ -278,3 +278,30 @@ def test_daemon_killed_with_a_hot_standby_attached_is_survived_without_it(server
     assert [r["kind"] for r in _restores()] == ["destructive"]
     assert "closed: restore" in server.log.read_text()
     _wait(lambda: _hot_standby(old["pid"]), "a hot standby attached to the new state")
+
+
+def test_prewarm_runs_a_one_layer_tied_scratch_engine(tmp_path, monkeypatch):
+    """The standby's pre-warm (``serve/prewarm.py``): one decoder layer, the LM head tied to the
+    embedding (one vocabulary-sized matrix less), the live engine's widths; it runs every
+    sequence through a prefill and decode steps and leaves nothing behind."""
+    import weakref
+
+    from gpu_anchor.serve import prewarm
+    model = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", seed=3)
+    cfg = EngineConfig(model=model, dtype="float32", block_size=4, num_blocks=64, max_num_seqs=6,
+                       max_batched_tokens=64, max_model_len=64)
+    hf = prewarm.scratch_model(cfg)
+    assert hf["num_hidden_layers"] == 1 and hf["tie_word_embeddings"] is True
+    built = []
+    real = prewarm.Engine
+
+    class Seen(real):
+        def __init__(self, c, *a, **kw):
+            super().__init__(c, *a, **kw)
+            built.append((weakref.ref(self), sorted(self.state.weights), self.cfg.anchor))
+    monkeypatch.setattr(prewarm, "Engine", Seen)
+    assert prewarm.warm_engine(cfg)["engine_prewarm_s"] > 0
+    (ref, names, anchored), = built
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert sum(".layers." in n for n in names) and not any(".layers.1." in n for n in names)
+    assert ref() is None and anchored is False      # freed at return; it never used the daemon

@@ -141,6 +141,31 @@ def test_shard_rules_and_clear_errors(tmp_path):
         shards.check(mc, 4)
 
 
+def test_random_weights_are_drawn_in_row_blocks_and_every_shard_is_a_slice_of_the_whole(monkeypatch):
+    """``init_random`` draws a tensor a few rows at a time (bounded memory); each rank's shard of a
+    2- or 3-way split is exactly its slice of the whole tensor's draw (rows, columns, vocabulary)."""
+    from gpu_anchor.serve import model_runner as M, shards
+
+    class Cfg:
+        initializer_range = 0.02
+    monkeypatch.setattr(M, "DRAW_ELEMENTS", 40)          # several blocks per tensor
+    full = {"model.layers.0.self_attn.q_proj.weight": (12, 8), "model.layers.0.self_attn.o_proj.weight": (8, 12),
+            "model.embed_tokens.weight": (30, 8), "model.layers.0.input_layernorm.weight": (8,),
+            "lm_head.weight": (30, 8)}
+    whole = {n: torch.empty(s) for n, s in full.items()}
+    M.init_random(whole, Cfg, seed=3)
+    assert torch.equal(whole["model.layers.0.input_layernorm.weight"], torch.ones(8))
+    for n in (2, 3):
+        for r in range(n):
+            specs = shards.shard_specs([(k, s, torch.float32) for k, s in full.items()], 30, r, n)
+            part = {k: torch.empty(s) for k, s, _ in specs}
+            M.init_random(part, Cfg, seed=3, full_shapes=full,
+                          part=lambda name, shape: shards.index(name, shape, 30, r, n))
+            for k, _, _ in specs:
+                ix = shards.index(k, full[k], 30, r, n)
+                assert torch.equal(part[k], whole[k] if ix is None else whole[k][ix]), (k, n, r)
+
+
 def test_bad_tensor_parallel_options_are_refused_clearly(tmp_path):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
 

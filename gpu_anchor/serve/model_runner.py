@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 
 import torch
@@ -73,6 +74,8 @@ def weights_fingerprint(source: str, cfg, dtype: torch.dtype, seed: int | None, 
     and which part of them (``part``: a tensor-parallel rank's shard, "" for all)."""
     h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode())
     h.update(str(dtype).encode() + f"seed={seed}".encode() + part.encode())
+    if seed is not None:
+        h.update(f"drawn in rows of at most {DRAW_ELEMENTS}".encode())
     for f in sorted(glob.glob(os.path.join(source, "*.safetensors"))) if os.path.isdir(source) else ():
         st = os.stat(f)
         h.update(f"{os.path.basename(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -110,12 +113,19 @@ def load_weights(model_dir: str, tensors: dict[str, torch.Tensor], progress=None
         raise ValueError(f"{model_dir} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
 
 
+# float32 values drawn at a time by ``init_random`` (256 MB): drawn whole, the 8B embedding's
+# draw alone was 2.5 GB, most of a serving pre-warm's peak memory.  The values depend on it,
+# so the weights' fingerprint names it.
+DRAW_ELEMENTS = 1 << 26
+
+
 @torch.no_grad()
 def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None, full_shapes=None, part=None) -> None:
     """Seeded random weights (normal(0, initializer_range); norms 1, biases 0);
-    ``progress(bytes_done)`` after each tensor, if given.  A tensor-parallel shard draws
-    the full tensor (``full_shapes[name]``) and keeps its part (``part(name, shape)``), so
-    every parallel size gets the same weights."""
+    ``progress(bytes_done)`` after each tensor, if given.  Each tensor is drawn in blocks of
+    whole rows (``DRAW_ELEMENTS`` at most), one generator per tensor.  A tensor-parallel shard
+    draws the full tensor's blocks (``full_shapes[name]``) and keeps its part of each
+    (``part(name, shape)``), so every parallel size gets the same weights."""
     std = getattr(cfg, "initializer_range", 0.02)
     done = 0
     for i, (name, t) in enumerate(sorted(tensors.items())):
@@ -125,12 +135,20 @@ def init_random(tensors: dict[str, torch.Tensor], cfg, seed: int, progress=None,
             t.zero_()
         else:
             g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
-            shape = full_shapes[name] if full_shapes is not None else t.shape
-            x = torch.randn(shape, generator=g, device=t.device, dtype=torch.float32)
-            x.mul_(std)     # in place: one float32 copy of the tensor at a time (the 8B embedding's is 2.5 GB)
-            ix = part(name, tuple(shape)) if part is not None else None
-            t.copy_(x if ix is None else x[ix])
-            del x
+            shape = tuple(full_shapes[name] if full_shapes is not None else t.shape)
+            ix = part(name, shape) if part is not None else None
+            rows, row = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+            block = max(1, DRAW_ELEMENTS // max(1, row))
+            for r0 in range(0, rows, block):
+                r1 = min(rows, r0 + block)
+                x = torch.randn((r1 - r0, *shape[1:]), generator=g, device=t.device, dtype=torch.float32).mul_(std)
+                if ix is None:
+                    t.view(rows, *shape[1:])[r0:r1].copy_(x)
+                    continue
+                lo, hi, _ = ix[0].indices(rows)       # this part's rows of the full tensor
+                a, b = max(lo, r0), min(hi, r1)
+                if a < b:
+                    t[a - lo:b - lo].copy_(x[(slice(a - r0, b - r0), *ix[1:])])
         done += t.numel() * t.element_size()
         if progress is not None:
             progress(done)

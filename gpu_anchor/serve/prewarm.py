@@ -15,7 +15,7 @@ steps after a take-over are eager: ``EngineConfig.graph_after_steps``), and free
 Same widths, heads, vocabulary and dtype mean the same kernels (Triton specialises on the
 head layout and dtype, not on the batch), the same cuBLAS handles and most of the same
 GEMM heuristics.  Cost: the standby is ready a few seconds later, and while it runs it
-holds one layer's weights, the embeddings and a small KV cache.
+holds one layer's weights, the embedding (the LM head is tied to it) and a small KV cache.
 """
 from __future__ import annotations
 
@@ -45,15 +45,24 @@ def scratch_config(cfg: EngineConfig, config_path: str) -> EngineConfig:
                         blas_library=cfg.blas_library)
 
 
+def scratch_model(cfg: EngineConfig) -> dict:
+    """The scratch engine's model config: ``cfg``'s, with one decoder layer and the LM head tied
+    to the embedding (the same ``[vocab, hidden]`` GEMM, so the same kernels, and one such
+    matrix less in memory: 1.2 GB at the 8B shape)."""
+    hf = load_config(cfg.model).to_dict()
+    hf["num_hidden_layers"] = 1
+    hf["tie_word_embeddings"] = True
+    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists must match the layer count
+        if isinstance(hf.get(key), list):
+            hf[key] = hf[key][:1]
+    return hf
+
+
 def warm_engine(cfg: EngineConfig) -> dict:
     """Run the scratch engine for ``cfg`` (see the module docstring); returns timings."""
     import torch
     t0 = time.perf_counter()
-    hf = load_config(cfg.model).to_dict()
-    hf["num_hidden_layers"] = 1
-    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists must match the layer count
-        if isinstance(hf.get(key), list):
-            hf[key] = hf[key][:1]
+    hf = scratch_model(cfg)
     with tempfile.TemporaryDirectory(prefix="ga-prewarm-") as tmp:
         path = os.path.join(tmp, "config.json")
         with open(path, "w") as f:
