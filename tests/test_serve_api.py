@@ -452,6 +452,12 @@ def test_kv_cache_sizing(tmp_path):
     weights = sum(p.numel() for p in meta_model(mc).parameters()) * 4
     act = options.activation_bytes(mc, 2048, 64, 4)
     assert blocks("--gpu-memory-utilization", "0.01") == int((int(0.01 * total) - weights - act) // per_block)
+    # a standby's pre-warm runs a scratch engine beside the live one: its estimated peak is reserved
+    from gpu_anchor.serve.prewarm import peak_bytes
+    scratch = peak_bytes(mc, 16, 64, 2048, 4)
+    assert scratch > 0
+    assert blocks("--gpu-memory-utilization", "0.01", "--prewarm") == int(
+        (int(0.01 * total) - weights - act - scratch) // per_block)
     with pytest.raises(options.OptionError, match="one sequence of --max-model-len"):
         blocks("--gpu-memory-utilization", "1e-9")
     with pytest.raises(options.OptionError, match="one way to size"):

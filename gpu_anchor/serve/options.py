@@ -244,11 +244,16 @@ def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
     weights *= b
     act = activation_bytes(mc, args.max_num_batched_tokens, args.max_num_seqs, b)
     fixed = CUDA_FIXED_BYTES if cuda else 0
+    prewarm = 0
+    if getattr(args, "prewarm", False):   # a standby's scratch engine runs beside the live engine
+        from .prewarm import peak_bytes
+        prewarm = peak_bytes(mc, args.block_size, args.max_num_seqs, args.max_num_batched_tokens, b)
     budget = int(util * total)
-    kv = budget - weights - act - fixed
+    kv = budget - weights - act - fixed - prewarm
     need = -(-args.max_model_len // args.block_size) * per_block
     where = f"{util} of {total / GIB:.1f} GiB = {budget / GIB:.2f} GiB: weights {weights / GIB:.2f} GiB, " \
-            f"activations ~{act / GIB:.2f} GiB (estimated), {fixed / GIB:.1f} GiB reserved"
+            f"activations ~{act / GIB:.2f} GiB (estimated), {fixed / GIB:.1f} GiB reserved" \
+            + (f", a standby's pre-warm ~{prewarm / GIB:.2f} GiB (estimated)" if prewarm else "")
     if kv < need:
         raise OptionError(f"--gpu-memory-utilization {where}, leaves {max(kv, 0) / GIB:.2f} GiB for the KV cache; "
                           f"one sequence of --max-model-len {args.max_model_len} needs {need / GIB:.2f} GiB: raise "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import tempfile
 import time
@@ -49,13 +50,32 @@ def scratch_model(cfg: EngineConfig) -> dict:
     """The scratch engine's model config: ``cfg``'s, with one decoder layer and the LM head tied
     to the embedding (the same ``[vocab, hidden]`` GEMM, so the same kernels, and one such
     matrix less in memory: 1.2 GB at the 8B shape)."""
-    hf = load_config(cfg.model).to_dict()
+    return scratch_dict(load_config(cfg.model).to_dict())
+
+
+def scratch_dict(hf: dict) -> dict:
+    """``scratch_model`` of a model config given as a dict."""
+    hf = dict(hf)
     hf["num_hidden_layers"] = 1
     hf["tie_word_embeddings"] = True
     for key in ("layer_types", "mlp_only_layers"):  # per-layer lists must match the layer count
         if isinstance(hf.get(key), list):
             hf[key] = hf[key][:1]
     return hf
+
+
+def peak_bytes(mc, block_size: int, max_num_seqs: int, max_batched_tokens: int, dtype_bytes: int) -> int:
+    """An upper estimate of what ``warm_engine`` holds at its peak, from the shapes (the KV
+    sizing reserves it while a standby pre-warms beside the live engine): the scratch engine's
+    weights, its largest float32 random draw, its working memory and its KV cache."""
+    from .model_runner import DRAW_ELEMENTS, head_dim, param_specs
+    from .options import activation_bytes
+    smc = type(mc).from_dict(scratch_dict(mc.to_dict()))
+    sizes = [math.prod(shape) for _, shape, _ in param_specs(smc, None)]
+    per_seq = -(-(block_size + DECODE_STEPS + 1) // block_size)
+    kv = (max_num_seqs * per_seq + 1) * 2 * block_size * smc.num_key_value_heads * head_dim(smc) * dtype_bytes
+    act = activation_bytes(smc, max(max_batched_tokens, max_num_seqs * block_size), max_num_seqs, dtype_bytes)
+    return sum(sizes) * dtype_bytes + min(DRAW_ELEMENTS, max(sizes)) * 4 + act + kv
 
 
 def warm_engine(cfg: EngineConfig) -> dict:
