@@ -19,6 +19,7 @@ holds one layer's weights, the embedding (the LM head is tied to it) and a small
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -93,6 +94,7 @@ def warm_engine(cfg: EngineConfig) -> dict:
     scratch.generate(prompts, [SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0 if i % 2 else 0.8,
                                               seed=i) for i in range(n)])
     del scratch
+    gc.collect()    # its memory goes now, even if something in it holds a reference cycle
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize(cfg.device)
         torch.cuda.empty_cache()      # its blocks go back; the loaded kernels stay
