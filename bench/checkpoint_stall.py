@@ -276,6 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=5, help="steps per tracker-overhead window")
     ap.add_argument("--rounds", type=int, default=3, help="tracker-overhead windows of each kind")
     ap.add_argument("--inflight-steps", type=int, default=50, help="cap on steps run while a checkpoint is in flight")
+    ap.add_argument("--copy-chunk-mib", type=int, default=None,
+                    help="the checkpointer's copy chunk (default: the library's, 64 MiB); the result's name says it")
     ap.add_argument("--throttle", type=float, default=0.0, help="sleep per object in the copier (smoke runs)")
     ap.add_argument("--no-restore", action="store_true", help="skip the restore rows (mlp only anyway)")
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
@@ -292,7 +294,8 @@ def main(argv=None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     if set(policies) - set(POLICIES) or "stw" not in policies:
         ap.error(f"--policies: a subset of {','.join(POLICIES)} that includes stw (the reference)")
-    name = "checkpoint_stall" + (f"_{args.workload}" if llama else "") + ("_tiny" if args.tiny else "")
+    name = "checkpoint_stall" + (f"_{args.workload}" if llama else "") + ("_tiny" if args.tiny else "") + (
+        f"_chunk{args.copy_chunk_mib}m" if args.copy_chunk_mib else "")
 
     sock = tempfile.mkdtemp(prefix="ga-ckbench-")
     saved_env = {k: os.environ.get(k) for k in ("GPU_ANCHOR_SOCKET_DIR", "GPU_ANCHOR_CHECKPOINT_KEEP")}
@@ -318,13 +321,15 @@ def main(argv=None) -> int:
         clock = ClockSampler.start(args.device)
         tracker = WriteSetTracker()
         ck_dir = os.path.join(base_dir, "ga")
-        ck = ConcurrentCheckpointer([client], ck_dir, tracker, throttle_s=args.throttle)
+        ck = ConcurrentCheckpointer([client], ck_dir, tracker, throttle_s=args.throttle,
+                                    **({"chunk_bytes": args.copy_chunk_mib << 20} if args.copy_chunk_mib else {}))
         t0 = time.perf_counter()
         ck.prepare()  # pinned staging + the dispatch path's one-time import, shared by every row
         anchored = sum(o.nbytes for o in client.objects().values())
         result = {"workload": args.workload, "device": args.device, "hidden": args.hidden, "layers": args.layers,
                   "batch": args.batch, "seq": args.seq if llama else None, "dtype": args.dtype if llama else "float32",
                   "anchored_bytes": anchored, "anchored_objects": len(client.objects()), "build_s": build_s,
+                  "copy_chunk_bytes": ck.chunk_bytes,
                   "setup_s": time.perf_counter() - t0, "reps": args.reps, "trail": args.trail,
                   "checkpoint_dir": base_dir, "checkpoint": {}, "restore": {}}
         if not llama:
