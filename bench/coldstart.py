@@ -33,7 +33,10 @@ import urllib.request
 from bench.common import get_json, stop_process, write_result
 from bench.protocol import MIN_N, Cell
 
-MODES = {"fork": [], "warm_pool": ["--warm-pool"], "prewarm": ["--prewarm"]}
+# --no-hot-standby: these modes measure an engine started after the fault (the hot standby, the
+# default on one GPU, is bench serve_takeover's)
+MODES = {"fork": ["--no-hot-standby", "--no-prewarm"], "warm_pool": ["--warm-pool", "--no-hot-standby", "--no-prewarm"],
+         "prewarm": ["--prewarm", "--no-hot-standby"]}
 LABELS = {"fork": "fork from the supervisor", "warm_pool": "warm standby (`--warm-pool`)",
           "prewarm": "warm standby + scratch-engine pre-warm (`--prewarm`)"}
 PHASES = ("process_start_s", "cuda_init_s", "bind_s", "weights_s", "restore_s", "init_s", "first_step_s", "down_s")

@@ -44,7 +44,8 @@ from bench.common import default_device, get_json, run_isolated, stop_process, w
 from bench.protocol import Cell, Interval, throughput_section
 
 INTERVAL = Interval("the first request sent", "the last stream finished")
-MODES = {"default": [], "deterministic": ["--deterministic"]}
+# each kill starts a fresh engine (--no-hot-standby; the hot standby is bench serve_takeover's)
+MODES = {"default": ["--no-hot-standby", "--no-prewarm"], "deterministic": ["--deterministic", "--no-hot-standby", "--no-prewarm"]}
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:

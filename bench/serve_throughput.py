@@ -301,7 +301,8 @@ def recovery(args, config_path, anchor: bool) -> dict:
            "--max-num-batched-tokens", str(args.max_batched_tokens),
            "--max-model-len", str(args.prompt_len + args.max_tokens + 8),
            "--port", "0", "--port-file", port_file, "--namespace", f"bench-recovery-{int(anchor)}"]
-    cmd += ["--socket", args.socket] if anchor else ["--no-anchor"]
+    # a fresh engine after each kill for both (the hot standby, the default on one GPU, is bench serve_takeover's)
+    cmd += ["--socket", args.socket, "--no-hot-standby", "--no-prewarm"] if anchor else ["--no-anchor"]
     log = open(os.path.join(tmp, "serve.log"), "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     try:

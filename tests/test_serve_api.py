@@ -418,6 +418,29 @@ def test_blas_library_option(tmp_path):
         blas_library(EngineConfig(model=model, blas_library="mkl"))
 
 
+def test_hot_standby_default():
+    """The pre-warmed hot standby is on by default for one GPU with anchoring only; an explicit
+    choice is kept, and asking for it where it cannot run is refused."""
+    from gpu_anchor.serve import options
+
+    def resolved(device, *argv):
+        a = _args(*argv)
+        options.check(a)
+        options.resolve_standby(a, device)
+        return a.hot_standby, a.prewarm
+    assert resolved("cuda:0") == (True, True)
+    assert resolved("cpu") == (False, False)
+    assert resolved("cuda:0", "--tensor-parallel-size", "2") == (False, False)
+    assert resolved("cuda:0", "--no-anchor") == (False, False)
+    assert resolved("cuda:0", "--no-hot-standby") == (False, False)
+    assert resolved("cuda:0", "--no-prewarm") == (True, False)
+    assert resolved("cuda:0", "--prewarm", "--no-hot-standby") == (False, True)
+    assert resolved("cpu", "--hot-standby") == (True, True)
+    for argv in (("--hot-standby", "--tensor-parallel-size", "2"), ("--hot-standby", "--no-anchor")):
+        with pytest.raises(options.OptionError):
+            options.check(_args(*argv))
+
+
 def test_max_batched_tokens_alias(caplog):
     from gpu_anchor.serve import options
     a = _args("--max-batched-tokens", "48")
@@ -501,11 +524,23 @@ def test_chat_template_option(tmp_path):
     assert options.chat_template_file(None, str(tmp_path)) is None
 
 
+def _attached_hot_standby() -> dict | None:
+    from gpu_anchor.launch import jobstate
+    for job in jobstate.load_all():
+        sb = (job.get("standbys") or {}).get("0")
+        if sb and sb.get("hot"):
+            return sb
+    return None
+
+
 @pytest.mark.gpu
-def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
+@pytest.mark.parametrize("standby", [["--no-hot-standby"], []], ids=["engine", "hot-standby-default"])
+def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon, standby):
     """On a GPU with no KV size given, the KV cache takes what vLLM's default 0.9 of the
     device leaves after the weights and the activation estimate, and the whole server (daemon
-    allocations + engine) stays within that 0.9 after a full-width batch has run."""
+    allocations + engine) stays within that 0.9 after a full-width batch has run, with the
+    default pre-warmed hot standby attached (its pre-warm's peak is reserved by the sizing, its
+    context, graphs and activations by the fixed part) and without one."""
     import threading
 
     import pynvml
@@ -522,7 +557,7 @@ def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
     port_file, log_path = tmp_path / "port", tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path / "config.json"), "--random-weights",
                              "--tokenizer", str(tmp_path / "tok"), "--device", "cuda:0", "--socket", cuda_daemon[0],
-                             "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "64"],
+                             "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "64", *standby],
                             stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"))
     try:
         deadline = time.time() + 600
@@ -532,6 +567,9 @@ def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
         base = f"http://127.0.0.1:{port_file.read_text()}"
         text = log_path.read_text()
         assert "from --gpu-memory-utilization 0.9 of" in text, text[-3000:]
+        while not standby and _attached_hot_standby() is None:
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
         c = client(base, key="unused")
         outs = [None] * 64
 
@@ -545,7 +583,10 @@ def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon):
             t.join()
         assert all(o.usage.completion_tokens == 32 for o in outs)
         used = pynvml.nvmlDeviceGetMemoryInfo(h).used - used_before
-        assert 0.8 * total < used <= 0.9 * total, (used / total, text[-2000:])
+        sb = _attached_hot_standby()
+        assert (sb is None) == bool(standby), sb
+        print(f"device in use after the batch: {used / total:.4f} of {total / 2**30:.1f} GiB; hot standby: {sb}")
+        assert 0.8 * total < used <= 0.9 * total, (used / total, sb, log_path.read_text()[-2000:])
     finally:
         stop_server(proc)
 

@@ -85,7 +85,6 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    args.warm_pool |= bool(args.prewarm or args.hot_standby)
     # The fork server's role: import the heavy modules once, run nothing that starts threads.
     import torch  # noqa: F401
     from gpu_anchor.serve.model_runner import load_config, meta_model
@@ -103,11 +102,10 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
-    if args.hot_standby and cfg.device != "cpu" and args.num_blocks is None and args.kv_cache_gib is None:
-        log.warning("--hot-standby: the standby's CUDA context, graphs and pre-warm use device memory that the KV "
-                    "cache's sizing (--gpu-memory-utilization) does not count yet: on an H200 with the 0.9 default "
-                    "a server with --hot-standby --prewarm had 0.955 of the device in use; lower --gpu-memory-utilization to "
-                    "keep a margin")
+    args.warm_pool |= bool(args.prewarm or args.hot_standby)     # engine_config resolved their defaults
+    log.info("standby: %s", "hot, pre-warmed" if args.hot_standby and args.prewarm else "hot" if args.hot_standby
+             else "warm, pre-warmed" if args.prewarm else "warm" if args.warm_pool else
+             "none (a fresh engine is forked after a failure)")
     if cfg.anchor:
         from gpu_anchor.paths import default_socket, normalize_device
         cfg.socket = args.socket or default_socket(normalize_device(cfg.device))

@@ -72,16 +72,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-pool", action="store_true",
                    help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
                         "at once when the engine dies, instead of a fork + CUDA init")
-    p.add_argument("--prewarm", action="store_true",
+    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=None,
                    help="with --warm-pool (implied): the standby also runs a 1-layer scratch engine of the same "
                         "shapes through prefill and decode before any failure, so the first step after a "
-                        "take-over finds its kernels loaded (never touches the live engine's state)")
-    p.add_argument("--hot-standby", action="store_true",
+                        "take-over finds its kernels loaded (never touches the live engine's state); the KV "
+                        "cache's sizing reserves its peak (default: as --hot-standby)")
+    p.add_argument("--hot-standby", action=argparse.BooleanOptionalAction, default=None,
                    help="implies --warm-pool: once the engine is ready, the standby also maps its weights and KV "
                         "cache (read-only until it takes over), builds the model and captures its decode graphs, so "
-                        "a take-over is a journal read and the next step (docs/serving.md, 'Hot takeover'); not with "
-                        "--tensor-parallel-size > 1 or --no-anchor.  Not the default: it costs device memory the "
-                        "KV-cache sizing does not count yet (docs/serving.md)")
+                        "a take-over is a journal read and the next step (docs/serving.md, 'Hot takeover'); "
+                        "default: on for one GPU with anchoring, off on the CPU, with --tensor-parallel-size > 1 "
+                        "and with --no-anchor")
     p.add_argument("--fault-plan", default=None, metavar="SEED:MAXSTEP[:LIMIT]",
                    help="testing: each engine SIGKILLs itself at a random step <= MAXSTEP and phase, "
                         "for the first LIMIT engines (default: all); with tensor parallelism, one random "
@@ -227,6 +228,7 @@ def engine_config(args, mc):
     options.check_kernel_shapes(args, mc, device)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     options.check_deterministic(args, device, dtype)
+    options.resolve_standby(args, device)
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
