@@ -28,8 +28,11 @@ Definitions (the same for every row):
   pooled median, a window measures the mode it fell in.  The pooled figure is kept as
   ``extra_pooled_s``.  The ``gpu_clock`` record (NVML, every 10 ms) says what the SM clock and
   its clock-event reasons did meanwhile: in that run the clock stayed at 1 980 MHz with no
-  reason set, so the modes are not the clock.  Disk writes run in a background thread in every row and are waited for
-  between the window and its after-controls.
+  reason set, so the modes are not the clock.  Each repetition also keeps ``enqueue_s``: per
+  step, the host's seconds until the step's work was enqueued (before the step's closing sync),
+  which says whether a slow window step waited on the host or on the device.  Disk writes run
+  in a background thread in every row and are waited for between the window and its
+  after-controls.
 * **tracker overhead** — median step time in windows of ``--window`` steps: plain (no tracker,
   no checkpointer); idle (the loop inside ``with tracker:``, the checkpointer's ``boundary`` at
   every step, no checkpoint in flight); in flight, tracking only (a copy-on-write flight whose
@@ -128,6 +131,9 @@ class _Runner:
     def __init__(self, wl, device: str) -> None:
         self.wl, self.device, self.step, self.plain = wl, device, 0, []
         self.spans: list[tuple[str, float, float]] = []   # (what, start, end) of every timed step
+        # host seconds until the step's work was enqueued (before the closing sync), per span: far
+        # below the step time, the step waited on the device; near it, on the host
+        self.enqueue: list[float] = []
 
     def steps(self, n: int, boundary=lambda s: None, what: str = "other") -> list[float]:
         times = []
@@ -135,10 +141,12 @@ class _Runner:
             self.step += 1
             t0 = time.perf_counter()
             self.wl.run(self.step, boundary)
+            t_enq = time.perf_counter()
             _sync(self.device)
             t1 = time.perf_counter()
             times.append(t1 - t0)
             self.spans.append((what, t0, t1))
+            self.enqueue.append(t_enq - t0)
         return times
 
     def gap(self, n: int) -> list[float]:
@@ -191,11 +199,12 @@ def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
     before = run.gap(args.gap)
     r = _checkpoint(run, ck, policy, args, dcp_dir)
     after = run.gap(len(r["window_s"]))
-    sp = run.spans[i:]
+    sp, enq = run.spans[i:], run.enqueue[i:]
     nb, nw = len(before), len(r["window_s"])
     bounds = {"before": (sp[0][1], sp[nb - 1][2]), "window": (sp[nb][1], sp[nb + nw - 1][2]),
               "after": (sp[nb + nw][1], sp[-1][2])}
-    return dict(r, before_s=before, after_s=after, bounds=bounds)
+    enqueue = {"before": enq[:nb], "window": enq[nb:nb + nw], "after": enq[nb + nw:]}
+    return dict(r, before_s=before, after_s=after, bounds=bounds, enqueue_s=enqueue)
 
 
 def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
