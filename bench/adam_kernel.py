@@ -1,6 +1,6 @@
 """The fused anchored Adam kernel alone against torch's AdamW kernels, on one device.
 
-    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10]
+    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76]
 
 A 1.24 B bf16 parameter set (llama3.2-1b's) in 76 chunks, as the step protocol runs it: per
 chunk one launch of ``fused_adam``'s kernel (reads p, g, m, v; writes the old p, m, v into the
@@ -10,7 +10,10 @@ the copy followed by torch's fused kernel (what the protocol would run without i
 kernel).  Each figure is the median of ``--reps`` passes over every chunk, CUDA events, after
 one warm-up pass; the kernel's block size and warps are swept.  The bandwidth column counts
 the bytes each variant must move (10 tensor passes for the anchored kernel, 7 for torch's
-fused one), not what it moved.  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
+fused one), not what it moved.  ``--chunks``: more, smaller chunks make the two undo slots small
+enough to stay in the GPU's L2 (50 MB on the H200: at 640 chunks both slots take 23 MB), which
+is what the kernel's undo writes would need to stop costing memory bandwidth; the result's name
+then says the count.  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
 variants run, on a small set.
 """
 from __future__ import annotations
@@ -58,10 +61,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small set (2 chunks of 64 Ki elements)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--chunks", type=int, default=None, help="chunks of the parameter set (default 76, the "
+                    "optimizer's default for llama3.2-1b)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     device = "cpu" if a.tiny and not torch.cuda.is_available() else default_device(a.device)
     chunks, total = (2, 1 << 17) if a.tiny else (76, 1_235_814_400)
+    if a.chunks is not None:
+        if a.chunks < 1:
+            ap.error(f"--chunks must be >= 1, got {a.chunks}")
+        chunks = a.chunks
     n = (total // chunks) // 16 * 16
     dt = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
@@ -106,7 +115,8 @@ def main(argv=None) -> int:
               "shipped": SHIPPED, "kernel_unavailable": why}
     if "torch_fused_adamw" in ms and SHIPPED in ms:
         result["anchored_minus_torch_fused_ms"] = round(ms[SHIPPED] - ms["torch_fused_adamw"], 3)
-    print(write_result("adam_kernel" + ("_tiny" if a.tiny else ""), result, a.out))
+    name = "adam_kernel" + (f"_chunks{chunks}" if a.chunks is not None else "") + ("_tiny" if a.tiny else "")
+    print(write_result(name, result, a.out))
     return 0
 
 
@@ -140,7 +150,8 @@ def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device):
 
 
 def title(result: dict) -> str:
-    return "Fused anchored Adam kernel vs torch's AdamW kernels (1.24 B bf16 parameters, 76 chunks)"
+    return (f"Fused anchored Adam kernel vs torch's AdamW kernels ({result.get('params', 0) / 1e9:.2f} B bf16 "
+            f"parameters, {result.get('chunks', '?')} chunks)")
 
 
 def render(r: dict) -> str:
