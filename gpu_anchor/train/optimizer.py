@@ -15,7 +15,8 @@ scheduler state, RNG state and ``loop_state`` go to the journal (see ``protocol`
 The parameters themselves must already be anchored (``anchor_module`` or managed_scope).
 
 Recovery happens in the constructor: an in-flight step is rolled back / redone from
-the anchored gradients, so ``completed_steps`` is always a whole number of steps.
+the anchored gradients (``recovery``), so ``completed_steps`` is always a whole number of steps;
+what is anchored and bound is ``layout``'s.
 """
 from __future__ import annotations
 
@@ -31,18 +32,19 @@ from . import chunking, distributed, faults
 from .chunk_exec import ChunkExecutor
 from .config import StepProtocolConfig
 from .device_progress import DeviceProgress
-from .fsdp import like as _like, local as _local
+from .fsdp import local as _local
 from . import amp
 from .hparams import hparams as _hparams
-from .hparams import set_hparams as _set_hparams
+from .recovery import RecoveryMixin
 from .state_dict import StateDictMixin
-from .kinds import AdamKind, kind_of
+from .kinds import kind_of
 from . import protocol
 from .protocol import StepState, key
 from gpu_anchor.journal_keys import STEP_KEY
 
 from . import step_hooks
 from .grads import GradientBuffers
+from . import layout
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -58,26 +60,7 @@ def _open_scope():
 _holders: "weakref.WeakValueDictionary[tuple, AnchoredOptimizer]" = weakref.WeakValueDictionary()
 
 
-def _describe(optimizer_name: str, params: list, step: int | None = None) -> str:
-    shown = ", ".join(f"{n} {d.removeprefix('torch.')}{s}" for n, s, d in params[:3])
-    more = f", ... {len(params) - 3} more" if len(params) > 3 else ""
-    at = f", {step} step(s) committed" if step is not None else ""
-    return f"{optimizer_name} over {len(params)} parameter(s) ({shown}{more}){at}"
-
-
-def _foreign_state(found: str, mine: str, prefix: str, advice: str = ".") -> RuntimeError:
-    return RuntimeError(
-        f"{found}; this one is {mine}. Two optimizers in one namespace need their own prefixes: "
-        f"AnchoredOptimizer(..., prefix={prefix + '2'!r}){advice}")
-
-
-class _Param:
-    # ``local``: the memory this rank owns (an FSDP2 DTensor's shard, else ``p``); ``gview``: what
-    # ``p.grad`` is set to (a DTensor over ``grad`` for DTensor parameters, else ``grad``)
-    __slots__ = ("index", "name", "group", "p", "local", "grad", "gview", "states", "flat", "gflat", "sflat")
-
-
-class AnchoredOptimizer(StateDictMixin):
+class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
     """Wraps ``optimizer`` (Adam, AdamW or SGD; foreach/fused as configured).
 
     ``client``: a ``gpu_anchor`` client for the parameters' device (default: connect).
@@ -132,38 +115,19 @@ class AnchoredOptimizer(StateDictMixin):
 
     def _attach(self, model, client, prefix, chunk_bytes, progress, namespace=None) -> None:
         optimizer = self.optimizer
-        names = {}
-        if model is not None:
-            names = {id(p): n for n, p in model.named_parameters()}
-        self._params: list[_Param] = []
-        for gi, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                if any(q.p is p for q in self._params):
-                    raise ValueError("a parameter appears twice in the optimizer")
-                if not _local(p).is_contiguous():
-                    raise ValueError("AnchoredOptimizer needs contiguous parameters")
-                e = _Param()
-                e.index, e.group, e.p, e.local = len(self._params), gi, p, _local(p)
-                e.name = names.get(id(p), f"g{gi}.p{j}")
-                self._params.append(e)
-        if not self._params:
-            raise ValueError("the optimizer has no parameters")
-        devices = {q.local.device for q in self._params}
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop()
+        self._params, self.device = layout.collect(optimizer, model)
         if client is None:
             import gpu_anchor
             client = gpu_anchor.connect("cpu" if self.device.type == "cpu" else str(self.device), namespace=namespace)
         self.client = client
         self._journal = client.journal
         holder_key = (getattr(client, "socket_path", None), getattr(client, "namespace", None), prefix)
-        mine = _describe(type(optimizer).__name__, self._signature())
+        mine = layout.describe(type(optimizer).__name__, self._signature())
         other = _holders.get(holder_key)
         if other is not None and other._signature() != self._signature():
-            raise _foreign_state(f"another AnchoredOptimizer in this process keeps its state under prefix {prefix!r} "
-                                 f"in namespace {holder_key[1]!r}: "
-                                 f"{_describe(type(other.optimizer).__name__, other._signature())}", mine, prefix)
+            raise layout.foreign_state(
+                f"another AnchoredOptimizer in this process keeps its state under prefix {prefix!r} in namespace "
+                f"{holder_key[1]!r}: {layout.describe(type(other.optimizer).__name__, other._signature())}", mine, prefix)
 
         # ------------------------------------------------------------ journal first
         vals = self._journal.get_many(prefix=prefix + "/")
@@ -172,11 +136,11 @@ class AnchoredOptimizer(StateDictMixin):
         resuming = self._state.step > 0 or self._state.in_flight
         if resuming and meta is not None and meta["params"] != self._signature():
             # The journal records which parameters (names, shapes, dtypes) the state belongs to.
-            raise _foreign_state(f"namespace {holder_key[1]!r} holds another optimizer's state under prefix "
-                                 f"{prefix!r}: {_describe(meta.get('optimizer', '?'), meta['params'], self._state.step)}",
-                                 mine, prefix, "; if this is that optimizer and the model changed, its anchored "
-                                 "state does not fit: restore from a checkpoint, or drop the namespace "
-                                 f"(`gpu-anchor drop {holder_key[1]}`) to start over.")
+            raise layout.foreign_state(
+                f"namespace {holder_key[1]!r} holds another optimizer's state under prefix {prefix!r}: "
+                f"{layout.describe(meta.get('optimizer', '?'), meta['params'], self._state.step)}", mine, prefix,
+                "; if this is that optimizer and the model changed, its anchored state does not fit: restore from "
+                f"a checkpoint, or drop the namespace (`gpu-anchor drop {holder_key[1]}`) to start over.")
         keys_of = [self.kind.state_keys(optimizer.param_groups[q.group]) for q in self._params]
         sizes = [[q.local.element_size()] * (1 + len(k)) for q, k in zip(self._params, keys_of)]
         total = sum(q.local.numel() * (sum(s) + q.local.element_size()) for q, s in zip(self._params, sizes))
@@ -199,46 +163,15 @@ class AnchoredOptimizer(StateDictMixin):
         self.undo_bytes = 2 * slot_bytes
 
         # ------------------------------------------------------------ bind everything at once
-        specs = []
-        for q, ks in zip(self._params, keys_of):
-            specs.append((f"{prefix}.grad.{q.name}", tuple(q.local.shape), q.local.dtype))
-            specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.local.shape), q.local.dtype) for k in ks]
-        bound = client.bind(specs)
-        lost = [b.name for b in bound if b.status == "created"]
-        if resuming and lost:
-            raise RuntimeError(f"the journal says {self._state.step} steps were committed but the anchored "
-                               f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
-        # CUDA + Adam: the fused update's per-block undo tags (fused_adam), one row per slot
-        tag_spec = []
-        if self.device.type == "cuda" and type(self.kind) is AdamKind:
-            from .fused_adam import FusedAdam
-            nblocks = FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in self._chunks])
-            tag_spec = [(f"{prefix}.undo.tags", (2, nblocks), torch.int64)]
-        undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]
-                           + [(f"{prefix}.progress", (1,), torch.int64)] + tag_spec,
-                           policy="match_or_create" if self._state.in_flight else "replace")
-        if self._state.in_flight and any(b.status == "created" for b in undo):
-            raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
-        self._undo = [b.tensor for b in undo[:2]]
-        self._word = word = undo[2].tensor     # held: an anchored object lives while referenced
-        tags = undo[3].tensor if tag_spec else None
-        if not self._state.in_flight:
-            word.fill_(-1)
-            if tags is not None:
-                tags.fill_(-1)     # no block of any (step, chunk) saved
-        it = iter(bound)
-        for q, ks in zip(self._params, keys_of):
-            q.grad = next(it).tensor
-            q.gview = _like(q.p, q.grad)
-            q.states = {k: next(it).tensor for k in ks}
-            q.flat = q.local.detach().view(-1)
-            q.gflat = q.grad.view(-1)
-            q.sflat = {k: t.view(-1) for k, t in q.states.items()}
+        self._undo, self._word, tags = layout.bind_state(      # _word held: an anchored object lives while referenced
+            client, prefix, self._params, keys_of, self._chunks, slot_bytes, self.kind, self.device,
+            in_flight=self._state.in_flight, committed_steps=self._state.step if resuming else None)
+        for q in self._params:
             optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
         self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind, tags)
         self.fused_reason = self._fused_reason(tags)   # None: steps may use the fused update
         if self.progress == "device":
-            self._dev = DeviceProgress(word, self.device, self._copy_to_undo, self.stats)
+            self._dev = DeviceProgress(self._word, self.device, self._copy_to_undo, self.stats)
         self._counts = [0] * len(self._params)
         self._rank, self._world = distributed.world()
         self._grads = GradientBuffers(self._params, fresh=self._world == 1 and
@@ -411,78 +344,6 @@ class AnchoredOptimizer(StateDictMixin):
         self._commit(puts, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
         step_hooks.step_committed(new.step, self.client)  # the supervisor's checkpoints, recovery timing
 
-    def _resume(self, vals: dict) -> None:
-        p = self.prefix
-        if key(p, "committed") in vals:
-            committed = json.loads(vals[key(p, "committed")])
-            self._counts = committed["counts"]
-            for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
-                _set_hparams(g, hp)
-            for sch, sd in zip(self.schedulers, pickle.loads(vals[key(p, "sched")])):
-                sch.load_state_dict(sd)
-        st = self._state
-        device = self.progress == "device"
-        cursor = None     # device mode: where the device left the in-flight step (None: never began)
-        if st.in_flight and device:
-            cursor = self._dev.resume_point(st)
-        if self._world > 1 and device:
-            report = distributed.device_report(st.step, st.in_flight, cursor, len(self._chunks))
-            action = distributed.decide_device(distributed.gather_states(report), self._rank)
-            if st.in_flight and report[1] is None:
-                action = "finish"            # fully written on the device: land its commit
-        elif self._world > 1:
-            action = distributed.decide(distributed.gather_states((st.step, st.step if st.in_flight else None)),
-                                        self._rank)
-        elif not st.in_flight:
-            action = "none"
-        else:
-            action = "discard" if device and cursor is None else "finish"
-        if action == "discard":
-            # No device (of any rank) got past the boundary: no chunk was written.
-            new = self._state.discard()
-            self._commit({key(p, "state"): new.encode()})
-            self._state = new
-        elif action == "finish":
-            b = json.loads(vals[key(p, "boundary")])
-            mask = [c == "1" for c in b["mask"]]
-            for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
-                _set_hparams(g, hp)
-            carry = vals[key(p, "carry_inflight")]
-            fused = b.get("undo") == "fused"       # how this step saves its chunks (boundary)
-            if fused and b.get("undo_block") != self._fused_block():
-                raise RuntimeError(f"the step in flight was saved in blocks of {b.get('undo_block')} elements, "
-                                   f"this version uses {self._fused_block()}: restore from a checkpoint")
-            plan = None
-            if device:
-                if fused:
-                    plan = self._fused_plan(mask, b["counts"], b["hparams"])
-                if cursor is None:      # another rank's device began it: ours has the final gradients
-                    cursor = 0
-                    self._dev.publish(st.step, 0, save=not fused)
-                elif cursor < len(self._chunks) and fused:
-                    self._exec.restore_fused(cursor, protocol.encode_progress(st.step, cursor))
-                    self._wait()
-                elif cursor < len(self._chunks):
-                    self._copy_from_undo(cursor)
-                if fused and plan is None and cursor < len(self._chunks):
-                    # This worker cannot run the fused update: finish the step by copies.
-                    # Chunk ``cursor`` is whole again; save it whole, then say so (the
-                    # fused rollback stays right until the boundary's record changes).
-                    self._copy_to_undo(cursor)
-                    self._wait()
-                    self._commit({key(p, "boundary"): json.dumps(dict(b, undo="copy")).encode()})
-            else:
-                cursor = self._state.cursor
-                if self._state.rollback_chunk() is not None:
-                    self._copy_from_undo(cursor)
-            if cursor == len(self._chunks):
-                self._finish(mask, b["counts"], carry)
-            else:
-                self._run_from(cursor, mask, b["counts"], b["hparams"], carry, plan)
-            vals = dict(vals, **{key(p, "carry"): carry})
-        if key(p, "carry") in vals:
-            self._restore_carry(vals[key(p, "carry")])
-
     # ------------------------------------------------------------------ pieces
     def _apply(self, i, mask, counts, steps, hps) -> None:
         self._exec.apply(i, mask, counts, steps, hps)
@@ -556,7 +417,7 @@ class AnchoredOptimizer(StateDictMixin):
         self.stats["commits"] += 1
 
     def _signature(self) -> list:
-        return [[q.name, list(q.local.shape), str(q.local.dtype)] for q in self._params]
+        return layout.signature(self._params)
 
     def _meta(self) -> bytes:
         return json.dumps({"params": self._signature(), "chunk_bytes": self.chunk_bytes, "progress": self.progress,

@@ -1,0 +1,110 @@
+"""What ``AnchoredOptimizer`` anchors, and its one bind.
+
+- ``collect``: the optimizer's parameters in optimizer order, each named by the model's access
+  path (``model=``) or ``g<group>.p<index>``; refused: a parameter twice, a non-contiguous one,
+  none at all, more than one device.
+- ``signature`` / ``describe``: what the journal's ``meta`` records of them (names, shapes,
+  dtypes), and how an error names an optimizer; ``foreign_state`` is the error for another
+  optimizer's state under the same prefix.
+- ``bind_state``: ``<prefix>.grad.<param>`` and ``<prefix>.state.<param>.<key>`` in one bind
+  (a resumed run that finds them created lost its state: refused), then the two undo slots,
+  the device progress word and (CUDA + Adam) the fused kernel's per-block undo tags — matched
+  when a step is in flight (a missing undo slot is then refused), replaced otherwise.  The
+  anchored tensors are set on each parameter's record (``grad``, ``gview``, ``states`` and
+  their flat views).
+
+The optimizer's journal, chunk plan and recovery stay in ``optimizer``; this module only
+names, checks and binds.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fsdp import like as _like, local as _local
+from .kinds import AdamKind
+
+
+class AnchoredParam:
+    # ``local``: the memory this rank owns (an FSDP2 DTensor's shard, else ``p``); ``gview``: what
+    # ``p.grad`` is set to (a DTensor over ``grad`` for DTensor parameters, else ``grad``)
+    __slots__ = ("index", "name", "group", "p", "local", "grad", "gview", "states", "flat", "gflat", "sflat")
+
+
+def collect(optimizer: torch.optim.Optimizer, model) -> tuple[list[AnchoredParam], torch.device]:
+    """The parameters in optimizer order and their one device."""
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    params: list[AnchoredParam] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if any(q.p is p for q in params):
+                raise ValueError("a parameter appears twice in the optimizer")
+            if not _local(p).is_contiguous():
+                raise ValueError("AnchoredOptimizer needs contiguous parameters")
+            e = AnchoredParam()
+            e.index, e.group, e.p, e.local = len(params), gi, p, _local(p)
+            e.name = names.get(id(p), f"g{gi}.p{j}")
+            params.append(e)
+    if not params:
+        raise ValueError("the optimizer has no parameters")
+    devices = {q.local.device for q in params}
+    if len(devices) != 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return params, devices.pop()
+
+
+def signature(params: list[AnchoredParam]) -> list:
+    return [[q.name, list(q.local.shape), str(q.local.dtype)] for q in params]
+
+
+def describe(optimizer_name: str, params: list, step: int | None = None) -> str:
+    shown = ", ".join(f"{n} {d.removeprefix('torch.')}{s}" for n, s, d in params[:3])
+    more = f", ... {len(params) - 3} more" if len(params) > 3 else ""
+    at = f", {step} step(s) committed" if step is not None else ""
+    return f"{optimizer_name} over {len(params)} parameter(s) ({shown}{more}){at}"
+
+
+def foreign_state(found: str, mine: str, prefix: str, advice: str = ".") -> RuntimeError:
+    return RuntimeError(
+        f"{found}; this one is {mine}. Two optimizers in one namespace need their own prefixes: "
+        f"AnchoredOptimizer(..., prefix={prefix + '2'!r}){advice}")
+
+
+def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, chunks: list, slot_bytes: int,
+               kind, device: torch.device, *, in_flight: bool, committed_steps: int | None):
+    """Binds the gradients, optimizer state, undo slots, progress word and undo tags; returns
+    ``(undo slots, progress word, tags or None)``.  ``committed_steps``: the journal's count
+    when resuming (its state must be found), None for a fresh start."""
+    specs = []
+    for q, ks in zip(params, keys_of):
+        specs.append((f"{prefix}.grad.{q.name}", tuple(q.local.shape), q.local.dtype))
+        specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.local.shape), q.local.dtype) for k in ks]
+    bound = client.bind(specs)
+    lost = [b.name for b in bound if b.status == "created"]
+    if committed_steps is not None and lost:
+        raise RuntimeError(f"the journal says {committed_steps} steps were committed but the anchored "
+                           f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
+    tag_spec = []
+    if device.type == "cuda" and type(kind) is AdamKind:     # the fused update's per-block undo tags, a row per slot
+        from .fused_adam import FusedAdam
+        nblocks = FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in chunks])
+        tag_spec = [(f"{prefix}.undo.tags", (2, nblocks), torch.int64)]
+    undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]
+                       + [(f"{prefix}.progress", (1,), torch.int64)] + tag_spec,
+                       policy="match_or_create" if in_flight else "replace")
+    if in_flight and any(b.status == "created" for b in undo):
+        raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
+    word = undo[2].tensor
+    tags = undo[3].tensor if tag_spec else None
+    if not in_flight:
+        word.fill_(-1)
+        if tags is not None:
+            tags.fill_(-1)     # no block of any (step, chunk) saved
+    it = iter(bound)
+    for q, ks in zip(params, keys_of):
+        q.grad = next(it).tensor
+        q.gview = _like(q.p, q.grad)
+        q.states = {k: next(it).tensor for k in ks}
+        q.flat = q.local.detach().view(-1)
+        q.gflat = q.grad.view(-1)
+        q.sflat = {k: t.view(-1) for k, t in q.states.items()}
+    return [b.tensor for b in undo[:2]], word, tags

@@ -1,0 +1,101 @@
+"""Recovery at attach: what ``AnchoredOptimizer`` does with the journal it finds.
+
+``_resume(vals)`` runs in the constructor (or when ``managed_scope`` binds) once the anchored
+objects are bound, with the journal's values under the optimizer's prefix:
+
+- the last committed step's step counts, hyper-parameters and scheduler states are restored;
+- a step in flight is discarded when no device got past its boundary (device progress, the
+  word never published), else finished: the chunk at the cursor is rolled back (its undo
+  slot, or in fused steps its tagged blocks) and chunks ``cursor..N-1`` are redone from the
+  anchored gradients with the boundary's mask, counts and hyper-parameters;
+- with several ranks the ranks agree first (``distributed.decide`` / ``decide_device``), so
+  every rank discards or every rank finishes;
+- the carried loop / RNG state of the last step (committed or just finished) is restored.
+
+A kill during recovery is recovered the same way: rolling back and redoing a chunk writes
+what the interrupted step would have written.  docs/training.md, "Failure points and
+recovery", has the state machine; the tests kill at every transition and compare with a
+fault-free run.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+
+from . import distributed, protocol
+from .hparams import set_hparams as _set_hparams
+from .protocol import key
+
+
+class RecoveryMixin:
+    def _resume(self, vals: dict) -> None:
+        p = self.prefix
+        if key(p, "committed") in vals:
+            committed = json.loads(vals[key(p, "committed")])
+            self._counts = committed["counts"]
+            for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
+                _set_hparams(g, hp)
+            for sch, sd in zip(self.schedulers, pickle.loads(vals[key(p, "sched")])):
+                sch.load_state_dict(sd)
+        st = self._state
+        device = self.progress == "device"
+        cursor = None     # device mode: where the device left the in-flight step (None: never began)
+        if st.in_flight and device:
+            cursor = self._dev.resume_point(st)
+        if self._world > 1 and device:
+            report = distributed.device_report(st.step, st.in_flight, cursor, len(self._chunks))
+            action = distributed.decide_device(distributed.gather_states(report), self._rank)
+            if st.in_flight and report[1] is None:
+                action = "finish"            # fully written on the device: land its commit
+        elif self._world > 1:
+            action = distributed.decide(distributed.gather_states((st.step, st.step if st.in_flight else None)),
+                                        self._rank)
+        elif not st.in_flight:
+            action = "none"
+        else:
+            action = "discard" if device and cursor is None else "finish"
+        if action == "discard":
+            # No device (of any rank) got past the boundary: no chunk was written.
+            new = self._state.discard()
+            self._commit({key(p, "state"): new.encode()})
+            self._state = new
+        elif action == "finish":
+            b = json.loads(vals[key(p, "boundary")])
+            mask = [c == "1" for c in b["mask"]]
+            for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
+                _set_hparams(g, hp)
+            carry = vals[key(p, "carry_inflight")]
+            fused = b.get("undo") == "fused"       # how this step saves its chunks (boundary)
+            if fused and b.get("undo_block") != self._fused_block():
+                raise RuntimeError(f"the step in flight was saved in blocks of {b.get('undo_block')} elements, "
+                                   f"this version uses {self._fused_block()}: restore from a checkpoint")
+            plan = None
+            if device:
+                if fused:
+                    plan = self._fused_plan(mask, b["counts"], b["hparams"])
+                if cursor is None:      # another rank's device began it: ours has the final gradients
+                    cursor = 0
+                    self._dev.publish(st.step, 0, save=not fused)
+                elif cursor < len(self._chunks) and fused:
+                    self._exec.restore_fused(cursor, protocol.encode_progress(st.step, cursor))
+                    self._wait()
+                elif cursor < len(self._chunks):
+                    self._copy_from_undo(cursor)
+                if fused and plan is None and cursor < len(self._chunks):
+                    # This worker cannot run the fused update: finish the step by copies.
+                    # Chunk ``cursor`` is whole again; save it whole, then say so (the
+                    # fused rollback stays right until the boundary's record changes).
+                    self._copy_to_undo(cursor)
+                    self._wait()
+                    self._commit({key(p, "boundary"): json.dumps(dict(b, undo="copy")).encode()})
+            else:
+                cursor = self._state.cursor
+                if self._state.rollback_chunk() is not None:
+                    self._copy_from_undo(cursor)
+            if cursor == len(self._chunks):
+                self._finish(mask, b["counts"], carry)
+            else:
+                self._run_from(cursor, mask, b["counts"], b["hparams"], carry, plan)
+            vals = dict(vals, **{key(p, "carry"): carry})
+        if key(p, "carry") in vals:
+            self._restore_carry(vals[key(p, "carry")])
