@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         result = {"workload": args.workload, "device": args.device, "hidden": args.hidden, "layers": args.layers,
                   "batch": args.batch, "seq": args.seq if llama else None, "dtype": args.dtype if llama else "float32",
                   "anchored_bytes": anchored, "anchored_objects": len(client.objects()), "build_s": build_s,
-                  "copy_chunk_bytes": ck.chunk_bytes,
+                  "copy_chunk_bytes": ck.copies.chunk_bytes,
                   "setup_s": time.perf_counter() - t0, "reps": args.reps, "trail": args.trail,
                   "checkpoint_dir": base_dir, "checkpoint": {}, "restore": {}}
         if not llama:

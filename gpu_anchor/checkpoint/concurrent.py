@@ -64,7 +64,8 @@ from gpu_anchor.journal_keys import TOUCH_KEY
 from . import snapshot
 from .format import complete_ranks, step_dir
 from .object_table import ObjectTable
-from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue, chunked_copy
+from .copying import Copies
+from .transfer import CHUNK_BYTES, DONE, Runner, TransferQueue
 from .settings import CheckpointSettings
 from .writeset import Recorder, WriteSetTracker
 
@@ -120,14 +121,13 @@ class ConcurrentCheckpointer:
         self.directory, self.tracker, self.policy = directory, tracker, policy
         self.settings = settings or replace(CheckpointSettings.from_env(), directory=directory)  # when due
         self.recopy_threshold, self.expected_dirty_fraction = recopy_threshold, expected_dirty_fraction
-        self.gpu_buffer_fraction = gpu_buffer_fraction
+        self.copies = Copies(chunk_bytes, gpu_buffer_fraction)
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
         env = os.environ.get("GPU_ANCHOR_CKPT_THROTTLE_S", "0") or 0
         self.throttle_s = float(env) if throttle_s is None else throttle_s
         self.write_files = write
         self.captured: list[dict] | None = None  # the last checkpoint, when write=False
-        self.chunk_bytes = chunk_bytes
         self.manage_mode, self._entered = manage_mode, None  # the job thread while its flight's scope is open
         self._lost_at_arm = 0
         # tests: called with each state of the flight as it is entered (docs/checkpoint.md)
@@ -140,12 +140,9 @@ class ConcurrentCheckpointer:
         self._copier = Runner("gpu-anchor-ckpt-copier")  # one thread for every flight's background copies
         weakref.finalize(self, self._copier.stop)  # an idle copier thread must not outlive its checkpointer
         self._writer_error: list[BaseException] = []
-        self._staging_cache: dict[tuple, torch.Tensor] = {}
         self._table = ObjectTable(self.clients, tracker)
         self._observed: int | None = None  # bytes the job wrote per step, seen during the last flight
         self._derived: tuple | None = None  # (entries, total bytes, staging, CUDA device) for those entries
-        self._stream = self._job_stream = None
-        self._gpu_budget = 0
         self.validator = validator
         if validator is not None:
             validator.on_miss.append(self._on_miss)
@@ -198,8 +195,8 @@ class ConcurrentCheckpointer:
             fl.result.reason += "; copy order: last step's first writes"
         self.recorder.reset()
         self._lost_at_arm = self.tracker.lost
-        self._gpu_budget = int(torch.cuda.mem_get_info(dev)[0] * self.gpu_buffer_fraction) if dev is not None else 0
-        clone = self._plan_device_copy(fl, order) if policy == "device" else []
+        self.copies.set_budget(dev)
+        clone = self.copies.plan_device_copy(fl, order) if policy == "device" else []
         rest = [k for k in order if k not in set(clone)] if clone else order
         fl.queue = TransferQueue(rest, self._move, throttle_s=self.throttle_s, move_many=self._move_many)
         # docs/checkpoint.md, "When tracking is installed": ARMED (listeners attached and the mode on
@@ -209,7 +206,7 @@ class ConcurrentCheckpointer:
             self._transition("armed")
         self._capture_point(fl, dev)
         if clone:
-            self._copy_on_device(fl, clone)
+            self.copies.copy_on_device(fl, clone)
         self._transition("captured")
         fl.queue.start(self._copier)
         self._transition("copying")
@@ -230,39 +227,7 @@ class ConcurrentCheckpointer:
     def _capture_point(self, fl: _Flight, dev) -> None:
         """The state the checkpoint records: the journal now, and (CUDA) every write queued so far."""
         fl.journals = [c.journal.get_many() for c in self.clients]
-        if dev is not None:
-            self._stream = self._stream or torch.cuda.Stream(device=dev, priority=0)  # 0 = the lowest priority
-            self._job_stream = torch.cuda.current_stream(dev)
-            self._stream.wait_stream(self._job_stream)                  # copies start after the consistent point
-
-    def _plan_device_copy(self, fl: _Flight, order: list[str]) -> list[str]:
-        """``device``: the CUDA objects that fit the device-buffer budget, in copy order."""
-        fit = []
-        for k in order:
-            src = fl.entries[k][2]
-            n = src.numel() * src.element_size()
-            if src.is_cuda and n <= self._gpu_budget:
-                self._gpu_budget -= n
-                fit.append(k)
-        return fit
-
-    def _copy_on_device(self, fl: _Flight, keys: list[str]) -> None:
-        """``device``: clone ``keys`` on their device now, on the job's stream (after everything it
-        queued before this point), and wait for the clones: every write issued after ``start``
-        returns, on any stream and by any kernel (aten or not), runs after them.  They are drained
-        to host staging with the GPU-side copy-on-write buffers (``_drain``)."""
-        by_dev: dict = {}
-        for k in keys:
-            by_dev.setdefault(fl.entries[k][2].device, []).append(k)
-        with torch.no_grad(), _disable_current_modes():
-            for dev, ks in by_dev.items():
-                bufs = [fl.entries[k][2].clone() for k in ks]
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(dev))
-                fl.gpu_groups.append((ks, bufs, ev))
-            for _, _, ev in fl.gpu_groups:
-                ev.synchronize()
-        fl.result.gpu_buffered += len(keys)
+        self.copies.capture_point(dev)
 
     def _transition(self, name: str) -> None:
         hook = self.transition_hook
@@ -387,89 +352,21 @@ class ConcurrentCheckpointer:
             fl.result.valid = False
             fl.result.misses.append({"op": str(func), "objects": sorted(names)})
 
-    # ------------------------------------------------------------------ copying
+    # ------------------------------------------------------------------ copying (copying.Copies)
     def _staging(self, key, t) -> torch.Tensor:
-        ck = (key, tuple(t.shape), t.dtype)
-        buf = self._staging_cache.get(ck)
-        if buf is None:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            self._staging_cache[ck] = buf
-        return buf
+        return self.copies.staging(key, t)
 
     def _move(self, key: str, foreground: bool) -> None:
         if foreground:
             self._move_many([key], True)
         else:
-            self._copy(key)
+            self.copies.copy(self._flight, key)
 
     def _move_many(self, keys: list[str], foreground: bool) -> None:
-        """Copy several objects as one group (an op's not-yet-copied write set), on the calling
-        thread.  Host objects: one ``_foreach_copy_`` into staging.  CUDA objects, foreground:
-        a device-side clone of each while the budget allows (on the op's stream, so ordered
-        before its write; one event for the group, which the drain waits for), the rest straight
-        to pinned host staging on the op's stream and one wait."""
-        if not foreground:
-            for k in keys:
-                self._copy(k)
-            return
-        fl = self._flight
-        host, cuda = [], {}
-        for k in keys:
-            src = fl.entries[k][2]
-            if src.is_cuda:
-                cuda.setdefault(src.device, []).append(k)
-            else:
-                host.append(k)
-        with torch.no_grad(), _disable_current_modes():
-            if host:
-                torch._foreach_copy_([fl.staging[k] for k in host], [fl.entries[k][2] for k in host])
-            for dev, ks in cuda.items():
-                self._copy_cuda_group(fl, dev, ks)
-
-    def _copy_cuda_group(self, fl: _Flight, dev, keys: list[str]) -> None:
-        stream = torch.cuda.current_stream(dev)
-        fit, direct, need = [], [], 0
-        for k in keys:
-            src = fl.entries[k][2]
-            nbytes = src.numel() * src.element_size()
-            if need + nbytes <= self._gpu_budget:
-                fit.append(k)
-                need += nbytes
-            else:
-                direct.append(k)
-        if fit:
-            self._gpu_budget -= need
-            # one clone per object (the caching allocator reuses its blocks checkpoint after
-            # checkpoint); one packed buffer for the whole group measured 3x slower on the H200
-            # (101.7 vs 31.2 ms stall per checkpoint: a multi-GB allocation per op)
-            bufs = [fl.entries[k][2].clone() for k in fit]
-            ev = torch.cuda.Event()
-            ev.record(stream)  # the drain waits for these copies
-            fl.gpu_groups.append((fit, bufs, ev))
-            fl.result.gpu_buffered += len(fit)
-        if direct:  # no GPU memory to spare: to pinned host on the op's stream, then wait once
-            torch._foreach_copy_([fl.staging[k] for k in direct], [fl.entries[k][2] for k in direct],
-                                 non_blocking=True)
-            stream.synchronize()
-
-    def _copy(self, key: str) -> None:
-        """One object, background copier."""
-        fl = self._flight
-        _, _, src = fl.entries[key]
-        dst = fl.staging[key]
-        if not src.is_cuda:
-            with torch.no_grad(), _disable_current_modes():
-                dst.copy_(src)
-            return
-        if fl.result.policy == "recopy":
-            # an op may have queued a write while this object was PENDING (so it is not dirty):
-            # copy after everything the job has queued so far, never before it
-            self._stream.wait_stream(self._job_stream)
-        chunked_copy(dst, src, self._stream, self.chunk_bytes)
+        self.copies.move_many(self._flight, keys, foreground)
 
     def _sync(self) -> None:
-        if self._stream is not None:
-            torch.cuda.synchronize(self._stream.device)
+        self.copies.sync()
 
     def _detach(self) -> None:
         self.tracker.remove_listener(self)
@@ -546,34 +443,17 @@ class ConcurrentCheckpointer:
                              "tensors": {n: fl.staging[k] for k, n in sorted(names.items(), key=lambda x: x[1])}})
         return captured
 
-    def _drain(self, fl: _Flight) -> None:
-        """GPU-side copy-on-write buffers → host staging, on the low-priority stream, one chunk in
-        the copy engines at a time (``chunked_copy``), as the background copier already did.
-        Enqueued all at once (12 GB, the MLP benchmark on the H200), the drain coincided once
-        with a training step of 448 ms against ~225 (1 of 5 device-snapshot repetitions; the
-        drain takes ~220 ms); one chunk at a time, none of the next 8 repetitions (MLP and 1B
-        Llama) had such a step.  Our reading, not established: the job's work queued behind
-        the side stream's copies."""
-        if not fl.gpu_groups:
-            return
-        for keys, bufs, ev in fl.gpu_groups:
-            self._stream.wait_event(ev)
-            with torch.no_grad():
-                for k, buf in zip(keys, bufs):
-                    chunked_copy(fl.staging[k], buf, self._stream, self.chunk_bytes)
-        fl.gpu_groups.clear()
-
     def _start_writer(self, fl: _Flight, touch: list[str]) -> None:
         res = fl.result
         captured = self._capture(fl, touch)
         if not self.write_files:  # kept in host memory for the caller (migration)
-            self._drain(fl)
+            self.copies.drain(fl)
             self.captured = captured
             return
 
         def run():
             try:
-                self._drain(fl)
+                self.copies.drain(fl)
                 self._transition("writing")
                 res.path = snapshot.write(self.directory, res.step, self.rank, self.world, captured,
                                           self.settings.keep)
