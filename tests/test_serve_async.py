@@ -271,3 +271,22 @@ def test_async_equals_sync_on_cuda(tmp_path):
 
 def test_async_is_off_by_default_on_the_cpu(model):
     assert _engine(model, None).run_ahead is None and _engine(model, True).run_ahead is not None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_dropped_engine_is_freed_at_once(model, async_scheduling):
+    """The last reference to an engine dropped frees it (and so its device memory) at once, not
+    when Python's cycle collector next runs: the run-ahead state refers back to its engine by a
+    weak proxy.  Before, a pre-warm's scratch engine left 1.70 GB allocated on the H200."""
+    import gc
+    import weakref
+    eng = _engine(model, async_scheduling)
+    eng.generate(_prompts(4, 3), [SamplingParams(max_tokens=6, ignore_eos=True) for _ in range(4)])
+    assert eng.step_counts["async"] > 0 if async_scheduling else eng.run_ahead is None
+    ref = weakref.ref(eng)
+    gc.disable()
+    try:
+        del eng
+        assert ref() is None
+    finally:
+        gc.enable()

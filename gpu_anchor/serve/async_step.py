@@ -36,6 +36,7 @@ are asked for, or tensor parallelism is on.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +93,10 @@ class RunAhead:
     """The engine's asynchronous scheduling: at most one step launched ahead (``pending``)."""
 
     def __init__(self, eng) -> None:
-        self.eng = eng
+        # a proxy, not a reference: the engine holds this object, and a cycle would keep a
+        # dropped engine's device memory until Python's collector ran (the pre-warm's scratch
+        # engine: 1.70 GB still allocated after it returned, on the H200)
+        self.eng = weakref.proxy(eng)
         self.pending: Launched | None = None
         self._dropped: Launched | None = None     # launched, then every row of it finished
 

@@ -94,7 +94,7 @@ def warm_engine(cfg: EngineConfig) -> dict:
     scratch.generate(prompts, [SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0 if i % 2 else 0.8,
                                               seed=i) for i in range(n)])
     del scratch
-    gc.collect()    # on CUDA something in it holds a reference cycle: without this 1.70 GB stayed allocated (H200)
+    gc.collect()    # a cycle in it (the run-ahead state's, now a weak proxy) once kept 1.70 GB allocated (H200)
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize(cfg.device)
         torch.cuda.empty_cache()      # its blocks go back; the loaded kernels stay
