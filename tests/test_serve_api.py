@@ -481,8 +481,15 @@ def test_kv_cache_sizing(tmp_path):
     assert scratch > 0
     assert blocks("--gpu-memory-utilization", "0.01", "--prewarm") == int(
         (int(0.01 * total) - weights - act - scratch) // per_block)
-    with pytest.raises(options.OptionError, match="one sequence of --max-model-len"):
+    with pytest.raises(options.OptionError, match="one sequence of --max-model-len") as e:
         blocks("--gpu-memory-utilization", "1e-9")
+    assert "--no-prewarm" not in str(e.value)
+    # where only the pre-warm's reserve leaves too little, the error names the way out
+    need = -(-_args().max_model_len // 16) * per_block
+    tight = f"{(weights + act + need + scratch // 2) / total:.12f}"
+    assert blocks("--gpu-memory-utilization", tight) >= need // per_block
+    with pytest.raises(options.OptionError, match="give --no-prewarm"):
+        blocks("--gpu-memory-utilization", tight, "--prewarm")
     with pytest.raises(options.OptionError, match="one way to size"):
         blocks("--gpu-memory-utilization", "0.5", "--kv-cache-gib", "1")
     with pytest.raises(options.OptionError, match=r"\(0, 1\]"):

@@ -276,8 +276,10 @@ def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
     if kv < need:
         raise OptionError(f"--gpu-memory-utilization {where}, leaves {max(kv, 0) / GIB:.2f} GiB for the KV cache; "
                           f"one sequence of --max-model-len {args.max_model_len} needs {need / GIB:.2f} GiB: raise "
-                          "--gpu-memory-utilization, lower --max-model-len / --max-num-batched-tokens, or give "
-                          "--kv-cache-gib")
+                          "--gpu-memory-utilization, lower --max-model-len / --max-num-batched-tokens, "
+                          + ("give --no-prewarm (the standby then skips its pre-warm, and its first step after a "
+                             "take-over loads its kernels), " if prewarm and kv + prewarm >= need else "")
+                          + "or give --kv-cache-gib")
     n = int(kv // per_block)
     if budget > available:
         log.warning("the device has %.2f GiB available and --gpu-memory-utilization %s asks for %.2f GiB: fine if "
