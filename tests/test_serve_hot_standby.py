@@ -11,7 +11,8 @@
   fault-free run, and the job record, ``gpu-anchor status`` and ``/health`` say the hot standby
   took over;
 - the daemon SIGKILLed with a hot standby attached: the standby is closed, never used, the
-  destructive path runs, every stream still equals its fault-free run.
+  destructive path runs, every stream still equals its fault-free run;
+- a standby that failed to prepare is in the job record and warned about (never silent).
 """
 from __future__ import annotations
 
@@ -305,3 +306,34 @@ def test_prewarm_runs_a_one_layer_tied_scratch_engine(tmp_path, monkeypatch):
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert sum(".layers." in n for n in names) and not any(".layers.1." in n for n in names)
     assert ref() is None and anchored is False      # freed at return; it never used the daemon
+
+
+def test_a_standby_that_failed_to_prepare_is_reported(caplog):
+    """A standby whose preparation raised (say, out of device memory in its pre-warm) is noted in
+    the job record and warned about, naming what an engine failure costs until the next engine
+    starts (when the supervisor closes it and tries a new one) and the flags that shrink it."""
+    import logging
+
+    from gpu_anchor.launch.serve_standby import StandbyKeeper
+
+    class _Standby:
+        pid, info = 4242, {"failed": "OutOfMemoryError: CUDA out of memory"}
+
+        def ready(self, timeout=0.0):
+            return False
+
+    class _State:
+        def __init__(self):
+            self.data, self.saved = {}, 0
+
+        def save(self):
+            self.saved += 1
+
+    keeper = StandbyKeeper()
+    keeper.standby, keeper.standby_noted, keeper.state = _Standby(), False, _State()
+    with caplog.at_level(logging.WARNING, logger="gpu_anchor.serve"):
+        keeper._note_standby()
+    assert keeper.state.data["standbys"]["0"] == {"pid": 4242, "failed": "OutOfMemoryError: CUDA out of memory"}
+    assert keeper.state.saved == 1
+    assert "standby 4242 failed while preparing (OutOfMemoryError" in caplog.text
+    assert "--no-prewarm" in caplog.text and "fresh engine" in caplog.text

@@ -71,9 +71,14 @@ class StandbyKeeper:
         rec = {"pid": sb.pid, **{k: info[k] for k in ("prepare_s", "engine_prewarm_s", "hot", "attach_s",
                                                       "not_attachable", "failed", "device_bytes", "allocator_bytes",
                                                       "allocator_peak_bytes") if k in info}}
-        if "allocator_peak_bytes" in info:
+        if "failed" in info:
+            log.warning("standby %d failed while preparing (%s): until the next engine starts, an engine failure is "
+                        "recovered by a fresh engine instead (about a second or more on a GPU); --no-prewarm or "
+                        "--no-hot-standby make the standby smaller or drop it", sb.pid, info["failed"])
+        elif "allocator_peak_bytes" in info:
             log.info("standby %d ready: it holds %s of the device (its allocator %.2f GiB; %.2f GiB at its peak while "
-                     "preparing), which the KV cache's sizing counts only within a fixed reserve", sb.pid,
+                     "preparing); the KV cache's sizing reserves a fixed 3 GiB for it and, with --prewarm, the "
+                     "pre-warm's estimated peak", sb.pid,
                      f"{info['device_bytes'] / GIB:.2f} GiB" if "device_bytes" in info else "an unknown share",
                      info["allocator_bytes"] / GIB, info["allocator_peak_bytes"] / GIB)
         if "engine_prewarm_s" in info:
