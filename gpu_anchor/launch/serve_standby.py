@@ -1,5 +1,5 @@
 """The serving supervisor's standby and its engines' lifelines (a part of ``launch/serve.py``'s
-``_EngineSupervisor``, which mixes this in; torch-free).
+``serve_engines.EngineSupervisor``, which mixes this in; torch-free).
 
 - the standby: made once the engine has started (a hot one once it is built), noted in the job
   record when ready, dismissed (killed, reaped) when the state it maps is given up;
@@ -30,7 +30,7 @@ STANDBY_AFTER_S = 2.0
 
 
 class StandbyKeeper:
-    """Methods of ``_EngineSupervisor`` (its fields: ``standby``, ``standby_at``, ``lifelines``,
+    """Methods of ``EngineSupervisor`` (its fields: ``standby``, ``standby_at``, ``lifelines``,
     ``standby_lifeline``, ``dying``, ``engines``, ``fence``, ...)."""
 
     def _standby_due(self) -> bool:
