@@ -44,6 +44,7 @@ Definitions (the same for every row):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -134,16 +135,19 @@ class _Runner:
         # host seconds until the step's work was enqueued (before the closing sync), per span: far
         # below the step time, the step waited on the device; near it, on the host
         self.enqueue: list[float] = []
+        self.profile = None   # a bench.step_profile.StepProfile marking each step, while one is open
 
     def steps(self, n: int, boundary=lambda s: None, what: str = "other") -> list[float]:
         times = []
         for _ in range(n):
             self.step += 1
-            t0 = time.perf_counter()
-            self.wl.run(self.step, boundary)
-            t_enq = time.perf_counter()
-            _sync(self.device)
-            t1 = time.perf_counter()
+            mark = self.profile.step(what) if self.profile is not None else contextlib.nullcontext()
+            with mark:
+                t0 = time.perf_counter()
+                self.wl.run(self.step, boundary)
+                t_enq = time.perf_counter()
+                _sync(self.device)
+                t1 = time.perf_counter()
             times.append(t1 - t0)
             self.spans.append((what, t0, t1))
             self.enqueue.append(t_enq - t0)
@@ -205,6 +209,21 @@ def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
               "after": (sp[nb + nw][1], sp[-1][2])}
     enqueue = {"before": enq[:nb], "window": enq[nb:nb + nw], "after": enq[nb + nw:]}
     return dict(r, before_s=before, after_s=after, bounds=bounds, enqueue_s=enqueue)
+
+
+def _profiled_rep(run: _Runner, ck, policy: str, args, base_dir: str) -> dict:
+    """One more repetition under ``torch.profiler`` (``--profile``), not counted in the row's
+    figures (profiling slows steps down): per step, its wall time, device kernel time and
+    copies (``bench.step_profile``), to see where a window step's extra goes."""
+    from bench.step_profile import StepProfile
+    prof = StepProfile(args.device)
+    run.profile = prof
+    try:
+        with prof:
+            r = _rep(run, ck, policy, args, os.path.join(base_dir, "dcp"))
+    finally:
+        run.profile = None
+    return {"extra_s": paired_extra(r), "steps": prof.summary()}
 
 
 def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
@@ -287,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight-steps", type=int, default=50, help="cap on steps run while a checkpoint is in flight")
     ap.add_argument("--copy-chunk-mib", type=int, default=None,
                     help="the checkpointer's copy chunk (default: the library's, 64 MiB); the result's name says it")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each checkpoint row's repetitions, one more under torch.profiler, not counted: "
+                         "per step, device kernel time and copies (result key 'profiled')")
     ap.add_argument("--throttle", type=float, default=0.0, help="sleep per object in the copier (smoke runs)")
     ap.add_argument("--no-restore", action="store_true", help="skip the restore rows (mlp only anyway)")
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
@@ -365,6 +387,8 @@ def main(argv=None) -> int:
             raw[policy] = []
             for _ in range((args.dcp_reps or args.reps) if policy == "dcp" else args.reps):
                 raw[policy].append(_rep(run, ck, policy, args, os.path.join(base_dir, "dcp")))
+            if args.profile and policy != "dcp":
+                result.setdefault("profiled", {})[policy] = _profiled_rep(run, ck, policy, args, base_dir)
             save()
         if clock is not None:
             clock.stop()

@@ -41,10 +41,26 @@ def test_checkpoint_stall_bench_runs_the_llama_workload_tiny(tmp_path, monkeypat
     monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(tmp_path / "unused"))
     monkeypatch.delenv("GPU_ANCHOR_CHECKPOINT_KEEP", raising=False)
     assert checkpoint_stall.main(["--tiny", "--workload", "llama3.2-1b", "--out", str(tmp_path),
-                                  "--policies", "stw,cow"]) == 0
+                                  "--policies", "stw,cow", "--profile"]) == 0
     import os
     assert "GPU_ANCHOR_CHECKPOINT_KEEP" not in os.environ, "the bench gives the environment back"
     r = json.loads((tmp_path / "checkpoint_stall_llama3.2-1b_tiny.json").read_text())
     rows = _checks(r, ["stw", "cow"], 3)
     assert r["workload"] == "llama3.2-1b" and r["restore"] == {}
     assert any(rep["inflight_steps"] for rep in rows["cow"]["reps"]), "the copy ran while the job stepped"
+    # --profile: one more repetition per row, not counted, every step marked; each repetition
+    # also keeps its steps' host enqueue times
+    for p in ("stw", "cow"):
+        rep, prof = rows[p]["reps"][0], r["profiled"][p]
+        assert [len(rep["enqueue_s"][k]) for k in ("before", "window", "after")] == \
+            [len(rep["before_s"]), len(rep["window_s"]), len(rep["after_s"])]
+        labels = [s["label"] for s in prof["steps"]]
+        nb = len(rep["before_s"])
+        assert labels[:nb] == ["plain"] * nb and labels[nb] == "window" and labels[-1] == "plain", labels
+        assert all(s["wall_ms"] > 0 and s["kernel_busy_ms"] == 0 for s in prof["steps"])   # no device here
+
+
+def test_step_profile_counts_overlapping_kernels_once():
+    from bench.step_profile import _union
+    assert _union([]) == 0
+    assert _union([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20

@@ -1,0 +1,78 @@
+"""Where a benchmark's steps spend device time: a ``torch.profiler`` window over some steps,
+each step marked, summarised per step.
+
+    prof = StepProfile("cuda:0")
+    with prof:
+        for k in range(n):
+            with prof.step("window"):
+                train_step(); torch.cuda.synchronize()
+    prof.summary()   # [{"label", "wall_ms", "kernel_busy_ms", "kernels", "memcpy_ms": {kind: ms}}, ...]
+
+Per step (the host range of its mark): ``kernel_busy_ms`` is the union of the device kernels'
+intervals that fall inside it (so kernels overlapping on two streams count once), ``memcpy_ms``
+the copies' time by kind (``DtoH``, ``HtoD``, ``DtoD``, as the profiler names them).  The steps
+must end with a device synchronisation, as the benchmarks' timed steps do, so a step's device
+work lies inside its host range.  Profiling slows a step down: a profiled step is for where the
+time goes, never for how much there is.  A helper module, not a scenario.
+"""
+from __future__ import annotations
+
+import contextlib
+
+MARK = "bench_step:"
+
+
+class StepProfile:
+    def __init__(self, device: str) -> None:
+        import torch
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if str(device).startswith("cuda"):
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=acts)
+        self._n = 0
+
+    def __enter__(self) -> "StepProfile":
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def step(self, label: str):
+        import torch
+        self._n += 1
+        with torch.profiler.record_function(f"{MARK}{self._n}:{label}"):
+            yield
+
+    def summary(self) -> list[dict]:
+        from torch.autograd import DeviceType
+        events = list(self._prof.events())
+        marks = sorted((e for e in events if e.name.startswith(MARK)), key=lambda e: e.time_range.start)
+        device = [e for e in events if e.device_type == DeviceType.CUDA]
+        out = []
+        for m in marks:
+            t0, t1 = m.time_range.start, m.time_range.end
+            inside = [e for e in device if t0 <= e.time_range.start and e.time_range.end <= t1]
+            copies: dict[str, float] = {}
+            spans = []
+            for e in inside:
+                if e.name.startswith("Memcpy") or e.name.startswith("Memset"):
+                    kind = next((k for k in ("DtoH", "HtoD", "DtoD", "Memset") if k in e.name), "other")
+                    copies[kind] = copies.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+                else:
+                    spans.append((e.time_range.start, e.time_range.end))
+            out.append({"label": m.name[len(MARK):].split(":", 1)[1], "wall_ms": (t1 - t0) / 1e3,
+                        "kernel_busy_ms": _union(spans) / 1e3, "kernels": len(spans),
+                        "memcpy_ms": {k: round(v, 3) for k, v in sorted(copies.items())}})
+        return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
