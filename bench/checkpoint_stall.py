@@ -32,7 +32,13 @@ Definitions (the same for every row):
   step, the host's seconds until the step's work was enqueued (before the step's closing sync),
   which says whether a slow window step waited on the host or on the device.  Disk writes run
   in a background thread in every row and are waited for between the window and its
-  after-controls.
+  after-controls; then ``--settle`` plain steps, not counted, run before the after-controls: on
+  the H200 the steps right after the write's idle seconds ran at a higher SM clock (1 780–1 800
+  against 1 720–1 760 MHz), which made the after-controls fast and the extra too large.
+* **the ``none`` row** is the measurement's A/A control: the same repetition with no
+  checkpoint — a window of ``2 + --trail`` plain steps, an idle pause as long as the median disk
+  write so far, the settle steps, the controls.  Its "extra" is what the procedure reads when
+  nothing happens: the noise (and any bias) that every other row's extra carries.
 * **tracker overhead** — median step time in windows of ``--window`` steps: plain (no tracker,
   no checkpointer); idle (the loop inside ``with tracker:``, the checkpointer's ``boundary`` at
   every step, no checkpoint in flight); in flight, tracking only (a copy-on-write flight whose
@@ -54,7 +60,7 @@ import time
 from bench.checkpoint_restore import _migrate, _restore, _sync
 from bench.common import write_result
 
-POLICIES = ("stw", "cow", "device", "recopy", "dcp")
+POLICIES = ("stw", "cow", "device", "recopy", "dcp", "none")
 
 
 def _stats(xs: list) -> dict:
@@ -136,6 +142,7 @@ class _Runner:
         # below the step time, the step waited on the device; near it, on the host
         self.enqueue: list[float] = []
         self.profile = None   # a bench.step_profile.StepProfile marking each step, while one is open
+        self.writes: list[float] = []   # seconds each checkpoint's disk write was waited for
 
     def steps(self, n: int, boundary=lambda s: None, what: str = "other") -> list[float]:
         times = []
@@ -202,8 +209,11 @@ def _rep(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
     i = len(run.spans)
     before = run.gap(args.gap)
     r = _checkpoint(run, ck, policy, args, dcp_dir)
+    j = len(run.spans)                      # the settle steps, not counted, between window and after
+    run.steps(args.settle, what="settle")
+    k = len(run.spans)
     after = run.gap(len(r["window_s"]))
-    sp, enq = run.spans[i:], run.enqueue[i:]
+    sp, enq = run.spans[i:j] + run.spans[k:], run.enqueue[i:j] + run.enqueue[k:]
     nb, nw = len(before), len(r["window_s"])
     bounds = {"before": (sp[0][1], sp[nb - 1][2]), "window": (sp[nb][1], sp[nb + nw - 1][2]),
               "after": (sp[nb + nw][1], sp[-1][2])}
@@ -240,6 +250,10 @@ def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
         box["fut"].result()
         shutil.rmtree(dcp_dir, ignore_errors=True)
         return {"stall_s": box["stall_s"], "window_s": times, "inflight_steps": 0}
+    if policy == "none":    # the A/A control: the same steps and pauses, no checkpoint
+        times = run.steps(2 + args.trail, what="window")
+        time.sleep(statistics.median(run.writes) if run.writes else 0.0)
+        return {"stall_s": 0.0, "window_s": times, "inflight_steps": 0, "policy": "none"}
     before = len(ck.results)
     ck.policy = policy
     due = [True]
@@ -247,7 +261,9 @@ def _checkpoint(run: _Runner, ck, policy: str, args, dcp_dir: str) -> dict:
     def at(s):
         ck.boundary(s, due=due.pop() if due else False)
     times, inflight = _window(run, at, lambda: len(ck.results) > before, args)
+    t0 = time.perf_counter()
     res = ck.finish(run.step)  # the disk write, outside the window
+    run.writes.append(time.perf_counter() - t0)
     return {"stall_s": res.stall_s, "window_s": times, "inflight_steps": inflight, "policy": res.policy,
             "valid": res.valid, "cow_foreground": len(res.cow_foreground), "gpu_buffered": res.gpu_buffered,
             "recopied": len(res.recopied), "objects": res.objects, "bytes": res.bytes, "checkpoint_step": res.step,
@@ -301,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dcp-reps", type=int, default=None, help="repetitions of the async_save row (default --reps)")
     ap.add_argument("--gap", type=int, default=3, help="plain steps before each repetition (the baseline)")
     ap.add_argument("--trail", type=int, default=2, help="steps counted after a checkpoint completed")
+    ap.add_argument("--settle", type=int, default=6, help="plain steps, not counted, between a repetition's "
+                    "disk write and its after-controls (the GPU's clock settles after the idle write)")
     ap.add_argument("--window", type=int, default=5, help="steps per tracker-overhead window")
     ap.add_argument("--rounds", type=int, default=3, help="tracker-overhead windows of each kind")
     ap.add_argument("--inflight-steps", type=int, default=50, help="cap on steps run while a checkpoint is in flight")
@@ -320,7 +338,7 @@ def main(argv=None) -> int:
         args.device, args.hidden, args.layers, args.migrate_to = "cpu", 64, 3, None
         args.batch, args.seq = (2, 32) if llama else (16, args.seq)
         args.inflight_steps, args.throttle = min(args.inflight_steps, 20), args.throttle or 0.002
-        args.window, args.gap = min(args.window, 3), min(args.gap, 2)
+        args.window, args.gap, args.settle = min(args.window, 3), min(args.gap, 2), min(args.settle, 1)
     args.batch = args.batch or (8 if llama else 16)
     policies = [p for p in args.policies.split(",") if p]
     if set(policies) - set(POLICIES) or "stw" not in policies:
@@ -361,7 +379,7 @@ def main(argv=None) -> int:
                   "batch": args.batch, "seq": args.seq if llama else None, "dtype": args.dtype if llama else "float32",
                   "anchored_bytes": anchored, "anchored_objects": len(client.objects()), "build_s": build_s,
                   "copy_chunk_bytes": ck.copies.chunk_bytes,
-                  "setup_s": time.perf_counter() - t0, "reps": args.reps, "trail": args.trail,
+                  "setup_s": time.perf_counter() - t0, "reps": args.reps, "trail": args.trail, "settle": args.settle,
                   "checkpoint_dir": base_dir, "checkpoint": {}, "restore": {}}
         if not llama:
             result["anchored_values"] = sum(t.numel() for t in wl.state().values())

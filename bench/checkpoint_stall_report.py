@@ -38,7 +38,8 @@ def _paired(ck: dict) -> bool:
 NAMES = {"stw": "stop-the-world (copy all to host, then resume)", "cow": "gpu-anchor soft copy-on-write",
          "device": "gpu-anchor device-side snapshot (clone on the GPU, drain later)",
          "recopy": "gpu-anchor soft recopy", "dcp": "`torch.distributed.checkpoint.async_save`",
-         "dcp_async_save": "`torch.distributed.checkpoint.async_save`"}
+         "dcp_async_save": "`torch.distributed.checkpoint.async_save`",
+         "none": "no checkpoint: the A/A control (the same steps and pauses)"}
 
 
 def render(r: dict) -> str:
@@ -62,7 +63,11 @@ def render(r: dict) -> str:
               f"the one whose boundary starts the checkpoint to {r['trail']} steps after it completed, minus as "
               f"many steps without one" + (" at the mean step of that repetition's own controls (plain steps just "
                                            "before and just after it)" if _paired(ck) else "")
-              + "; host blocking = time the job's thread was blocked."), ""]
+              + "; host blocking = time the job's thread was blocked."
+              + (f" Between a repetition's disk write and its after-controls, {r['settle']} plain steps not counted "
+                 "(the clock settles after the write's idle seconds)." if r.get("settle") else "")
+              + (" The `none` row runs the same procedure with no checkpoint: its extra is the measurement's "
+                 "noise." if "none" in ck else "")), ""]
     gc = r.get("gpu_clock") or {}
     if gc.get("plain_steps"):
         ps = gc["plain_steps"]
@@ -94,7 +99,7 @@ def render(r: dict) -> str:
     out += ["| checkpoint | job-level extra | vs stop-the-world | host blocking | vs stop-the-world | steps in flight "
             "| notes |" + (" extra vs the pooled median |" if paired else ""),
             "| --- | ---: | ---: | ---: | ---: | ---: | --- |" + (" ---: |" if paired else "")]
-    for k in ("stw", "cow", "device", "recopy", "dcp", "dcp_async_save"):
+    for k in ("stw", "cow", "device", "recopy", "dcp", "dcp_async_save", "none"):
         x = ck.get(k)
         if x is None:
             continue

@@ -48,7 +48,9 @@ class StepProfile:
     def summary(self) -> list[dict]:
         from torch.autograd import DeviceType
         events = list(self._prof.events())
-        marks = sorted((e for e in events if e.name.startswith(MARK)), key=lambda e: e.time_range.start)
+        # a mark is recorded twice, on the host and as a device-side annotation: keep the host's
+        marks = sorted((e for e in events if e.name.startswith(MARK) and e.device_type == DeviceType.CPU),
+                       key=lambda e: e.time_range.start)
         device = [e for e in events if e.device_type == DeviceType.CUDA]
         out = []
         for m in marks:

@@ -13,9 +13,12 @@ def _checks(r: dict, policies, reps: int) -> dict:
         assert row["stall_s"]["n"] == row["extra_s"]["n"] == reps, p
         assert row["extra_s"]["min"] <= row["extra_s"]["median"] <= row["extra_s"]["max"]
         for rep in row["reps"]:
-            assert len(rep["window_s"]) == 1 + rep["inflight_steps"] + r["trail"], (p, rep)
+            steps = 2 + r["trail"] if p == "none" else 1 + rep["inflight_steps"] + r["trail"]
+            assert len(rep["window_s"]) == steps, (p, rep)
     assert rows["stw"]["bytes"] == r["anchored_bytes"] and rows["stw"]["inflight_steps"]["max"] == 0
     assert rows["cow"]["policy"] == "cow" and rows["cow"]["valid"] and "extra_vs_stw" in rows["cow"]
+    if "none" in rows:   # the A/A control: no checkpoint, nothing blocked
+        assert rows["none"]["stall_s"]["max"] == 0 and rows["none"]["inflight_steps"]["max"] == 0
     for k in ("plain_step_s", "idle_step_s", "inflight_tracking_step_s", "idle_vs_plain", "inflight_tracking_vs_plain"):
         assert r["overhead"][k]["n"] == 3, k
     text = checkpoint_stall.render(r)
@@ -41,11 +44,11 @@ def test_checkpoint_stall_bench_runs_the_llama_workload_tiny(tmp_path, monkeypat
     monkeypatch.setenv("GPU_ANCHOR_SOCKET_DIR", str(tmp_path / "unused"))
     monkeypatch.delenv("GPU_ANCHOR_CHECKPOINT_KEEP", raising=False)
     assert checkpoint_stall.main(["--tiny", "--workload", "llama3.2-1b", "--out", str(tmp_path),
-                                  "--policies", "stw,cow", "--profile"]) == 0
+                                  "--policies", "stw,cow,none", "--profile"]) == 0
     import os
     assert "GPU_ANCHOR_CHECKPOINT_KEEP" not in os.environ, "the bench gives the environment back"
     r = json.loads((tmp_path / "checkpoint_stall_llama3.2-1b_tiny.json").read_text())
-    rows = _checks(r, ["stw", "cow"], 3)
+    rows = _checks(r, ["stw", "cow", "none"], 3)
     assert r["workload"] == "llama3.2-1b" and r["restore"] == {}
     assert any(rep["inflight_steps"] for rep in rows["cow"]["reps"]), "the copy ran while the job stepped"
     # --profile: one more repetition per row, not counted, every step marked; each repetition
