@@ -43,7 +43,7 @@ def _timer(device, reps):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=side):   # the warm-up's stream: what a kernel keeps per stream is made there
             fn()
         g.replay()
         torch.cuda.synchronize()

@@ -86,3 +86,36 @@ def test_triton_kernel_matches_reference_on_gpu():
     ns: dict = {}
     exec(CASE, ns)
     assert max(ns["case"]("cuda", torch.bfloat16, s, invariance=s == 0) for s in range(3)) < 3e-2
+
+
+@pytest.mark.gpu
+def test_in_kernel_merge_repeats_bit_for_bit_and_leaves_its_counters_zero():
+    """The split kernel's last program merges a group's partials (``MERGE_IN_SPLIT``), found by a
+    counter: a merge that read a partial before it was written would change the bits from one
+    launch to the next. 64 decode tokens × 8 KV heads, 40 launches, every one equal; the
+    counters are back to zero; the result is the separate combine kernel's to bf16 rounding."""
+    from gpu_anchor.serve import attention as A
+    assert A.MERGE_IN_SPLIT
+    ns: dict = {}
+    exec(CASE, ns)
+    g = torch.Generator().manual_seed(5)
+    specs = [(1, int(c)) for c in torch.randint(1, 700, (64,), generator=g)]
+    outs = []
+    real = A.attend_triton
+
+    def keep(*a, **k):
+        outs.append(real(*a, **k))
+        return outs[-1]
+    A.attend_triton = keep
+    try:
+        for _ in range(40):
+            ns["case"]("cuda", torch.bfloat16, 7, hq=32, hkv=8, d=128, specs=specs)
+        merged = outs[-1]
+        A.MERGE_IN_SPLIT = False
+        ns["case"]("cuda", torch.bfloat16, 7, hq=32, hkv=8, d=128, specs=specs)
+    finally:
+        A.MERGE_IN_SPLIT = True
+        A.attend_triton = real
+    assert all(torch.equal(o, outs[0]) for o in outs[:40])
+    assert all(int(c.abs().sum()) == 0 for c in A._COUNTERS.values())
+    assert (outs[-1].float() - merged.float()).abs().max().item() < 1e-2

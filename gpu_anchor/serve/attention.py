@@ -10,8 +10,9 @@ where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
 - CUDA: split-KV Triton kernels ("flash-decoding").  A token's keys are cut into chunks of
   ``CHUNK`` tokens; program (token, KV head, s) takes chunks s, s + ``SPLITS``, ... and loads
   each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered through the block table),
-  scoring the whole GQA group with ``tl.dot``; a second kernel merges the partial softmaxes
-  of each (token, head) in one fixed reduction.  A decode step of 64 sequences × 8 KV heads is
+  scoring the whole GQA group with ``tl.dot``; the last of a (token, KV head)'s programs to
+  finish merges the group's partial softmaxes in one fixed reduction (``MERGE_IN_SPLIT``; else a
+  second kernel does, per (token, head)).  A decode step of 64 sequences × 8 KV heads is
   2048 programs instead of 512 that each walk the context serially, each pipelining its chunk
   loads (2 stages), so the loads in flight are enough to stream the KV (~2.4 TB/s of KV at 64
   × 320 tokens on the H200, ~3.5 TB/s at 64 × 1024).  Chunk size, split count and the merge
@@ -135,12 +136,14 @@ if triton is not None:
             tl.store(C + sc_kv + slot * N + offs, v.to(C.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale,
-                         sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt,
+    def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale, O, SEM,
+                         sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt, so_t, so_h,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         CHUNK: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr):
+                         CHUNK: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr):
         # program (t, kvh, s): query token t, the GQA group of KV head kvh, chunks s, s+NS, ...
-        # of CHUNK keys each; writes its unnormalised partial (acc, max, sum) for the combine
+        # of CHUNK keys each; writes its unnormalised partial (acc, max, sum).  MERGE: the last
+        # of the group's live programs to finish (a counter in SEM) merges the group's partials
+        # into O and sets the counter back to 0; else ``_combine_kernel`` merges them
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -184,6 +187,34 @@ if triton is not None:
             tl.store(MO + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
             tl.store(ML + row * 2, m_i, mask=gmask)
             tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+            if MERGE:
+                # every thread's partial stored before the count (barrier), the count a release at
+                # GPU scope; the merging program's acquire makes all live partials visible to it,
+                # and it reads them from L2 (.cg), never from a stale L1 line
+                tl.debug_barrier()
+                sem = SEM + t * tl.num_programs(1) + kvh
+                n_live = tl.minimum(n_chunks, NS)
+                if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == n_live - 1:
+                    tl.debug_barrier()
+                    s = tl.arange(0, NS)
+                    rows = (t * (G * tl.num_programs(1)) + heads)[:, None] * NS + s[None, :]   # [GP, NS]
+                    live = gmask[:, None] & (s < n_live)[None, :]
+                    _merge_group(MO, ML, O, rows, live, heads, gmask, t, so_t, so_h, D)
+                    tl.store(sem, 0)
+
+    @triton.jit
+    def _merge_group(MO, ML, O, rows, live, heads, gmask, t, so_t, so_h, D: tl.constexpr):
+        # the heads' partials [GP, NS] merged in one fixed reduction over the splits, as
+        # ``_combine_kernel`` does head by head
+        d = tl.arange(0, D)
+        m = tl.load(ML + rows * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+        ls = tl.load(ML + rows * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+        acc = tl.load(MO + rows[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        mx = tl.max(m, 1)
+        w = tl.where(live, tl.exp(m - mx[:, None]), 0.0)
+        out = tl.sum(acc * w[:, :, None], 1) / tl.sum(ls * w, 1)[:, None]
+        tl.store(O + t * so_t + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
     def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, D: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr):
@@ -218,6 +249,25 @@ CHUNK = 32
 SPLITS = 4
 WARPS, STAGES = 4, 2
 TOKEN_SLICE = 256
+# The merge of a group's partials runs in the split kernel's last program (a counter per token
+# and KV head) instead of a second launch per layer: the same reduction, one launch fewer.
+MERGE_IN_SPLIT = True
+_COUNTERS: dict = {}
+
+
+def _merge_counters(device: torch.device, hkv: int) -> torch.Tensor:
+    """The split kernel's per-(token, KV head) counters: zero between launches (the merging
+    program sets its counter back), one set per device and stream, since two streams' launches
+    could overlap; made on the warm-up before a CUDA graph captures them, never freed."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, hkv)
+    c = _COUNTERS.get(key)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attention's merge counters are made on a stream's first launch, which must not "
+                               "be inside a CUDA-graph capture: run the step once on the capture stream first")
+        c = _COUNTERS[key] = torch.zeros(TOKEN_SLICE * hkv, dtype=torch.int32, device=device)
+    return c
 
 
 def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
@@ -234,14 +284,17 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
     n = min(T, TOKEN_SLICE)
     mo = torch.empty(n, hq, SPLITS, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(n, hq, SPLITS, 2, dtype=torch.float32, device=q.device)
+    sem = _merge_counters(q.device, hkv) if MERGE_IN_SPLIT else mo
     for lo in range(0, T, TOKEN_SLICE):     # one slice for every decode step (T <= max_num_seqs)
         hi = min(T, lo + TOKEN_SLICE)
         tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
-        _split_kv_kernel[(hi - lo, hkv, SPLITS)](
-            q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale,
-            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            bt.stride(0), G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs, CHUNK=CHUNK, NS=SPLITS,
-            IEEE=cache.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES)
         o = out[lo:hi]
-        _combine_kernel[(hi - lo, hq)](mo, ml, o, tpos, o.stride(0), o.stride(1), D=d, CHUNK=CHUNK, NS=SPLITS)
+        _split_kv_kernel[(hi - lo, hkv, SPLITS)](
+            q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale, o, sem,
+            q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            bt.stride(0), o.stride(0), o.stride(1), G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs,
+            CHUNK=CHUNK, NS=SPLITS, IEEE=cache.dtype == torch.float32, MERGE=MERGE_IN_SPLIT,
+            num_warps=WARPS, num_stages=STAGES)
+        if not MERGE_IN_SPLIT:
+            _combine_kernel[(hi - lo, hq)](mo, ml, o, tpos, o.stride(0), o.stride(1), D=d, CHUNK=CHUNK, NS=SPLITS)
     return out

@@ -121,8 +121,9 @@ class DecodeGraphs:
         self.slots[:bs].fill_(-1)          # warm-up and capture write no KV
         meta = self._meta(bs)
         # warm-up on a side stream, as torch.cuda.graph asks: compiles the Triton kernels and
-        # sets up cuBLAS outside the capture
-        side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        # sets up cuBLAS outside the capture; the capture's own stream, so that what a kernel
+        # keeps per stream (attention's merge counters) is made here, not inside the capture
+        side, main = self._capture_stream, torch.cuda.current_stream(self.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self._run_segments(bs, meta, hook=False)

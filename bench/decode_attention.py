@@ -1,0 +1,127 @@
+"""The decode step's attention alone: the split-KV Triton kernels over the paged KV cache, with
+the partials merged in the split kernel's last program (``attention.MERGE_IN_SPLIT``, the
+default) against the separate combine kernel.
+
+    python -m bench decode_attention [--tiny] [--device cuda:0] [--reps 20] [--shapes 32x320,64x320,...]
+
+Qwen3-8B's heads (32 query, 8 KV, head size 128, bf16, blocks of 16 tokens): for each shape
+``TxC`` — T decode tokens, each with C tokens of context in blocks scattered through the cache —
+36 layers (36 distinct caches, so none is served from the 50 MB L2) in one CUDA graph; the figure
+is the median of ``--reps`` replays (CUDA events).  KV bandwidth = live K/V bytes / time.  Each
+variant is replayed 20 more times and compared with its first output bit for bit (a merge that
+read a partial before it was written would differ), and the two variants' outputs are compared
+(the same maths, reduced in another order: a few bf16 units apart).  ``--tiny``: two small
+shapes on the CPU through the reference path (no Triton there), a smoke run of the code.
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench.common import default_device, write_result
+from bench.decode_gemm import _timer
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 32, 8, 128, 16, 36
+
+
+def _case(device: str, tokens: int, ctx: int, layers: int, heads: int, kv_heads: int, d: int, dtype):
+    import torch
+    from gpu_anchor.serve.attention import AttnMeta
+    per = -(-ctx // BLOCK)
+    nb = tokens * per + 1
+    g = torch.Generator(device=device).manual_seed(0)
+    caches = [torch.randn(2, nb, BLOCK, kv_heads, d, device=device, dtype=dtype, generator=g) for _ in range(layers)]
+    tables = torch.randperm(nb - 1, device=device, generator=g)[: tokens * per].to(torch.int32).view(tokens, per)
+    host = tables.tolist()
+    meta = AttnMeta(torch.full((tokens,), ctx - 1, dtype=torch.long, device=device),
+                    torch.full((tokens,), -1, dtype=torch.long, device=device),
+                    torch.arange(tokens, dtype=torch.int32, device=device), tables.contiguous(),
+                    list(range(tokens)), [1] * tokens, [ctx] * tokens, host)
+    q = torch.randn(tokens, heads, d, device=device, dtype=dtype, generator=g)
+    return caches, meta, q
+
+
+def measure(device: str, shapes: list[tuple[int, int]], reps: int, layers: int, heads: int, kv_heads: int,
+            d: int, dtype) -> dict:
+    import torch
+    from gpu_anchor.serve import attention as A
+    run = _timer(device, reps)
+    cuda = device.startswith("cuda") and A.triton is not None
+    variants = {"merge_in_split": True, "combine_kernel": False} if cuda else {"reference": None}
+    out = {}
+    for tokens, ctx in shapes:
+        caches, meta, q = _case(device, tokens, ctx, layers, heads, kv_heads, d, dtype)
+        kv = layers * tokens * ctx * 2 * kv_heads * d * q.element_size()
+        row, first = {}, {}
+        for name, merge in variants.items():
+            fn = A.attend_reference if merge is None else A.attend_triton
+            if merge is not None:
+                A.MERGE_IN_SPLIT = merge
+            try:
+                t = run(lambda: [fn(q, c, meta, d ** -0.5) for c in caches])
+                first[name] = [fn(q, c, meta, d ** -0.5) for c in caches]
+                again = all(all(torch.equal(fn(q, c, meta, d ** -0.5), o) for c, o in zip(caches, first[name]))
+                            for _ in range(20 if merge is not None else 1))
+            finally:
+                A.MERGE_IN_SPLIT = True
+            row[name] = {"ms": t * 1e3, "kv_tb_per_s": kv / t / 1e12, "repeats_bit_for_bit": again}
+        if len(first) == 2:
+            a, b = first.values()
+            row["max_abs_difference"] = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+            row["merge_over_combine"] = row["merge_in_split"]["ms"] / row["combine_kernel"]["ms"]
+        out[f"{tokens}x{ctx}"] = row
+        print(f"{tokens:4d} tokens x {ctx:5d} context  " + "  ".join(
+            f"{k} {v['ms']:.3f} ms ({v['kv_tb_per_s']:.2f} TB/s)" for k, v in row.items() if isinstance(v, dict)),
+            flush=True)
+        del caches
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench decode_attention", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--shapes", default="32x320,64x320,128x320,64x1024,128x1024",
+                    help="TOKENSxCONTEXT, comma-separated")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    except ValueError:
+        ap.error(f"--shapes: TOKENSxCONTEXT pairs such as 64x320, got {args.shapes!r}")
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        ap.error(f"--shapes: TOKENSxCONTEXT pairs of positive numbers, got {args.shapes!r}")
+    if args.tiny:
+        device, layers, heads, kv_heads, d, dtype, shapes = "cpu", 2, 4, 2, 32, torch.float32, [(2, 40), (3, 17)]
+    else:
+        device, layers, heads, kv_heads, d, dtype = default_device(args.device), LAYERS, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16
+    res = measure(device, shapes, args.reps, layers, heads, kv_heads, d, dtype)
+    path = write_result("decode_attention" + ("_tiny" if args.tiny else ""),
+                        {"device": device, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
+                         "block_size": BLOCK, "dtype": str(dtype).replace("torch.", ""), "results": res}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def title(r: dict) -> str:
+    return f"Decode attention: merge in the split kernel vs a separate combine kernel ({r.get('device', '?')})"
+
+
+def render(r: dict) -> str:
+    res = r["results"]
+    names = [k for k in ("merge_in_split", "combine_kernel", "reference") if any(k in row for row in res.values())]
+    out = [f"{r['layers']} layers of {r['heads']} query / {r['kv_heads']} KV heads of {r['head_dim']} ({r['dtype']}) "
+           f"in one CUDA graph, median of the replays; KV bandwidth = live K/V bytes / time; \"repeats\" = 20 more "
+           f"launches equal to the first bit for bit.", "",
+           "| tokens × context | " + " | ".join(f"{n} (ms, KV TB/s, repeats)" for n in names)
+           + " | merge / combine | max difference |",
+           "| --- | " + " | ".join("---" for _ in names) + " | ---: | ---: |"]
+    for shape, row in res.items():
+        cells = [f"{row[n]['ms']:.3f}, {row[n]['kv_tb_per_s']:.2f}, {'yes' if row[n]['repeats_bit_for_bit'] else '**no**'}"
+                 if n in row else "—" for n in names]
+        ratio = f"{row['merge_over_combine']:.3f}" if "merge_over_combine" in row else "—"
+        diff = f"{row['max_abs_difference']:.2g}" if "max_abs_difference" in row else "—"
+        out.append(f"| {shape.replace('x', ' × ')} | " + " | ".join(cells) + f" | {ratio} | {diff} |")
+    return "\n".join(out)
