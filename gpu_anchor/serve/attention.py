@@ -258,7 +258,10 @@ _COUNTERS: dict = {}
 def _merge_counters(device: torch.device, hkv: int) -> torch.Tensor:
     """The split kernel's per-(token, KV head) counters: zero between launches (the merging
     program sets its counter back), one set per device and stream, since two streams' launches
-    could overlap; made on the warm-up before a CUDA graph captures them, never freed."""
+    could overlap; made on the warm-up before a CUDA graph captures them, never freed.  A
+    graph's launches use its capture stream's set wherever it is replayed, so the graphs of one
+    capture stream must not be replayed at once on two streams (the engine runs every step,
+    eager or replayed, on its one stream)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream, hkv)
     c = _COUNTERS.get(key)
