@@ -112,22 +112,23 @@ def _serve(harness, model_dir, method, kill_after_steps=None, prewarm_standby=Fa
     evfile = os.path.join(work, f"serve-{method}-{random.getrandbits(32)}.events")
     log = EventLog(evfile)
 
-    def args(nxt):
-        return ["--method", method, "--model-dir", model_dir, "--device", device, "--dtype", "float32",
+    def args(nxt, pause=None):
+        return (["--pause-after-steps", str(pause)] if pause else []) + ["--method", method, "--model-dir", model_dir, "--device", device, "--dtype", "float32",
                 "--state-dir", state, "--events", evfile, "--concurrency", "4", "--requests", "10",
                 "--next-request", str(nxt), "--num-blocks", "128", "--max-batched-tokens", "256", "--tiny",
                 "--record-tokens", "--namespace", f"ts-{os.path.basename(evfile)}"]
     mod = "bench.baselines.server"
     try:
-        pid = lau.spawn(args(0), mod)
+        pid = lau.spawn(args(0, kill_after_steps), mod)
         ready = None
         if kill_after_steps is not None:
             if prewarm_standby:  # the next engine is started, and runs its scratch engine, before the fault
                 from bench.baselines.server import PREWARM_ENV
                 sid, ready = standby.start(lau, device, "bench.baselines.server:prewarm",
                                            standby.prewarm_env(PREWARM_ENV, args(0)), timeout=120)
-            log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["live"] >= 4 and
-                     sum(1 for x in log.events if x["ev"] == "step") >= kill_after_steps, lambda: lau.alive(pid), 120)
+            # the worker stops at a step with every slot busy once kill_after_steps are done: the kill
+            # always lands with requests in flight, however fast the run goes
+            log.wait(lambda e: e["ev"] == "paused" and e["pid"] == pid, lambda: lau.alive(pid), 120)
             lau.kill(pid)
             log.poll()
             if prewarm_standby:

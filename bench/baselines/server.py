@@ -11,7 +11,8 @@ same engine with the memory provider swapped (``replay.ReplayAnchor`` /
 Events (JSON lines, wall-clock ``t``): ``process``, ``imported``, ``engine`` (timings,
 restored requests), ``step`` (tokens, finished and admitted request indices, the
 step's duration ``dt`` and whether it replayed a CUDA graph; emitted after the step's
-commit), ``resumed`` (every restored request produced a token), ``done``.  A standby of the
+commit), ``resumed`` (every restored request produced a token), ``paused`` (tests:
+``--pause-after-steps``), ``done``.  A standby of the
 warm fork server can run it after a fault (``standby``); its pre-warm, ``prewarm`` below, runs
 a 1-layer scratch engine (``gpu_anchor.serve.prewarm``) with this command line's shapes; ``hot``
 also attaches the engine to the live one's anchored state (a hot standby), which ``main`` takes over.
@@ -68,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--record-tokens", action="store_true", help="put every token into the events (tests)")
+    p.add_argument("--pause-after-steps", type=int, default=None,
+                   help="tests: once this many steps are done, stop at the next step that leaves every slot busy "
+                        "and wait to be killed (so a kill always finds requests in flight, however fast the run)")
     return p
 
 
@@ -121,6 +125,7 @@ def main(argv=None) -> int:
        weights_loaded=eng.weights_loaded, hot=int(hot),
        **({"toks": [[s.rid, 0, list(s.output_ids)] for s in eng.restored]} if args.record_tokens else {}))
     nxt = args.next_request
+    steps = 0
     readmit = lost_requests(args.events, pending)
     if readmit:
         ev("readmit", ids=readmit)
@@ -148,6 +153,12 @@ def main(argv=None) -> int:
             pending -= got
             if not pending:
                 ev("resumed")
+        steps += 1
+        if args.pause_after_steps is not None and steps >= args.pause_after_steps and \
+                len(eng.scheduler.seqs) >= args.concurrency:
+            ev("paused", steps=steps)
+            while True:
+                time.sleep(60)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     ev("done", next_request=nxt)
