@@ -49,11 +49,13 @@ def _train(harness, method, kills=()):
             "--namespace", f"tb-{os.path.basename(evfile)}"]
     log = EventLog(evfile)
     try:
-        pid = lau.spawn(args)
-        for k in kills:
-            log.wait(lambda e: e["ev"] == "step" and e["pid"] == pid and e["step"] >= k, lambda: lau.alive(pid), 120)
+        # each worker waits to be killed after its kill step: a fast run cannot outrun the kill
+        pause = [["--pause-at-step", str(k)] for k in kills] + [[]]
+        pid = lau.spawn(args + pause[0])
+        for i, k in enumerate(kills):
+            log.wait(lambda e: e["ev"] == "paused" and e["pid"] == pid, lambda: lau.alive(pid), 120)
             lau.kill(pid)
-            pid = lau.spawn(args)
+            pid = lau.spawn(args + pause[i + 1])
         log.wait(lambda e: e["ev"] == "done" and e["pid"] == pid, lambda: lau.alive(pid), 120)
         lau.wait_exit(pid, 60)
         return torch.load(dump), log.events

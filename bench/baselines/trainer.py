@@ -7,7 +7,7 @@ Writes one JSON line per event to ``--events`` (wall-clock ``t``, so a driver ca
 restart across processes): ``imported`` (torch + transformers + the method), ``cuda``
 (context ready), ``built`` (model on the device), ``restored`` (``step`` = first step to
 run), ``step`` (after each optimizer step, with the loss), ``saved`` (blocking seconds of
-that checkpoint), ``done``.  Cold: a fresh ``python``; warm: the same ``main`` run in a
+that checkpoint), ``paused`` (tests: ``--pause-at-step``), ``done``.  Cold: a fresh ``python``; warm: the same ``main`` run in a
 child forked by gpu-anchor's zygote that already imported torch and transformers, or a
 standby of that zygote that takes over after the fault (``standby``; its pre-warm is
 ``prewarm`` below).
@@ -94,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--dump", default=None, help="at the end, torch.save the full training state here (tests)")
+    p.add_argument("--pause-at-step", type=int, default=None,
+                   help="tests: after this step (and its checkpoint, if one is due) wait to be killed, so a kill "
+                        "lands at a known step however fast the run goes")
     p.add_argument("--wait-persist", action="store_true",
                    help="wait for each checkpoint's background persistence and report it (recovery benchmark)")
     return p
@@ -138,6 +141,10 @@ def main(argv=None) -> int:
             if args.wait_persist:
                 ck.wait()
                 ev("persisted", step=step)
+        if args.pause_at_step is not None and step >= args.pause_at_step:
+            ev("paused", step=step)
+            while True:
+                time.sleep(60)
     ck.close()
     if args.dump:
         from bench.baselines.state import named_state
