@@ -14,8 +14,8 @@ where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
   finish merges the group's partial softmaxes in one fixed reduction (``MERGE_IN_SPLIT``; else a
   second kernel does, per (token, head)).  A decode step of 64 sequences × 8 KV heads is
   2048 programs instead of 512 that each walk the context serially, each pipelining its chunk
-  loads (2 stages), so the loads in flight are enough to stream the KV (~2.4 TB/s of KV at 64
-  × 320 tokens on the H200, ~3.5 TB/s at 64 × 1024).  Chunk size, split count and the merge
+  loads (2 stages), so the loads in flight are enough to stream the KV (2.7 TB/s of KV at 64
+  × 320 tokens on the H200, 3.3 TB/s at 64 × 1024: ``bench decode_attention``).  Chunk size, split count and the merge
   are constants, never derived from the batch: a token's output depends only on its context.
 - CPU (and the reference for tests): per sequence, gather its blocks and run SDPA.
 
