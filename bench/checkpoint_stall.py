@@ -33,8 +33,8 @@ Definitions (the same for every row):
   which says whether a slow window step waited on the host or on the device.  Disk writes run
   in a background thread in every row and are waited for between the window and its
   after-controls; then ``--settle`` plain steps, not counted, run before the after-controls: on
-  the H200 the steps right after the write's idle seconds ran at a higher SM clock (1 780–1 800
-  against 1 720–1 760 MHz), which made the after-controls fast and the extra too large.
+  the H200 the steps right after the write's idle seconds ran at a higher SM clock (1 779–1 803
+  against 1 722–1 764 MHz), which made the after-controls fast and the extra too large.
 * **the ``none`` row** is the measurement's A/A control: the same repetition with no
   checkpoint — a window of ``2 + --trail`` plain steps, an idle pause as long as the median disk
   write so far, the settle steps, the controls.  Its "extra" is what the procedure reads when

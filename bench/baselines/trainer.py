@@ -7,8 +7,8 @@ Writes one JSON line per event to ``--events`` (wall-clock ``t``, so a driver ca
 restart across processes): ``imported`` (torch + transformers + the method), ``cuda``
 (context ready), ``built`` (model on the device), ``restored`` (``step`` = first step to
 run), ``step`` (after each optimizer step, with the loss), ``saved`` (blocking seconds of
-that checkpoint), ``paused`` (tests: ``--pause-at-step``), ``done``.  Cold: a fresh ``python``; warm: the same ``main`` run in a
-child forked by gpu-anchor's zygote that already imported torch and transformers, or a
+that checkpoint), ``paused`` (tests: ``--pause-at-step``), ``done``.  Cold: a fresh
+``python``; warm: the same ``main`` run in a child forked by gpu-anchor's zygote that already imported torch and transformers, or a
 standby of that zygote that takes over after the fault (``standby``; its pre-warm is
 ``prewarm`` below).
 """
