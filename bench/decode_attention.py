@@ -3,6 +3,7 @@ the partials merged in the split kernel's last program (``attention.MERGE_IN_SPL
 default) against the separate combine kernel.
 
     python -m bench decode_attention [--tiny] [--device cuda:0] [--reps 20] [--shapes 32x320,64x320,...]
+    python -m bench decode_attention --sweep 4x32w4s2,8x32w4s2,...     # the kernel's launch constants
 
 Qwen3-8B's heads (32 query, 8 KV, head size 128, bf16, blocks of 16 tokens): for each shape
 ``TxC`` — T decode tokens, each with C tokens of context in blocks scattered through the cache —
@@ -12,10 +13,16 @@ variant is replayed 20 more times and compared with its first output bit for bit
 read a partial before it was written would differ), and the two variants' outputs are compared
 (the same maths, reduced in another order: a few bf16 units apart).  ``--tiny``: two small
 shapes on the CPU through the reference path (no Triton there), a smoke run of the code.
+
+``--sweep SPLITSxCHUNKwWARPSsSTAGES,...`` (CUDA): the same shapes with the split kernel's
+constants (``attention.SPLITS``, ``CHUNK``, ``WARPS``, ``STAGES``) set to each variant in turn,
+the merge in the kernel; each variant's output is compared with the first variant's (another
+split or chunk size reduces in another order).  Result ``decode_attention_sweep``.
 """
 from __future__ import annotations
 
 import argparse
+import re
 
 from bench.common import default_device, write_result
 from bench.decode_gemm import _timer
@@ -76,6 +83,38 @@ def measure(device: str, shapes: list[tuple[int, int]], reps: int, layers: int, 
     return out
 
 
+VARIANT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
+
+
+def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[str], layers: int, heads: int,
+          kv_heads: int, d: int, dtype) -> dict:
+    """Each shape under each variant of the split kernel's constants (see the module docstring)."""
+    from gpu_anchor.serve import attention as A
+    run = _timer(device, reps)
+    kept = A.SPLITS, A.CHUNK, A.WARPS, A.STAGES
+    out = {}
+    try:
+        for tokens, ctx in shapes:
+            caches, meta, q = _case(device, tokens, ctx, layers, heads, kv_heads, d, dtype)
+            kv = layers * tokens * ctx * 2 * kv_heads * d * q.element_size()
+            row, first = {}, None
+            for v in variants:
+                A.SPLITS, A.CHUNK, A.WARPS, A.STAGES = (int(x) for x in VARIANT.fullmatch(v).groups())
+                t = run(lambda: [A.attend_triton(q, c, meta, d ** -0.5) for c in caches])
+                o = [A.attend_triton(q, c, meta, d ** -0.5) for c in caches[:4]]
+                first = first or o
+                row[v] = {"ms": t * 1e3, "kv_tb_per_s": kv / t / 1e12, "over_first": None,
+                          "max_abs_difference": max((a.float() - b.float()).abs().max().item() for a, b in zip(o, first))}
+            for v in variants:
+                row[v]["over_first"] = row[v]["ms"] / row[variants[0]]["ms"]
+            out[f"{tokens}x{ctx}"] = row
+            print(f"{tokens:4d} x {ctx:5d}  " + "  ".join(f"{v} {x['ms']:.3f}" for v, x in row.items()), flush=True)
+            caches = None
+    finally:
+        A.SPLITS, A.CHUNK, A.WARPS, A.STAGES = kept
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench decode_attention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="32x320,64x320,128x320,64x1024,128x1024",
                     help="TOKENSxCONTEXT, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", default=None, metavar="SPLITSxCHUNKwWARPSsSTAGES,...",
+                    help="time each variant of the split kernel's constants instead (CUDA; the first is the reference)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -97,6 +138,21 @@ def main(argv=None) -> int:
         device, layers, heads, kv_heads, d, dtype, shapes = "cpu", 2, 4, 2, 32, torch.float32, [(2, 40), (3, 17)]
     else:
         device, layers, heads, kv_heads, d, dtype = default_device(args.device), LAYERS, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16
+    if args.sweep is not None:
+        variants = [v for v in args.sweep.split(",") if v]
+        bad = [v for v in variants if not VARIANT.fullmatch(v)]
+        if bad or not variants:
+            ap.error(f"--sweep: variants such as 4x32w4s2 (splits x chunk, warps, stages), got {bad or args.sweep!r}")
+        from gpu_anchor.serve import attention as A
+        if args.tiny or not device.startswith("cuda") or A.triton is None:
+            ap.error("--sweep times the Triton kernel: it needs a CUDA device with Triton")
+        res = sweep(device, shapes, args.reps, variants, layers, heads, kv_heads, d, dtype)
+        path = write_result("decode_attention_sweep", {"device": device, "layers": layers, "heads": heads,
+                                                       "kv_heads": kv_heads, "head_dim": d, "block_size": BLOCK,
+                                                       "dtype": str(dtype).replace("torch.", ""), "variants": variants,
+                                                       "sweep": res}, args.out)
+        print(f"wrote {path}")
+        return 0
     res = measure(device, shapes, args.reps, layers, heads, kv_heads, d, dtype)
     path = write_result("decode_attention" + ("_tiny" if args.tiny else ""),
                         {"device": device, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
@@ -105,11 +161,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def _render_sweep(r: dict) -> str:
+    vs = r["variants"]
+    out = [f"Variants of the split kernel's constants, SPLITSxCHUNKwWARPSsSTAGES ({vs[0]} first, the reference); "
+           f"{r['layers']} layers in one CUDA graph; ms (time / the first variant's).", "",
+           "| tokens × context | " + " | ".join(vs) + " |", "| --- | " + " | ".join("---:" for _ in vs) + " |"]
+    for shape, row in r["sweep"].items():
+        out.append(f"| {shape.replace('x', ' × ')} | "
+                   + " | ".join(f"{row[v]['ms']:.3f} ({row[v]['over_first']:.3f})" for v in vs) + " |")
+    return "\n".join(out)
+
+
 def title(r: dict) -> str:
+    if "sweep" in r:
+        return f"Decode attention: the split kernel's launch constants ({r.get('device', '?')})"
     return f"Decode attention: merge in the split kernel vs a separate combine kernel ({r.get('device', '?')})"
 
 
 def render(r: dict) -> str:
+    if "sweep" in r:
+        return _render_sweep(r)
     res = r["results"]
     names = [k for k in ("merge_in_split", "combine_kernel", "reference") if any(k in row for row in res.values())]
     out = [f"{r['layers']} layers of {r['heads']} query / {r['kv_heads']} KV heads of {r['head_dim']} ({r['dtype']}) "

@@ -2,6 +2,7 @@
 at 32 / 64 / 128 rows, cuBLAS against cuBLASLt (``torch.backends.cuda.preferred_blas_library``).
 
     python -m bench decode_gemm [--tiny] [--device cuda:0] [--reps 20]
+    python -m bench decode_gemm --triton-splitk       # a split-K Triton GEMM against cuBLASLt
 
 A decode step of ``M`` sequences multiplies ``M`` rows by every weight once: per layer the
 packed q/k/v projection (4096 → 6144), the output projection (4096 → 4096), the packed
@@ -11,6 +12,13 @@ served from the 50 MB L2), captured in one CUDA graph; the figure is the median 
 replays (CUDA events).  "all" is the whole sequence of a step's matmuls in one graph.
 Bandwidth = weight bytes / time (the activations are a few MB).  ``--tiny``: a small shape on
 the CPU, eager, the default library only (a smoke run of the code path).
+
+``--triton-splitk`` (CUDA, Triton): the question "would a GEMM of our own beat cuBLAS on these
+skinny shapes?" for one candidate, a deterministic split-K Triton GEMM: S programs per output
+tile each sum a K range in float32 into a workspace, and the last to finish (a counter, as in
+the attention merge) adds the S partials in order s = 0..S-1 and stores the tile.  Every
+block-N × block-K × S of the sweep, per kind and row count, against cuBLASLt; each config is
+checked against ``F.linear`` and for repeating bit for bit.  Result ``decode_gemm_splitk``.
 """
 from __future__ import annotations
 
@@ -59,6 +67,101 @@ def _timer(device, reps):
     return run
 
 
+SPLITK_CONFIGS = [(bn, bk, s) for bn in (32, 64, 128) for bk in (128, 256) for s in (1, 2, 4, 8)]
+
+
+def _splitk_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitk(X, W, Y, WS, CNT, M, N, K, sxm, swn, sym, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, S: tl.constexpr):
+        n = tl.program_id(0)
+        s = tl.program_id(1)
+        rm = tl.arange(0, BM)
+        rn = n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        k0 = s * (K // S)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k in range(k0, k0 + K // S, BK):
+            x = tl.load(X + rm[:, None] * sxm + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+            w = tl.load(W + rn[:, None] * swn + (k + rk)[None, :])
+            acc += tl.dot(x, tl.trans(w))
+        rows = rm[:, None] < M
+        if S == 1:
+            tl.store(Y + rm[:, None] * sym + rn[None, :], acc.to(Y.dtype.element_ty), mask=rows)
+        else:
+            tl.store(WS + (s * M + rm[:, None]) * N + rn[None, :], acc, mask=rows)
+            tl.debug_barrier()
+            if tl.atomic_add(CNT + n, 1, sem="acq_rel", scope="gpu") == S - 1:
+                tl.debug_barrier()
+                tot = tl.zeros([BM, BN], tl.float32)
+                for j in tl.static_range(S):
+                    tot += tl.load(WS + (j * M + rm[:, None]) * N + rn[None, :], mask=rows, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(Y + rm[:, None] * sym + rn[None, :], tot.to(Y.dtype.element_ty), mask=rows)
+                tl.store(CNT + n, 0)
+    return splitk
+
+
+def splitk_linear(kernel, x, w, cfg, counters):
+    """``x @ w.T`` by the split-K kernel with ``cfg = (block_n, block_k, splits)``."""
+    import torch
+    import triton
+    bn, bk, s = cfg
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    ws = torch.empty(s, m, n, device=x.device, dtype=torch.float32) if s > 1 else y
+    kernel[(n // bn, s)](x, w, y, ws, counters, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+                         BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, S=s, num_warps=4,
+                         num_stages=4 if bk == 128 else 3)
+    return y
+
+
+def measure_splitk(device: str, rows: list[int], reps: int, shapes: dict, layers: int, dtype) -> dict:
+    import torch
+    import torch.nn.functional as F
+    kernel = _splitk_kernel()
+    counters = torch.zeros(8192, dtype=torch.int32, device=device)
+    if device.startswith("cuda"):
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    run = _timer(device, reps)
+    out = {}
+    for kind, (k, n) in shapes.items():
+        ws = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ref = F.linear(x, ws[0])
+            row = {"cublaslt_us": run(lambda: [F.linear(x, w) for w in ws]) / layers * 1e6, "configs": {}}
+            for cfg in SPLITK_CONFIGS:
+                if (k // cfg[2]) % cfg[1] or n % cfg[0]:
+                    continue
+                try:
+                    y = splitk_linear(kernel, x, ws[0], cfg, counters)
+                    diff = (y.float() - ref.float()).abs().max().item()
+                    cell = {"max_abs_difference": diff,
+                            # a few units in the last place of the output dtype at the largest output
+                            "matches": diff <= 0.03 * ref.float().abs().max().item(),
+                            "repeats_bit_for_bit": all(torch.equal(splitk_linear(kernel, x, ws[0], cfg, counters), y)
+                                                       for _ in range(3))}
+                    if cell["matches"]:
+                            cell["us"] = run(lambda: [splitk_linear(kernel, x, w, cfg, counters) for w in ws]) / layers * 1e6
+                except Exception as e:   # a config the GPU cannot hold (shared memory): recorded, not timed
+                    cell = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                row["configs"]["x".join(map(str, cfg))] = cell
+            timed = {c: v for c, v in row["configs"].items() if "us" in v}
+            best = min(timed, key=lambda c: timed[c]["us"]) if timed else None
+            row.update(best=best, best_us=timed[best]["us"] if best else None,
+                       best_over_cublaslt=timed[best]["us"] / row["cublaslt_us"] if best else None)
+            out[f"{kind}/{m}"] = row
+            print(f"{kind:8s} M={m:4d}  cuBLASLt {row['cublaslt_us']:.1f} us  best split-K {best} "
+                  f"{row['best_us'] or float('nan'):.1f} us", flush=True)
+        ws = None
+    return out
+
+
 def measure(device: str, rows: list[int], libs: list[str], reps: int, shapes: dict, vocab: int, layers: int,
             dtype) -> dict:
     import torch
@@ -104,10 +207,26 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="32,64,128")
     ap.add_argument("--libs", default="cublas,cublaslt")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--triton-splitk", action="store_true",
+                    help="sweep a deterministic split-K Triton GEMM against cuBLASLt instead (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
     device = "cpu" if args.tiny else default_device(args.device)
+    if args.triton_splitk:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            triton = None
+        if args.tiny or not device.startswith("cuda") or triton is None:
+            ap.error("--triton-splitk times a Triton kernel: it needs a CUDA device with Triton")
+        rows = [int(r) for r in args.rows.split(",")]
+        res = measure_splitk(device, rows, args.reps, SHAPES, LAYERS, torch.bfloat16)
+        path = write_result("decode_gemm_splitk", {"device": device, "rows": rows, "layers": LAYERS, "shapes": SHAPES,
+                                                   "configs": ["x".join(map(str, c)) for c in SPLITK_CONFIGS],
+                                                   "splitk": res}, args.out)
+        print(f"wrote {path}")
+        return 0
     if args.tiny:
         shapes, vocab, layers, libs, dtype = {k: (kk // 64, n // 64) for k, (kk, n) in SHAPES.items()}, 512, 2, ["default"], torch.float32
     else:
@@ -122,11 +241,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def _render_splitk(r: dict) -> str:
+    out = ["A deterministic split-K Triton GEMM (block N × block K × splits swept; the fastest config that matched "
+           "`F.linear`) against cuBLASLt; µs per GEMM, each kind over "
+           f"{r['layers']} distinct weights in one CUDA graph.", "",
+           "| GEMM / rows | cuBLASLt (µs) | best split-K (µs) | config | split-K / cuBLASLt | repeats bit for bit |",
+           "| --- | ---: | ---: | --- | ---: | --- |"]
+    for key, row in r["splitk"].items():
+        b = row["best"]
+        out.append(f"| {key} | {row['cublaslt_us']:.1f} | " + (f"{row['best_us']:.1f} | {b} | {row['best_over_cublaslt']:.3f} | "
+                   f"{'yes' if row['configs'][b]['repeats_bit_for_bit'] else '**no**'} |" if b else "— | — | — | — |"))
+    return "\n".join(out)
+
+
 def title(r: dict) -> str:
+    if "splitk" in r:
+        return f"Decode GEMMs of the 8B shape: a split-K Triton GEMM vs cuBLASLt ({r.get('device', '?')})"
     return f"Decode GEMMs of the 8B shape: cuBLAS vs cuBLASLt ({r.get('device', '?')})"
 
 
 def render(r: dict) -> str:
+    if "splitk" in r:
+        return _render_splitk(r)
     res = r["results"]
     kinds = [k for k in ("qkv", "o", "gate_up", "down", "lm_head")]
     out = [f"Weight-read bandwidth, TB/s (each kind over {r['layers']} distinct weights in one CUDA graph; median "
