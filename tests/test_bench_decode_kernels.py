@@ -1,0 +1,81 @@
+"""The decode benchmarks' kernel options: ``decode_gemm --triton-splitk`` and
+``decode_attention --sweep``.
+
+On this CPU machine the options refuse with an error that says why (they time Triton kernels on
+CUDA).  Where Triton is installed, the split-K GEMM and the sweep also run under Triton's
+interpreter (in a subprocess, as ``tests/test_serve_attention.py`` does): the GEMM equals
+``x @ w.T`` for every split count and leaves its counters at zero, and the sweep puts the
+attention module's constants back."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import decode_attention, decode_gemm
+from tests.test_serve_attention import INTERP
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sweep", "4x32w4s2", "--tiny"], "needs a CUDA device"),
+    (["--sweep", "4x32,2x32w4s2"], "variants such as 4x32w4s2"),
+    (["--sweep", ""], "variants such as 4x32w4s2"),
+])
+def test_attention_sweep_refuses_bad_input_and_the_cpu(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_attention.main(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_splitk_gemm_refuses_the_cpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_gemm.main(["--triton-splitk", "--tiny"])
+    assert e.value.code == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def _interpreted(code: str) -> str:
+    r = subprocess.run([sys.executable, "-c", INTERP + code], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_splitk_gemm_equals_the_matmul_interpreted():
+    pytest.importorskip("triton", reason="triton is not installed on this CPU machine")
+    out = _interpreted('''
+import torch
+from bench import decode_gemm as G
+kernel = G._splitk_kernel()
+counters = torch.zeros(64, dtype=torch.int32)
+g = torch.Generator().manual_seed(0)
+worst = 0.0
+for m, k, n, cfg in ((5, 256, 128, (32, 64, 1)), (5, 256, 128, (32, 64, 4)), (16, 512, 64, (64, 128, 2)),
+                     (3, 256, 64, (32, 32, 8))):
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    y = G.splitk_linear(kernel, x, w, cfg, counters)
+    assert torch.equal(G.splitk_linear(kernel, x, w, cfg, counters), y)
+    worst = max(worst, (y - x @ w.T).abs().max().item())
+assert int(counters.abs().sum()) == 0
+print(worst)
+''')
+    assert float(out) < 1e-3
+
+
+def test_attention_sweep_puts_the_constants_back_interpreted():
+    pytest.importorskip("triton", reason="triton is not installed on this CPU machine")
+    out = _interpreted('''
+import torch
+from bench import decode_attention as DA
+from gpu_anchor.serve import attention as A
+kept = A.SPLITS, A.CHUNK, A.WARPS, A.STAGES
+r = DA.sweep("cpu", [(2, 70)], 1, ["4x32w4s2", "2x16w4s2"], 1, 4, 2, 32, torch.float32)
+row = r["2x70"]
+assert (A.SPLITS, A.CHUNK, A.WARPS, A.STAGES) == kept
+assert row["4x32w4s2"]["over_first"] == 1.0 and row["4x32w4s2"]["max_abs_difference"] == 0.0
+print(row["2x16w4s2"]["max_abs_difference"])
+''')
+    assert float(out) < 1e-4
