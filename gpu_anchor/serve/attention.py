@@ -245,6 +245,9 @@ if triton is not None:
 # pipeline stages {1, 2}, Qwen3-8B's heads, 36 layers in a CUDA graph: 32 × 4, 4 warps, 2 stages
 # was the fastest or within 2 % of it at 64 × 320, 128 × 320 and 64 × 1024 (tokens × context);
 # 64 × 8 with Triton's default 3 stages took 1.40 / 2.59 / 3.01 ms against 1.22 / 2.19 / 2.75.
+# 2 splits, outside that sweep, took 0.86-0.90x the time of 4 at 64-128 tokens with the merge in
+# the kernel (``bench decode_attention --sweep``); it stays 4 until a small batch with a long
+# context, where 2 splits halve a token's programs, is measured (``bench/h200_issue20_next.sh``).
 CHUNK = 32
 SPLITS = 4
 WARPS, STAGES = 4, 2
