@@ -147,7 +147,7 @@ def measure_splitk(device: str, rows: list[int], reps: int, shapes: dict, layers
                             "repeats_bit_for_bit": all(torch.equal(splitk_linear(kernel, x, ws[0], cfg, counters), y)
                                                        for _ in range(3))}
                     if cell["matches"]:
-                            cell["us"] = run(lambda: [splitk_linear(kernel, x, w, cfg, counters) for w in ws]) / layers * 1e6
+                        cell["us"] = run(lambda: [splitk_linear(kernel, x, w, cfg, counters) for w in ws]) / layers * 1e6
                 except Exception as e:   # a config the GPU cannot hold (shared memory): recorded, not timed
                     cell = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
                 row["configs"]["x".join(map(str, cfg))] = cell
