@@ -143,6 +143,13 @@ def main(argv=None) -> int:
         bad = [v for v in variants if not VARIANT.fullmatch(v)]
         if bad or not variants:
             ap.error(f"--sweep: variants such as 4x32w4s2 (splits x chunk, warps, stages), got {bad or args.sweep!r}")
+        # the kernel's tile shapes: powers of two, a chunk at least one 16-wide dot
+        def fits(splits, chunk, warps, stages):
+            return all(n > 0 and not n & (n - 1) for n in (splits, chunk, warps)) and chunk >= 16 and stages >= 1
+        bad = [v for v in variants if not fits(*(int(x) for x in VARIANT.fullmatch(v).groups()))]
+        if bad:
+            ap.error(f"--sweep: splits, chunk and warps must be powers of two, the chunk at least 16 and the "
+                     f"stages at least 1, got {bad}")
         from gpu_anchor.serve import attention as A
         if args.tiny or not device.startswith("cuda") or A.triton is None:
             ap.error("--sweep times the Triton kernel: it needs a CUDA device with Triton")

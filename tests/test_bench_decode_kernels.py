@@ -22,6 +22,8 @@ from tests.test_serve_attention import INTERP
     (["--sweep", "4x32w4s2", "--tiny"], "needs a CUDA device"),
     (["--sweep", "4x32,2x32w4s2"], "variants such as 4x32w4s2"),
     (["--sweep", ""], "variants such as 4x32w4s2"),
+    (["--sweep", "3x32w4s2"], "powers of two"),
+    (["--sweep", "4x8w4s2"], "the chunk at least 16"),
 ])
 def test_attention_sweep_refuses_bad_input_and_the_cpu(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
