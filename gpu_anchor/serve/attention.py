@@ -8,21 +8,21 @@ where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
 ``meta.token_seq[t]``) attends causally to keys ``0..positions[t]`` of its sequence:
 
 - CUDA: split-KV Triton kernels ("flash-decoding").  A token's keys are cut into chunks of
-  ``CHUNK`` tokens; program (token, KV head, s) takes chunks s, s + ``SPLITS``, ... and loads
-  each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered through the block table),
-  scoring the whole GQA group with ``tl.dot``; the last of a (token, KV head)'s programs to
-  finish merges the group's partial softmaxes in one fixed reduction (``MERGE_IN_SPLIT``; else a
-  second kernel does, per (token, head)).  A decode step of 64 sequences × 8 KV heads is
-  2048 programs instead of 512 that each walk the context serially, each pipelining its chunk
-  loads (2 stages), so the loads in flight are enough to stream the KV (2.7 TB/s of KV at 64
-  × 320 tokens on the H200, 3.3 TB/s at 64 × 1024: ``bench decode_attention``).  Chunk size, split count and the merge
-  are constants, never derived from the batch: a token's output depends only on its context.
+  ``CHUNK`` tokens and its chunks into ``n = ceil(keys / SPLIT_KEYS)`` splits (split s takes
+  chunks s, s + n, ...); each split's partial softmax is computed by one program, which loads
+  each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered through the block table)
+  and scores the whole GQA group with ``tl.dot``, and the last of a (token, KV head)'s
+  programs to finish merges the partials in one fixed order (``MERGE_IN_SPLIT``; else a second
+  kernel does).  The split size is fixed, so a token's output depends only on its own context;
+  how many programs share a token's splits is sized to the launch (about ``PROGRAMS``), which
+  moves work between programs without changing a bit.  One sequence of 4 096 tokens is 16
+  splits × 8 KV heads = 128 programs instead of 32 (``bench decode_attention``).
 - CPU (and the reference for tests): per sequence, gather its blocks and run SDPA.
 
 CUDA-graph capture (``cuda_graphs.py``): both kernels' grids depend only on the number of
-query tokens (fixed per captured batch size) and the KV head count; everything per step
-(positions, slots, block tables) is read from device buffers, and the block table has a
-fixed width, so a captured launch stays valid for every step of that batch size.
+query tokens (fixed per captured batch size), the KV head count and the block table's width
+(fixed: it bounds a token's splits); everything per step (positions, slots, block tables) is
+read from device buffers, so a captured launch stays valid for every step of that batch size.
 """
 from __future__ import annotations
 
@@ -139,123 +139,148 @@ if triton is not None:
     def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale, O, SEM,
                          sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt, so_t, so_h,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         CHUNK: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr):
-        # program (t, kvh, s): query token t, the GQA group of KV head kvh, chunks s, s+NS, ...
-        # of CHUNK keys each; writes its unnormalised partial (acc, max, sum).  MERGE: the last
-        # of the group's live programs to finish (a counter in SEM) merges the group's partials
-        # into O and sets the counter back to 0; else ``_combine_kernel`` merges them
+                         CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, TILE: tl.constexpr,
+                         IEEE: tl.constexpr, MERGE: tl.constexpr):
+        # program (t, kvh, p) of P: query token t, the GQA group of KV head kvh, the token's splits
+        # p, p + P, ... of its n = ceil(chunks / SC) (split s: chunks s, s + n, ... of CHUNK keys,
+        # so the splits differ by one chunk at most); writes each split's unnormalised partial
+        # (acc, max, sum).  MERGE: the last of the group's live
+        # programs to finish (a counter in SEM) merges the token's partials into O and sets the
+        # counter back to 0; else ``_combine_kernel`` merges them
         t = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2)
+        first = tl.program_id(2)
+        n_prog = tl.num_programs(2)
         seq = tl.load(TSEQ + t)
         pos = tl.load(TPOS + t)
         n_chunks = pos // CHUNK + 1
-        if split < n_chunks:
+        n_splits = (n_chunks + SC - 1) // SC
+        if first < n_splits:
             g = tl.arange(0, GP)
             d = tl.arange(0, D)
             j = tl.arange(0, CHUNK)
             gmask = g < G
             heads = kvh * G + g
+            base = t * (G * tl.num_programs(1)) + heads          # [T, Hq] row of the partials
             q = tl.load(Q + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
-            m_i = tl.full([GP], float("-inf"), tl.float32)
-            l_i = tl.zeros([GP], tl.float32)
-            acc = tl.zeros([GP, D], tl.float32)
-            for c in range(split, n_chunks, NS):
-                kpos = c * CHUNK + j
-                # slots past the query's position may hold anything (fresh memory, NaN patterns):
-                # never load them (0 * NaN would poison the accumulator), nor their table entries
-                live = kpos <= pos
-                blk = tl.load(BT + seq * s_bt + kpos // BS, mask=live, other=0).to(tl.int64)
-                off = blk[:, None] * sc_b + (kpos % BS)[:, None] * sc_s + kvh * sc_h + d[None, :]
-                k = tl.load(C + off, mask=live[:, None], other=0.0)
-                v = tl.load(C + sc_kv + off, mask=live[:, None], other=0.0)
-                if IEEE:   # float32 caches: exact products, as the reference computes them
-                    sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-                else:
-                    sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-                sc = tl.where(live[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                p = tl.exp(sc - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-                m_i = m_new
-            row = (t * (G * (tl.num_programs(1))) + heads) * NS + split      # [T, Hq, NS] row-major
-            tl.store(MO + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-            tl.store(ML + row * 2, m_i, mask=gmask)
-            tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+            for sp in range(first, n_splits, n_prog):
+                m_i = tl.full([GP], float("-inf"), tl.float32)
+                l_i = tl.zeros([GP], tl.float32)
+                acc = tl.zeros([GP, D], tl.float32)
+                for c in range(sp, n_chunks, n_splits):
+                    kpos = c * CHUNK + j
+                    # slots past the query's position may hold anything (fresh memory, NaN
+                    # patterns): never load them (0 * NaN would poison the accumulator), nor
+                    # their table entries
+                    live = kpos <= pos
+                    blk = tl.load(BT + seq * s_bt + kpos // BS, mask=live, other=0).to(tl.int64)
+                    off = blk[:, None] * sc_b + (kpos % BS)[:, None] * sc_s + kvh * sc_h + d[None, :]
+                    k = tl.load(C + off, mask=live[:, None], other=0.0)
+                    v = tl.load(C + sc_kv + off, mask=live[:, None], other=0.0)
+                    if IEEE:   # float32 caches: exact products, as the reference computes them
+                        sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                    else:
+                        sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+                    sc = tl.where(live[None, :], sc, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(sc, 1))
+                    p = tl.exp(sc - m_new[:, None])
+                    alpha = tl.exp(m_i - m_new)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    if IEEE:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                    else:
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+                    m_i = m_new
+                row = base * MAXS + sp
+                tl.store(MO + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+                tl.store(ML + row * 2, m_i, mask=gmask)
+                tl.store(ML + row * 2 + 1, l_i, mask=gmask)
             if MERGE:
-                # every thread's partial stored before the count (barrier), the count a release at
-                # GPU scope; the merging program's acquire makes all live partials visible to it,
-                # and it reads them from L2 (.cg), never from a stale L1 line
+                # every thread's partials stored before the count (barrier), the count a release at
+                # GPU scope; the merging program's acquire makes all partials visible to it, and it
+                # reads them from L2 (.cg), never from a stale L1 line
                 tl.debug_barrier()
                 sem = SEM + t * tl.num_programs(1) + kvh
-                n_live = tl.minimum(n_chunks, NS)
-                if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == n_live - 1:
+                if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == tl.minimum(n_splits, n_prog) - 1:
                     tl.debug_barrier()
-                    s = tl.arange(0, NS)
-                    rows = (t * (G * tl.num_programs(1)) + heads)[:, None] * NS + s[None, :]   # [GP, NS]
-                    live = gmask[:, None] & (s < n_live)[None, :]
-                    _merge_group(MO, ML, O, rows, live, heads, gmask, t, so_t, so_h, D)
+                    _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h, GP, D, MAXS, TILE)
                     tl.store(sem, 0)
 
     @triton.jit
-    def _merge_group(MO, ML, O, rows, live, heads, gmask, t, so_t, so_h, D: tl.constexpr):
-        # the heads' partials [GP, NS] merged in one fixed reduction over the splits, as
-        # ``_combine_kernel`` does head by head
+    def _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h,
+                     GP: tl.constexpr, D: tl.constexpr, MAXS: tl.constexpr, TILE: tl.constexpr):
+        # the group's partials merged over the token's splits in one fixed order — TILE splits at
+        # a time, tile after tile — that depends only on the number of splits
         d = tl.arange(0, D)
-        m = tl.load(ML + rows * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-        ls = tl.load(ML + rows * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
-        acc = tl.load(MO + rows[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
-                      cache_modifier=".cg")
-        mx = tl.max(m, 1)
-        w = tl.where(live, tl.exp(m - mx[:, None]), 0.0)
-        out = tl.sum(acc * w[:, :, None], 1) / tl.sum(ls * w, 1)[:, None]
+        s = tl.arange(0, TILE)
+        m_run = tl.full([GP], float("-inf"), tl.float32)
+        l_run = tl.zeros([GP], tl.float32)
+        acc_run = tl.zeros([GP, D], tl.float32)
+        for s0 in range(0, n_splits, TILE):
+            rows = base[:, None] * MAXS + (s0 + s)[None, :]                      # [GP, TILE]
+            live = gmask[:, None] & (s0 + s < n_splits)[None, :]
+            m = tl.load(ML + rows * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(ML + rows * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+            acc = tl.load(MO + rows[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
+                          cache_modifier=".cg")
+            mx = tl.maximum(m_run, tl.max(m, 1))
+            w = tl.where(live, tl.exp(m - mx[:, None]), 0.0)
+            a = tl.exp(m_run - mx)
+            acc_run = acc_run * a[:, None] + tl.sum(acc * w[:, :, None], 1)
+            l_run = l_run * a + tl.sum(ls * w, 1)
+            m_run = mx
+        out = acc_run / l_run[:, None]
         tl.store(O + t * so_t + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
-    def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, D: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr):
-        # program (t, head): merge the token's live partials, always over splits 0..NS-1 in one
-        # fixed reduction (a request's output never depends on the batch it is in)
+    def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                        CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, TILE: tl.constexpr):
+        # program (t, kvh): the merge the split kernel's last program does, in a launch of its own
         t = tl.program_id(0)
-        h = tl.program_id(1)
+        kvh = tl.program_id(1)
         pos = tl.load(TPOS + t)
-        s = tl.arange(0, NS)
-        d = tl.arange(0, D)
-        live = s < pos // CHUNK + 1
-        row = (t * tl.num_programs(1) + h) * NS + s
-        m = tl.load(ML + row * 2, mask=live, other=float("-inf"))
-        ls = tl.load(ML + row * 2 + 1, mask=live, other=0.0)
-        acc = tl.load(MO + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-        mx = tl.max(m, 0)
-        w = tl.where(live, tl.exp(m - mx), 0.0)
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(ls * w, 0)
-        tl.store(O + t * so_t + h * so_h + d, out.to(O.dtype.element_ty))
+        n_splits = (pos // CHUNK + SC) // SC
+        g = tl.arange(0, GP)
+        heads = kvh * G + g
+        _merge_group(MO, ML, O, t * (G * tl.num_programs(1)) + heads, n_splits, heads, g < G, t, so_t, so_h,
+                     GP, D, MAXS, TILE)
 
 
-# Split-KV ("flash-decoding") constants.  Fixed, never derived from the batch: a token's result
-# depends only on its own context, whatever else is in the step.  A chunk is one program's tile
-# of keys (K and V loaded whole: CHUNK × head_dim each); NS programs per (token, KV head) take
-# chunks s, s + NS, ...; token slices bound the partials' memory (TOKEN_SLICE × heads × NS ×
-# head_dim float32: 32 MiB for 32 heads of 128) for long prefill steps.
-# Chosen on the H200 by sweeping chunk {32, 64, 128} × splits {4, 8, 16} × warps {2, 4, 8} ×
-# pipeline stages {1, 2}, Qwen3-8B's heads, 36 layers in a CUDA graph: 32 × 4, 4 warps, 2 stages
-# was the fastest or within 2 % of it at 64 × 320, 128 × 320 and 64 × 1024 (tokens × context);
-# 64 × 8 with Triton's default 3 stages took 1.40 / 2.59 / 3.01 ms against 1.22 / 2.19 / 2.75.
-# 2 splits, outside that sweep, took 0.86-0.90x the time of 4 at 64-128 tokens with the merge in
-# the kernel (``bench decode_attention --sweep``); it stays 4 until a small batch with a long
-# context, where 2 splits halve a token's programs, is measured (``bench/h200_issue20_next.sh``).
+# Split-KV ("flash-decoding") constants.  A token's keys are cut into chunks of CHUNK (one
+# program's tile: K and V loaded whole, CHUNK × head_dim each) and its chunks into splits of
+# SPLIT_KEYS keys; each split's partial softmax is kept and the partials are merged in one fixed
+# order.  Both sizes are fixed, never derived from the batch: a token's result depends only on its
+# own context, whatever else is in the step.  How many programs share a token's splits is free —
+# it changes who computes a partial, not its bits — so a launch takes about PROGRAMS programs
+# (at most one per split): 16 per (token, KV head) for one long sequence, one or two at 64-128.
+# Token slices bound the partials' memory (tokens × heads × splits × head_dim float32) to
+# PARTIALS_BYTES for long prefill steps.
+# Measured on the H200 (Qwen3-8B's heads, 36 layers in a CUDA graph, ``bench decode_attention
+# --sweep``): the earlier constant 4 splits per token took 2.23 ms at 1 × 4 096 tokens × context
+# (0.27 TB/s of KV: 32 programs for the GPU's 132 SMs) and 2 splits were 0.85-0.90x of 4 at
+# 64-128 tokens but 1.27-1.69x at 1-16 tokens (decode_attention_sweep_splits.json).
+# Earlier sweep: chunk {32, 64, 128} × warps {2, 4, 8} × stages {1, 2}: 32, 4 warps, 2 stages.
 CHUNK = 32
-SPLITS = 4
+SPLIT_KEYS = 256
+PROGRAMS = 4096
+MERGE_TILE = 4
 WARPS, STAGES = 4, 2
 TOKEN_SLICE = 256
+PARTIALS_BYTES = 64 << 20
 # The merge of a group's partials runs in the split kernel's last program (a counter per token
 # and KV head) instead of a second launch per layer: the same reduction, one launch fewer.
 MERGE_IN_SPLIT = True
 _COUNTERS: dict = {}
+
+
+def launch_shape(tokens: int, kv_heads: int, max_keys: int, heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(token_slice, programs per (token, KV head), max splits)`` of a launch: the partials of a
+    slice fit in ``PARTIALS_BYTES``; the programs are about ``PROGRAMS`` in all, one per split at
+    most.  A function of the shapes only (a CUDA graph's launch stays valid)."""
+    max_splits = -(-max_keys // SPLIT_KEYS)
+    per_token = heads * max_splits * (head_dim + 2) * 4
+    n = max(1, min(tokens, TOKEN_SLICE, PARTIALS_BYTES // per_token))
+    return n, max(1, min(max_splits, -(-PROGRAMS // (n * kv_heads)))), max_splits
 
 
 def _merge_counters(device: torch.device, hkv: int) -> torch.Tensor:
@@ -282,25 +307,29 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
     g = hq // hkv
     if d & (d - 1) or d < 16 or bs & (bs - 1):
         raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16 and block_size, got {d}, {bs}")
+    if SPLIT_KEYS % CHUNK or CHUNK & (CHUNK - 1) or MERGE_TILE & (MERGE_TILE - 1):
+        raise ValueError(f"attention's constants: SPLIT_KEYS a multiple of CHUNK, CHUNK and MERGE_TILE powers "
+                         f"of two, got {SPLIT_KEYS}, {CHUNK}, {MERGE_TILE}")
     q = q.to(cache.dtype)
     if q.stride(2) != 1 or q.stride(1) != d:    # a token's heads may sit in a wider row (packed qkv)
         q = q.contiguous()
     out = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
     bt = meta.block_tables
-    n = min(T, TOKEN_SLICE)
-    mo = torch.empty(n, hq, SPLITS, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(n, hq, SPLITS, 2, dtype=torch.float32, device=q.device)
+    n, programs, max_splits = launch_shape(T, hkv, bt.shape[1] * bs, hq, d)
+    mo = torch.empty(n, hq, max_splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n, hq, max_splits, 2, dtype=torch.float32, device=q.device)
     sem = _merge_counters(q.device, hkv) if MERGE_IN_SPLIT else mo
-    for lo in range(0, T, TOKEN_SLICE):     # one slice for every decode step (T <= max_num_seqs)
-        hi = min(T, lo + TOKEN_SLICE)
+    consts = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=CHUNK, SC=SPLIT_KEYS // CHUNK,
+                  MAXS=max_splits, TILE=MERGE_TILE)
+    for lo in range(0, T, n):     # one slice for every decode step of up to TOKEN_SLICE sequences
+        hi = min(T, lo + n)
         tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
         o = out[lo:hi]
-        _split_kv_kernel[(hi - lo, hkv, SPLITS)](
+        _split_kv_kernel[(hi - lo, hkv, programs)](
             q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale, o, sem,
             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            bt.stride(0), o.stride(0), o.stride(1), G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs,
-            CHUNK=CHUNK, NS=SPLITS, IEEE=cache.dtype == torch.float32, MERGE=MERGE_IN_SPLIT,
-            num_warps=WARPS, num_stages=STAGES)
+            bt.stride(0), o.stride(0), o.stride(1), BS=bs, IEEE=cache.dtype == torch.float32,
+            MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES, **consts)
         if not MERGE_IN_SPLIT:
-            _combine_kernel[(hi - lo, hq)](mo, ml, o, tpos, o.stride(0), o.stride(1), D=d, CHUNK=CHUNK, NS=SPLITS)
+            _combine_kernel[(hi - lo, hkv)](mo, ml, o, tpos, o.stride(0), o.stride(1), **consts)
     return out

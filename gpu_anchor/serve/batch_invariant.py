@@ -25,8 +25,9 @@ near-tie tokens, and once one token differs the rest of the stream does too.
   squares as a pairwise tree of elementwise adds whose shape depends only on ``D``.
   (Same maths as ``model_runner._rms``: float32 statistics, ``w * x.to(dtype)``.)
 - ``attend``: CUDA — ``attention.attend_triton`` as it is: split-KV with a fixed chunk size
-  and split count, chunk ``c`` of a token always in split ``c mod SPLITS``, and the partials
-  merged over all splits in one fixed reduction, so a token's output depends only on its
+  and keys per split, a token's split count a function of its context length only (the number
+  of programs sharing its splits, sized to the launch, moves work, not bits), and the partials
+  merged over its splits in one fixed order, so a token's output depends only on its
   query, its position and its sequence's cache — not on the other tokens of the step, nor on
   prefill vs decode.  CPU — the reference SDPA per query token (each call's shape depends
   only on that token's context length).
