@@ -3,7 +3,7 @@ the partials merged in the split kernel's last program (``attention.MERGE_IN_SPL
 default) against the separate combine kernel.
 
     python -m bench decode_attention [--tiny] [--device cuda:0] [--reps 20] [--shapes 32x320,64x320,...]
-    python -m bench decode_attention --sweep 4x32w4s2,8x32w4s2,...     # the kernel's launch constants
+    python -m bench decode_attention --sweep 256x32p1024w4s2,...     # the kernel's launch constants
 
 Qwen3-8B's heads (32 query, 8 KV, head size 128, bf16, blocks of 16 tokens): for each shape
 ``TxC`` — T decode tokens, each with C tokens of context in blocks scattered through the cache —
@@ -14,10 +14,11 @@ read a partial before it was written would differ), and the two variants' output
 (the same maths, reduced in another order: a few bf16 units apart).  ``--tiny``: two small
 shapes on the CPU through the reference path (no Triton there), a smoke run of the code.
 
-``--sweep SPLITSxCHUNKwWARPSsSTAGES,...`` (CUDA): the same shapes with the split kernel's
-constants (``attention.SPLITS``, ``CHUNK``, ``WARPS``, ``STAGES``) set to each variant in turn,
-the merge in the kernel; each variant's output is compared with the first variant's (another
-split or chunk size reduces in another order).  Result ``decode_attention_sweep``.
+``--sweep KEYSxCHUNKpPROGRAMSwWARPSsSTAGES,...`` (CUDA): the same shapes with the split
+kernel's constants (``attention.SPLIT_KEYS``, ``CHUNK``, ``PROGRAMS``, ``WARPS``, ``STAGES``) set
+to each variant in turn, the merge in the kernel; each variant's output is compared with the
+first variant's (another split or chunk size reduces in another order; another program count
+gives the same bits).  Result ``decode_attention_sweep``.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def measure(device: str, shapes: list[tuple[int, int]], reps: int, layers: int, 
     return out
 
 
-VARIANT = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
+VARIANT = re.compile(r"(\d+)x(\d+)p(\d+)w(\d+)s(\d+)")
+CONSTANTS = ("SPLIT_KEYS", "CHUNK", "PROGRAMS", "WARPS", "STAGES")
 
 
 def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[str], layers: int, heads: int,
@@ -91,7 +93,7 @@ def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[
     """Each shape under each variant of the split kernel's constants (see the module docstring)."""
     from gpu_anchor.serve import attention as A
     run = _timer(device, reps)
-    kept = A.SPLITS, A.CHUNK, A.WARPS, A.STAGES
+    kept = [getattr(A, c) for c in CONSTANTS]
     out = {}
     try:
         for tokens, ctx in shapes:
@@ -99,7 +101,8 @@ def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[
             kv = layers * tokens * ctx * 2 * kv_heads * d * q.element_size()
             row, first = {}, None
             for v in variants:
-                A.SPLITS, A.CHUNK, A.WARPS, A.STAGES = (int(x) for x in VARIANT.fullmatch(v).groups())
+                for c, x in zip(CONSTANTS, VARIANT.fullmatch(v).groups()):
+                    setattr(A, c, int(x))
                 t = run(lambda: [A.attend_triton(q, c, meta, d ** -0.5) for c in caches])
                 o = [A.attend_triton(q, c, meta, d ** -0.5) for c in caches[:4]]
                 first = first or o
@@ -111,7 +114,8 @@ def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[
             print(f"{tokens:4d} x {ctx:5d}  " + "  ".join(f"{v} {x['ms']:.3f}" for v, x in row.items()), flush=True)
             caches = None
     finally:
-        A.SPLITS, A.CHUNK, A.WARPS, A.STAGES = kept
+        for c, x in zip(CONSTANTS, kept):
+            setattr(A, c, x)
     return out
 
 
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="32x320,64x320,128x320,64x1024,128x1024",
                     help="TOKENSxCONTEXT, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--sweep", default=None, metavar="SPLITSxCHUNKwWARPSsSTAGES,...",
+    ap.add_argument("--sweep", default=None, metavar="KEYSxCHUNKpPROGRAMSwWARPSsSTAGES,...",
                     help="time each variant of the split kernel's constants instead (CUDA; the first is the reference)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -142,14 +146,16 @@ def main(argv=None) -> int:
         variants = [v for v in args.sweep.split(",") if v]
         bad = [v for v in variants if not VARIANT.fullmatch(v)]
         if bad or not variants:
-            ap.error(f"--sweep: variants such as 4x32w4s2 (splits x chunk, warps, stages), got {bad or args.sweep!r}")
-        # the kernel's tile shapes: powers of two, a chunk at least one 16-wide dot
-        def fits(splits, chunk, warps, stages):
-            return all(n > 0 and not n & (n - 1) for n in (splits, chunk, warps)) and chunk >= 16 and stages >= 1
+            ap.error(f"--sweep: variants such as 256x32p1024w4s2 (keys per split x chunk, programs, warps, "
+                     f"stages), got {bad or args.sweep!r}")
+        # the kernel's tile shapes: powers of two, a chunk at least one 16-wide dot, whole chunks a split
+        def fits(keys, chunk, programs, warps, stages):
+            return (all(n > 0 and not n & (n - 1) for n in (chunk, warps)) and chunk >= 16 and keys >= chunk
+                    and keys % chunk == 0 and programs >= 1 and stages >= 1)
         bad = [v for v in variants if not fits(*(int(x) for x in VARIANT.fullmatch(v).groups()))]
         if bad:
-            ap.error(f"--sweep: splits, chunk and warps must be powers of two, the chunk at least 16 and the "
-                     f"stages at least 1, got {bad}")
+            ap.error(f"--sweep: chunk and warps must be powers of two, the chunk at least 16, the keys per split "
+                     f"a multiple of the chunk, programs and stages at least 1, got {bad}")
         from gpu_anchor.serve import attention as A
         if args.tiny or not device.startswith("cuda") or A.triton is None:
             ap.error("--sweep times the Triton kernel: it needs a CUDA device with Triton")
@@ -170,7 +176,8 @@ def main(argv=None) -> int:
 
 def _render_sweep(r: dict) -> str:
     vs = r["variants"]
-    out = [f"Variants of the split kernel's constants, SPLITSxCHUNKwWARPSsSTAGES ({vs[0]} first, the reference); "
+    form = "KEYSxCHUNKpPROGRAMSwWARPSsSTAGES" if VARIANT.fullmatch(vs[0]) else "SPLITSxCHUNKwWARPSsSTAGES"
+    out = [f"Variants of the split kernel's constants, {form} ({vs[0]} first, the reference); "
            f"{r['layers']} layers in one CUDA graph; ms (time / the first variant's).", "",
            "| tokens × context | " + " | ".join(vs) + " |", "| --- | " + " | ".join("---:" for _ in vs) + " |"]
     for shape, row in r["sweep"].items():

@@ -19,11 +19,13 @@ from tests.test_serve_attention import INTERP
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--sweep", "4x32w4s2", "--tiny"], "needs a CUDA device"),
-    (["--sweep", "4x32,2x32w4s2"], "variants such as 4x32w4s2"),
-    (["--sweep", ""], "variants such as 4x32w4s2"),
-    (["--sweep", "3x32w4s2"], "powers of two"),
-    (["--sweep", "4x8w4s2"], "the chunk at least 16"),
+    (["--sweep", "256x32p1024w4s2", "--tiny"], "needs a CUDA device"),
+    (["--sweep", "4x32w4s2"], "variants such as 256x32p1024w4s2"),
+    (["--sweep", ""], "variants such as 256x32p1024w4s2"),
+    (["--sweep", "256x24p1024w4s2"], "powers of two"),
+    (["--sweep", "256x8p1024w4s2"], "the chunk at least 16"),
+    (["--sweep", "48x32p1024w4s2"], "a multiple of the chunk"),
+    (["--sweep", "256x32p0w4s2"], "programs and stages at least 1"),
 ])
 def test_attention_sweep_refuses_bad_input_and_the_cpu(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -73,11 +75,12 @@ def test_attention_sweep_puts_the_constants_back_interpreted():
 import torch
 from bench import decode_attention as DA
 from gpu_anchor.serve import attention as A
-kept = A.SPLITS, A.CHUNK, A.WARPS, A.STAGES
-r = DA.sweep("cpu", [(2, 70)], 1, ["4x32w4s2", "2x16w4s2"], 1, 4, 2, 32, torch.float32)
+kept = [getattr(A, c) for c in DA.CONSTANTS]
+r = DA.sweep("cpu", [(2, 70)], 1, ["32x32p1024w4s2", "32x32p1w4s2", "64x16p8w4s2"], 1, 4, 2, 32, torch.float32)
 row = r["2x70"]
-assert (A.SPLITS, A.CHUNK, A.WARPS, A.STAGES) == kept
-assert row["4x32w4s2"]["over_first"] == 1.0 and row["4x32w4s2"]["max_abs_difference"] == 0.0
-print(row["2x16w4s2"]["max_abs_difference"])
+assert [getattr(A, c) for c in DA.CONSTANTS] == kept
+assert row["32x32p1024w4s2"]["over_first"] == 1.0 and row["32x32p1024w4s2"]["max_abs_difference"] == 0.0
+assert row["32x32p1w4s2"]["max_abs_difference"] == 0.0       # another program count: the same bits
+print(row["64x16p8w4s2"]["max_abs_difference"])
 ''')
     assert float(out) < 1e-4
