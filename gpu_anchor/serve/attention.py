@@ -8,8 +8,8 @@ where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
 ``meta.token_seq[t]``) attends causally to keys ``0..positions[t]`` of its sequence:
 
 - CUDA: split-KV Triton kernels ("flash-decoding").  A token's keys are cut into chunks of
-  ``CHUNK`` tokens and its chunks into ``n = ceil(keys / SPLIT_KEYS)`` splits (split s takes
-  chunks s, s + n, ...); each split's partial softmax is computed by one program, which loads
+  ``CHUNK`` tokens and its chunks into ``n = min(ceil(keys / SPLIT_KEYS), MAX_SPLITS)``
+  splits (split s takes chunks s, s + n, ...); each split's partial softmax is computed by one program, which loads
   each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered through the block table)
   and scores the whole GQA group with ``tl.dot``, and the last of a (token, KV head)'s
   programs to finish merges the partials in one fixed order (``MERGE_IN_SPLIT``; else a second
@@ -139,11 +139,11 @@ if triton is not None:
     def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale, O, SEM,
                          sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt, so_t, so_h,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, TILE: tl.constexpr,
-                         IEEE: tl.constexpr, MERGE: tl.constexpr):
+                         CHUNK: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, MAXS: tl.constexpr,
+                         TILE: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr):
         # program (t, kvh, p) of P: query token t, the GQA group of KV head kvh, the token's splits
-        # p, p + P, ... of its n = ceil(chunks / SC) (split s: chunks s, s + n, ... of CHUNK keys,
-        # so the splits differ by one chunk at most); writes each split's unnormalised partial
+        # p, p + P, ... of its n = min(ceil(chunks / SC), CAP) (split s: chunks s, s + n, ... of
+        # CHUNK keys, so the splits differ by one chunk at most); writes each split's unnormalised partial
         # (acc, max, sum).  MERGE: the last of the group's live
         # programs to finish (a counter in SEM) merges the token's partials into O and sets the
         # counter back to 0; else ``_combine_kernel`` merges them
@@ -154,7 +154,7 @@ if triton is not None:
         seq = tl.load(TSEQ + t)
         pos = tl.load(TPOS + t)
         n_chunks = pos // CHUNK + 1
-        n_splits = (n_chunks + SC - 1) // SC
+        n_splits = tl.minimum((n_chunks + SC - 1) // SC, CAP)
         if first < n_splits:
             g = tl.arange(0, GP)
             d = tl.arange(0, D)
@@ -234,12 +234,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                        CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, TILE: tl.constexpr):
+                        CHUNK: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, MAXS: tl.constexpr,
+                        TILE: tl.constexpr):
         # program (t, kvh): the merge the split kernel's last program does, in a launch of its own
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         pos = tl.load(TPOS + t)
-        n_splits = (pos // CHUNK + SC) // SC
+        n_splits = tl.minimum((pos // CHUNK + SC) // SC, CAP)
         g = tl.arange(0, GP)
         heads = kvh * G + g
         _merge_group(MO, ML, O, t * (G * tl.num_programs(1)) + heads, n_splits, heads, g < G, t, so_t, so_h,
@@ -247,26 +248,30 @@ if triton is not None:
 
 
 # Split-KV ("flash-decoding") constants.  A token's keys are cut into chunks of CHUNK (one
-# program's tile: K and V loaded whole, CHUNK × head_dim each) and its chunks into splits of
-# SPLIT_KEYS keys; each split's partial softmax is kept and the partials are merged in one fixed
-# order.  Both sizes are fixed, never derived from the batch: a token's result depends only on its
-# own context, whatever else is in the step.  How many programs share a token's splits is free —
-# it changes who computes a partial, not its bits — so a launch takes about PROGRAMS programs
-# (at most one per split): 16 per (token, KV head) for one long sequence, one or two at 64-128.
+# program's tile: K and V loaded whole, CHUNK × head_dim each) and its chunks into one split per
+# SPLIT_KEYS keys, at most MAX_SPLITS (longer contexts make longer splits); each split's partial
+# softmax is kept and the partials are merged in one fixed order.  All of it is a function of
+# the token's own context, never of the batch: a token's result is the same whatever else is in
+# the step.  How many programs share a token's splits is free — it changes who computes a
+# partial, not its bits — so a launch takes about PROGRAMS programs, at most one per split.
 # Token slices bound the partials' memory (tokens × heads × splits × head_dim float32) to
-# PARTIALS_BYTES for long prefill steps.
-# Measured on the H200 (Qwen3-8B's heads, 36 layers in a CUDA graph, ``bench decode_attention
-# --sweep``): the earlier constant 4 splits per token took 2.23 ms at 1 × 4 096 tokens × context
-# (0.27 TB/s of KV: 32 programs for the GPU's 132 SMs) and 2 splits were 0.85-0.90x of 4 at
-# 64-128 tokens but 1.27-1.69x at 1-16 tokens (decode_attention_sweep_splits.json).
-# Earlier sweep: chunk {32, 64, 128} × warps {2, 4, 8} × stages {1, 2}: 32, 4 warps, 2 stages.
+# PARTIALS_BYTES for long prefill steps (256 tokens of Qwen3-8B's 32 heads: 68 MB).
+# Measured on the H200 (Qwen3-8B's heads, 36 layers in a CUDA graph, ``bench decode_attention``,
+# decode_attention_splits4.json and decode_attention_sweep_split_keys.json): the earlier 4
+# splits per token took 2.21 ms at 1 × 4 096 tokens × context (32 programs for the GPU's 132
+# SMs), these 0.69 ms; 128 keys per split was up to 1.17x slower from 4 to 16 tokens, 512 up to
+# 1.6x from 1 to 16; a target of 1 024 programs 1.10-1.16x slower at 128 × 320, 64 × 1 024 and
+# 128 × 1 024 than 2 048, 4 096 or 8 192, which tie (2 048: the fewest programs that do not
+# run when a long block table meets short contexts).  Earlier sweep: chunk {32, 64, 128} ×
+# warps {2, 4, 8} × stages {1, 2}: 32, 4 warps, 2 stages.
 CHUNK = 32
 SPLIT_KEYS = 256
-PROGRAMS = 4096
+MAX_SPLITS = 16
+PROGRAMS = 2048
 MERGE_TILE = 4
 WARPS, STAGES = 4, 2
 TOKEN_SLICE = 256
-PARTIALS_BYTES = 64 << 20
+PARTIALS_BYTES = 128 << 20
 # The merge of a group's partials runs in the split kernel's last program (a counter per token
 # and KV head) instead of a second launch per layer: the same reduction, one launch fewer.
 MERGE_IN_SPLIT = True
@@ -274,10 +279,11 @@ _COUNTERS: dict = {}
 
 
 def launch_shape(tokens: int, kv_heads: int, max_keys: int, heads: int, head_dim: int) -> tuple[int, int, int]:
-    """``(token_slice, programs per (token, KV head), max splits)`` of a launch: the partials of a
-    slice fit in ``PARTIALS_BYTES``; the programs are about ``PROGRAMS`` in all, one per split at
-    most.  A function of the shapes only (a CUDA graph's launch stays valid)."""
-    max_splits = -(-max_keys // SPLIT_KEYS)
+    """``(token_slice, programs per (token, KV head), max splits)`` of a launch over block tables
+    of ``max_keys`` keys: the partials of a slice fit in ``PARTIALS_BYTES``; the programs are
+    about ``PROGRAMS`` in all, one per split at most.  A function of the shapes only (a CUDA
+    graph's launch stays valid)."""
+    max_splits = min(-(-max_keys // SPLIT_KEYS), MAX_SPLITS)
     per_token = heads * max_splits * (head_dim + 2) * 4
     n = max(1, min(tokens, TOKEN_SLICE, PARTIALS_BYTES // per_token))
     return n, max(1, min(max_splits, -(-PROGRAMS // (n * kv_heads)))), max_splits
@@ -320,7 +326,7 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
     ml = torch.empty(n, hq, max_splits, 2, dtype=torch.float32, device=q.device)
     sem = _merge_counters(q.device, hkv) if MERGE_IN_SPLIT else mo
     consts = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=CHUNK, SC=SPLIT_KEYS // CHUNK,
-                  MAXS=max_splits, TILE=MERGE_TILE)
+                  CAP=MAX_SPLITS, MAXS=max_splits, TILE=MERGE_TILE)
     for lo in range(0, T, n):     # one slice for every decode step of up to TOKEN_SLICE sequences
         hi = min(T, lo + n)
         tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
