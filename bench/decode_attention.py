@@ -3,6 +3,7 @@ the partials merged in the split kernel's last program (``attention.MERGE_IN_SPL
 default) against the separate combine kernel.
 
     python -m bench decode_attention [--tiny] [--device cuda:0] [--reps 20] [--shapes 32x320,64x320,...]
+                                     [--table-keys 32768]
     python -m bench decode_attention --sweep 256x32p1024w4s2,...     # the kernel's launch constants
 
 Qwen3-8B's heads (32 query, 8 KV, head size 128, bf16, blocks of 16 tokens): for each shape
@@ -11,8 +12,10 @@ Qwen3-8B's heads (32 query, 8 KV, head size 128, bf16, blocks of 16 tokens): for
 is the median of ``--reps`` replays (CUDA events).  KV bandwidth = live K/V bytes / time.  Each
 variant is replayed 20 more times and compared with its first output bit for bit (a merge that
 read a partial before it was written would differ), and the two variants' outputs are compared
-(the same maths, reduced in another order: a few bf16 units apart).  ``--tiny``: two small
-shapes on the CPU through the reference path (no Triton there), a smoke run of the code.
+(the same merge code in another launch: equal bit for bit).  ``--table-keys K``: block tables K
+keys wide whatever the context, as an engine's ``--max-model-len`` makes them (the kernel's
+grid and partials are sized by the table's width).  ``--tiny``: two small shapes on the CPU
+through the reference path (no Triton there), a smoke run of the code.
 
 ``--sweep KEYSxCHUNKpPROGRAMSwWARPSsSTAGES,...`` (CUDA): the same shapes with the split
 kernel's constants (``attention.SPLIT_KEYS``, ``CHUNK``, ``PROGRAMS``, ``WARPS``, ``STAGES``) set
@@ -31,7 +34,10 @@ from bench.decode_gemm import _timer
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 32, 8, 128, 16, 36
 
 
-def _case(device: str, tokens: int, ctx: int, layers: int, heads: int, kv_heads: int, d: int, dtype):
+def _case(device: str, tokens: int, ctx: int, layers: int, heads: int, kv_heads: int, d: int, dtype,
+          table_keys: int | None = None):
+    """``tokens`` decode tokens with ``ctx`` keys each, block tables ``table_keys`` keys wide (an
+    engine's ``max_model_len``; default: as wide as the context), padded with block 0."""
     import torch
     from gpu_anchor.serve.attention import AttnMeta
     per = -(-ctx // BLOCK)
@@ -40,6 +46,8 @@ def _case(device: str, tokens: int, ctx: int, layers: int, heads: int, kv_heads:
     caches = [torch.randn(2, nb, BLOCK, kv_heads, d, device=device, dtype=dtype, generator=g) for _ in range(layers)]
     tables = torch.randperm(nb - 1, device=device, generator=g)[: tokens * per].to(torch.int32).view(tokens, per)
     host = tables.tolist()
+    width = -(-(table_keys or ctx) // BLOCK)
+    tables = torch.nn.functional.pad(tables, (0, width - per))
     meta = AttnMeta(torch.full((tokens,), ctx - 1, dtype=torch.long, device=device),
                     torch.full((tokens,), -1, dtype=torch.long, device=device),
                     torch.arange(tokens, dtype=torch.int32, device=device), tables.contiguous(),
@@ -49,7 +57,7 @@ def _case(device: str, tokens: int, ctx: int, layers: int, heads: int, kv_heads:
 
 
 def measure(device: str, shapes: list[tuple[int, int]], reps: int, layers: int, heads: int, kv_heads: int,
-            d: int, dtype) -> dict:
+            d: int, dtype, table_keys: int | None = None) -> dict:
     import torch
     from gpu_anchor.serve import attention as A
     run = _timer(device, reps)
@@ -57,7 +65,7 @@ def measure(device: str, shapes: list[tuple[int, int]], reps: int, layers: int, 
     variants = {"merge_in_split": True, "combine_kernel": False} if cuda else {"reference": None}
     out = {}
     for tokens, ctx in shapes:
-        caches, meta, q = _case(device, tokens, ctx, layers, heads, kv_heads, d, dtype)
+        caches, meta, q = _case(device, tokens, ctx, layers, heads, kv_heads, d, dtype, table_keys)
         kv = layers * tokens * ctx * 2 * kv_heads * d * q.element_size()
         row, first = {}, {}
         for name, merge in variants.items():
@@ -89,7 +97,7 @@ CONSTANTS = ("SPLIT_KEYS", "CHUNK", "PROGRAMS", "WARPS", "STAGES")
 
 
 def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[str], layers: int, heads: int,
-          kv_heads: int, d: int, dtype) -> dict:
+          kv_heads: int, d: int, dtype, table_keys: int | None = None) -> dict:
     """Each shape under each variant of the split kernel's constants (see the module docstring)."""
     from gpu_anchor.serve import attention as A
     run = _timer(device, reps)
@@ -97,7 +105,7 @@ def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[
     out = {}
     try:
         for tokens, ctx in shapes:
-            caches, meta, q = _case(device, tokens, ctx, layers, heads, kv_heads, d, dtype)
+            caches, meta, q = _case(device, tokens, ctx, layers, heads, kv_heads, d, dtype, table_keys)
             kv = layers * tokens * ctx * 2 * kv_heads * d * q.element_size()
             row, first = {}, None
             for v in variants:
@@ -127,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="32x320,64x320,128x320,64x1024,128x1024",
                     help="TOKENSxCONTEXT, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--table-keys", type=int, default=None, metavar="KEYS",
+                    help="block tables this many keys wide, as an engine's --max-model-len makes them "
+                         "(default: as wide as each shape's context)")
     ap.add_argument("--sweep", default=None, metavar="KEYSxCHUNKpPROGRAMSwWARPSsSTAGES,...",
                     help="time each variant of the split kernel's constants instead (CUDA; the first is the reference)")
     ap.add_argument("--out", default=None)
@@ -142,6 +153,9 @@ def main(argv=None) -> int:
         device, layers, heads, kv_heads, d, dtype, shapes = "cpu", 2, 4, 2, 32, torch.float32, [(2, 40), (3, 17)]
     else:
         device, layers, heads, kv_heads, d, dtype = default_device(args.device), LAYERS, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16
+    if args.table_keys is not None and args.table_keys < max(c for _, c in shapes):
+        ap.error(f"--table-keys {args.table_keys}: a block table holds its context, so at least the longest "
+                 f"context of --shapes ({max(c for _, c in shapes)})")
     if args.sweep is not None:
         variants = [v for v in args.sweep.split(",") if v]
         bad = [v for v in variants if not VARIANT.fullmatch(v)]
@@ -159,17 +173,18 @@ def main(argv=None) -> int:
         from gpu_anchor.serve import attention as A
         if args.tiny or not device.startswith("cuda") or A.triton is None:
             ap.error("--sweep times the Triton kernel: it needs a CUDA device with Triton")
-        res = sweep(device, shapes, args.reps, variants, layers, heads, kv_heads, d, dtype)
+        res = sweep(device, shapes, args.reps, variants, layers, heads, kv_heads, d, dtype, args.table_keys)
         path = write_result("decode_attention_sweep", {"device": device, "layers": layers, "heads": heads,
                                                        "kv_heads": kv_heads, "head_dim": d, "block_size": BLOCK,
                                                        "dtype": str(dtype).replace("torch.", ""), "variants": variants,
-                                                       "sweep": res}, args.out)
+                                                       "table_keys": args.table_keys, "sweep": res}, args.out)
         print(f"wrote {path}")
         return 0
-    res = measure(device, shapes, args.reps, layers, heads, kv_heads, d, dtype)
+    res = measure(device, shapes, args.reps, layers, heads, kv_heads, d, dtype, args.table_keys)
     path = write_result("decode_attention" + ("_tiny" if args.tiny else ""),
                         {"device": device, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
-                         "block_size": BLOCK, "dtype": str(dtype).replace("torch.", ""), "results": res}, args.out)
+                         "block_size": BLOCK, "dtype": str(dtype).replace("torch.", ""),
+                         "table_keys": args.table_keys, "results": res}, args.out)
     print(f"wrote {path}")
     return 0
 
@@ -178,12 +193,17 @@ def _render_sweep(r: dict) -> str:
     vs = r["variants"]
     form = "KEYSxCHUNKpPROGRAMSwWARPSsSTAGES" if VARIANT.fullmatch(vs[0]) else "SPLITSxCHUNKwWARPSsSTAGES"
     out = [f"Variants of the split kernel's constants, {form} ({vs[0]} first, the reference); "
-           f"{r['layers']} layers in one CUDA graph; ms (time / the first variant's).", "",
+           f"{r['layers']} layers in one CUDA graph; ms (time / the first variant's){_tables(r)}.", "",
            "| tokens × context | " + " | ".join(vs) + " |", "| --- | " + " | ".join("---:" for _ in vs) + " |"]
     for shape, row in r["sweep"].items():
         out.append(f"| {shape.replace('x', ' × ')} | "
                    + " | ".join(f"{row[v]['ms']:.3f} ({row[v]['over_first']:.3f})" for v in vs) + " |")
     return "\n".join(out)
+
+
+def _tables(r: dict) -> str:
+    k = r.get("table_keys")
+    return f"; block tables {k} keys wide (an engine's max_model_len)" if k else ""
 
 
 def title(r: dict) -> str:
@@ -199,7 +219,7 @@ def render(r: dict) -> str:
     names = [k for k in ("merge_in_split", "combine_kernel", "reference") if any(k in row for row in res.values())]
     out = [f"{r['layers']} layers of {r['heads']} query / {r['kv_heads']} KV heads of {r['head_dim']} ({r['dtype']}) "
            f"in one CUDA graph, median of the replays; KV bandwidth = live K/V bytes / time; \"repeats\" = 20 more "
-           f"launches equal to the first bit for bit.", "",
+           f"launches equal to the first bit for bit{_tables(r)}.", "",
            "| tokens × context | " + " | ".join(f"{n} (ms, KV TB/s, repeats)" for n in names)
            + " | merge / combine | max difference |",
            "| --- | " + " | ".join("---" for _ in names) + " | ---: | ---: |"]

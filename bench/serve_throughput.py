@@ -65,6 +65,12 @@ def _prompts(n, length, vocab, seed=0):
     return [[rng.randrange(1000 % vocab, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def _max_model_len(args) -> int:
+    """``--max-model-len``, else just room for a prompt and its tokens (the block tables, and so
+    attention's grid, are as wide as this)."""
+    return args.max_model_len or args.prompt_len + args.max_tokens + 8
+
+
 def _engine_cfg(args, config_path, anchor, namespace, seqs=None):
     from gpu_anchor.serve.engine import EngineConfig
     per_seq = -(-(args.prompt_len + args.max_tokens + 1) // args.block_size)
@@ -72,7 +78,7 @@ def _engine_cfg(args, config_path, anchor, namespace, seqs=None):
     return EngineConfig(model=config_path, random_weights=True, seed=0, device=args.device, dtype=args.dtype,
                         block_size=args.block_size, num_blocks=per_seq * seqs + 8,
                         max_num_seqs=seqs, max_batched_tokens=args.max_batched_tokens,
-                        max_model_len=args.prompt_len + args.max_tokens + 8, anchor=anchor, namespace=namespace,
+                        max_model_len=_max_model_len(args), anchor=anchor, namespace=namespace,
                         socket=args.socket, **({"blas_library": args.blas_library} if args.blas_library else {}))
 
 
@@ -299,7 +305,7 @@ def recovery(args, config_path, anchor: bool) -> dict:
            "--dtype", args.dtype, "--block-size", str(args.block_size),
            "--num-blocks", str(per_seq * args.streams + 8), "--max-num-seqs", str(args.streams),
            "--max-num-batched-tokens", str(args.max_batched_tokens),
-           "--max-model-len", str(args.prompt_len + args.max_tokens + 8),
+           "--max-model-len", str(_max_model_len(args)),
            "--port", "0", "--port-file", port_file, "--namespace", f"bench-recovery-{int(anchor)}"]
     # a fresh engine after each kill for both (the hot standby, the default on one GPU, is bench serve_takeover's)
     cmd += ["--socket", args.socket, "--no-hot-standby", "--no-prewarm"] if anchor else ["--no-anchor"]
@@ -380,6 +386,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engines' max_model_len (default: prompt + max tokens + 8), as a deployment sets it")
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=5, help="timed runs of each engine (and of generate_batch)")
     ap.add_argument("--kills", type=int, default=3, help="engine SIGKILLs per recovery measurement (n >= 3)")
@@ -407,6 +415,9 @@ def main(argv=None) -> int:
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.streams_list = [int(x) for x in args.streams_list.split(",") if x]
+    if args.max_model_len is not None and args.max_model_len < args.prompt_len + args.max_tokens + 1:
+        ap.error(f"--max-model-len {args.max_model_len}: a request of --prompt-len {args.prompt_len} and "
+                 f"--max-tokens {args.max_tokens} needs at least {args.prompt_len + args.max_tokens + 1}")
     if args.startup_child:      # one engine start-up in this fresh process (``serve_decode.startup``)
         print(json.dumps(D.startup_child(args, args.config_path, args.startup_child == "anchored")))
         return 0
@@ -432,7 +443,8 @@ def main(argv=None) -> int:
         attention.SPLIT_KEYS = args.attention_split_keys
     res = {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B-shaped random bf16", "device": args.device,
            "dtype": args.dtype, "requests": args.requests, "prompt_len": args.prompt_len,
-           "max_tokens": args.max_tokens, "attention_split_keys": attention.SPLIT_KEYS}
+           "max_tokens": args.max_tokens, "max_model_len": _max_model_len(args),
+           "attention_split_keys": attention.SPLIT_KEYS}
     out = args.out or (os.path.join(os.environ["OUT"], "serve_throughput.json") if os.environ.get("OUT") else None)
 
     def save():   # after every part: a later failure or timeout keeps what was measured

@@ -26,6 +26,7 @@ from tests.test_serve_attention import INTERP
     (["--sweep", "256x8p1024w4s2"], "the chunk at least 16"),
     (["--sweep", "48x32p1024w4s2"], "a multiple of the chunk"),
     (["--sweep", "256x32p0w4s2"], "programs and stages at least 1"),
+    (["--table-keys", "100", "--shapes", "2x300"], "at least the longest context"),
 ])
 def test_attention_sweep_refuses_bad_input_and_the_cpu(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -81,6 +82,13 @@ row = r["2x70"]
 assert [getattr(A, c) for c in DA.CONSTANTS] == kept
 assert row["32x32p1024w4s2"]["over_first"] == 1.0 and row["32x32p1024w4s2"]["max_abs_difference"] == 0.0
 assert row["32x32p1w4s2"]["max_abs_difference"] == 0.0       # another program count: the same bits
+# a block table as wide as a long max_model_len: more splits' room and programs, the same bits
+narrow, wide = (DA._case("cpu", 3, 200, 1, 4, 2, 32, torch.float32, k) for k in (None, 1024))
+assert wide[1].block_tables.shape[1] == 1024 // DA.BLOCK
+A.SPLIT_KEYS = 32
+assert torch.equal(A.attend_triton(narrow[2], narrow[0][0], narrow[1], 0.2),
+                   A.attend_triton(wide[2], wide[0][0], wide[1], 0.2))
+A.SPLIT_KEYS = kept[0]
 print(row["64x16p8w4s2"]["max_abs_difference"])
 ''')
     assert float(out) < 1e-4

@@ -38,6 +38,21 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     assert "Asynchronous scheduling" in text and "steps sync / async" in text
 
 
+def test_serve_throughput_takes_a_deployments_max_model_len(tmp_path, monkeypatch, capsys):
+    """``--max-model-len`` widens the engines' block tables as a deployment's setting does (the
+    attention grid is sized by it); a value too small for the requests is refused."""
+    monkeypatch.syspath_prepend("bench")
+    from serve_throughput import main
+    with pytest.raises(SystemExit):
+        main(["--prompt-len", "256", "--max-tokens", "128", "--max-model-len", "300"])
+    assert "needs at least 385" in capsys.readouterr().err
+    assert main(["--tiny", "--requests", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1",
+                 "--eager-rounds", "0", "--streams-list", "4", "--max-model-len", "512", "--skip-hf",
+                 "--skip-recovery", "--skip-startup", "--out", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["max_model_len"] == 512 and res["throughput"]["anchored_and_plain_outputs_equal"]
+
+
 @pytest.mark.slow
 def test_serve_throughput_tiny_full(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend("bench")
