@@ -102,7 +102,7 @@ def test_launch_shape_bounds_the_partials_and_the_programs():
     for tokens, max_keys in [(1, 4096), (64, 416), (64, 2064), (256, 32784), (4096, 40976), (7, 100)]:
         n, programs, splits = A.launch_shape(tokens, 8, max_keys, 32, 128)
         assert 1 <= n <= min(tokens, A.TOKEN_SLICE) and 1 <= programs <= splits <= A.MAX_SPLITS
-        assert n * 32 * splits * (128 + 2) * 4 <= A.PARTIALS_BYTES
+        assert n * 32 * A.MAX_SPLITS * (128 + 2) * 4 <= A.PARTIALS_BYTES
         assert splits == min(-(-max_keys // A.SPLIT_KEYS), A.MAX_SPLITS)
     assert A.launch_shape(256, 8, 32784, 32, 128)[0] == 256           # one slice
     assert A.launch_shape(1, 8, 4096, 32, 128) == (1, 16, 16)         # a program per split
