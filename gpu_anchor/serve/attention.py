@@ -9,11 +9,11 @@ where query token ``t`` (absolute position ``meta.positions[t]`` of sequence
 
 - CUDA: split-KV Triton kernels ("flash-decoding").  A token's keys are cut into chunks of
   ``CHUNK`` tokens and its chunks into ``n = min(ceil(keys / SPLIT_KEYS), MAX_SPLITS)``
-  splits (split s takes chunks s, s + n, ...); each split's partial softmax is computed by one program, which loads
-  each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered through the block table)
-  and scores the whole GQA group with ``tl.dot``, and the last of a (token, KV head)'s
-  programs to finish merges the partials in one fixed order (``MERGE_IN_SPLIT``; else a second
-  kernel does).  The split size is fixed, so a token's output depends only on its own context;
+  splits (split s takes chunks s, s + n, ...).  Each split's partial softmax is computed by
+  one program, which loads each chunk's K and V as whole ``CHUNK × head_dim`` tiles (gathered
+  through the block table) and scores the whole GQA group with ``tl.dot``; the last of a
+  (token, KV head)'s programs to finish merges the partials in one fixed order
+  (``MERGE_IN_SPLIT``; else a second kernel does).  The split size is fixed, so a token's output depends only on its own context;
   how many programs share a token's splits is sized to the launch (about ``PROGRAMS``), which
   moves work between programs without changing a bit.  One sequence of 4 096 tokens is 16
   splits × 8 KV heads = 128 programs instead of 32 (``bench decode_attention``).
@@ -141,12 +141,12 @@ if triton is not None:
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          CHUNK: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
                          IEEE: tl.constexpr, MERGE: tl.constexpr):
-        # program (t, kvh, p) of P: query token t, the GQA group of KV head kvh, the token's splits
-        # p, p + P, ... of its n = min(ceil(chunks / SC), CAP) (split s: chunks s, s + n, ... of
-        # CHUNK keys, so the splits differ by one chunk at most); writes each split's unnormalised partial
-        # (acc, max, sum).  MERGE: the last of the group's live
-        # programs to finish (a counter in SEM) merges the token's partials into O and sets the
-        # counter back to 0; else ``_combine_kernel`` merges them
+        # program (t, kvh, p) of P: query token t, the GQA group of KV head kvh, the token's
+        # splits p, p + P, ... of its n = min(ceil(chunks / SC), CAP) (split s: chunks s, s + n,
+        # ... of CHUNK keys, so the splits differ by one chunk at most); writes each split's
+        # unnormalised partial (acc, max, sum) at row split of CAP.  MERGE: the last of the
+        # group's live programs to finish (a counter in SEM) merges the token's partials into O
+        # and sets the counter back to 0; else ``_combine_kernel`` merges them
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         first = tl.program_id(2)
@@ -253,15 +253,15 @@ if triton is not None:
 # the token's own context, never of the batch: a token's result is the same whatever else is in
 # the step.  How many programs share a token's splits is free — it changes who computes a
 # partial, not its bits — so a launch takes about PROGRAMS programs, at most one per split.
-# Token slices bound the partials' memory (tokens × heads × splits × head_dim float32) to
+# Token slices bound the partials' memory (tokens × heads × MAX_SPLITS × head_dim float32) to
 # PARTIALS_BYTES for long prefill steps (256 tokens of Qwen3-8B's 32 heads: 68 MB).
 # Measured on the H200 (Qwen3-8B's heads, 36 layers in a CUDA graph, ``bench decode_attention``,
 # decode_attention_splits4.json and decode_attention_sweep_split_keys.json): the earlier 4
 # splits per token took 2.21 ms at 1 × 4 096 tokens × context (32 programs for the GPU's 132
 # SMs), these 0.69 ms; 128 keys per split was up to 1.17x slower from 4 to 16 tokens, 512 up to
 # 1.6x from 1 to 16; a target of 1 024 programs 1.10-1.16x slower at 128 × 320, 64 × 1 024 and
-# 128 × 1 024 than 2 048, 4 096 or 8 192, which tie (2 048: the fewest programs that do not
-# run when a long block table meets short contexts).  Earlier sweep: chunk {32, 64, 128} ×
+# 128 × 1 024 than 2 048, 4 096 or 8 192, which tie (2 048: of those, the fewest idle programs
+# when a wide block table meets short contexts).  Earlier sweep: chunk {32, 64, 128} ×
 # warps {2, 4, 8} × stages {1, 2}: 32, 4 warps, 2 stages.
 CHUNK = 32
 SPLIT_KEYS = 256
