@@ -398,9 +398,6 @@ def main(argv=None) -> int:
                          "both: each engine in both modes, alternating, with their ratio")
     ap.add_argument("--blas-library", choices=("auto", "cublas", "cublaslt"), default=None,
                     help="both engines' CUDA matmul library (default: the engine's default)")
-    ap.add_argument("--attention-split-keys", type=int, choices=(64, 128, 256, 512, 1024), default=None,
-                    help="the attention kernel's keys per split for the engines built in this process "
-                         "(throughput, sweep, profile; not the recovery or start-up children), to compare it")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-recovery-baseline", action="store_true")
@@ -439,8 +436,6 @@ def main(argv=None) -> int:
     with open(config_path, "w") as f:
         json.dump(TINY if args.tiny else QWEN3_8B, f)
     from gpu_anchor.serve import attention
-    if args.attention_split_keys:
-        attention.SPLIT_KEYS = args.attention_split_keys
     res = {"model": "tiny-qwen3" if args.tiny else "Qwen3-8B-shaped random bf16", "device": args.device,
            "dtype": args.dtype, "requests": args.requests, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_model_len": _max_model_len(args),
