@@ -1,7 +1,7 @@
 """The Triton kernel of ``fused_adam`` (imported only when Triton is; see that module's contract).
 
 One program = one block of ``BLOCK`` elements of one slice: load, store the old values
-into the undo places, publish the block's tag, then compute and store the new values.
+into the undo places, compute the new values, publish the block's tag, then store them.
 Every arithmetic step mirrors one op of torch's ``_multi_tensor_adam`` (named beside it);
 ``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so
 the only fmas are the explicit ones chosen by ``FMA``.
@@ -52,12 +52,8 @@ def _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2,
         ux = tl.multiple_of(tl.load(base + 8).to(tl.pointer_type(T)), 16)
         x0 = tl.load(xp + offs, mask=mask)
         tl.store(ux + offs, x0, mask=mask)
-    # The block's image is stored: publish its tag (one thread, release: the CTA's undo
-    # stores, ordered before it by the barrier, land first), then let the in-place
-    # stores go (acquire + barrier: none is issued before the tag has landed).
-    tl.debug_barrier()
-    tl.atomic_xchg(tags + tag_idx, tag_value, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
+    # The new values are computed in registers while the undo stores drain; the tag waits
+    # for them only after that (below), so the fence's wait overlaps the arithmetic.
     p = p0.to(tl.float32)
     g = g0.to(tl.float32)
     m = m0.to(tl.float32)
@@ -79,12 +75,19 @@ def _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2,
     if AMSGRAD:
         x = x0.to(tl.float32)
         x = tl.where(x != x, x, tl.where(v != v, v, tl.where(v > x, v, x)))   # maximum, NaN wins
-        tl.store(xp + offs, x.to(T), mask=mask)
         den = x
     den = _rnd(tl.sqrt_rn(den), T)                # _foreach_sqrt -> a tensor of the dtype
     den = _rnd(tl.div_rn(den, bc2_sqrt), T)      # .div_(bias_correction2_sqrt)
     den = _rnd(den + eps, T)                      # .add_(eps)
     p = _madd(step_size, tl.div_rn(m, den), p, FMA)   # p.addcdiv_(exp_avg, den, -lr / bc1)
+    # The block's image is stored: publish its tag (one thread, release: the CTA's undo
+    # stores, ordered before it by the barrier, land first), then let the in-place
+    # stores go (acquire + barrier: none is issued before the tag has landed).
+    tl.debug_barrier()
+    tl.atomic_xchg(tags + tag_idx, tag_value, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if AMSGRAD:
+        tl.store(xp + offs, x.to(T), mask=mask)
     tl.store(mp + offs, m.to(T), mask=mask)
     tl.store(vp + offs, v.to(T), mask=mask)
     tl.store(pp + offs, p.to(T), mask=mask)
