@@ -77,6 +77,19 @@ def test_between_steps_and_before_boundary(reference, tmp_path):
 
 
 @pytest.mark.parametrize("progress", ["journal", "device"])
+def test_after_boundary(reference, tmp_path, progress):
+    """Killed with the boundary (the redo log) committed and no chunk touched: journal mode
+    finishes the step from it, device mode discards it (its word was never published)."""
+    cfg = C.CampaignConfig(steps=6, progress=progress)
+    specs = ["after_boundary@0", "after_boundary@3"]
+    ns = f"afterb-{progress}"
+    client = gpu_anchor.connect("cpu", namespace=ns)
+    res = C.run(ns, cfg, str(tmp_path / "log"), faults_seq=specs, client=client)
+    assert res.kills == len(specs) and res.in_flight_at_kill == len(specs)
+    _check(reference, cfg, ns, res)
+
+
+@pytest.mark.parametrize("progress", ["journal", "device"])
 def test_killed_again_while_recovering(reference, tmp_path, progress):
     """The redo in the next worker's constructor is itself killed, at each of its points."""
     cfg = C.CampaignConfig(steps=8, progress=progress)

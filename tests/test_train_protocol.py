@@ -166,7 +166,7 @@ def test_fault_specs():
         assert faults.armed("after_update", 2, 0) and not faults.armed("after_update", 2, 1)
     finally:
         faults.arm(None)
-    assert len(PHASES) == 6
+    assert len(PHASES) == 7
 
 
 def test_device_progress_word():

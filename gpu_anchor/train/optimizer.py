@@ -185,10 +185,12 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
                     torch._foreach_zero_(states)
                 self._commit({key(prefix, "state"): StepState(0, "idle", 0, -1, len(self._chunks)).encode(),
                               key(prefix, "meta"): self._meta()})
-            else:
+            if resuming or self._world > 1:
+                # With several ranks every rank joins the agreement, a fresh one too: a peer
+                # killed after its first boundary commit resumes, and its all-gather needs us.
                 self._resume(vals)
-                if meta is None or json.loads(self._meta()) != meta:
-                    self._commit({key(prefix, "meta"): self._meta()})
+            if resuming and (meta is None or json.loads(self._meta()) != meta):
+                self._commit({key(prefix, "meta"): self._meta()})
             self._grads.zero()
         _holders[holder_key] = self
 
@@ -262,6 +264,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             self._state = new
             if landed is not None:
                 step_hooks.step_committed(landed, self.client)
+            faults.hit("after_boundary", st.step)
             if self._barrier is not None:
                 self._barrier()
             if device:

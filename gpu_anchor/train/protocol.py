@@ -45,6 +45,7 @@ APPLYING = "applying"
 
 #: The fault points of the paper's five phases (plus the boundary itself), in order.
 PHASES = ("before_boundary",   # after backward, before the gradients are finalized
+          "after_boundary",    # the boundary (redo log) committed, before the all-rank barrier
           "before_update",     # chunk i's undo image is durable, nothing of chunk i written
           "mid_chunk",         # chunk i half written
           "after_update",      # chunk i fully written, its cursor not yet committed
