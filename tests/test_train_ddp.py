@@ -51,6 +51,18 @@ def test_one_rank_killed_at_each_phase(ddp_reference, tmp_path):
     _same_as_reference("dk", "dref", res, ref)
 
 
+def test_first_step_one_rank_past_its_boundary_the_other_fresh(ddp_reference, tmp_path):
+    """Killed in the first step with rank 1's boundary committed and rank 0's not: rank 0's
+    journal is fresh, rank 1's has step 0 in flight.  Both must join the agreement (rank 1
+    discards the step, nobody wrote a chunk of it) — a fresh rank that skipped it left its
+    peer alone in the all-gather, and the group failed the same way at every restart."""
+    cfg, ref = ddp_reference
+    specs = [[(0, "before_boundary@0"), (1, "after_boundary@0")], [(1, "before_boundary@0"), (0, "after_boundary@0")]]
+    res = D.run_group("dfirst", cfg, str(tmp_path), faults_seq=specs)
+    assert res["kills"] == 2
+    _same_as_reference("dfirst", "dref", res, ref)
+
+
 def test_random_rank_kills(ddp_reference, tmp_path):
     cfg, ref = ddp_reference
     rng = random.Random(7)

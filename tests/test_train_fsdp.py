@@ -52,6 +52,16 @@ def test_one_rank_killed_at_each_phase(fsdp_reference, tmp_path):
     _same_as_reference("fk", res, ref)
 
 
+def test_first_step_one_rank_past_its_boundary_the_other_fresh(fsdp_reference, tmp_path):
+    """The state an all-rank kill once left in CI (the group then failed at every restart):
+    rank 0 never committed its first boundary, rank 1 did (see ``test_train_ddp``'s twin)."""
+    cfg, ref = fsdp_reference
+    res = D.run_group("ffirst", cfg, str(tmp_path), faults_seq=[[(0, "before_boundary@0"), (1, "after_boundary@0")]],
+                      parallel="fsdp")
+    assert res["kills"] == 1
+    _same_as_reference("ffirst", res, ref)
+
+
 @pytest.mark.parametrize("kill_all", [False, True], ids=["one-rank", "all-ranks"])
 def test_random_kills(fsdp_reference, tmp_path, kill_all):
     cfg, ref = fsdp_reference

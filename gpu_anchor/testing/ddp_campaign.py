@@ -167,9 +167,12 @@ def _kill(h):
 def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 2, faults_seq=(),
               random_kills: int = 0, max_delay_s: float = 1.0, rng=None, devices=None, plain=False,
               width: int = 0, timeout_s: float = 150, parallel: str = "ddp", kill_all: bool = False) -> dict:
-    """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``.  Returns counts and logs.
+    """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``, or a list of them
+    (those ranks armed in one generation: the group is torn down only once each has reached
+    its point).  Returns counts and logs.
 
-    A random kill SIGKILLs one random rank (``kill_all``: every rank at the same instant)."""
+    A random kill SIGKILLs one random rank (``kill_all``: every rank at the same instant).
+    A generation in which no rank was killed on purpose must end with every rank at 0."""
     rng = rng or random.Random(0)
     devices = devices or ["cpu"] * world
     if devices[0] == "cpu":
@@ -184,14 +187,16 @@ def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 
     while True:
         store = os.path.join(log_dir, f".rendezvous-{os.getpid()}-{time.time_ns()}")
         spec = fixed.pop(0) if fixed else None
+        armed = dict(spec) if isinstance(spec, list) else dict([spec]) if spec else {}
         procs = [_start(r, world, store, namespace, cfg, os.path.join(log_dir, f"rank{r}.log"),
-                        spec[1] if spec and spec[0] == r else None, devices[r], plain, width, parallel)
+                        armed.get(r), devices[r], plain, width, parallel)
                  for r in range(world)]
         generations += 1
         deadline = time.monotonic() + timeout_s
         kill_at = time.monotonic() + rng.uniform(0, max_delay_s) if spec is None and left > 0 else None
         victim = rng.randrange(world)
         codes = [None] * world
+        killed = False
         while any(c is None for c in codes):
             if time.monotonic() > deadline:
                 for h in procs:
@@ -200,12 +205,21 @@ def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 
             if kill_at is not None and time.monotonic() >= kill_at:
                 for h in procs if kill_all else [procs[victim]]:
                     _kill(h)
-                kill_at = None
+                kill_at, killed = None, True
             for r, h in enumerate(procs):
                 if codes[r] is None:
                     codes[r] = _poll(h)
-            if any(c not in (None, 0) for c in codes):
-                for r, h in enumerate(procs):     # torchrun-style: one rank died, tear down the group
+            if not killed and not armed and any(c not in (None, 0) for c in codes):
+                # nobody was killed: a rank that failed is a bug, not a fault to recover from
+                for h in procs:
+                    _kill(h)
+                raise RuntimeError(f"generation {generations}: ranks ended with {codes} with no fault injected; "
+                                   f"see {log_dir}/rank*.log.err")
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            # torchrun-style: one rank died, tear down the group — once every armed rank has
+            # reached its own point (unless an unarmed one failed: then at once)
+            if failed and (all(codes[r] is not None for r in armed) or any(r not in armed for r in failed)):
+                for r, h in enumerate(procs):
                     if codes[r] is None:
                         _kill(h)
             time.sleep(0.002)
@@ -215,7 +229,7 @@ def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 
             break
         # The victim shows SIGKILL; a survivor may have been killed by us or have failed on
         # its own first when gloo/NCCL noticed the dead peer — torchrun restarts either way.
-        if -signal.SIGKILL not in codes or (spec is not None and codes[spec[0]] != -signal.SIGKILL):
+        if -signal.SIGKILL not in codes or any(codes[r] != -signal.SIGKILL for r in armed):
             raise RuntimeError(f"ranks ended with {codes} (fault {spec})")
         kills += 1
         left -= spec is None
