@@ -17,9 +17,10 @@ keys wide whatever the context, as an engine's ``--max-model-len`` makes them (t
 grid and partials are sized by the table's width).  ``--tiny``: two small shapes on the CPU
 through the reference path (no Triton there), a smoke run of the code.
 
-``--sweep KEYSxCHUNKpPROGRAMSwWARPSsSTAGES,...`` (CUDA): the same shapes with the split
-kernel's constants (``attention.SPLIT_KEYS``, ``CHUNK``, ``PROGRAMS``, ``WARPS``, ``STAGES``) set
-to each variant in turn, the merge in the kernel; each variant's output is compared with the
+``--sweep KEYSxCHUNKpPROGRAMSwWARPSsSTAGES[cCAP],...`` (CUDA): the same shapes with the split
+kernel's constants (``attention.SPLIT_KEYS``, ``CHUNK``, ``PROGRAMS``, ``WARPS``, ``STAGES``, and
+with ``cCAP`` ``MAX_SPLITS``, the cap on a token's splits and the partials' rows) set to each
+variant in turn, the merge in the kernel; each variant's output is compared with the
 first variant's (another split or chunk size reduces in another order; another program count
 gives the same bits).  Result ``decode_attention_sweep``.
 """
@@ -92,8 +93,8 @@ def measure(device: str, shapes: list[tuple[int, int]], reps: int, layers: int, 
     return out
 
 
-VARIANT = re.compile(r"(\d+)x(\d+)p(\d+)w(\d+)s(\d+)")
-CONSTANTS = ("SPLIT_KEYS", "CHUNK", "PROGRAMS", "WARPS", "STAGES")
+VARIANT = re.compile(r"(\d+)x(\d+)p(\d+)w(\d+)s(\d+)(?:c(\d+))?")
+CONSTANTS = ("SPLIT_KEYS", "CHUNK", "PROGRAMS", "WARPS", "STAGES", "MAX_SPLITS")
 
 
 def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[str], layers: int, heads: int,
@@ -109,8 +110,8 @@ def sweep(device: str, shapes: list[tuple[int, int]], reps: int, variants: list[
             kv = layers * tokens * ctx * 2 * kv_heads * d * q.element_size()
             row, first = {}, None
             for v in variants:
-                for c, x in zip(CONSTANTS, VARIANT.fullmatch(v).groups()):
-                    setattr(A, c, int(x))
+                for c, x, k in zip(CONSTANTS, VARIANT.fullmatch(v).groups(), kept):
+                    setattr(A, c, k if x is None else int(x))     # no cap given: the module's
                 t = run(lambda: [A.attend_triton(q, c, meta, d ** -0.5) for c in caches])
                 o = [A.attend_triton(q, c, meta, d ** -0.5) for c in caches[:4]]
                 first = first or o
@@ -163,13 +164,14 @@ def main(argv=None) -> int:
             ap.error(f"--sweep: variants such as 256x32p1024w4s2 (keys per split x chunk, programs, warps, "
                      f"stages), got {bad or args.sweep!r}")
         # the kernel's tile shapes: powers of two, a chunk at least one 16-wide dot, whole chunks a split
-        def fits(keys, chunk, programs, warps, stages):
+        def fits(keys, chunk, programs, warps, stages, cap=None):
             return (all(n > 0 and not n & (n - 1) for n in (chunk, warps)) and chunk >= 16 and keys >= chunk
-                    and keys % chunk == 0 and programs >= 1 and stages >= 1)
-        bad = [v for v in variants if not fits(*(int(x) for x in VARIANT.fullmatch(v).groups()))]
+                    and keys % chunk == 0 and programs >= 1 and stages >= 1 and (cap is None or int(cap) >= 1))
+        bad = [v for v in variants if not fits(*(int(x) if x is not None else None
+                                                 for x in VARIANT.fullmatch(v).groups()))]
         if bad:
             ap.error(f"--sweep: chunk and warps must be powers of two, the chunk at least 16, the keys per split "
-                     f"a multiple of the chunk, programs and stages at least 1, got {bad}")
+                     f"a multiple of the chunk, programs, stages and the split cap at least 1, got {bad}")
         from gpu_anchor.serve import attention as A
         if args.tiny or not device.startswith("cuda") or A.triton is None:
             ap.error("--sweep times the Triton kernel: it needs a CUDA device with Triton")

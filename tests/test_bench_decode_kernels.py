@@ -25,7 +25,8 @@ from tests.test_serve_attention import INTERP
     (["--sweep", "256x24p1024w4s2"], "powers of two"),
     (["--sweep", "256x8p1024w4s2"], "the chunk at least 16"),
     (["--sweep", "48x32p1024w4s2"], "a multiple of the chunk"),
-    (["--sweep", "256x32p0w4s2"], "programs and stages at least 1"),
+    (["--sweep", "256x32p0w4s2"], "programs, stages and the split cap at least 1"),
+    (["--sweep", "256x32p1024w4s2c0"], "the split cap at least 1"),
     (["--table-keys", "100", "--shapes", "2x300"], "at least the longest context"),
 ])
 def test_attention_sweep_refuses_bad_input_and_the_cpu(argv, says, capsys):
@@ -77,10 +78,14 @@ import torch
 from bench import decode_attention as DA
 from gpu_anchor.serve import attention as A
 kept = [getattr(A, c) for c in DA.CONSTANTS]
-r = DA.sweep("cpu", [(2, 70)], 1, ["32x32p1024w4s2", "32x32p1w4s2", "64x16p8w4s2"], 1, 4, 2, 32, torch.float32)
+r = DA.sweep("cpu", [(2, 70)], 1, ["32x32p1024w4s2", "32x32p1024w4s2c2", "32x32p1w4s2", "64x16p8w4s2"], 1, 4, 2,
+             32, torch.float32)
 row = r["2x70"]
 assert [getattr(A, c) for c in DA.CONSTANTS] == kept
 assert row["32x32p1024w4s2"]["over_first"] == 1.0 and row["32x32p1024w4s2"]["max_abs_difference"] == 0.0
+# 70 keys in splits of 32: 3 splits, capped to 2 (longer splits): another order, close; the next
+# variant, with no cap given, has the module's cap again (the same bits as the first)
+assert 0.0 < row["32x32p1024w4s2c2"]["max_abs_difference"] < 1e-4
 assert row["32x32p1w4s2"]["max_abs_difference"] == 0.0       # another program count: the same bits
 # a block table as wide as a long max_model_len: more splits' room and programs, the same bits
 narrow, wide = (DA._case("cpu", 3, 200, 1, 4, 2, 32, torch.float32, k) for k in (None, 1024))
