@@ -83,12 +83,15 @@ def test_device_progress_ranks_a_boundary_apart(host_daemon, tmp_path):
     """Device-progress mode: a rank's journal lags its own progress by up to one step, so when
     rank 0 dies just before committing a boundary, rank 1 may already have committed it (and
     landed the previous step) while rank 0 has not landed that step yet.  The group must still
-    agree: rank 0 lands the step its word shows written, rank 1 discards the announced one."""
+    agree: rank 0 lands the step its word shows written, rank 1 discards the announced one.
+    First, the first-step case in this mode: rank 0 fresh, rank 1's boundary committed but its
+    word never published (so no device began the step: rank 1 discards it)."""
     cfg = C.CampaignConfig(steps=8, progress="device")
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     ref = D.run_group("dpref", cfg, str(ref_dir))
-    specs = [(0, "before_boundary@2"), (1, "between_steps@3"), (0, "after_update@4:1"), (0, "before_boundary@6")]
+    specs = [[(0, "before_boundary@0"), (1, "after_boundary@0")],
+             (0, "before_boundary@2"), (1, "between_steps@3"), (0, "after_update@4:1"), (0, "before_boundary@6")]
     res = D.run_group("dpk", cfg, str(tmp_path), faults_seq=specs)
     assert res["kills"] == len(specs)
     _same_as_reference("dpk", "dpref", res, ref)
