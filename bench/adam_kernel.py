@@ -1,6 +1,6 @@
 """The fused anchored Adam kernel alone against torch's AdamW kernels, on one device.
 
-    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76]
+    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76] [--graph]
 
 A 1.24 B bf16 parameter set (llama3.2-1b's) in 76 chunks, as the step protocol runs it: per
 chunk one launch of ``fused_adam``'s kernel (reads p, g, m, v; writes the old p, m, v into the
@@ -13,7 +13,10 @@ the bytes each variant must move (10 tensor passes for the anchored kernel, 7 fo
 fused one), not what it moved.  ``--chunks``: more, smaller chunks make the two undo slots small
 enough to stay in the GPU's L2 (50 MB on the H200: at 640 chunks both slots take 23 MB), which
 is what the kernel's undo writes would need to stop costing memory bandwidth; the result's name
-then says the count.  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
+then says the count.  Launched from Python, a chunk costs the host about 20 µs, so hundreds of
+chunks time the host, not the GPU: ``--graph`` captures each variant's pass in a CUDA graph and
+times its replays (only the shipped block size and warps; torch's foreach AdamW, which reads its
+step counts on the host, is left out there).  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
 variants run, on a small set.
 """
 from __future__ import annotations
@@ -26,17 +29,34 @@ import torch
 
 from bench.common import default_device, write_result
 
-SHIPPED = "anchored_block1024_warps4"     # fused_adam.BLOCK and the launch's num_warps
+SHIPPED_LAUNCH = (1024, 4)                   # fused_adam.BLOCK and the launch's num_warps
+SHIPPED = "anchored_block%d_warps%d" % SHIPPED_LAUNCH
 VARIANTS = [(1024, 4), (2048, 8), (1024, 2), (1024, 8), (512, 2), (512, 4), (256, 2)]
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, foreach=None,
           fused=None, capturable=False, differentiable=False, decoupled_weight_decay=True)
 
 
-def _timer(device: str, reps: int):
+def _captured(fn):
+    """``fn``'s launches captured in a CUDA graph (after one eager warm-up on a side stream, which
+    compiles Triton kernels outside the capture); returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _timer(device: str, reps: int, graph: bool = False):
     cuda = device.startswith("cuda")
 
     def run(fn) -> float:
         import time
+        if graph:
+            fn = _captured(fn)
         fn()
         times = []
         for _ in range(reps):
@@ -63,9 +83,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--chunks", type=int, default=None, help="chunks of the parameter set (default 76, the "
                     "optimizer's default for llama3.2-1b)")
+    ap.add_argument("--graph", action="store_true", help="time each pass as a CUDA graph's replay (CUDA only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     device = "cpu" if a.tiny and not torch.cuda.is_available() else default_device(a.device)
+    if a.graph and not device.startswith("cuda"):
+        ap.error(f"--graph needs a CUDA device, got {device}")
     chunks, total = (2, 1 << 17) if a.tiny else (76, 1_235_814_400)
     if a.chunks is not None:
         if a.chunks < 1:
@@ -79,7 +102,7 @@ def main(argv=None) -> int:
     M = [torch.zeros(n, device=device, dtype=dt) for _ in range(chunks)]
     V = [torch.zeros(n, device=device, dtype=dt) for _ in range(chunks)]
     U = [[torch.empty(n + 64, device=device, dtype=dt) for _ in range(3)] for _ in range(2)]
-    time_ms = _timer(device, a.reps)
+    time_ms = _timer(device, a.reps, a.graph)
     ms, passes = {}, {}
 
     def copy_undo():
@@ -92,7 +115,8 @@ def main(argv=None) -> int:
         adam_fn(P, G, M, V, [], steps_host, foreach=True, lr=HP["lr"], beta1=0.9, beta2=0.95,
                 weight_decay=HP["weight_decay"], eps=HP["eps"], amsgrad=False, maximize=False,
                 decoupled_weight_decay=True)
-    ms["torch_foreach_adamw"] = time_ms(foreach)
+    if not a.graph:
+        ms["torch_foreach_adamw"] = time_ms(foreach)
     ms["undo_copy_only"], passes["undo_copy_only"] = time_ms(copy_undo), 6
     why = _kernel_unavailable(device)
     if device.startswith("cuda"):
@@ -105,17 +129,18 @@ def main(argv=None) -> int:
         ms["undo_copy_then_torch_fused"] = time_ms(lambda: (copy_undo(), torch_fused()))
     if why is None:
         from gpu_anchor.train import fused_adam
-        for block, warps in VARIANTS:
+        for block, warps in [SHIPPED_LAUNCH] if a.graph else VARIANTS:
             name = f"anchored_block{block}_warps{warps}"
             ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device))
             passes[name] = 10
     gbps = {k: round(passes[k] * 2 * n * chunks / (v * 1e-3) / 1e9, 1) for k, v in ms.items() if k in passes}
     result = {"params": n * chunks, "chunks": chunks, "dtype": "bfloat16", "device": device, "reps": a.reps,
               "ms": {k: round(v, 3) for k, v in ms.items()}, "gb_per_s_required_bytes": gbps,
-              "shipped": SHIPPED, "kernel_unavailable": why}
+              "shipped": SHIPPED, "kernel_unavailable": why, "cuda_graph": a.graph}
     if "torch_fused_adamw" in ms and SHIPPED in ms:
         result["anchored_minus_torch_fused_ms"] = round(ms[SHIPPED] - ms["torch_fused_adamw"], 3)
-    name = "adam_kernel" + (f"_chunks{chunks}" if a.chunks is not None else "") + ("_tiny" if a.tiny else "")
+    name = ("adam_kernel" + (f"_chunks{chunks}" if a.chunks is not None else "") + ("_graph" if a.graph else "")
+            + ("_tiny" if a.tiny else ""))
     print(write_result(name, result, a.out))
     return 0
 
