@@ -61,6 +61,12 @@ CASE = textwrap.dedent('''
                                  [tables[b]])
                 if not torch.equal(A.attend_triton(q[t:t + 1], cache, one, d ** -0.5), out[t:t + 1]):
                     return float("inf")
+                # and with its table cut to its own blocks (an eager step's width: a narrower
+                # table may take the kernel without the split cap, same bits)
+                own = A.AttnMeta(one.positions, one.slots, one.token_seq, bt[b:b + 1, :len(tables[b])],
+                                 [0], [1], [p + 1], [tables[b]])
+                if not torch.equal(A.attend_triton(q[t:t + 1], cache, own, d ** -0.5), out[t:t + 1]):
+                    return float("inf")
         return err
 ''')
 

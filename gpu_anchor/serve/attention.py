@@ -137,15 +137,19 @@ if triton is not None:
 
     @triton.jit
     def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale, O, SEM,
-                         sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt, so_t, so_h, s_split,
+                         sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt, so_t, so_h,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         CHUNK: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr,
-                         IEEE: tl.constexpr, MERGE: tl.constexpr):
+                         CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, CAPPED: tl.constexpr,
+                         TILE: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr):
         # program (t, kvh, p) of P: query token t, the GQA group of KV head kvh, the token's
-        # splits p, p + P, ... of its n = min(ceil(chunks / SC), CAP) (split s: chunks s, s + n,
+        # splits p, p + P, ... of its n = min(ceil(chunks / SC), MAXS) (split s: chunks s, s + n,
         # ... of CHUNK keys, so the splits differ by one chunk at most); writes each split's
-        # unnormalised partial (acc, max, sum) at row split * s_split + [token, head] (split-major:
-        # a split's rows of adjacent heads are adjacent).  MERGE: the last of the
+        # unnormalised partial (acc, max, sum) at row [token, head] * MAXS + split (MAXS =
+        # MAX_SPLITS rows a head).  A token has at most its table's splits, so only a table wider
+        # than MAXS splits (CAPPED) needs the minimum; without it the kernel compiles to 80
+        # registers instead of 94-96 (sm_90, Triton 3.6), and 60621e2's kernel, which had no
+        # minimum, was 5-9 % faster from 128 x 320 to 128 x 1 024 tokens x context on the
+        # H200 than the same with it (decode_attention_capped_*.json).  MERGE: the last of the
         # group's live programs to finish (a counter in SEM) merges the token's partials into O
         # and sets the counter back to 0; else ``_combine_kernel`` merges them
         t = tl.program_id(0)
@@ -155,7 +159,9 @@ if triton is not None:
         seq = tl.load(TSEQ + t)
         pos = tl.load(TPOS + t)
         n_chunks = pos // CHUNK + 1
-        n_splits = tl.minimum((n_chunks + SC - 1) // SC, CAP)
+        n_splits = (n_chunks + SC - 1) // SC
+        if CAPPED:
+            n_splits = tl.minimum(n_splits, MAXS)
         if first < n_splits:
             g = tl.arange(0, GP)
             d = tl.arange(0, D)
@@ -192,7 +198,7 @@ if triton is not None:
                     else:
                         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
                     m_i = m_new
-                row = sp * s_split + base
+                row = base * MAXS + sp
                 tl.store(MO + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
                 tl.store(ML + row * 2, m_i, mask=gmask)
                 tl.store(ML + row * 2 + 1, l_i, mask=gmask)
@@ -204,12 +210,12 @@ if triton is not None:
                 sem = SEM + t * tl.num_programs(1) + kvh
                 if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == tl.minimum(n_splits, n_prog) - 1:
                     tl.debug_barrier()
-                    _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h, s_split, GP, D, TILE)
+                    _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h, GP, D, MAXS, TILE)
                     tl.store(sem, 0)
 
     @triton.jit
-    def _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h, s_split,
-                     GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
+    def _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h,
+                     GP: tl.constexpr, D: tl.constexpr, MAXS: tl.constexpr, TILE: tl.constexpr):
         # the group's partials merged over the token's splits in one fixed order — TILE splits at
         # a time, tile after tile — that depends only on the number of splits
         d = tl.arange(0, D)
@@ -218,7 +224,7 @@ if triton is not None:
         l_run = tl.zeros([GP], tl.float32)
         acc_run = tl.zeros([GP, D], tl.float32)
         for s0 in range(0, n_splits, TILE):
-            rows = (s0 + s)[None, :] * s_split + base[:, None]                  # [GP, TILE]
+            rows = base[:, None] * MAXS + (s0 + s)[None, :]                      # [GP, TILE]
             live = gmask[:, None] & (s0 + s < n_splits)[None, :]
             m = tl.load(ML + rows * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
             ls = tl.load(ML + rows * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
@@ -234,17 +240,20 @@ if triton is not None:
         tl.store(O + t * so_t + heads[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
-    def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, s_split, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                        CHUNK: tl.constexpr, SC: tl.constexpr, CAP: tl.constexpr, TILE: tl.constexpr):
+    def _combine_kernel(MO, ML, O, TPOS, so_t, so_h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                        CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, CAPPED: tl.constexpr,
+                        TILE: tl.constexpr):
         # program (t, kvh): the merge the split kernel's last program does, in a launch of its own
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         pos = tl.load(TPOS + t)
-        n_splits = tl.minimum((pos // CHUNK + SC) // SC, CAP)
+        n_splits = (pos // CHUNK + SC) // SC
+        if CAPPED:
+            n_splits = tl.minimum(n_splits, MAXS)
         g = tl.arange(0, GP)
         heads = kvh * G + g
         _merge_group(MO, ML, O, t * (G * tl.num_programs(1)) + heads, n_splits, heads, g < G, t, so_t, so_h,
-                     s_split, GP, D, TILE)
+                     GP, D, MAXS, TILE)
 
 
 # Split-KV ("flash-decoding") constants.  A token's keys are cut into chunks of CHUNK (one
@@ -261,13 +270,14 @@ if triton is not None:
 # splits per token took 2.21 ms at 1 × 4 096 tokens × context (32 programs for the GPU's 132
 # SMs), these 0.69 ms; 128 keys per split was up to 1.17x slower from 4 to 16 tokens, 512 up to
 # 1.6x from 1 to 16; a target of 1 024 programs 1.10-1.16x slower at 128 × 320, 64 × 1 024 and
-# 128 × 1 024 than 2 048, 4 096 or 8 192, which tie (2 048: of those, the fewest idle programs
-# when a wide block table meets short contexts).  Earlier sweep: chunk {32, 64, 128} ×
+# 128 × 1 024 than 2 048, 4 096 or 8 192, which tied there; 4 096 was 5 % faster than 2 048 at
+# 128 × 1 024 with tables as wide as the context and with 32 768-key tables, the same elsewhere
+# (decode_attention_capped_*.json, decode_attention_sweep_wide.json).  Earlier sweep: chunk {32, 64, 128} ×
 # warps {2, 4, 8} × stages {1, 2}: 32, 4 warps, 2 stages.
 CHUNK = 32
 SPLIT_KEYS = 256
 MAX_SPLITS = 16
-PROGRAMS = 2048
+PROGRAMS = 4096
 MERGE_TILE = 4
 WARPS, STAGES = 4, 2
 TOKEN_SLICE = 256
@@ -280,8 +290,8 @@ _COUNTERS: dict = {}
 
 def launch_shape(tokens: int, kv_heads: int, max_keys: int, heads: int, head_dim: int) -> tuple[int, int, int]:
     """``(token_slice, programs per (token, KV head), max splits)`` of a launch over block tables
-    of ``max_keys`` keys: the partials of a slice (``MAX_SPLITS`` rows a head, split-major,
-    whatever the table's width, so that no kernel is compiled per width) fit in ``PARTIALS_BYTES``; the
+    of ``max_keys`` keys: the partials of a slice (``MAX_SPLITS`` rows a head whatever the
+    table's width, so that no kernel is compiled per width) fit in ``PARTIALS_BYTES``; the
     programs are about ``PROGRAMS`` in all, one per split at most.  A function of the shapes
     only (a CUDA graph's launch stays valid)."""
     max_splits = min(-(-max_keys // SPLIT_KEYS), MAX_SPLITS)
@@ -323,11 +333,11 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
     out = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
     bt = meta.block_tables
     n, programs, max_splits = launch_shape(T, hkv, bt.shape[1] * bs, hq, d)
-    mo = torch.empty(MAX_SPLITS, n, hq, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(MAX_SPLITS, n, hq, 2, dtype=torch.float32, device=q.device)
+    mo = torch.empty(n, hq, MAX_SPLITS, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n, hq, MAX_SPLITS, 2, dtype=torch.float32, device=q.device)
     sem = _merge_counters(q.device, hkv) if MERGE_IN_SPLIT else mo
     consts = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=CHUNK, SC=SPLIT_KEYS // CHUNK,
-                  CAP=MAX_SPLITS, TILE=MERGE_TILE)
+                  MAXS=MAX_SPLITS, CAPPED=-(-bt.shape[1] * bs // SPLIT_KEYS) > MAX_SPLITS, TILE=MERGE_TILE)
     for lo in range(0, T, n):     # one slice for every decode step of up to TOKEN_SLICE sequences
         hi = min(T, lo + n)
         tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
@@ -335,8 +345,8 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
         _split_kv_kernel[(hi - lo, hkv, programs)](
             q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale, o, sem,
             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            bt.stride(0), o.stride(0), o.stride(1), n * hq, BS=bs, IEEE=cache.dtype == torch.float32,
+            bt.stride(0), o.stride(0), o.stride(1), BS=bs, IEEE=cache.dtype == torch.float32,
             MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES, **consts)
         if not MERGE_IN_SPLIT:
-            _combine_kernel[(hi - lo, hkv)](mo, ml, o, tpos, o.stride(0), o.stride(1), n * hq, **consts)
+            _combine_kernel[(hi - lo, hkv)](mo, ml, o, tpos, o.stride(0), o.stride(1), **consts)
     return out
