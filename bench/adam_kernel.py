@@ -13,8 +13,8 @@ the bytes each variant must move (10 tensor passes for the anchored kernel, 7 fo
 fused one), not what it moved.  ``--chunks``: more, smaller chunks make the two undo slots small
 enough to stay in the GPU's L2 (50 MB on the H200: at 640 chunks both slots take 23 MB), which
 is what the kernel's undo writes would need to stop costing memory bandwidth; the result's name
-then says the count.  Launched from Python, a chunk costs the host about 20 µs, so hundreds of
-chunks time the host, not the GPU: ``--graph`` captures each variant's pass in a CUDA graph and
+then says the count.  Launched from Python, a chunk costs the host about 20 µs, so with hundreds
+of chunks the host is part of the time: ``--graph`` captures each variant's pass in a CUDA graph and
 times its replays (only the shipped block size and warps; torch's foreach AdamW, which reads its
 step counts on the host, is left out there).  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
 variants run, on a small set.
