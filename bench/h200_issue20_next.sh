@@ -2,8 +2,10 @@
 # The next device call for issue 20 (item 7), on ONE H200, <= 6 minutes:
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_issue20_next.sh
 #   BENCH_EXTRA=--tiny OUT=/tmp/x PYTHONPATH=. bash bench/h200_issue20_next.sh    # CPU dry run (no kernels)
-# First, in a call of its own, the GPU tests of the attention kernel that applies the split cap
-# only to tables wider than MAX_SPLITS splits (52a5fb3; interpreter-tested only):
+# First the GPU tests of the attention kernel that applies the split cap only to tables wider
+# than MAX_SPLITS splits (52a5fb3; run this way on 2026-12-03: 21 passed, with test_serve_async.py
+# and test_serve_sampling.py added; the figures are decode_attention_cap_flag*.json and
+# serve_throughput_cap_flag_sweep_*.json):
 #   pip install -q --no-index --find-links .whl --target /tmp/site openai     # carry .whl (README)
 #   PYTHONPATH=.:/tmp/site python -m pytest -q -m gpu tests/test_serve_attention.py \
 #     tests/test_serve_gpu.py tests/test_serve_fused.py tests/test_serve_deterministic.py
