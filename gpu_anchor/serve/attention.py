@@ -280,6 +280,14 @@ MAX_SPLITS = 16
 PROGRAMS = 4096
 MERGE_TILE = 4
 WARPS, STAGES = 4, 2
+# The split kernel's registers a thread when no cap is compiled in: ptxas gives it 80 (sm_90,
+# Triton 3.6), which lets 6 programs of 4 warps share an SM; at 64 it is 8 (the register file is
+# 64 K), so a 64 x 320 launch's 1 024 programs fit the H200's 132 SMs in one wave instead of two.
+# The 8 values it spills live outside the loop over a split's chunks.  H200, alternating in one
+# call: 1.08 against 1.17 ms at 64 x 320, 2-3.5 % faster from 128 x 320 to 128 x 1 024, 1-3 %
+# slower at 16 x 1 024 (decode_attention_regs_*.json).  The capped variant (94 registers) would
+# spill 20 and was not measured so: it keeps ptxas's count.
+REGISTERS = 64
 TOKEN_SLICE = 256
 PARTIALS_BYTES = 128 << 20
 # The merge of a group's partials runs in the split kernel's last program (a counter per token
@@ -346,7 +354,8 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
             q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale, o, sem,
             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             bt.stride(0), o.stride(0), o.stride(1), BS=bs, IEEE=cache.dtype == torch.float32,
-            MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES, **consts)
+            MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES,
+            maxnreg=None if consts["CAPPED"] else REGISTERS, **consts)
         if not MERGE_IN_SPLIT:
             _combine_kernel[(hi - lo, hkv)](mo, ml, o, tpos, o.stride(0), o.stride(1), **consts)
     return out
