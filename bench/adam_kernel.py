@@ -1,6 +1,6 @@
 """The fused anchored Adam kernel alone against torch's AdamW kernels, on one device.
 
-    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76] [--graph]
+    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76] [--graph] [--registers 64,56]
 
 A 1.24 B bf16 parameter set (llama3.2-1b's) in 76 chunks, as the step protocol runs it: per
 chunk one launch of ``fused_adam``'s kernel (reads p, g, m, v; writes the old p, m, v into the
@@ -16,7 +16,10 @@ is what the kernel's undo writes would need to stop costing memory bandwidth; th
 then says the count.  Launched from Python, a chunk costs the host about 20 µs, so with hundreds
 of chunks the host is part of the time: ``--graph`` captures each variant's pass in a CUDA graph and
 times its replays (only the shipped block size and warps; torch's foreach AdamW, which reads its
-step counts on the host, is left out there).  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
+step counts on the host, is left out there).  ``--registers N,...`` adds the shipped launch with its
+registers a thread capped at each N (Triton's ``maxnreg``): ptxas gives the kernel 72 on sm_90,
+so 7 programs of 4 warps share an SM; at 64 it is 8, at 56 9 (more blocks waiting on their tag's
+fence at once), at the price of spills.  Without CUDA and Triton (``--tiny`` on a CPU) only the torch
 variants run, on a small set.
 """
 from __future__ import annotations
@@ -84,8 +87,16 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=None, help="chunks of the parameter set (default 76, the "
                     "optimizer's default for llama3.2-1b)")
     ap.add_argument("--graph", action="store_true", help="time each pass as a CUDA graph's replay (CUDA only)")
+    ap.add_argument("--registers", default="", metavar="N,...",
+                    help="also the shipped launch capped at N registers a thread (maxnreg), per N")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    try:
+        caps = [int(x) for x in a.registers.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--registers takes integers separated by commas, got {a.registers!r}")
+    if any(not 16 <= c <= 255 for c in caps):
+        ap.error(f"--registers: each cap must be from 16 to 255, got {a.registers!r}")
     device = "cpu" if a.tiny and not torch.cuda.is_available() else default_device(a.device)
     if a.graph and not device.startswith("cuda"):
         ap.error(f"--graph needs a CUDA device, got {device}")
@@ -129,9 +140,10 @@ def main(argv=None) -> int:
         ms["undo_copy_then_torch_fused"] = time_ms(lambda: (copy_undo(), torch_fused()))
     if why is None:
         from gpu_anchor.train import fused_adam
-        for block, warps in [SHIPPED_LAUNCH] if a.graph else VARIANTS:
-            name = f"anchored_block{block}_warps{warps}"
-            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device))
+        launches = [(b, w, None) for b, w in ([SHIPPED_LAUNCH] if a.graph else VARIANTS)]
+        for block, warps, regs in launches + [SHIPPED_LAUNCH + (c,) for c in caps]:
+            name = f"anchored_block{block}_warps{warps}" + (f"_regs{regs}" if regs else "")
+            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs))
             passes[name] = 10
     gbps = {k: round(passes[k] * 2 * n * chunks / (v * 1e-3) / 1e9, 1) for k, v in ms.items() if k in passes}
     result = {"params": n * chunks, "chunks": chunks, "dtype": "bfloat16", "device": device, "reps": a.reps,
@@ -150,7 +162,7 @@ def _kernel_unavailable(device: str) -> str | None:
     return fused_adam.unavailable_reason(torch.device(device))
 
 
-def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device):
+def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None):
     import triton.language as tl
     from gpu_anchor.train.fused_adam_kernel import adam_undo
     key = fused_adam.structure(HP, torch.bfloat16)
@@ -170,7 +182,7 @@ def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device):
             adam_undo[(nbl,)](r, blks, tags[i % 2], 7, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
                               sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"], T=tl.bfloat16, AMSGRAD=False,
                               MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True, BLOCK=block, num_warps=warps,
-                              enable_fp_fusion=False)
+                              maxnreg=regs, enable_fp_fusion=False)
     return run
 
 

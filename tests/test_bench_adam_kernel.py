@@ -1,5 +1,6 @@
 """``bench adam_kernel`` on this CPU machine: the smoke size runs the torch variants and says why
-the kernel did not run; ``--graph`` (CUDA-graph replays) and a chunk count below 1 refuse
+the kernel did not run; ``--graph`` (CUDA-graph replays), a chunk count below 1 and a register
+cap that is not an integer from 16 to 255 refuse
 with an error that says why, and write nothing."""
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from bench import adam_kernel
 @pytest.mark.parametrize("argv, says", [
     (["--tiny", "--graph"], "--graph needs a CUDA device"),
     (["--tiny", "--chunks", "0"], "--chunks must be >= 1"),
+    (["--tiny", "--registers", "64,x"], "--registers takes integers"),
+    (["--tiny", "--registers", "8"], "each cap must be from 16 to 255"),
 ])
 def test_refuses_with_a_reason(argv, says, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
