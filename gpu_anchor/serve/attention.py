@@ -346,6 +346,8 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
     sem = _merge_counters(q.device, hkv) if MERGE_IN_SPLIT else mo
     consts = dict(G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=CHUNK, SC=SPLIT_KEYS // CHUNK,
                   MAXS=MAX_SPLITS, CAPPED=-(-bt.shape[1] * bs // SPLIT_KEYS) > MAX_SPLITS, TILE=MERGE_TILE)
+    # an NVIDIA-only launch option (ROCm's Triton refuses the keyword)
+    regs = {} if consts["CAPPED"] or torch.version.hip else {"maxnreg": REGISTERS}
     for lo in range(0, T, n):     # one slice for every decode step of up to TOKEN_SLICE sequences
         hi = min(T, lo + n)
         tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
@@ -354,8 +356,7 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
             q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale, o, sem,
             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             bt.stride(0), o.stride(0), o.stride(1), BS=bs, IEEE=cache.dtype == torch.float32,
-            MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES,
-            maxnreg=None if consts["CAPPED"] else REGISTERS, **consts)
+            MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES, **regs, **consts)
         if not MERGE_IN_SPLIT:
             _combine_kernel[(hi - lo, hkv)](mo, ml, o, tpos, o.stride(0), o.stride(1), **consts)
     return out
