@@ -26,6 +26,7 @@ import torch
 
 BLOCK = 1024            # elements per program, and per undo tag (the restore granularity)
 _COLS = 10              # table row: p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, their 4 undo places, numel
+REGISTERS: int | None = 64   # registers a thread (Triton maxnreg, NVIDIA only); None: ptxas chooses
 DTYPES = (torch.bfloat16, torch.float32)
 # (structure key, device) -> the fma flag verified in this process, or None (not reproducible):
 # a variant is verified once per process, with the first hyper-parameters it meets (a standby
@@ -85,11 +86,12 @@ def launch(rows: torch.Tensor, blks: torch.Tensor, nblocks: int, tags: torch.Ten
     dtype, amsgrad, maximize, wd, small = key
     import triton.language as tl
     from .fused_adam_kernel import adam_undo
+    regs = {} if REGISTERS is None or torch.version.hip else {"maxnreg": REGISTERS}
     adam_undo[(nblocks,)](rows, blks, tags, tag_value, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
                           sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"],
                           T=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, AMSGRAD=amsgrad,
                           MAXIMIZE=maximize, WD=wd, LERP_SMALL=small, FMA=fma, BLOCK=BLOCK,
-                          num_warps=4, enable_fp_fusion=False)
+                          num_warps=4, enable_fp_fusion=False, **regs)
 
 
 class FusedAdam:
