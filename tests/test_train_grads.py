@@ -1,0 +1,66 @@
+"""Backward's gradients are copied into their anchored buffers on a side stream
+(``gpu_anchor.train.grads``); whatever the user's code does with ``p.grad`` after ``backward()``
+returns must see the copied values.
+
+    PYTHONPATH=. python -m pytest -q -m gpu tests/test_train_grads.py
+
+A transformers Llama with tied embeddings (one gradient made from two uses), three
+micro-batches a step (the later ones accumulate into the anchored buffers), and
+``clip_grad_norm_`` between backward and step (reads every gradient, scales them in place):
+the anchored run must equal plain PyTorch bit for bit — losses, norms, weights, Adam states.
+The CPU case (a smaller model, the copy made in line) runs everywhere; the CUDA one is the
+side-stream path.
+"""
+import pytest
+import torch
+
+# device -> (daemon fixture, vocab, hidden, layers, tokens a micro-batch)
+CASES = {"cpu": ("host_daemon", 1000, 64, 2, (2, 32)), "cuda": ("cuda_daemon", 32000, 512, 4, (4, 256))}
+
+
+def _llama(seed, vocab, hidden, layers, device):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_user_reads_and_scales_gradients_after_backward_bit_for_bit(request, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fixture, vocab, hidden, layers, shape = CASES[device]
+    request.getfixturevalue(fixture)
+    import gpu_anchor
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    client = gpu_anchor.connect("cuda:0" if device == "cuda" else "cpu", namespace="grads-side-stream")
+    ref, model = (_llama(0, vocab, hidden, layers, device) for _ in range(2))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    anchor_module(model, client)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client)
+    gen = torch.Generator(device=device).manual_seed(1)
+    for step in range(4):
+        batches = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(3)]
+        seen = []
+        for m, o in ((ref, ropt), (model, opt)):
+            losses = []
+            for ids in batches:
+                loss = m(input_ids=ids, labels=ids).loss / len(batches)
+                loss.backward()
+                losses.append(loss.detach())
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            seen.append((torch.stack(losses), norm))
+            o.step()
+            o.zero_grad()
+        (lr, nr), (la, na) = seen
+        assert torch.equal(lr, la) and torch.equal(nr, na), (step, nr.item(), na.item())
+    opt.flush()
+    assert (opt._grads._side is not None) == (device == "cuda")      # the copies' stream
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ropt.state[a][k], opt.optimizer.state[b][k]), (n, k)
+    client.drop_namespace()
