@@ -10,12 +10,7 @@ final gradients, because they are the redo log of the step in flight.
   then points at the buffer, and later micro-batches accumulate into it).  One copy per
   gradient, where zeroing the buffer and accumulating into it costs a write and a
   read-modify-write (``bench train_overhead``: plain ``AdamW(fused=True)`` keeping its
-  gradients is 0.7–3.3 % slower on the H200).  On CUDA the copies run on a side stream while
-  backward goes on computing the next gradients; at the end of that backward (an autograd final
-  callback) the streams it ran on wait for them, so whatever reads or writes ``p.grad`` after
-  ``backward()`` returns — ``clip_grad_norm_``, the next micro-batch, the step — is ordered after
-  the copy.  The fresh gradient's memory is not reused before its copy is done
-  (``record_stream``).  Inside a CUDA graph capture the copy stays on the capturing stream.
+  gradients is 0.7–3.3 % slower on the H200).
 - otherwise (DDP's buckets and FSDP2's sharded gradients own ``p.grad``'s life), and with
   ``zero(cleared=False)``: the buffers are zeroed in place and ``p.grad`` keeps pointing at them.
 
@@ -36,12 +31,8 @@ class GradientBuffers:
         self.params, self.fresh = params, fresh
         self.cleared = [True] * len(params)
         self.hooks = [q.p.register_post_accumulate_grad_hook(self._hook(q)) for q in params if q.p.requires_grad]
-        self._side: torch.cuda.Stream | None = None   # the gradients' copy stream (CUDA, made at first use)
-        self._waiters: set = set()      # streams backward copied from; they wait for the side stream
-        self._joined_task = None        # the autograd graph task whose end already joins them
 
     def zero(self, cleared: bool = True) -> None:
-        self._join()
         if cleared and self.fresh:
             for q in self.params:
                 q.p.grad = None
@@ -55,7 +46,6 @@ class GradientBuffers:
     def finalize(self) -> list[bool]:
         """The gradient-finalization boundary: the buffers hold the final gradients; returns
         which parameters got one."""
-        self._join()        # a backward that raised ran no final callback
         mask = []
         for q in self.params:
             g = q.p.grad
@@ -75,32 +65,6 @@ class GradientBuffers:
             self.cleared[q.index] = False
             g = p.grad
             if self.fresh and g is not None and g.data_ptr() != q.grad.data_ptr():
-                self._home(g, q.grad)    # this backward's gradient: home now, its buffer freed
+                q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
                 p.grad = q.gview
         return hook
-
-    def _home(self, g: torch.Tensor, buf: torch.Tensor) -> None:
-        if not buf.is_cuda or torch.cuda.is_current_stream_capturing():
-            buf.copy_(g)
-            return
-        cur = torch.cuda.current_stream(buf.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(buf.device)
-        self._side.wait_stream(cur)      # g is made, and the last step is done reading buf
-        with torch.cuda.stream(self._side):
-            buf.copy_(g)
-        g.record_stream(self._side)
-        self._waiters.add(cur)
-        task = torch._C._current_graph_task_id()
-        if task != self._joined_task:
-            self._joined_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._join)
-
-    def _join(self) -> None:
-        """Every stream a copy was issued from, and the caller's, waits for the copies."""
-        if self._side is None or not self._waiters:
-            return
-        for s in self._waiters | {torch.cuda.current_stream(self._side.device)}:
-            s.wait_stream(self._side)
-        self._waiters.clear()
-        self._joined_task = None
