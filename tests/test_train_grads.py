@@ -1,15 +1,14 @@
-"""Backward's gradients are copied into their anchored buffers on a side stream
+"""Backward's gradients are copied into their anchored buffers by a post-accumulate hook
 (``gpu_anchor.train.grads``); whatever the user's code does with ``p.grad`` after ``backward()``
-returns must see the copied values.
+returns must act on the anchored buffers and give plain PyTorch's results.
 
-    PYTHONPATH=. python -m pytest -q -m gpu tests/test_train_grads.py
+    PYTHONPATH=. python -m pytest -q tests/test_train_grads.py          # the CUDA case: -m gpu
 
 A transformers Llama with tied embeddings (one gradient made from two uses), three
 micro-batches a step (the later ones accumulate into the anchored buffers), and
 ``clip_grad_norm_`` between backward and step (reads every gradient, scales them in place):
 the anchored run must equal plain PyTorch bit for bit — losses, norms, weights, Adam states.
-The CPU case (a smaller model, the copy made in line) runs everywhere; the CUDA one is the
-side-stream path.
+The CPU case (a smaller model) runs everywhere, the CUDA one on a GPU.
 """
 import pytest
 import torch
