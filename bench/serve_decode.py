@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from bench.step_profile import by_category, by_kernel
+
 H200_SPEC_BPS = 4.8e12
 
 
@@ -201,27 +203,12 @@ def profile_decode(eng, prompts, sp, device, steps: int = 5) -> dict:
     while eng.has_work():
         eng.step()
     eng.flush()
-    rows = []
-    for e in prof.key_averages():
-        if cuda:
-            if str(getattr(e, "device_type", "")).endswith("CUDA"):
-                us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-            else:
-                continue
-        else:
-            us = e.self_cpu_time_total
-            if not e.key.startswith("aten::"):
-                continue
-        if us > 0:
-            rows.append((e.key, us / max(done, 1) / 1e3, e.count / max(done, 1)))
-    cats: dict[str, float] = {}
-    for name, ms, _ in rows:
-        cats[categorize(name)] = cats.get(categorize(name), 0.0) + ms
+    rows = by_kernel(prof, done, cuda)
+    cats = by_category(rows, categorize)
     busy = sum(cats.values())
-    rows.sort(key=lambda r: -r[1])
     return {"steps": done, "wall_ms_per_step": wall * 1e3 / max(done, 1), "busy_ms_per_step": busy,
             "kernels_per_step": sum(c for _, _, c in rows), "clock": "device" if cuda else "cpu (aten self time)",
-            "by_category_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "by_category_ms": cats,
             "top": [{"name": n[:160], "ms_per_step": ms, "calls_per_step": c, "category": categorize(n)}
                     for n, ms, c in rows[:25]]}
 

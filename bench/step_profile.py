@@ -14,6 +14,9 @@ the copies' time by kind (``DtoH``, ``HtoD``, ``DtoD``, as the profiler names th
 must end with a device synchronisation, as the benchmarks' timed steps do, so a step's device
 work lies inside its host range.  Profiling slows a step down: a profiled step is for where the
 time goes, never for how much there is.  A helper module, not a scenario.
+
+``by_kernel`` / ``by_category``: a whole profiled window's device time per kernel (on a CPU the
+aten ops' self time), per step, and summed into a benchmark's categories.
 """
 from __future__ import annotations
 
@@ -78,3 +81,29 @@ def _union(spans: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def by_kernel(prof, steps: int, cuda: bool) -> list[tuple[str, float, float]]:
+    """``[(kernel, ms per step, calls per step)]`` of a finished ``torch.profiler.profile``,
+    largest first: device kernels' self time (on a CPU run, the aten ops' self CPU time)."""
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+                continue
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        else:
+            us = e.self_cpu_time_total
+            if not e.key.startswith("aten::"):
+                continue
+        if us > 0:
+            rows.append((e.key, us / max(steps, 1) / 1e3, e.count / max(steps, 1)))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def by_category(rows, categorize) -> dict[str, float]:
+    """``by_kernel``'s rows summed by ``categorize(name)``, largest first."""
+    cats: dict[str, float] = {}
+    for name, ms, _ in rows:
+        cats[categorize(name)] = cats.get(categorize(name), 0.0) + ms
+    return dict(sorted(cats.items(), key=lambda kv: -kv[1]))

@@ -1,7 +1,8 @@
 """Steady-state cost of AnchoredOptimizer vs plain PyTorch (same model, same warm process).
 
     python -m bench train_overhead [--tiny] [--device cuda:0] [--steps 10] [--batch 8 --seq 2048]
-                                   [--progress device|journal] [--no-fused] [--torch-fused] [--rounds 2] [--out DIR]
+                                   [--progress device|journal] [--no-fused] [--torch-fused] [--rounds 2]
+                                   [--profile K] [--out DIR]
 
 Llama3.2-1B shape (transformers, bf16 weights, AdamW foreach, random tokens) on the GPU;
 ``--tiny`` runs the same architecture at toy size on the CPU.  Both models live in one
@@ -16,7 +17,12 @@ waits for: journal commits + waits on the device (``opt.stats``).  ``--no-fused`
 undo copy + torch's update instead of the fused Adam kernel (``StepProtocolConfig.fused_update``);
 the result records which one ran (``fused_update``, ``fused_steps``).  ``--torch-fused``:
 both models use ``AdamW(fused=True)`` (torch's own one-kernel update; other roundings than
-foreach, so the anchored side runs the undo copy + that kernel).
+foreach, so the anchored side runs the undo copy + that kernel).  ``--profile K``: after the
+timed windows, ``K`` more steps of each mode under ``torch.profiler``, their device time per
+step by kind of kernel (matmuls, attention, the fused Adam/undo kernel, torch's optimizer
+kernels, copies, fills, the rest) and the anchored step's difference from plain
+``AdamW(fused=True)`` per kind: where the overhead goes.  Profiled steps are slower than timed
+ones; they say where the time goes, not how much there is.
 """
 from __future__ import annotations
 
@@ -79,6 +85,52 @@ class _Window:
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
 
+# kinds of kernel in a training step; first match wins (CUDA kernel names; aten op names on a CPU)
+KINDS = (
+    ("fused Adam + undo (Triton)", r"adam_undo"),
+    ("optimizer (torch)", r"adam|multi_tensor_apply|_foreach_(add|mul|lerp|addcmul|addcdiv|sqrt|div)"),
+    ("attention", r"flash|fmha|efficient_attention|scaled_dot_product|cudnn"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|cublas|\baten::(mm|addmm|bmm|linear|matmul)\b"),
+    ("copies", r"copy|memcpy"),
+    ("fills and zeroing", r"fill|memset|zero"),
+)
+
+
+def kind(name: str) -> str:
+    import re
+    for k, pat in KINDS:
+        if re.search(pat, name, re.IGNORECASE):
+            return k
+    return "other (norms, elementwise, embedding, loss)"
+
+
+def _profile(win, modes, steps, first, device) -> dict:
+    """``steps`` profiled steps of each mode: per step wall time, device time and its kinds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.step_profile import by_category, by_kernel
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = {}
+    for mode, (m, o, to_none) in modes.items():
+        with profile(activities=acts) as prof:
+            t, _, _ = win.run(m, o, steps, first, set_to_none=to_none)
+        rows = by_kernel(prof, steps, cuda)
+        kinds = by_category(rows, kind)
+        out[mode] = {"wall_ms_per_step": 1e3 * t, "busy_ms_per_step": sum(kinds.values()),
+                     "clock": "device" if cuda else "cpu (aten self time)", "by_kind_ms": kinds,
+                     "top": [{"name": n[:160], "ms_per_step": ms, "calls_per_step": c, "kind": kind(n)}
+                             for n, ms, c in rows[:20]]}
+    ref = out.get("plain_fused") or out.get("plain")
+    a = out["anchored"]
+    out["anchored_minus_" + ("plain_fused" if "plain_fused" in out else "plain") + "_ms"] = {
+        k: a["by_kind_ms"].get(k, 0.0) - ref["by_kind_ms"].get(k, 0.0)
+        for k in sorted(set(a["by_kind_ms"]) | set(ref["by_kind_ms"]))} | {
+        "busy": a["busy_ms_per_step"] - ref["busy_ms_per_step"], "wall": a["wall_ms_per_step"] - ref["wall_ms_per_step"]}
+    return out
+
+
 def _peak(device):
     import torch
     return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
@@ -106,8 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="plain/anchored window pairs")
     ap.add_argument("--no-fused", action="store_true", help="undo copies + torch's update, not the fused kernel")
     ap.add_argument("--torch-fused", action="store_true", help="AdamW(fused=True) on both sides")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="then K profiled steps of each mode: device time by kind of kernel")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
+    if args.profile < 0:
+        ap.error(f"--profile takes a number of steps >= 0, got {args.profile}")
     device = args.device or ("cpu" if args.tiny else "cuda:0")
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 64)
@@ -210,6 +266,9 @@ def main(argv=None) -> int:
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
+        if args.profile:     # after the figures above: its steps must not count in the stats
+            out["profile"] = _profile(win, modes, args.profile, args.warmup + args.rounds * args.steps, device)
+            opt.flush()
         if peak_a is not None:
             out.update({"peak_bytes_plain": peak_none, "peak_bytes_plain_grads_kept": peak_keep,
                         "peak_bytes_anchored_torch": peak_a,
@@ -223,7 +282,8 @@ def main(argv=None) -> int:
     from bench.common import write_result
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
     name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_nofused" if args.no_fused else "") + ("_torchfused" if args.torch_fused else "") + (
-        f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + ("_tiny" if args.tiny else "")
+        f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
+        "_profile" if args.profile else "") + ("_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0
 
@@ -303,6 +363,20 @@ def render(r: dict) -> str:
            f"Progress mode **{mode}**" + (f" ({how})." if how else "."), "",
            "| figure | measured | target (issue 4) [paper] | verdict |", "| --- | --- | --- | --- |"]
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    prof = r.get("profile")
+    if prof:
+        modes = [m for m in ("plain", "plain_fused", "plain_fused_grads_kept", "anchored") if m in prof]
+        diff_key = next(k for k in prof if k.startswith("anchored_minus_"))
+        kinds = sorted({k for m in modes for k in prof[m]["by_kind_ms"]}, key=lambda k: -prof["anchored"]["by_kind_ms"].get(k, 0))
+        out += ["", f"Profiled steps ({prof['anchored']['clock']} time, ms per step; torch.profiler slows them down):", "",
+                "| kind | " + " | ".join(modes) + f" | {diff_key.replace('_ms', '').replace('_', ' ')} |",
+                "| --- |" + " ---: |" * (len(modes) + 1)]
+        out += [f"| {k} | " + " | ".join(f"{prof[m]['by_kind_ms'].get(k, 0):.2f}" for m in modes)
+                + f" | {prof[diff_key].get(k, 0):+.2f} |" for k in kinds]
+        out += ["| busy (sum) | " + " | ".join(f"{prof[m]['busy_ms_per_step']:.2f}" for m in modes)
+                + f" | {prof[diff_key]['busy']:+.2f} |",
+                "| wall | " + " | ".join(f"{prof[m]['wall_ms_per_step']:.2f}" for m in modes)
+                + f" | {prof[diff_key]['wall']:+.2f} |"]
     if mode == "device" and r.get("fused_update"):
         out += ["", "What the step overhead is: each chunk is saved and updated by one kernel (fused Adam: it reads "
                 "parameters, gradients and both moments once, writes the old values to the undo slot and the new ones "

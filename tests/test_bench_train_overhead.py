@@ -1,0 +1,55 @@
+"""``bench train_overhead --profile`` on this CPU machine: the toy run profiles each mode, sorts
+device (here aten) time into kinds of kernel and reports the anchored step's difference per kind.
+No timing is asserted."""
+import json
+
+import pytest
+
+from bench import train_overhead as T
+
+CUDA_NAMES = {   # kernel names as torch.profiler reports them on the H200
+    "adam_undo": "fused Adam + undo (Triton)",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "FusedAdamMathFunctor<c10::BFloat16, 4, (at::native::ADAM_MODE)1, false>>": "optimizer (torch)",
+    "nvjet_tst_192x192_64x4_1x2_h_bz_coopA_NNT": "matmul",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+    "::{lambda()#3}::operator()() const::{lambda(c10::BFloat16)#1}>": "copies",
+    "Memcpy DtoD (Device -> Device)": "copies",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>>": "fills and zeroing",
+    "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>": T.kind("x"),
+}
+
+
+@pytest.mark.parametrize("name", list(CUDA_NAMES))
+def test_kernel_kinds(name):
+    assert T.kind(name) == CUDA_NAMES[name]
+
+
+def test_profile_of_the_tiny_run_adds_up(tmp_path):
+    args = ["--tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--out", str(tmp_path)]
+    assert T.main(args) == 0 and T.main(args + ["--profile", "2"]) == 0
+    unprofiled = json.loads((tmp_path / "train_overhead_tiny.json").read_text())
+    r = json.loads((tmp_path / "train_overhead_profile_tiny.json").read_text())
+    p = r["profile"]
+    assert set(p) == {"plain", "anchored", "anchored_minus_plain_ms"}      # no fused twins on a CPU
+    for mode in ("plain", "anchored"):
+        assert p[mode]["busy_ms_per_step"] == pytest.approx(sum(p[mode]["by_kind_ms"].values()))
+        assert p[mode]["busy_ms_per_step"] > 0 and p[mode]["wall_ms_per_step"] > 0
+        assert p[mode]["top"] and all(t["kind"] == T.kind(t["name"]) for t in p[mode]["top"])
+    d = p["anchored_minus_plain_ms"]
+    assert d["busy"] == pytest.approx(p["anchored"]["busy_ms_per_step"] - p["plain"]["busy_ms_per_step"])
+    assert d["matmul"] == pytest.approx(p["anchored"]["by_kind_ms"].get("matmul", 0)
+                                        - p["plain"]["by_kind_ms"].get("matmul", 0))
+    # the profiled steps do not count in the timed figures' protocol statistics
+    assert r["commits_per_step"] == unprofiled["commits_per_step"] > 0
+    text = T.render(r)
+    assert "| kind | plain | anchored | anchored minus plain |" in text and "| busy (sum) |" in text
+
+
+def test_profile_refuses_a_negative_count(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        T.main(["--tiny", "--profile", "-1", "--out", str(tmp_path)])
+    assert "--profile" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
