@@ -106,7 +106,6 @@ def kind(name: str) -> str:
 
 def _profile(win, modes, steps, first, device) -> dict:
     """``steps`` profiled steps of each mode: per step wall time, device time and its kinds."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from bench.step_profile import by_category, by_kernel
