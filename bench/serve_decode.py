@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from bench.step_profile import by_category, by_kernel
+from bench.step_profile import ATTENTION, MATMUL, by_category, by_kernel, first_match
 
 H200_SPEC_BPS = 4.8e12
 
@@ -159,20 +158,17 @@ def _cells(runs: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------ profile
-CATEGORIES = (   # first match wins; CUDA kernel names and (on the CPU) aten op names
-    ("attention", r"split_kv|combine_kernel|paged_attn|flash|scaled_dot_product"),
+CATEGORIES = (   # first match wins
+    ("attention", r"split_kv|combine_kernel|paged_attn|" + ATTENTION),
     ("kv write", r"store_kv|index_put"),
     ("sampling", r"argmax|softmax|scan|cumsum|sort|topk|uniform_kernel|searchsorted|nextafter"),
-    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90|sm80|cublas|\baten::(mm|addmm|linear|matmul)\b"),
+    ("matmul", MATMUL),
     ("memcpy/memset", r"memcpy|memset|aten::copy_|aten::to\b"),
 )
 
 
 def categorize(name: str) -> str:
-    for cat, pat in CATEGORIES:
-        if re.search(pat, name, re.IGNORECASE):
-            return cat
-    return "other (norms, rotary, elementwise, embedding)"
+    return first_match(name, CATEGORIES, "other (norms, rotary, elementwise, embedding)")
 
 
 def profile_decode(eng, prompts, sp, device, steps: int = 5) -> dict:

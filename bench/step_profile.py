@@ -23,6 +23,9 @@ from __future__ import annotations
 import contextlib
 
 MARK = "bench_step:"
+# kernel-name patterns the benchmarks' profiles share (CUDA kernel names; aten op names on a CPU)
+MATMUL = r"gemm|cutlass|nvjet|xmma|sm90|sm80|cublas|\baten::(mm|addmm|bmm|linear|matmul)\b"
+ATTENTION = r"flash|fmha|efficient_attention|scaled_dot_product|cudnn"
 
 
 class StepProfile:
@@ -99,6 +102,13 @@ def by_kernel(prof, steps: int, cuda: bool) -> list[tuple[str, float, float]]:
         if us > 0:
             rows.append((e.key, us / max(steps, 1) / 1e3, e.count / max(steps, 1)))
     return sorted(rows, key=lambda r: -r[1])
+
+
+def first_match(name: str, table, default: str) -> str:
+    """The category of the first ``(category, regex)`` of ``table`` that ``name`` matches
+    (case-insensitive), else ``default``."""
+    import re
+    return next((cat for cat, pat in table if re.search(pat, name, re.IGNORECASE)), default)
 
 
 def by_category(rows, categorize) -> dict[str, float]:

@@ -85,23 +85,18 @@ class _Window:
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
 
-# kinds of kernel in a training step; first match wins (CUDA kernel names; aten op names on a CPU)
-KINDS = (
-    ("fused Adam + undo (Triton)", r"adam_undo"),
-    ("optimizer (torch)", r"adam|multi_tensor_apply|_foreach_(add|mul|lerp|addcmul|addcdiv|sqrt|div)"),
-    ("attention", r"flash|fmha|efficient_attention|scaled_dot_product|cudnn"),
-    ("matmul", r"gemm|cutlass|nvjet|xmma|sm90_|sm80_|cublas|\baten::(mm|addmm|bmm|linear|matmul)\b"),
-    ("copies", r"copy|memcpy"),
-    ("fills and zeroing", r"fill|memset|zero"),
-)
+def _kinds():
+    """Kinds of kernel in a training step; first match wins."""
+    from bench.step_profile import ATTENTION, MATMUL
+    return (("fused Adam + undo (Triton)", r"adam_undo"),
+            ("optimizer (torch)", r"adam|multi_tensor_apply|_foreach_(add|mul|lerp|addcmul|addcdiv|sqrt|div)"),
+            ("attention", ATTENTION), ("matmul", MATMUL), ("copies", r"copy|memcpy"),
+            ("fills and zeroing", r"fill|memset|zero"))
 
 
 def kind(name: str) -> str:
-    import re
-    for k, pat in KINDS:
-        if re.search(pat, name, re.IGNORECASE):
-            return k
-    return "other (norms, elementwise, embedding, loss)"
+    from bench.step_profile import first_match
+    return first_match(name, _kinds(), "other (norms, elementwise, embedding, loss)")
 
 
 def _profile(win, modes, steps, first, device) -> dict:
