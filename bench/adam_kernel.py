@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     if why is None:
         from gpu_anchor.train import fused_adam
         launches = [(b, w, None) for b, w in ([SHIPPED_LAUNCH] if a.graph else VARIANTS)]
-        launches += [SHIPPED_LAUNCH + (c,) for c in sorted({*caps, fused_adam.REGISTERS} - {None}, reverse=True)]
+        shipped_cap = None if torch.version.hip else fused_adam.REGISTERS     # ROCm's Triton has no maxnreg
+        launches += [SHIPPED_LAUNCH + (c,) for c in sorted({*caps, shipped_cap} - {None}, reverse=True)]
         for block, warps, regs in launches:
             name = variant(block, warps, regs)
             ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs))
