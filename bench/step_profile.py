@@ -88,12 +88,16 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 def by_kernel(prof, steps: int, cuda: bool) -> list[tuple[str, float, float]]:
     """``[(kernel, ms per step, calls per step)]`` of a finished ``torch.profiler.profile``,
-    largest first: device kernels' self time (on a CPU run, the aten ops' self CPU time)."""
+    largest first: device kernels' self time (on a CPU run, the aten ops' self CPU time).
+    The device-side copies of ``record_function`` ranges (torch draws ``Optimizer.step#...``
+    over the kernels it launched) are left out: counted, they would count those kernels twice."""
     rows = []
     for e in prof.key_averages():
         if cuda:
             if not str(getattr(e, "device_type", "")).endswith("CUDA"):
                 continue
+            if getattr(e, "is_user_annotation", False):
+                continue     # a record_function range drawn on the device timeline, not a kernel
             us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         else:
             us = e.self_cpu_time_total

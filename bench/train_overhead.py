@@ -113,6 +113,7 @@ def _profile(win, modes, steps, first, device) -> dict:
         rows = by_kernel(prof, steps, cuda)
         kinds = by_category(rows, kind)
         out[mode] = {"wall_ms_per_step": 1e3 * t, "busy_ms_per_step": sum(kinds.values()),
+                     "kernels_per_step": sum(c for _, _, c in rows),
                      "clock": "device" if cuda else "cpu (aten self time)", "by_kind_ms": kinds,
                      "top": [{"name": n[:160], "ms_per_step": ms, "calls_per_step": c, "kind": kind(n)}
                              for n, ms, c in rows[:20]]}
@@ -121,7 +122,8 @@ def _profile(win, modes, steps, first, device) -> dict:
     out["anchored_minus_" + ("plain_fused" if "plain_fused" in out else "plain") + "_ms"] = {
         k: a["by_kind_ms"].get(k, 0.0) - ref["by_kind_ms"].get(k, 0.0)
         for k in sorted(set(a["by_kind_ms"]) | set(ref["by_kind_ms"]))} | {
-        "busy": a["busy_ms_per_step"] - ref["busy_ms_per_step"], "wall": a["wall_ms_per_step"] - ref["wall_ms_per_step"]}
+        "busy": a["busy_ms_per_step"] - ref["busy_ms_per_step"], "wall": a["wall_ms_per_step"] - ref["wall_ms_per_step"],
+        "kernels": a["kernels_per_step"] - ref["kernels_per_step"]}
     return out
 
 
@@ -371,6 +373,9 @@ def render(r: dict) -> str:
                 + f" | {prof[diff_key]['busy']:+.2f} |",
                 "| wall | " + " | ".join(f"{prof[m]['wall_ms_per_step']:.2f}" for m in modes)
                 + f" | {prof[diff_key]['wall']:+.2f} |"]
+        if all("kernels_per_step" in prof[m] for m in modes):
+            out += ["| kernels a step | " + " | ".join(f"{prof[m]['kernels_per_step']:.0f}" for m in modes)
+                    + f" | {prof[diff_key]['kernels']:+.0f} |"]
     if mode == "device" and r.get("fused_update"):
         out += ["", "What the step overhead is: each chunk is saved and updated by one kernel (fused Adam: it reads "
                 "parameters, gradients and both moments once, writes the old values to the undo slot and the new ones "

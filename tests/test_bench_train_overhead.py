@@ -44,8 +44,35 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
                                         - p["plain"]["by_kind_ms"].get("matmul", 0))
     # the profiled steps do not count in the timed figures' protocol statistics
     assert r["commits_per_step"] == unprofiled["commits_per_step"] > 0
+    assert d["kernels"] == p["anchored"]["kernels_per_step"] - p["plain"]["kernels_per_step"]
+    assert p["anchored"]["kernels_per_step"] > p["plain"]["kernels_per_step"] > 0   # + the undo copies
     text = T.render(r)
     assert "| kind | plain | anchored | anchored minus plain |" in text and "| busy (sum) |" in text
+    assert "| kernels a step |" in text
+
+
+class _Avg:      # one row of ``torch.profiler.profile.key_averages()``, as much of it as by_kernel reads
+    def __init__(self, key, us, count, annotation=False):
+        self.key, self.count, self.is_user_annotation = key, count, annotation
+        self.device_type, self.self_device_time_total = "DeviceType.CUDA", us
+
+
+class _Prof:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def key_averages(self):
+        return self.rows
+
+
+def test_device_annotations_are_not_counted_as_kernels():
+    """torch draws ``Optimizer.step#AdamW.step`` on the device timeline over the kernels the step
+    launched (H200, 2026-12-03: 6.46 ms beside the 6.36 ms of its one kernel): not a kernel."""
+    from bench.step_profile import by_kernel
+    rows = by_kernel(_Prof([_Avg("Optimizer.step#AdamW.step", 6460.0, 1, annotation=True),
+                            _Avg("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 6360.0, 60),
+                            _Avg("Memcpy DtoD (Device -> Device)", 0.0, 3)]), steps=1, cuda=True)
+    assert rows == [("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 6.36, 60.0)]
 
 
 def test_profile_refuses_a_negative_count(tmp_path, capsys):
