@@ -157,6 +157,103 @@ def test_triton_uniform_kernel_equals_the_tensor_ops_interpreted():
     assert r.stdout.strip().splitlines()[-1] == "True"
 
 
+INTERP_PATCH = '''
+import os, torch
+os.environ["TRITON_INTERPRET"] = "1"
+from triton.runtime import interpreter as I
+_orig = I._patch_lang_tensor
+def _patched(tensor, *rest):   # numpy >= 2 refuses int() of a 1-element array, which the interpreter does
+    _orig(tensor, *rest)
+    tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+I._patch_lang_tensor = _patched
+from gpu_anchor.serve import sampling as S
+'''
+TOP_P_CASES = '''
+def cases(device, n, V_list, B):
+    """Rows where the sorted definition is easy to get wrong: ties (rounded logits), flat runs,
+    p tiny / near 1 / 1, top-k together with top-p; yields (probs, k, p, kmax) on ``device``."""
+    g = torch.Generator().manual_seed(0)
+    for t in range(n):
+        V = V_list[(t // 4) % len(V_list)]        # every size meets every scale below
+        x = torch.randn(B, V, generator=g) * [0.01, 1, 3, 8][t % 4]
+        if t % 3 == 0:
+            x = (x * 4).round() / 4
+        if t % 5 == 1:
+            x[:, : V // 2] = 0.0
+        probs = torch.softmax(x, -1).to(device)
+        p = torch.tensor([1e-7, 0.3, 0.9, 0.95, 0.999999, 1.0] * (B // 6 + 1))[torch.randperm(B, generator=g)]
+        p = p.to(device)
+        k = torch.tensor([V, V, 3, 1, V, min(50, V)] * (B // 6 + 1), device=device)[:B]
+        k = torch.where(p < 1.0, k, V)
+        yield probs, k, p, int(k[k < V].max()) if bool((k < V).any()) else 0
+
+def mismatches(device, n, V_list, B, launch, draw):
+    """Rows whose top-p mask, or whose draw (with that mask, and with none), differs from the
+    tensor ops' (sort, running sum, searchsorted)."""
+    bad = 0
+    g = torch.Generator().manual_seed(1)
+    for probs, k, p, kmax in cases(device, n, V_list, B):
+        rows = (p < 1.0).nonzero().flatten()
+        ref = torch.ones(probs.shape, dtype=torch.bool, device=device)
+        ref[rows] = S._top_p_mask(probs[rows], k[rows], p[rows])
+        bad += int(not torch.equal(launch(probs, k, p, kmax), ref))
+        u24 = torch.randint(0, 1 << 24, (B,), generator=g).to(device)
+        u24[0], u24[-1] = 0, (1 << 24) - 1
+        bad += int(not torch.equal(draw(probs, ref, u24), S._draw(probs, ref, u24)))
+        bad += int(not torch.equal(draw(probs, None, u24), S._draw(probs, None, u24)))
+    return bad
+'''
+TOP_P_INTERP = '''
+def launch(probs, k, p, kmax):     # _top_p_mask_cuda's launch, with blocks small enough for these rows
+    B, V = probs.shape
+    need = torch.where(p < 1.0, S._fixed(p).clamp(min=1), torch.full_like(S._fixed(p), 1 << 62))
+    keep = torch.empty(B, V, dtype=torch.bool)
+    cand, cidx = torch.empty(B, 64), torch.empty(B, 64, dtype=torch.int32)
+    S._top_p_kernel[(B,)](probs.contiguous(), need, keep, cand, cidx, V, V, BLOCK=64)
+    if kmax:
+        keep &= S._top_k_mask(probs, k, kmax) | (k >= V)[:, None]
+    return keep
+def draw(probs, keep, u24):
+    B, V = probs.shape
+    out = torch.empty(B, dtype=torch.int64)
+    S._draw_kernel[(B,)](probs, probs if keep is None else keep, u24, out, V, V, HAS_KEEP=keep is not None, BLOCK=64)
+    return out
+print(mismatches("cpu", 16, [5, 97, 130, 300], 6, launch, draw))
+'''
+
+
+def test_top_p_and_draw_kernels_equal_the_tensor_ops_interpreted():
+    """The CUDA top-p kernel (a bisection over the probabilities' bits, no sort) against the
+    sorted definition, mask for mask, and the draw kernel against the running sum and
+    searchsorted, id for id, under Triton's interpreter, with blocks of 64 so that both ways
+    the kernel ends (a window of few tokens gathered; one value tied more than a block) are
+    taken.  Mutating the tie count's rounding, either tie cut, the mass above the window or
+    the draw's comparison makes rows differ (checked when it was written)."""
+    pytest.importorskip("triton", reason="triton is not installed on this CPU machine; the GPU tests run it")
+    r = subprocess.run([sys.executable, "-c", INTERP_PATCH + TOP_P_CASES + TOP_P_INTERP], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "0"
+
+
+@pytest.mark.gpu
+def test_gpu_top_p_and_draw_kernels_equal_the_tensor_ops():
+    """The same on the GPU at a real vocabulary (Qwen3's 151 936), 64 rows, and rows of bf16
+    logits (many ties), through the launches the engine makes."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    ns = {"torch": torch, "S": S}
+    exec(TOP_P_CASES, ns)
+    assert ns["mismatches"]("cuda", 12, [151936, 1000, 4099], 64, S._top_p_mask_cuda, S._draw_cuda) == 0
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 151936, generator=g) * 3).to(torch.bfloat16).cuda()
+    for T in (0.6, 1.0, 1.5):
+        probs = torch.softmax(x.float() / T, -1)
+        p = torch.linspace(0.05, 0.999, 64, device="cuda")
+        k = torch.full((64,), 151936, device="cuda")
+        assert torch.equal(S._top_p_mask_cuda(probs, k, p, 0), S._top_p_mask(probs, k, p))
+
+
 @pytest.mark.gpu
 def test_gpu_sampling_equals_cpu():
     if not torch.cuda.is_available():

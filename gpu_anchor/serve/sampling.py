@@ -12,10 +12,11 @@ until the chosen ids are read:
 - every row: ``argmax`` (greedy rows keep it; ties go to the lowest index);
 - when some row samples: softmax of ``logits / T``; for rows with top-k (and no top-p) one
   ``topk`` of the batch's largest k gives each row's k-th value, and the tokens above it plus
-  the lowest-indexed ties make the k kept; only rows with top-p < 1 are sorted (stably, so ties
-  rank by index), as top-p needs the mass in probability order; then an inverse CDF over the
-  kept probabilities *in vocabulary order*: the first token whose running sum passes
-  ``u × kept mass``.  No full-vocabulary sort unless a row asks for top-p.  Running sums
+  the lowest-indexed ties make the k kept; top-p keeps what a stable sort (ties rank by index)
+  keeps, the mass taken in probability order — on CUDA found without sorting, by a bisection
+  over the probabilities' values (``_top_p_mask_cuda``), elsewhere by that sort; then an
+  inverse CDF over the kept probabilities *in vocabulary order*: the first token whose running
+  sum passes ``u × kept mass``.  No full-vocabulary sort on CUDA.  Running sums
   are taken over probabilities in fixed point (``_fixed``), so they are exact: a float scan
   on CUDA is not even the same from one run to the next.
 
@@ -110,6 +111,126 @@ if triton is not None:
         h = _mix_u32(h + 0x632BE5AB)
         tl.store(OUT + offs, (h >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=m)
 
+    @triton.jit
+    def _draw_kernel(PROBS, KEEP, U24, OUT, V, stride, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = PROBS + row * stride
+        offs = tl.arange(0, BLOCK)
+        total = tl.zeros([], dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            m = start + offs < V
+            w = (tl.load(base + start + offs, mask=m, other=0.0) * 4294967296.0).to(tl.int64)
+            if HAS_KEEP:
+                w = tl.where(tl.load(KEEP + row * V + start + offs, mask=m, other=0) != 0, w, 0)
+            total += tl.sum(w, 0)
+        target = (tl.load(U24 + row) * total) >> 24
+        seen = tl.zeros([], dtype=tl.int64)
+        pick = V - 1
+        for start in range(0, V, BLOCK):
+            m = start + offs < V
+            w = (tl.load(base + start + offs, mask=m, other=0.0) * 4294967296.0).to(tl.int64)
+            if HAS_KEEP:
+                w = tl.where(tl.load(KEEP + row * V + start + offs, mask=m, other=0) != 0, w, 0)
+            run = seen + tl.cumsum(w, 0)
+            pick = tl.minimum(pick, tl.min(tl.where((run > target) & m, start + offs, V - 1), 0))
+            seen += tl.sum(w, 0)
+        tl.store(OUT + row, pick.to(tl.int64))
+
+    @triton.jit
+    def _window_pass(base, V, lo, hi, mid, BLOCK: tl.constexpr):
+        # one bisection step over the row: the mass (``_fixed``) of its tokens of bits >= mid, and
+        # how many of its tokens lie in [mid, hi] and in [lo, mid)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        up = tl.zeros([BLOCK], dtype=tl.int32)
+        dn = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            m = start + offs < V
+            x = tl.load(base + start + offs, mask=m, other=0.0)
+            b = x.to(tl.int32, bitcast=True)
+            ge = b >= mid
+            acc += tl.where(ge, (x * 4294967296.0).to(tl.int64), 0)
+            up += (ge & (b <= hi)).to(tl.int32)
+            dn += ((b >= lo) & (b < mid) & m).to(tl.int32)
+        return tl.sum(acc, 0), tl.sum(up, 0), tl.sum(dn, 0)
+
+    @triton.jit
+    def _top_p_kernel(PROBS, NEED, KEEP, CAND, CIDX, V, stride, BLOCK: tl.constexpr):
+        # One program per row; see ``_top_p_mask_cuda`` for what it computes and why.
+        row = tl.program_id(0).to(tl.int64)
+        base = PROBS + row * stride
+        need = tl.load(NEED + row)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        top = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            x = tl.load(base + start + offs, mask=start + offs < V, other=0.0)
+            acc += (x * 4294967296.0).to(tl.int64)
+            top = tl.maximum(top, x.to(tl.int32, bitcast=True))
+        everything = tl.sum(acc, 0) < need      # the whole row's mass is below p: keep it all
+        lo = tl.where(everything, -1, 0)
+        hi = tl.where(everything, -1, tl.max(top, 0))
+        n_in = V                                # tokens of bits in [lo, hi]
+        # t, the largest bits whose tokens (bits >= t) hold `need`, lies in [lo, hi]: halve the
+        # window over the row until it holds one value or few enough tokens for the registers
+        while (lo < hi) & (n_in > BLOCK):
+            mid = lo + (hi - lo + 1) // 2
+            g, up, dn = _window_pass(base, V, lo, hi, mid, BLOCK)
+            if g >= need:
+                lo = mid
+                n_in = up
+            else:
+                hi = mid - 1
+                n_in = dn
+        # one more pass: the mass above the window, and (if it is still open) its tokens gathered
+        # in vocabulary order, values and indices
+        gather = lo < hi
+        above = tl.zeros([BLOCK], dtype=tl.int64)
+        seen = tl.zeros([], dtype=tl.int32)
+        if lo >= 0:
+            for start in range(0, V, BLOCK):
+                m = start + offs < V
+                x = tl.load(base + start + offs, mask=m, other=0.0)
+                b = x.to(tl.int32, bitcast=True)
+                above += tl.where(b > hi, (x * 4294967296.0).to(tl.int64), 0)
+                sel = (b >= lo) & (b <= hi) & m & gather
+                pos = seen + tl.cumsum(sel.to(tl.int32), 0) - 1
+                tl.store(CAND + row * BLOCK + pos, x, mask=sel)
+                tl.store(CIDX + row * BLOCK + pos, start + offs, mask=sel)
+                seen += tl.sum(sel.to(tl.int32), 0)
+        mass_above = tl.sum(above, 0)
+        tl.debug_barrier()                      # the gathered tokens, stored by other threads
+        k = offs < seen
+        cx = tl.load(CAND + row * BLOCK + offs, mask=k, other=0.0)
+        cb = tl.where(k, cx.to(tl.int32, bitcast=True), -1)
+        cw = (cx * 4294967296.0).to(tl.int64)
+        while lo < hi:                          # the rest of the bisection, in registers
+            mid = lo + (hi - lo + 1) // 2
+            if mass_above + tl.sum(tl.where(cb >= mid, cw, 0), 0) >= need:
+                lo = mid
+            else:
+                hi = mid - 1
+        cut = V
+        if lo >= 0:          # ties at lo: the first j of them, in vocabulary order
+            w = (lo.to(tl.float32, bitcast=True) * 4294967296.0).to(tl.int64)
+            j = (need - mass_above - tl.sum(tl.where(cb > lo, cw, 0), 0) + w - 1) // w
+            if gather:
+                tie = cb == lo
+                ci = tl.load(CIDX + row * BLOCK + offs, mask=k, other=0)
+                cut = tl.min(tl.where(tie & (tl.cumsum(tie.to(tl.int64), 0) == j), ci + 1, V), 0)
+            else:
+                count = tl.zeros([], dtype=tl.int64)
+                for start in range(0, V, BLOCK):
+                    x = tl.load(base + start + offs, mask=start + offs < V, other=0.0)
+                    tie = (x.to(tl.int32, bitcast=True) == lo) & (start + offs < V)
+                    run = count + tl.cumsum(tie.to(tl.int64), 0)
+                    cut = tl.minimum(cut, tl.min(tl.where(tie & (run == j), start + offs + 1, V), 0))
+                    count += tl.sum(tie.to(tl.int64), 0)
+        for start in range(0, V, BLOCK):
+            m = start + offs < V
+            b = tl.load(base + start + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
+            tl.store(KEEP + row * V + start + offs, (b > lo) | ((b == lo) & (start + offs < cut)), mask=m)
+
 
 # ------------------------------------------------------------------ sampling
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
@@ -138,23 +259,47 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
         keep = _top_k_mask(x, top_k, kmax)
         if kmax < V:
             keep |= (top_k >= V)[:, None] | (top_p < 1.0)[:, None]    # rows without top-k, or sorted below
-    sort_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
-    if sort_rows:
+    p_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
+    if p_rows and probs.is_cuda and triton is not None:
+        kp = max((params[b].top_k for b in p_rows if 0 < params[b].top_k < V), default=0)
+        mask = _top_p_mask_cuda(probs, torch.where(top_p < 1.0, top_k, V), top_p, kp)
+        keep = mask if keep is None else keep & mask
+    elif p_rows:
         keep = torch.ones(B, V, dtype=torch.bool, device=dev) if keep is None else keep
-        rows = to_device(torch.tensor(sort_rows, dtype=torch.long), dev)
+        rows = to_device(torch.tensor(p_rows, dtype=torch.long), dev)
         keep[rows] = _top_p_mask(probs[rows], top_k[rows], top_p[rows])
+    u24 = (uniforms(it[:, 1], it[:, 2], it[:, 3]) * float(1 << 24)).to(torch.int64)
+    draw = _draw_cuda if probs.is_cuda and triton is not None else _draw
+    return torch.where(sampled, draw(probs, keep, u24), greedy)
+
+
+def _draw(probs: torch.Tensor, keep: torch.Tensor | None, u24: torch.Tensor) -> torch.Tensor:
+    """Per row, the inverse CDF of the kept probabilities in vocabulary order at ``u24 / 2**24``:
+    the first token whose running sum (fixed point) passes ``u24 × kept mass >> 24``."""
     w = _fixed(probs)
     if keep is not None:
-        w = torch.where(keep, w, torch.zeros((), device=dev, dtype=w.dtype))
+        w = torch.where(keep, w, torch.zeros((), device=w.device, dtype=w.dtype))
     cdf = torch.cumsum(w, dim=-1)                 # integers: exact, whatever order the scan adds in
     total = cdf[:, -1:]
-    u24 = (uniforms(it[:, 1], it[:, 2], it[:, 3]) * float(1 << 24)).to(torch.int64)[:, None]
-    target = (u24 * total) >> 24                  # in [0, total): the first entry past it has weight > 0
-    pick = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
-    return torch.where(sampled, pick, greedy)
+    target = (u24[:, None] * total) >> 24         # in [0, total): the first entry past it has weight > 0
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _draw_cuda(probs: torch.Tensor, keep: torch.Tensor | None, u24: torch.Tensor) -> torch.Tensor:
+    """``_draw`` in one kernel (one program a row, two passes over it): the same integers, so the
+    same ids, without the [B, V] int64 weights and running sums in memory."""
+    B, V = probs.shape
+    probs = probs.float().contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=probs.device)
+    _draw_kernel[(B,)](probs, probs if keep is None else keep, u24.contiguous(), out, V, probs.stride(0),
+                       HAS_KEEP=keep is not None, BLOCK=DRAW_LAUNCH[0], num_warps=DRAW_LAUNCH[1])
+    return out
 
 
 FIXED_BITS = 32
+# (elements a program takes per load, warps a program): one program a row, every pass from L2
+TOP_P_LAUNCH = (8192, 16)
+DRAW_LAUNCH = (16384, 16)
 
 
 def _fixed(p: torch.Tensor) -> torch.Tensor:
@@ -186,6 +331,35 @@ def _top_p_mask(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.
     before = torch.cumsum(ws, dim=-1) - ws
     keep = (rank < k[:, None]) & ((before < _fixed(p)[:, None]) | (rank == 0))
     return torch.zeros_like(keep).scatter_(1, si, keep)
+
+
+def _top_p_mask_cuda(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor, kmax: int) -> torch.Tensor:
+    """``_top_p_mask`` for every row at once, without sorting (CUDA, Triton): the same mask,
+    bit for bit.  Rows with ``p >= 1`` keep everything, and their ``k`` must be ``V``; ``kmax``:
+    the largest ``k < V`` (0: none).
+
+    The sorted definition keeps a prefix of the order (probability descending, index
+    ascending): the tokens ranked before the first one whose preceding mass reaches ``p``.
+    In fixed point that prefix is found by value: ``t``, the largest float32 bit pattern (bits
+    order non-negative floats as their values) whose tokens of bits ``>= t`` hold at least
+    ``p``'s mass, by bisection: passes over the row halve a window of bits around ``t`` until
+    it holds one value or at most a block of tokens, which one more pass gathers (in
+    vocabulary order) for the rest of the bisection in registers.  Every token above ``t`` is
+    kept, and of the tokens equal to ``t`` (all of weight ``w``) the first
+    ``ceil((p - mass above t) / w)`` in vocabulary order.  Integer sums, so no order of
+    addition changes it.  The top-k prefix of the same order is ``_top_k_mask`` over the
+    probabilities; the intersection of two prefixes is the shorter one."""
+    B, V = probs.shape
+    probs = probs.float().contiguous()
+    need = torch.where(p < 1.0, _fixed(p).clamp(min=1), torch.full_like(_fixed(p), 1 << 62))
+    keep = torch.empty(B, V, dtype=torch.bool, device=probs.device)
+    block, warps = TOP_P_LAUNCH
+    cand = torch.empty(B, block, dtype=torch.float32, device=probs.device)
+    cidx = torch.empty(B, block, dtype=torch.int32, device=probs.device)
+    _top_p_kernel[(B,)](probs, need, keep, cand, cidx, V, probs.stride(0), BLOCK=block, num_warps=warps)
+    if kmax:
+        keep &= _top_k_mask(probs, k, kmax) | (k >= V)[:, None]
+    return keep
 
 
 def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[tuple[float, list]]:
