@@ -171,7 +171,7 @@ from gpu_anchor.serve import sampling as S
 TOP_P_CASES = '''
 def cases(device, n, V_list, B):
     """Rows where the sorted definition is easy to get wrong: ties (rounded logits), flat runs,
-    p tiny / near 1 / 1, top-k together with top-p; yields (probs, k, p, kmax) on ``device``."""
+    p tiny / near 1 / 1, top-k together with top-p; yields (probs, k, p) on ``device``."""
     g = torch.Generator().manual_seed(0)
     for t in range(n):
         V = V_list[(t // 4) % len(V_list)]        # every size meets every scale below
@@ -185,18 +185,18 @@ def cases(device, n, V_list, B):
         p = p.to(device)
         k = torch.tensor([V, V, 3, 1, V, min(50, V)] * (B // 6 + 1), device=device)[:B]
         k = torch.where(p < 1.0, k, V)
-        yield probs, k, p, int(k[k < V].max()) if bool((k < V).any()) else 0
+        yield probs, k, p
 
 def mismatches(device, n, V_list, B, launch, draw):
     """Rows whose top-p mask, or whose draw (with that mask, and with none), differs from the
     tensor ops' (sort, running sum, searchsorted)."""
     bad = 0
     g = torch.Generator().manual_seed(1)
-    for probs, k, p, kmax in cases(device, n, V_list, B):
+    for probs, k, p in cases(device, n, V_list, B):
         rows = (p < 1.0).nonzero().flatten()
         ref = torch.ones(probs.shape, dtype=torch.bool, device=device)
         ref[rows] = S._top_p_mask(probs[rows], k[rows], p[rows])
-        bad += int(not torch.equal(launch(probs, k, p, kmax), ref))
+        bad += int(not torch.equal(launch(probs, k, p), ref))
         u24 = torch.randint(0, 1 << 24, (B,), generator=g).to(device)
         u24[0], u24[-1] = 0, (1 << 24) - 1
         bad += int(not torch.equal(draw(probs, ref, u24), S._draw(probs, ref, u24)))
@@ -204,14 +204,13 @@ def mismatches(device, n, V_list, B, launch, draw):
     return bad
 '''
 TOP_P_INTERP = '''
-def launch(probs, k, p, kmax):     # _top_p_mask_cuda's launch, with blocks small enough for these rows
+def launch(probs, k, p):     # _top_p_mask_cuda's launch, with blocks small enough for these rows
     B, V = probs.shape
     need = torch.where(p < 1.0, S._fixed(p).clamp(min=1), torch.full_like(S._fixed(p), 1 << 62))
+    kneed = torch.where(k < V, k, V + 1).to(torch.int64)
     keep = torch.empty(B, V, dtype=torch.bool)
     cand, cidx = torch.empty(B, 64), torch.empty(B, 64, dtype=torch.int32)
-    S._top_p_kernel[(B,)](probs.contiguous(), need, keep, cand, cidx, V, V, BLOCK=64)
-    if kmax:
-        keep &= S._top_k_mask(probs, k, kmax) | (k >= V)[:, None]
+    S._top_p_kernel[(B,)](probs.contiguous(), need, kneed, keep, cand, cidx, V, V, BLOCK=64)
     return keep
 def draw(probs, keep, u24):
     B, V = probs.shape
@@ -251,7 +250,7 @@ def test_gpu_top_p_and_draw_kernels_equal_the_tensor_ops():
         probs = torch.softmax(x.float() / T, -1)
         p = torch.linspace(0.05, 0.999, 64, device="cuda")
         k = torch.full((64,), 151936, device="cuda")
-        assert torch.equal(S._top_p_mask_cuda(probs, k, p, 0), S._top_p_mask(probs, k, p))
+        assert torch.equal(S._top_p_mask_cuda(probs, k, p), S._top_p_mask(probs, k, p))
 
 
 @pytest.mark.gpu

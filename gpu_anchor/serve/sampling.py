@@ -12,9 +12,10 @@ until the chosen ids are read:
 - every row: ``argmax`` (greedy rows keep it; ties go to the lowest index);
 - when some row samples: softmax of ``logits / T``; for rows with top-k (and no top-p) one
   ``topk`` of the batch's largest k gives each row's k-th value, and the tokens above it plus
-  the lowest-indexed ties make the k kept; top-p keeps what a stable sort (ties rank by index)
-  keeps, the mass taken in probability order — on CUDA found without sorting, by a bisection
-  over the probabilities' values (``_top_p_mask_cuda``), elsewhere by that sort; then an
+  the lowest-indexed ties make the k kept; top-p (with or without top-k) keeps what a stable
+  sort (ties rank by index) keeps, the mass taken in probability order — on CUDA found without
+  sorting, by bisections over the probabilities' values (``_top_p_mask_cuda``), elsewhere by
+  that sort; then an
   inverse CDF over the kept probabilities *in vocabulary order*: the first token whose running
   sum passes ``u × kept mass``.  No full-vocabulary sort on CUDA.  Running sums
   are taken over probabilities in fixed point (``_fixed``), so they are exact: a float scan
@@ -137,9 +138,17 @@ if triton is not None:
         tl.store(OUT + row, pick.to(tl.int64))
 
     @triton.jit
-    def _window_pass(base, V, lo, hi, mid, BLOCK: tl.constexpr):
-        # one bisection step over the row: the mass (``_fixed``) of its tokens of bits >= mid, and
-        # how many of its tokens lie in [mid, hi] and in [lo, mid)
+    def _weight(x, m, COUNT: tl.constexpr):
+        # what a token weighs in a prefix's running sum: its _fixed mass, or 1 (COUNT)
+        if COUNT:
+            return m.to(tl.int64)
+        else:
+            return (x * 4294967296.0).to(tl.int64)
+
+    @triton.jit
+    def _window_pass(base, V, lo, hi, mid, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        # one bisection step over the row: the weight of its tokens of bits >= mid, and how many
+        # of its tokens lie in [mid, hi] and in [lo, mid)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int64)
         up = tl.zeros([BLOCK], dtype=tl.int32)
@@ -148,42 +157,35 @@ if triton is not None:
             m = start + offs < V
             x = tl.load(base + start + offs, mask=m, other=0.0)
             b = x.to(tl.int32, bitcast=True)
-            ge = b >= mid
-            acc += tl.where(ge, (x * 4294967296.0).to(tl.int64), 0)
+            ge = (b >= mid) & m
+            acc += tl.where(ge, _weight(x, m, COUNT), 0)
             up += (ge & (b <= hi)).to(tl.int32)
             dn += ((b >= lo) & (b < mid) & m).to(tl.int32)
         return tl.sum(acc, 0), tl.sum(up, 0), tl.sum(dn, 0)
 
     @triton.jit
-    def _top_p_kernel(PROBS, NEED, KEEP, CAND, CIDX, V, stride, BLOCK: tl.constexpr):
-        # One program per row; see ``_top_p_mask_cuda`` for what it computes and why.
-        row = tl.program_id(0).to(tl.int64)
-        base = PROBS + row * stride
-        need = tl.load(NEED + row)
+    def _prefix(base, V, need, total, top, CAND, CIDX, row, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        # The prefix of the order (bits descending, index ascending) kept while the weight
+        # ranked before a token is below `need`, as (t, cut): kept = bits > t, or bits == t and
+        # index < cut.  t, the largest bits whose tokens (bits >= t) weigh `need`, lies in
+        # [lo, hi]: passes over the row halve that window until it holds one value or few
+        # enough tokens for the registers.
         offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.int64)
-        top = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, V, BLOCK):
-            x = tl.load(base + start + offs, mask=start + offs < V, other=0.0)
-            acc += (x * 4294967296.0).to(tl.int64)
-            top = tl.maximum(top, x.to(tl.int32, bitcast=True))
-        everything = tl.sum(acc, 0) < need      # the whole row's mass is below p: keep it all
+        everything = total < need               # the whole row weighs less: keep it all
         lo = tl.where(everything, -1, 0)
-        hi = tl.where(everything, -1, tl.max(top, 0))
+        hi = tl.where(everything, -1, top)
         n_in = V                                # tokens of bits in [lo, hi]
-        # t, the largest bits whose tokens (bits >= t) hold `need`, lies in [lo, hi]: halve the
-        # window over the row until it holds one value or few enough tokens for the registers
         while (lo < hi) & (n_in > BLOCK):
             mid = lo + (hi - lo + 1) // 2
-            g, up, dn = _window_pass(base, V, lo, hi, mid, BLOCK)
+            g, up, dn = _window_pass(base, V, lo, hi, mid, COUNT, BLOCK)
             if g >= need:
                 lo = mid
                 n_in = up
             else:
                 hi = mid - 1
                 n_in = dn
-        # one more pass: the mass above the window, and (if it is still open) its tokens gathered
-        # in vocabulary order, values and indices
+        # one more pass: the weight above the window, and (if it is still open) its tokens
+        # gathered in vocabulary order, values and indices
         gather = lo < hi
         above = tl.zeros([BLOCK], dtype=tl.int64)
         seen = tl.zeros([], dtype=tl.int32)
@@ -192,28 +194,31 @@ if triton is not None:
                 m = start + offs < V
                 x = tl.load(base + start + offs, mask=m, other=0.0)
                 b = x.to(tl.int32, bitcast=True)
-                above += tl.where(b > hi, (x * 4294967296.0).to(tl.int64), 0)
+                above += tl.where((b > hi) & m, _weight(x, m, COUNT), 0)
                 sel = (b >= lo) & (b <= hi) & m & gather
                 pos = seen + tl.cumsum(sel.to(tl.int32), 0) - 1
                 tl.store(CAND + row * BLOCK + pos, x, mask=sel)
                 tl.store(CIDX + row * BLOCK + pos, start + offs, mask=sel)
                 seen += tl.sum(sel.to(tl.int32), 0)
-        mass_above = tl.sum(above, 0)
+        weight_above = tl.sum(above, 0)
         tl.debug_barrier()                      # the gathered tokens, stored by other threads
         k = offs < seen
         cx = tl.load(CAND + row * BLOCK + offs, mask=k, other=0.0)
         cb = tl.where(k, cx.to(tl.int32, bitcast=True), -1)
-        cw = (cx * 4294967296.0).to(tl.int64)
+        cw = _weight(cx, k, COUNT)
         while lo < hi:                          # the rest of the bisection, in registers
             mid = lo + (hi - lo + 1) // 2
-            if mass_above + tl.sum(tl.where(cb >= mid, cw, 0), 0) >= need:
+            if weight_above + tl.sum(tl.where(cb >= mid, cw, 0), 0) >= need:
                 lo = mid
             else:
                 hi = mid - 1
         cut = V
         if lo >= 0:          # ties at lo: the first j of them, in vocabulary order
-            w = (lo.to(tl.float32, bitcast=True) * 4294967296.0).to(tl.int64)
-            j = (need - mass_above - tl.sum(tl.where(cb > lo, cw, 0), 0) + w - 1) // w
+            if COUNT:
+                w = tl.full([], 1, tl.int64)
+            else:
+                w = (lo.to(tl.float32, bitcast=True) * 4294967296.0).to(tl.int64)
+            j = (need - weight_above - tl.sum(tl.where(cb > lo, cw, 0), 0) + w - 1) // w
             if gather:
                 tie = cb == lo
                 ci = tl.load(CIDX + row * BLOCK + offs, mask=k, other=0)
@@ -226,10 +231,29 @@ if triton is not None:
                     run = count + tl.cumsum(tie.to(tl.int64), 0)
                     cut = tl.minimum(cut, tl.min(tl.where(tie & (run == j), start + offs + 1, V), 0))
                     count += tl.sum(tie.to(tl.int64), 0)
+        tl.debug_barrier()                      # CAND and CIDX are free for the next prefix
+        return lo, cut
+
+    @triton.jit
+    def _top_p_kernel(PROBS, NEED, KNEED, KEEP, CAND, CIDX, V, stride, BLOCK: tl.constexpr):
+        # One program per row; see ``_top_p_mask_cuda`` for what it computes and why.
+        row = tl.program_id(0).to(tl.int64)
+        base = PROBS + row * stride
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        top = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            x = tl.load(base + start + offs, mask=start + offs < V, other=0.0)
+            acc += (x * 4294967296.0).to(tl.int64)
+            top = tl.maximum(top, x.to(tl.int32, bitcast=True))
+        tp, cp = _prefix(base, V, tl.load(NEED + row), tl.sum(acc, 0), tl.max(top, 0), CAND, CIDX, row, False, BLOCK)
+        tk, ck = _prefix(base, V, tl.load(KNEED + row), V.to(tl.int64), tl.max(top, 0), CAND, CIDX, row, True, BLOCK)
         for start in range(0, V, BLOCK):
             m = start + offs < V
+            i = start + offs
             b = tl.load(base + start + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
-            tl.store(KEEP + row * V + start + offs, (b > lo) | ((b == lo) & (start + offs < cut)), mask=m)
+            keep = ((b > tp) | ((b == tp) & (i < cp))) & ((b > tk) | ((b == tk) & (i < ck)))
+            tl.store(KEEP + row * V + i, keep, mask=m)
 
 
 # ------------------------------------------------------------------ sampling
@@ -261,8 +285,7 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
             keep |= (top_k >= V)[:, None] | (top_p < 1.0)[:, None]    # rows without top-k, or sorted below
     p_rows = [b for b, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
     if p_rows and probs.is_cuda and triton is not None:
-        kp = max((params[b].top_k for b in p_rows if 0 < params[b].top_k < V), default=0)
-        mask = _top_p_mask_cuda(probs, torch.where(top_p < 1.0, top_k, V), top_p, kp)
+        mask = _top_p_mask_cuda(probs, torch.where(top_p < 1.0, top_k, V), top_p)
         keep = mask if keep is None else keep & mask
     elif p_rows:
         keep = torch.ones(B, V, dtype=torch.bool, device=dev) if keep is None else keep
@@ -333,32 +356,29 @@ def _top_p_mask(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.
     return torch.zeros_like(keep).scatter_(1, si, keep)
 
 
-def _top_p_mask_cuda(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor, kmax: int) -> torch.Tensor:
+def _top_p_mask_cuda(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``_top_p_mask`` for every row at once, without sorting (CUDA, Triton): the same mask,
-    bit for bit.  Rows with ``p >= 1`` keep everything, and their ``k`` must be ``V``; ``kmax``:
-    the largest ``k < V`` (0: none).
+    bit for bit.  Rows with ``p >= 1`` keep everything, and their ``k`` must be ``V``.
 
     The sorted definition keeps a prefix of the order (probability descending, index
-    ascending): the tokens ranked before the first one whose preceding mass reaches ``p``.
-    In fixed point that prefix is found by value: ``t``, the largest float32 bit pattern (bits
-    order non-negative floats as their values) whose tokens of bits ``>= t`` hold at least
-    ``p``'s mass, by bisection: passes over the row halve a window of bits around ``t`` until
-    it holds one value or at most a block of tokens, which one more pass gathers (in
-    vocabulary order) for the rest of the bisection in registers.  Every token above ``t`` is
-    kept, and of the tokens equal to ``t`` (all of weight ``w``) the first
-    ``ceil((p - mass above t) / w)`` in vocabulary order.  Integer sums, so no order of
-    addition changes it.  The top-k prefix of the same order is ``_top_k_mask`` over the
-    probabilities; the intersection of two prefixes is the shorter one."""
+    ascending): the tokens ranked before the first one whose preceding mass reaches ``p``, and
+    the first ``k``.  Each prefix is found by value: ``t``, the largest float32 bit pattern
+    (bits order non-negative floats as their values) whose tokens of bits ``>= t`` hold at least
+    ``p``'s mass (in fixed point), or number ``k``, by bisection — passes over the row halve a
+    window of bits around ``t`` until it holds one value or at most a block of tokens, which one
+    more pass gathers (in vocabulary order) for the rest of the bisection in registers.  Every
+    token above ``t`` is kept, and of the tokens equal to ``t`` (all of weight ``w``: their mass,
+    or 1) the first ``ceil((need - weight above t) / w)`` in vocabulary order.  Integer sums, so
+    no order of addition changes it; the intersection of the two prefixes is the shorter one."""
     B, V = probs.shape
     probs = probs.float().contiguous()
     need = torch.where(p < 1.0, _fixed(p).clamp(min=1), torch.full_like(_fixed(p), 1 << 62))
+    kneed = torch.where(k < V, k, V + 1).to(torch.int64)      # V + 1 tokens never weigh: keep them all
     keep = torch.empty(B, V, dtype=torch.bool, device=probs.device)
     block, warps = TOP_P_LAUNCH
     cand = torch.empty(B, block, dtype=torch.float32, device=probs.device)
     cidx = torch.empty(B, block, dtype=torch.int32, device=probs.device)
-    _top_p_kernel[(B,)](probs, need, keep, cand, cidx, V, probs.stride(0), BLOCK=block, num_warps=warps)
-    if kmax:
-        keep &= _top_k_mask(probs, k, kmax) | (k >= V)[:, None]
+    _top_p_kernel[(B,)](probs, need, kneed, keep, cand, cidx, V, probs.stride(0), BLOCK=block, num_warps=warps)
     return keep
 
 
