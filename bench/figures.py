@@ -99,7 +99,7 @@ def _lookup(data, path: str):
 def evaluate(data: dict, expr: str, prefix: str = "") -> float:
     """``path``, ``path / path``, ``path * 1000``, ``a - b / a * 100``: operands and ``+ - * /``
     (spaces around each operator), evaluated left to right without precedence."""
-    parts = re.split(r"\s+([-+*/])\s+", expr.strip())
+    parts = _split_operators(expr.strip())
     value = None
     for i in range(0, len(parts), 2):
         term = parts[i]
@@ -120,6 +120,20 @@ def evaluate(data: dict, expr: str, prefix: str = "") -> float:
                 raise FigureError(f"{expr}: division by zero")
             value /= x
     return value
+
+
+def _split_operators(expr: str) -> list[str]:
+    """``re.split`` at `` + - * / `` outside brackets: a key in ``[...]`` may hold `` + ``."""
+    parts, depth, last = [], 0, 0
+    for m in re.finditer(r"[\[\]]|\s+([-+*/])\s+", expr):
+        if m.group(0) == "[":
+            depth += 1
+        elif m.group(0) == "]":
+            depth -= 1
+        elif depth == 0:
+            parts += [expr[last:m.start()], m.group(1)]
+            last = m.end()
+    return parts + [expr[last:]]
 
 
 def _matches(shown: str, value: float) -> bool:

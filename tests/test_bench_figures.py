@@ -65,3 +65,11 @@ def test_bad_markers_are_reported(tmp_path):
     assert "missing" in problems[0]
     _, problems = _check(tmp_path, "0.36 s<!-- fig rt models -->\n", RESULTS)
     assert "without ':'" in problems[0]
+
+
+def test_a_key_may_hold_an_operator():
+    """``[top-k 50 + top-p 0.95/64]`` is one key: operators split an expression only outside brackets."""
+    data = {"ms": {"top-k 50 + top-p 0.95/64": 0.92, "a - b": 2.0}, "x": 1.0}
+    assert figures.evaluate(data, "ms[top-k 50 + top-p 0.95/64]") == 0.92
+    assert figures.evaluate(data, "ms[top-k 50 + top-p 0.95/64] + ms[a - b] * 2") == (0.92 + 2.0) * 2
+    assert figures.evaluate(data, "x - ms[a - b] / x") == -1.0
