@@ -147,7 +147,8 @@ def throughput(args, config_path) -> dict:
     sweep = D.sweep(variants, streams, args.rounds, make, sp, args.device, PHASES, bw, modes)
     sampled = {}
     for label, extra in (("temperature 0.8", {"temperature": 0.8}),
-                         ("temperature 0.8, top-p 0.95", {"temperature": 0.8, "top_p": 0.95})):
+                         ("temperature 0.8, top-p 0.95", {"temperature": 0.8, "top_p": 0.95}),
+                         ("temperature 0.7, top-k 20, top-p 0.8", {"temperature": 0.7, "top_k": 20, "top_p": 0.8})):
         ssp = SamplingParams(**dict(sp.to_dict(), seed=11, **extra))
         sampled[label] = D.sweep(variants, [args.requests], min(args.rounds, 3), make, ssp, args.device, PHASES,
                                  bw, modes)[str(args.requests)]

@@ -26,7 +26,7 @@ def test_serve_throughput_tiny_throughput_only(tmp_path, monkeypatch):
     cell = t["sweep"]["4"]["plain"]
     assert cell["decode_bytes_per_step"]["median"] > 0 and cell["decode_step_ms"]["n"] == 1
     assert 0 < cell["roofline_fraction"]["nominal_cpu_20GB/s"]["median"] < 1
-    assert set(t["sampled"]) == {"temperature 0.8", "temperature 0.8, top-p 0.95"}
+    assert set(t["sampled"]) == {"temperature 0.8", "temperature 0.8, top-p 0.95", "temperature 0.7, top-k 20, top-p 0.8"}
     assert all(p["steps"] > 0 and p["by_category_ms"] for p in t["profile"].values())
     # --async-scheduling both: each engine also ran with decode steps launched ahead, same tokens
     a = t["runs"]["anchored, async"][0]
