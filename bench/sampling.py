@@ -120,6 +120,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def _two_ways(cells: dict, rows: list, caption: str, ways: tuple, same: str) -> list[str]:
+    """A table of one operation done two ways, median ms per batch size; a kernel whose output
+    differed from the reference's is flagged."""
+    if not cells:
+        return []
+    out = ["", caption, "", "| way | " + " | ".join(f"{b} rows" for b in rows) + " |", "| --- |" + " ---: |" * len(rows)]
+    for way in ways:
+        if f"{way}/{rows[0]}" in cells:
+            out.append(f"| {way} | " + " | ".join(
+                f"{m['median']:.3f}" + ("" if m.get(same, True) else " (differs!)")
+                for m in (cells[f"{way}/{b}"] for b in rows)) + " |")
+    return out
+
+
 def title(result: dict) -> str:
     return f"The sampler alone: one decode step's draw, {result.get('vocab', '?')}-token vocabulary"
 
@@ -132,22 +146,10 @@ def render(r: dict) -> str:
         out.append(f"| {kind} | " + " | ".join(
             f"{m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f})" for m in (r["sample_ms"][f"{kind}/{b}"] for b in rows))
             + " |")
-    out += ["", "The top-p mask alone (p = 0.95, every row):", "",
-            "| way | " + " | ".join(f"{b} rows" for b in rows) + " |", "| --- |" + " ---: |" * len(rows)]
-    for way in ("sorted", "kernel"):
-        if f"{way}/{rows[0]}" in r["top_p_mask_ms"]:
-            cells = [r["top_p_mask_ms"][f"{way}/{b}"] for b in rows]
-            out.append(f"| {way} | " + " | ".join(
-                f"{m['median']:.3f}" + ("" if m.get("equal_to_sorted", True) else " (differs!)") for m in cells) + " |")
-    if r.get("draw_ms"):
-        out += ["", "The draw from the kept probabilities alone (top-p 0.95's mask):", "",
-                "| way | " + " | ".join(f"{b} rows" for b in rows) + " |", "| --- |" + " ---: |" * len(rows)]
-        for way in ("tensor ops", "kernel"):
-            if f"{way}/{rows[0]}" in r["draw_ms"]:
-                cells = [r["draw_ms"][f"{way}/{b}"] for b in rows]
-                out.append(f"| {way} | " + " | ".join(
-                    f"{m['median']:.3f}" + ("" if m.get("equal_to_tensor_ops", True) else " (differs!)") for m in cells)
-                    + " |")
+    out += _two_ways(r.get("top_p_mask_ms", {}), rows, "The top-p mask alone (p = 0.95, every row):",
+                     ("sorted", "kernel"), "equal_to_sorted")
+    out += _two_ways(r.get("draw_ms", {}), rows, "The draw from the kept probabilities alone (top-p 0.95's mask):",
+                     ("tensor ops", "kernel"), "equal_to_tensor_ops")
     if r.get("launch_shapes_ms"):
         sh = r.get("shipped_launches", {})
         out += ["", "Both kernels by launch shape (elements a load x warps; median ms; shipped: top-p "
