@@ -16,6 +16,7 @@ import torch
 
 from gpu_anchor.serve import sampling as S
 from gpu_anchor.serve.sequence import SamplingParams
+from test_serve_attention import INTERP as INTERP_SETUP
 
 V = 97
 
@@ -157,17 +158,11 @@ def test_triton_uniform_kernel_equals_the_tensor_ops_interpreted():
     assert r.stdout.strip().splitlines()[-1] == "True"
 
 
-INTERP_PATCH = '''
-import os, torch
-os.environ["TRITON_INTERPRET"] = "1"
-from triton.runtime import interpreter as I
-_orig = I._patch_lang_tensor
-def _patched(tensor, *rest):   # numpy >= 2 refuses int() of a 1-element array, which the interpreter does
-    _orig(tensor, *rest)
-    tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-I._patch_lang_tensor = _patched
+# Triton's interpreter with its numpy >= 2 fix (the attention kernel's tests set it up), then this module
+INTERP_PATCH = INTERP_SETUP + """
+import torch
 from gpu_anchor.serve import sampling as S
-'''
+"""
 TOP_P_CASES = '''
 def cases(device, n, V_list, B):
     """Rows where the sorted definition is easy to get wrong: ties (rounded logits), flat runs,
