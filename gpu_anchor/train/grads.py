@@ -21,20 +21,15 @@ the last ``zero`` — the step skips the others, as torch skips ``grad is None``
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .fsdp import local as _local
-
-COPY_ENV = "GPU_ANCHOR_GRAD_COPY"     # "boundary": fresh gradients copied home at finalize (A/B runs)
 
 
 class GradientBuffers:
     def __init__(self, params, fresh: bool) -> None:
         self.params, self.fresh = params, fresh
         self.cleared = [True] * len(params)
-        self.copy_in_hook = os.environ.get(COPY_ENV, "hook") != "boundary"
         self.hooks = [q.p.register_post_accumulate_grad_hook(self._hook(q)) for q in params if q.p.requires_grad]
 
     def zero(self, cleared: bool = True) -> None:
@@ -51,30 +46,25 @@ class GradientBuffers:
     def finalize(self) -> list[bool]:
         """The gradient-finalization boundary: the buffers hold the final gradients; returns
         which parameters got one."""
-        mask, dst, src, moved = [], [], [], []
+        mask = []
         for q in self.params:
             g = q.p.grad
             if g is None:
                 q.p.grad = q.gview
                 mask.append(False)
             elif _local(g).data_ptr() != q.grad.data_ptr():
-                dst.append(q.grad)           # a gradient found elsewhere: bring it home
-                src.append(_local(g))
-                moved.append(q)
+                q.grad.copy_(_local(g))      # someone replaced p.grad: bring it home
+                q.p.grad = q.gview
                 mask.append(True)
             else:
                 mask.append(not self.cleared[q.index])
-        if dst:
-            torch._foreach_copy_(dst, src)
-            for q in moved:
-                q.p.grad = q.gview
         return mask
 
     def _hook(self, q):
         def hook(p):
             self.cleared[q.index] = False
             g = p.grad
-            if self.fresh and self.copy_in_hook and g is not None and g.data_ptr() != q.grad.data_ptr():
+            if self.fresh and g is not None and g.data_ptr() != q.grad.data_ptr():
                 q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
                 p.grad = q.gview
         return hook
