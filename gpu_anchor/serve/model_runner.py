@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import batch_invariant, fused, prefetch
+from . import batch_invariant, fused
 from .attention import AttnMeta, attend, write_kv
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -217,9 +217,6 @@ class Model:
                       and fused.available(self.device, weights["model.embed_tokens.weight"].dtype, self.d))
         if self.fused:
             self._norm = lambda x, w, eps: fused.add_rms_norm(x, w, eps)[1]
-        # the output projection's weight brought into the L2 while attention runs (decode steps)
-        self._prefetch = (prefetch.WeightPrefetch(self.device)
-                          if self.fused and prefetch.enabled() and prefetch.usable(self.device) else None)
 
     @torch.no_grad()
     def _rope_table(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +274,6 @@ class Model:
         """``layers`` with :mod:`.fused`'s kernels: each residual add is fused with the norm
         that follows it (the last layer's with nothing: a plain add)."""
         w, T = self.w, h.shape[0]
-        pf = self._prefetch if T <= prefetch.MAX_ROWS else None
         x = fused.add_rms_norm(h, w[f"model.layers.{lo}.input_layernorm.weight"], self.eps)[1]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
@@ -285,11 +281,7 @@ class Model:
             q, k, v = self._qkv(x, a, T)
             fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
                                      cos, sin, meta.positions, self.kv[i], meta.slots)
-            if pf is not None:
-                pf.start(w[a + "o_proj.weight"])
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            if pf is not None:
-                pf.join()
             h, x = fused.add_rms_norm(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
                                       w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
             m = p + "mlp."
@@ -303,8 +295,6 @@ class Model:
                 h, x = fused.add_rms_norm(y, w[f"model.layers.{i + 1}.input_layernorm.weight"], self.eps, residual=h)
             else:
                 h = h + y
-        if pf is not None:
-            pf.join(final=True)
         return h
 
     def _qkv(self, x: torch.Tensor, a: str, T: int):
