@@ -94,12 +94,9 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     cache[1].view(nb * bs, h, d)[slots] = v.to(cache.dtype)
 
 
-def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float,
-           prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``prefetch``: a tensor the next kernel reads, asked into the L2 while attention runs
-    (CUDA only; changes no value)."""
+def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
     if q.is_cuda and triton is not None and cache.dtype != torch.float64:
-        return attend_triton(q, cache, meta, scale, prefetch)
+        return attend_triton(q, cache, meta, scale)
     return attend_reference(q, cache, meta, scale)
 
 
@@ -141,10 +138,9 @@ if triton is not None:
     @triton.jit
     def _split_kv_kernel(Q, C, MO, ML, BT, TSEQ, TPOS, scale, O, SEM,
                          sq_t, sq_h, sc_kv, sc_b, sc_s, sc_h, s_bt, so_t, so_h,
-                         PF, pf_bytes, pf_piece, pf_pieces,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          CHUNK: tl.constexpr, SC: tl.constexpr, MAXS: tl.constexpr, CAPPED: tl.constexpr,
-                         TILE: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr, PREFETCH: tl.constexpr):
+                         TILE: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr):
         # program (t, kvh, p) of P: query token t, the GQA group of KV head kvh, the token's
         # splits p, p + P, ... of its n = min(ceil(chunks / SC), MAXS) (split s: chunks s, s + n,
         # ... of CHUNK keys, so the splits differ by one chunk at most); writes each split's
@@ -160,9 +156,6 @@ if triton is not None:
         kvh = tl.program_id(1)
         first = tl.program_id(2)
         n_prog = tl.num_programs(2)
-        if PREFETCH:
-            _prefetch_l2(PF, pf_bytes, pf_piece, pf_pieces,
-                         t + tl.num_programs(0) * (kvh + tl.num_programs(1) * first))
         seq = tl.load(TSEQ + t)
         pos = tl.load(TPOS + t)
         n_chunks = pos // CHUNK + 1
@@ -219,22 +212,6 @@ if triton is not None:
                     tl.debug_barrier()
                     _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h, GP, D, MAXS, TILE)
                     tl.store(sem, 0)
-
-    @triton.jit
-    def _prefetch_l2(PF, nbytes, piece, pieces, f):
-        # the first programs (in launch order) ask for a piece a thread of PF's bytes, into the
-        # L2 with evict_last so that the KV streaming past does not push it out
-        idx = f * 128 + tl.arange(0, 128)
-        if f * 128 < pieces:
-            off = idx.to(tl.int64) * piece
-            size = tl.minimum(nbytes - off, piece)
-            size = size - size % 16
-            ok = (idx < pieces) & (size >= 16)
-            ptr = tl.where(ok, PF.to(tl.pointer_type(tl.int8)) + off, PF.to(tl.pointer_type(tl.int8)))
-            tl.inline_asm_elementwise(
-                "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-                "=r,l,r", [ptr, tl.where(ok, size, 16).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _merge_group(MO, ML, O, base, n_splits, heads, gmask, t, so_t, so_h,
@@ -319,17 +296,6 @@ MERGE_IN_SPLIT = True
 _COUNTERS: dict = {}
 
 
-PF_PIECE = 8 << 10
-
-
-def _prefetch_args(t: torch.Tensor | None, q: torch.Tensor):
-    """``(base, bytes, piece, pieces, on)`` of the split kernel's L2 prefetch of ``t``."""
-    if t is None or not t.is_cuda or not t.is_contiguous() or t.data_ptr() % 16 or torch.version.hip:
-        return q, 0, 16, 0, False
-    nbytes = t.numel() * t.element_size()
-    return t, nbytes, PF_PIECE, -(-nbytes // PF_PIECE), True
-
-
 def launch_shape(tokens: int, kv_heads: int, max_keys: int, heads: int, head_dim: int) -> tuple[int, int, int]:
     """``(token_slice, programs per (token, KV head), max splits)`` of a launch over block tables
     of ``max_keys`` keys: the partials of a slice (``MAX_SPLITS`` rows a head whatever the
@@ -360,8 +326,7 @@ def _merge_counters(device: torch.device, hkv: int) -> torch.Tensor:
     return c
 
 
-def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float,
-                  prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
     _, nb, bs, hkv, d = cache.shape
     T, hq, _ = q.shape
     g = hq // hkv
@@ -383,7 +348,6 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
                   MAXS=MAX_SPLITS, CAPPED=-(-bt.shape[1] * bs // SPLIT_KEYS) > MAX_SPLITS, TILE=MERGE_TILE)
     # an NVIDIA-only launch option (ROCm's Triton refuses the keyword)
     regs = {} if consts["CAPPED"] or torch.version.hip else {"maxnreg": REGISTERS}
-    pf = _prefetch_args(prefetch, q) if T <= n else (q, 0, 16, 0, False)
     for lo in range(0, T, n):     # one slice for every decode step of up to TOKEN_SLICE sequences
         hi = min(T, lo + n)
         tseq, tpos = meta.token_seq[lo:hi], meta.positions[lo:hi]
@@ -391,8 +355,8 @@ def attend_triton(q: torch.Tensor, cache: torch.Tensor, meta: AttnMeta, scale: f
         _split_kv_kernel[(hi - lo, hkv, programs)](
             q[lo:hi], cache, mo, ml, bt, tseq, tpos, scale, o, sem,
             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            bt.stride(0), o.stride(0), o.stride(1), *pf[:4], BS=bs, IEEE=cache.dtype == torch.float32,
-            MERGE=MERGE_IN_SPLIT, PREFETCH=pf[4], num_warps=WARPS, num_stages=STAGES, **regs, **consts)
+            bt.stride(0), o.stride(0), o.stride(1), BS=bs, IEEE=cache.dtype == torch.float32,
+            MERGE=MERGE_IN_SPLIT, num_warps=WARPS, num_stages=STAGES, **regs, **consts)
         if not MERGE_IN_SPLIT:
             _combine_kernel[(hi - lo, hkv)](mo, ml, o, tpos, o.stride(0), o.stride(1), **consts)
     return out

@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from . import batch_invariant, fused
 from .attention import AttnMeta, attend, write_kv
 
-PREFETCH_ROWS = 256   # steps of at most this many tokens prefetch o_proj's weight during attention
-
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
@@ -219,7 +217,6 @@ class Model:
                       and fused.available(self.device, weights["model.embed_tokens.weight"].dtype, self.d))
         if self.fused:
             self._norm = lambda x, w, eps: fused.add_rms_norm(x, w, eps)[1]
-        self.l2_prefetch = os.environ.get("GPU_ANCHOR_L2_PREFETCH", "1") != "0"
 
     @torch.no_grad()
     def _rope_table(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +274,6 @@ class Model:
         """``layers`` with :mod:`.fused`'s kernels: each residual add is fused with the norm
         that follows it (the last layer's with nothing: a plain add)."""
         w, T = self.w, h.shape[0]
-        pf = self.l2_prefetch and T <= PREFETCH_ROWS
         x = fused.add_rms_norm(h, w[f"model.layers.{lo}.input_layernorm.weight"], self.eps)[1]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
@@ -285,8 +281,7 @@ class Model:
             q, k, v = self._qkv(x, a, T)
             fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
                                      cos, sin, meta.positions, self.kv[i], meta.slots)
-            o = attend(q, self.kv[i], meta, self.scale, prefetch=w[a + "o_proj.weight"] if pf else None
-                       ).reshape(T, self.hq * self.d)
+            o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
             h, x = fused.add_rms_norm(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
                                       w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
             m = p + "mlp."
