@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from bench.common import default_device, write_result
+from bench.common import default_device, int_list, write_result
 
 SHIPPED_LAUNCH = (1024, 4)                   # fused_adam.BLOCK and the launch's num_warps
 VARIANTS = [(1024, 4), (2048, 8), (1024, 2), (1024, 8), (512, 2), (512, 4), (256, 2)]
@@ -100,10 +100,7 @@ def main(argv=None) -> int:
                     help="also the shipped launch capped at N registers a thread (maxnreg), per N")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    try:
-        caps = [int(x) for x in a.registers.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--registers takes integers separated by commas, got {a.registers!r}")
+    caps = int_list(ap, "--registers", a.registers)
     if any(not 16 <= c <= 255 for c in caps):
         ap.error(f"--registers: each cap must be from 16 to 255, got {a.registers!r}")
     device = "cpu" if a.tiny and not torch.cuda.is_available() else default_device(a.device)

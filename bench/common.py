@@ -99,6 +99,15 @@ class private_daemon:
             os.environ["GPU_ANCHOR_SOCKET_DIR"] = self._old
 
 
+def int_list(ap, flag: str, text: str) -> list[int]:
+    """``"32,64,128"`` as ``[32, 64, 128]`` (empty items skipped); anything else ends in
+    ``ap.error`` naming the flag."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{flag} takes integers separated by commas, got {text!r}")
+
+
 def default_device(device: str | None) -> str:
     if device:
         return device

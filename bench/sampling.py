@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.common import default_device, write_result
+from bench.common import default_device, int_list, write_result
 
 KINDS = {"greedy": dict(), "temperature 0.8": dict(temperature=0.8), "top-k 50": dict(temperature=0.8, top_k=50),
          "top-p 0.95": dict(temperature=0.8, top_p=0.95), "top-k 50 + top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
@@ -59,10 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", default="", help="also time both kernels at these BLOCKxWARPS launch shapes")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    try:
-        rows = [int(x) for x in a.rows.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--rows takes integers separated by commas, got {a.rows!r}")
+    rows = int_list(ap, "--rows", a.rows)
     if not rows or any(r < 1 for r in rows):
         ap.error(f"--rows: each batch size must be >= 1, got {a.rows!r}")
     if a.reps < 1:
