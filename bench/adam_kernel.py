@@ -20,9 +20,6 @@ step counts on the host, is left out there).  Variants named without ``_regs`` t
 ptxas chooses (72 a thread on sm_90: 7 programs of 4 warps an SM); the shipped launch caps them at
 ``fused_adam.REGISTERS`` (64: 8 an SM, 16 bytes spilled), and ``--registers N,...`` adds the
 shipped block and warps capped at each N (Triton's ``maxnreg``; 56 lets 9 and spills 72 bytes).
-The shipped launch is also timed with the step protocol's progress word moved between chunks:
-``_word_fill`` by a fill kernel before each chunk (before the kernel moved it itself),
-``_word_kernel`` by each chunk's last program (what ships).
 Without CUDA and Triton (``--tiny`` on a CPU) only the torch variants run, on a small set.
 """
 from __future__ import annotations
@@ -156,11 +153,6 @@ def main(argv=None) -> int:
             name = variant(block, warps, regs)
             ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs))
             passes[name] = 10
-        # the shipped launch with the progress word moved between chunks, both ways
-        for how in ("fill", "kernel"):
-            name = f"{shipped()}_word_{how}"
-            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, *SHIPPED_LAUNCH, device, shipped_cap, how))
-            passes[name] = 10
     gbps = {k: round(passes[k] * 2 * n * chunks / (v * 1e-3) / 1e9, 1) for k, v in ms.items() if k in passes}
     result = {"params": n * chunks, "chunks": chunks, "dtype": "bfloat16", "device": device, "reps": a.reps,
               "ms": {k: round(v, 3) for k, v in ms.items()}, "gb_per_s_required_bytes": gbps,
@@ -178,11 +170,7 @@ def _kernel_unavailable(device: str) -> str | None:
     return fused_adam.unavailable_reason(torch.device(device))
 
 
-def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None, word=None):
-    """A pass of the kernel over every chunk.  ``word``: how the progress word moves between
-    chunks, as the step protocol moves it — ``"fill"`` (a fill kernel before each chunk, the
-    protocol before the kernel moved it) or ``"kernel"`` (the chunk's last program moves it);
-    None: not at all (the kernel alone)."""
+def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None):
     import triton.language as tl
     from gpu_anchor.train.fused_adam_kernel import adam_undo
     key = fused_adam.structure(HP, torch.bfloat16)
@@ -190,8 +178,6 @@ def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None, wor
     nbl = (n + block - 1) // block
     tags = torch.full((2, nbl), -1, dtype=torch.int64, device=device)
     blks = torch.tensor([[0, j, j] for j in range(nbl)], dtype=torch.int64, device=device)
-    progress = torch.zeros(1, dtype=torch.int64, device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
     rows = []
     for i in range(len(P)):
         u = U[i % 2]
@@ -201,14 +187,10 @@ def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None, wor
 
     def run():
         for i, r in enumerate(rows):
-            if word == "fill":
-                progress.fill_(i)
             adam_undo[(nbl,)](r, blks, tags[i % 2], 7, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
-                              sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"],
-                              counter if word == "kernel" else tags, nbl, progress, i + 1,
-                              T=tl.bfloat16, AMSGRAD=False, MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True,
-                              BLOCK=block, WORD=word == "kernel", num_warps=warps, maxnreg=regs,
-                              enable_fp_fusion=False)
+                              sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"], T=tl.bfloat16, AMSGRAD=False,
+                              MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True, BLOCK=block, num_warps=warps,
+                              maxnreg=regs, enable_fp_fusion=False)
     return run
 
 

@@ -92,8 +92,8 @@ class ChunkExecutor:
         plan = [self.fused_groups(i, mask, counts, hps, memo) for i in range(len(self._chunks))]
         return None if any(p is None for p in plan) else plan
 
-    def apply_fused(self, i, groups, tag_value, word=None, word_value=0) -> bool:
-        return self.fused.apply(i, groups, tag_value, word, word_value)
+    def apply_fused(self, i, groups, tag_value) -> None:
+        self.fused.apply(i, groups, tag_value)
 
     def restore_fused(self, i, tag_value) -> int:
         return self.fused.restore(i, tag_value)

@@ -1,8 +1,7 @@
 """The device side of ``progress="device"``: the progress word, the undo side stream and
 the deferred step commit (the state machine is in ``protocol``; docs/training.md).
 
-The word is one anchored int64 that only the device stream writes — between kernels, or
-(fused Adam) as the last act of a chunk's kernel, once every block of it is written — so
+The word is one anchored int64 that only the device stream writes, between kernels, so
 the host never waits inside a step; the step's journal commit is kept pending and lands
 with the next step's boundary commit, after the device has finished the step.
 """
@@ -64,11 +63,9 @@ class DeviceProgress:
         torch.cuda.current_stream(self.device).wait_stream(self._side)
         self.word.fill_(protocol.encode_progress(step, i))
 
-    def step_written(self, step: int, chunks: int, puts: dict, word_moved: bool = False) -> None:
-        """Every chunk of ``step`` is enqueued: the word says so (``word_moved``: the last
-        chunk's kernel moves it itself), and its commit waits."""
-        if not word_moved:
-            self.word.fill_(protocol.encode_progress(step, chunks))
+    def step_written(self, step: int, chunks: int, puts: dict) -> None:
+        """Every chunk of ``step`` is enqueued: the word says so, and its commit waits."""
+        self.word.fill_(protocol.encode_progress(step, chunks))
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

@@ -82,22 +82,16 @@ def structure(hp: dict, dtype: torch.dtype) -> tuple | None:
 
 
 def launch(rows: torch.Tensor, blks: torch.Tensor, nblocks: int, tags: torch.Tensor, tag_value: int,
-           key: tuple, fma: bool, sc: dict, word: tuple | None = None, programs: int | None = None) -> None:
-    """One launch over ``blks[:programs]`` (default all ``nblocks``).  ``word``: ``(counter,
-    word, value)`` — the last of the ``nblocks`` programs to finish stores ``value`` into
-    ``word`` (int64) and resets ``counter`` (int32, zero between launches); a launch cut short
-    (``programs < nblocks``, as a kill leaves it) never moves the word."""
+           key: tuple, fma: bool, sc: dict) -> None:
     dtype, amsgrad, maximize, wd, small = key
     import triton.language as tl
     from .fused_adam_kernel import adam_undo
     regs = {} if REGISTERS is None or torch.version.hip else {"maxnreg": REGISTERS}
-    counter, w, value = word if word is not None else (tags, tags, 0)
-    adam_undo[(nblocks if programs is None else programs,)](
-        rows, blks, tags, tag_value, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
-        sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"], counter, nblocks, w, value,
-        T=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, AMSGRAD=amsgrad,
-        MAXIMIZE=maximize, WD=wd, LERP_SMALL=small, FMA=fma, BLOCK=BLOCK, WORD=word is not None,
-        num_warps=4, enable_fp_fusion=False, **regs)
+    adam_undo[(nblocks,)](rows, blks, tags, tag_value, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
+                          sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"],
+                          T=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, AMSGRAD=amsgrad,
+                          MAXIMIZE=maximize, WD=wd, LERP_SMALL=small, FMA=fma, BLOCK=BLOCK,
+                          num_warps=4, enable_fp_fusion=False, **regs)
 
 
 class FusedAdam:
@@ -120,7 +114,6 @@ class FusedAdam:
             self._bases.append(base)
         self._tables: dict = {}   # (chunk, slices) -> (rows, blks, nblocks) on the device
         self._variant: dict = {}  # structure key -> fma flag that matches torch, or None
-        self._counter = None      # int32 on the device: programs of the running launch done
 
     @staticmethod
     def max_blocks(numels_per_chunk) -> int:
@@ -134,21 +127,12 @@ class FusedAdam:
             self._variant[key] = verified(key, hp, device)
         return self._variant[key] is not None
 
-    def apply(self, i: int, groups, tag_value: int, word: torch.Tensor | None = None,
-              word_value: int = 0) -> bool:
-        """``groups``: ``[(key, scalars, slice indices)]`` (one launch each) for chunk ``i``.
-        With ``word``, the chunk's last launch moves it to ``word_value`` once all of its
-        blocks are written (stream order puts the earlier launches' stores before).  Returns
-        whether a launch will move the word (False when the chunk updates nothing)."""
+    def apply(self, i: int, groups, tag_value: int) -> None:
+        """``groups``: ``[(key, scalars, slice indices)]`` (one launch each) for chunk ``i``."""
         tags = self.tags[i % 2]
-        if word is not None and self._counter is None:
-            self._counter = torch.zeros(1, dtype=torch.int32, device=word.device)
-        for j, (key, sc, ks) in enumerate(groups):
+        for key, sc, ks in groups:
             rows, blks, nb = self._table(i, tuple(ks))
-            last = word is not None and j == len(groups) - 1
-            launch(rows, blks, nb, tags, tag_value, key, self._variant[key], sc,
-                   word=(self._counter, word, word_value) if last else None)
-        return word is not None and bool(groups)
+            launch(rows, blks, nb, tags, tag_value, key, self._variant[key], sc)
 
     def _table(self, i: int, ks: tuple):
         t = self._tables.get((i, ks))

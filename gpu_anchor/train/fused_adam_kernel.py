@@ -2,9 +2,6 @@
 
 One program = one block of ``BLOCK`` elements of one slice: load, store the old values
 into the undo places, compute the new values, publish the block's tag, then store them.
-With ``WORD``, each program then counts itself done in ``counter`` (release), and the
-``n_programs``-th (the launch's grid; acquire) stores ``word_value`` into the progress word
-and resets the counter: the word moves only once every block of the launch is written.
 Every arithmetic step mirrors one op of torch's ``_multi_tensor_adam`` (named beside it);
 ``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so
 the only fmas are the explicit ones chosen by ``FMA``.
@@ -97,9 +94,8 @@ def _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2,
 
 @triton.jit
 def adam_undo(rows, blks, tags, tag_value, decay, wd, w1, omw1, beta2, omb2, step_size, bc2_sqrt, eps,
-              counter, n_programs, word, word_value,
               T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
-              LERP_SMALL: tl.constexpr, FMA: tl.constexpr, BLOCK: tl.constexpr, WORD: tl.constexpr):
+              LERP_SMALL: tl.constexpr, FMA: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     row = tl.load(blks + 3 * b)
     start = tl.load(blks + 3 * b + 1) * BLOCK
@@ -112,11 +108,4 @@ def adam_undo(rows, blks, tags, tag_value, decay, wd, w1, omw1, beta2, omb2, ste
     else:
         _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2, omb2, step_size,
                bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, True, BLOCK)
-    if WORD:
-        # every thread's in-place stores are issued (barrier) before this program counts
-        # itself done (release); the last to count has seen all of them (acquire) and only
-        # then moves the word
-        tl.debug_barrier()
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
-            tl.atomic_xchg(word, word_value, sem="acq_rel", scope="gpu")
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+

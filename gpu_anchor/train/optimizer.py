@@ -294,15 +294,10 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         n = len(self._chunks)
         s = self._state.step
         device = self.progress == "device"
-        moved = False     # the last launch moved the word to (s, i + 1) itself
         for i in range(c0, n):
             faults.hit("before_update", s, i, before_kill=self._wait)
             if plan is not None:
-                # a kill inside the kernel leaves the word at (s, i): the rehearsal of one
-                # (``mid_chunk``) launches without the word's move
-                word = None if faults.armed("mid_chunk", s, i) else self._dev.word
-                moved = self._exec.apply_fused(i, plan[i], protocol.encode_progress(s, i), word,
-                                               protocol.encode_progress(s, i + 1))
+                self._exec.apply_fused(i, plan[i], protocol.encode_progress(s, i))
             else:
                 if device and i + 1 < n:
                     self._dev.save_ahead(i + 1)      # overlaps the update of chunk i
@@ -314,8 +309,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
                 self._wait()
             faults.hit("after_update", s, i, before_kill=self._wait)
             if i + 1 == n:
-                self._finish(mask, counts, carry, word_moved=moved)
-            elif device and not moved:
+                self._finish(mask, counts, carry)
+            elif device:
                 self._dev.advance(s, i + 1, save=plan is None)
             else:
                 new = self._state.chunk_done(i)
@@ -324,7 +319,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             faults.hit("after_commit", s, i, before_kill=self._wait)
         self.stats["steps"] += 1
 
-    def _finish(self, mask, counts, carry, word_moved: bool = False) -> None:
+    def _finish(self, mask, counts, carry) -> None:
         self.optimizer._opt_called = True   # the step did happen (schedulers warn otherwise)
         for sch in self.schedulers:
             sch.step()
@@ -341,7 +336,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self._state = new
         self._counts = new_counts
         if self.progress == "device":
-            self._dev.step_written(new.step - 1, len(self._chunks), puts, word_moved)
+            self._dev.step_written(new.step - 1, len(self._chunks), puts)
             # The first step of a worker lands at once (the supervisor times recovery by it),
             # and so does one a listener must see committed (a checkpoint due there).
             if not self._landed_one or step_hooks.wants_landed(new.step):
