@@ -3,6 +3,7 @@ at 32 / 64 / 128 rows, cuBLAS against cuBLASLt (``torch.backends.cuda.preferred_
 
     python -m bench decode_gemm [--tiny] [--device cuda:0] [--reps 20]
     python -m bench decode_gemm --triton-splitk       # a split-K Triton GEMM against cuBLASLt
+    python -m bench decode_gemm --cublaslt-algos      # every algorithm cuBLASLt's heuristic offers
 
 A decode step of ``M`` sequences multiplies ``M`` rows by every weight once: per layer the
 packed q/k/v projection (4096 → 6144), the output projection (4096 → 4096), the packed
@@ -12,6 +13,14 @@ served from the 50 MB L2), captured in one CUDA graph; the figure is the median 
 replays (CUDA events).  "all" is the whole sequence of a step's matmuls in one graph.
 Bandwidth = weight bytes / time (the activations are a few MB).  ``--tiny``: a small shape on
 the CPU, eager, the default library only (a smoke run of the code path).
+
+``--cublaslt-algos`` (CUDA): the question "does cuBLASLt itself have a faster algorithm than
+the one torch runs?" — torch takes the heuristic's first answer for its workspace; here every
+algorithm the heuristic offers with ``--workspace-mib`` of workspace (at most ``--top``) is
+timed the same way (ctypes onto torch's libcublasLt, ``bench/cublaslt.py``), checked against
+``F.linear`` and for repeating bit for bit, per kind (the LM head too) and row count; the
+result's ``step_ms`` adds a step's GEMMs up with torch's picks and with the fastest of each.
+Result ``decode_gemm_cublaslt_algos``.
 
 ``--triton-splitk`` (CUDA, Triton): the question "would a GEMM of our own beat cuBLAS on these
 skinny shapes?" for one candidate, a deterministic split-K Triton GEMM: S programs per output
@@ -26,7 +35,7 @@ import argparse
 import statistics
 import time
 
-from bench.common import default_device, write_result
+from bench.common import default_device, int_list, write_result
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 VOCAB, LAYERS = 151936, 36
@@ -162,6 +171,52 @@ def measure_splitk(device: str, rows: list[int], reps: int, shapes: dict, layers
     return out
 
 
+def measure_algos(device: str, rows: list[int], reps: int, top: int, workspace_mib: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from bench import cublaslt
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    lib, handle = cublaslt.load()
+    dt = torch.bfloat16
+    workspace = torch.empty(workspace_mib << 20, dtype=torch.uint8, device=device)
+    run = _timer(device, reps)
+    cells = {}
+    for kind, (k, n) in dict(SHAPES, lm_head=(SHAPES["qkv"][0], VOCAB)).items():
+        count = 1 if kind == "lm_head" else LAYERS
+        ws = [torch.randn(n, k, device=device, dtype=dt) * 0.02 for _ in range(count)]
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=dt)
+            ys = [torch.empty(m, n, device=device, dtype=dt) for _ in range(count)]
+            ref = F.linear(x, ws[0])
+            lin = cublaslt.Linear(lib, handle, m, k, n, workspace.numel())
+            cell = {"torch_us": run(lambda: [F.linear(x, w) for w in ws]) / count * 1e6, "candidates": []}
+            for rank, cand in enumerate(lin.candidates(top)):
+                lin(x, ws[0], ys[0], cand, workspace)
+                first = ys[0].clone()
+                repeats = all((lin(x, ws[0], ys[0], cand, workspace), torch.equal(ys[0], first))[1] for _ in range(3))
+                us = run(lambda: [lin(x, w, y, cand, workspace) for w, y in zip(ws, ys)]) / count * 1e6
+                cell["candidates"].append({"rank": rank, "us": us, "equal_to_torch": torch.equal(first, ref),
+                                           "repeats_bit_for_bit": repeats,
+                                           "max_abs_difference": (first.float() - ref.float()).abs().max().item(),
+                                           "workspace_bytes": cand.workspace_size, "waves": cand.waves,
+                                           **lin.config(cand)})
+            best = min(cell["candidates"], key=lambda c: c["us"])
+            cell.update(best_rank=best["rank"], best_us=best["us"], best_over_torch=best["us"] / cell["torch_us"])
+            cells[f"{kind}/{m}"] = cell
+            print(f"{kind:8s} M={m:4d}  torch {cell['torch_us']:.1f} us  best of {len(cell['candidates'])} "
+                  f"{best['us']:.1f} us (rank {best['rank']}, tile {best.get('tile')}, split-K {best.get('split_k')})",
+                  flush=True)
+        ws = None
+        torch.cuda.empty_cache()
+    step = {}
+    for m in rows:
+        pick = {kind: (cells[f"{kind}/{m}"]["torch_us"], cells[f"{kind}/{m}"]["best_us"])
+                for kind in (*SHAPES, "lm_head")}
+        step[str(m)] = {"torch_ms": sum(t * (1 if k == "lm_head" else LAYERS) for k, (t, _) in pick.items()) / 1e3,
+                        "best_ms": sum(b * (1 if k == "lm_head" else LAYERS) for k, (_, b) in pick.items()) / 1e3}
+    return {"top": top, "workspace_mib": workspace_mib, "cells": cells, "step_ms": step}
+
+
 def measure(device: str, rows: list[int], libs: list[str], reps: int, shapes: dict, vocab: int, layers: int,
             dtype) -> dict:
     import torch
@@ -209,10 +264,25 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--triton-splitk", action="store_true",
                     help="sweep a deterministic split-K Triton GEMM against cuBLASLt instead (CUDA)")
+    ap.add_argument("--cublaslt-algos", action="store_true",
+                    help="time every algorithm cuBLASLt's heuristic offers against torch's pick instead (CUDA)")
+    ap.add_argument("--top", type=int, default=64, help="--cublaslt-algos: ask the heuristic for at most this many")
+    ap.add_argument("--workspace-mib", type=int, default=32, help="--cublaslt-algos: the workspace it may use")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
     device = "cpu" if args.tiny else default_device(args.device)
+    if args.cublaslt_algos:
+        rows = int_list(ap, "--rows", args.rows)
+        if args.top < 1 or args.workspace_mib < 0:
+            ap.error(f"--top must be >= 1 and --workspace-mib >= 0, got {args.top} and {args.workspace_mib}")
+        if args.tiny or not device.startswith("cuda"):
+            ap.error("--cublaslt-algos calls cuBLASLt: it needs a CUDA device")
+        res = measure_algos(device, rows, args.reps, args.top, args.workspace_mib)
+        path = write_result("decode_gemm_cublaslt_algos", {"device": device, "rows": rows, "layers": LAYERS,
+                                                           "shapes": SHAPES, "vocab": VOCAB, **res}, args.out)
+        print(f"wrote {path}")
+        return 0
     if args.triton_splitk:
         try:
             import triton  # noqa: F401
@@ -220,7 +290,7 @@ def main(argv=None) -> int:
             triton = None
         if args.tiny or not device.startswith("cuda") or triton is None:
             ap.error("--triton-splitk times a Triton kernel: it needs a CUDA device with Triton")
-        rows = [int(r) for r in args.rows.split(",")]
+        rows = int_list(ap, "--rows", args.rows)
         res = measure_splitk(device, rows, args.reps, SHAPES, LAYERS, torch.bfloat16)
         path = write_result("decode_gemm_splitk", {"device": device, "rows": rows, "layers": LAYERS, "shapes": SHAPES,
                                                    "configs": ["x".join(map(str, c)) for c in SPLITK_CONFIGS],
@@ -232,7 +302,7 @@ def main(argv=None) -> int:
     else:
         shapes, vocab, layers, dtype = SHAPES, VOCAB, LAYERS, torch.bfloat16
         libs = args.libs.split(",") if device.startswith("cuda") else ["default"]
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = int_list(ap, "--rows", args.rows)
     res = measure(device, rows, libs, args.reps, shapes, vocab, layers, dtype)
     path = write_result("decode_gemm" + ("_tiny" if args.tiny else ""),
                         {"device": device, "rows": rows, "layers": layers, "shapes": shapes, "vocab": vocab,
@@ -254,13 +324,36 @@ def _render_splitk(r: dict) -> str:
     return "\n".join(out)
 
 
+def _render_algos(r: dict) -> str:
+    out = [f"Every algorithm cuBLASLt's heuristic offered (at most {r['top']}, {r['workspace_mib']} MiB of workspace) "
+           "against torch's `F.linear` (the heuristic's first answer for torch's own workspace); µs per GEMM, "
+           f"each kind over {r['layers']} distinct weights in one CUDA graph (the LM head: one).", "",
+           "| GEMM / rows | torch (µs) | offered | heuristic's first (µs) | fastest (µs) | its rank | tile / split-K / stages "
+           "| fastest / torch | equal to torch | repeats bit for bit |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- |"]
+    for key, c in r["cells"].items():
+        b = c["candidates"][c["best_rank"]]
+        out.append(f"| {key} | {c['torch_us']:.1f} | {len(c['candidates'])} | {c['candidates'][0]['us']:.1f} | "
+                   f"{b['us']:.1f} | {b['rank']} | {b.get('tile')} / {b.get('split_k')} / {b.get('stages')} | "
+                   f"{c['best_over_torch']:.3f} | {'yes' if b['equal_to_torch'] else 'no'} | "
+                   f"{'yes' if b['repeats_bit_for_bit'] else '**no**'} |")
+    out += ["", "A decode step's GEMMs added up (36 layers + the LM head), ms: " + "; ".join(
+        f"{m} rows {s['torch_ms']:.3f} with torch's picks, {s['best_ms']:.3f} with the fastest of each"
+        for m, s in r["step_ms"].items()) + "."]
+    return "\n".join(out)
+
+
 def title(r: dict) -> str:
+    if "cells" in r:
+        return f"Decode GEMMs of the 8B shape: every cuBLASLt algorithm its heuristic offers ({r.get('device', '?')})"
     if "splitk" in r:
         return f"Decode GEMMs of the 8B shape: a split-K Triton GEMM vs cuBLASLt ({r.get('device', '?')})"
     return f"Decode GEMMs of the 8B shape: cuBLAS vs cuBLASLt ({r.get('device', '?')})"
 
 
 def render(r: dict) -> str:
+    if "cells" in r:
+        return _render_algos(r)
     if "splitk" in r:
         return _render_splitk(r)
     res = r["results"]

@@ -1,8 +1,8 @@
-"""The decode benchmarks' kernel options: ``decode_gemm --triton-splitk`` and
-``decode_attention --sweep``.
+"""The decode benchmarks' kernel options: ``decode_gemm --triton-splitk`` / ``--cublaslt-algos``
+and ``decode_attention --sweep``.
 
-On this CPU machine the options refuse with an error that says why (they time Triton kernels on
-CUDA).  Where Triton is installed, the split-K GEMM and the sweep also run under Triton's
+On this CPU machine the options refuse with an error that says why (they time Triton kernels or
+cuBLASLt on CUDA; the cuBLASLt sweep's stored result renders in tests/test_bench_smoke.py).  Where Triton is installed, the split-K GEMM and the sweep also run under Triton's
 interpreter (in a subprocess, as ``tests/test_serve_attention.py`` does): the GEMM equals
 ``x @ w.T`` for every split count and leaves its counters at zero, and the sweep puts the
 attention module's constants back."""
@@ -41,6 +41,17 @@ def test_splitk_gemm_refuses_the_cpu(capsys):
         decode_gemm.main(["--triton-splitk", "--tiny"])
     assert e.value.code == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--cublaslt-algos", "--tiny"], "needs a CUDA device"),
+    (["--cublaslt-algos", "--rows", "32,x"], "--rows takes integers"),
+])
+def test_cublaslt_algos_refuse_the_cpu_and_bad_rows(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_gemm.main(argv + (["--device", "cpu"] if "--tiny" not in argv else []))
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
 
 
 def _interpreted(code: str) -> str:
