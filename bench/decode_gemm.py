@@ -19,7 +19,8 @@ the one torch runs?" — torch takes the heuristic's first answer for its worksp
 algorithm the heuristic offers with ``--workspace-mib`` of workspace (at most ``--top``) is
 timed the same way (ctypes onto torch's libcublasLt, ``bench/cublaslt.py``), checked against
 ``F.linear`` and for repeating bit for bit, per kind (the LM head too) and row count; the
-result's ``step_ms`` adds a step's GEMMs up with torch's picks and with the fastest of each.
+result's ``step_ms`` adds a step's GEMMs up with torch's picks and with the faster of torch's
+pick and the fastest offered, per kind.
 Result ``decode_gemm_cublaslt_algos``.
 
 ``--triton-splitk`` (CUDA, Triton): the question "would a GEMM of our own beat cuBLAS on these
@@ -200,7 +201,8 @@ def measure_algos(device: str, rows: list[int], reps: int, top: int, workspace_m
                                            "max_abs_difference": (first.float() - ref.float()).abs().max().item(),
                                            "workspace_bytes": cand.workspace_size, "waves": cand.waves,
                                            **lin.config(cand)})
-            best = min(cell["candidates"], key=lambda c: c["us"])
+            # with nothing offered (not seen), torch's pick stands for the fastest
+            best = min(cell["candidates"], key=lambda c: c["us"], default={"rank": None, "us": cell["torch_us"]})
             cell.update(best_rank=best["rank"], best_us=best["us"], best_over_torch=best["us"] / cell["torch_us"])
             cells[f"{kind}/{m}"] = cell
             print(f"{kind:8s} M={m:4d}  torch {cell['torch_us']:.1f} us  best of {len(cell['candidates'])} "
@@ -210,8 +212,8 @@ def measure_algos(device: str, rows: list[int], reps: int, top: int, workspace_m
         torch.cuda.empty_cache()
     step = {}
     for m in rows:
-        pick = {kind: (cells[f"{kind}/{m}"]["torch_us"], cells[f"{kind}/{m}"]["best_us"])
-                for kind in (*SHAPES, "lm_head")}
+        cs = {kind: cells[f"{kind}/{m}"] for kind in (*SHAPES, "lm_head")}
+        pick = {kind: (c["torch_us"], min(c["torch_us"], c["best_us"])) for kind, c in cs.items()}
         step[str(m)] = {"torch_ms": sum(t * (1 if k == "lm_head" else LAYERS) for k, (t, _) in pick.items()) / 1e3,
                         "best_ms": sum(b * (1 if k == "lm_head" else LAYERS) for k, (_, b) in pick.items()) / 1e3}
     return {"top": top, "workspace_mib": workspace_mib, "cells": cells, "step_ms": step}
@@ -332,13 +334,17 @@ def _render_algos(r: dict) -> str:
            "| fastest / torch | equal to torch | repeats bit for bit |",
            "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- |"]
     for key, c in r["cells"].items():
+        if not c["candidates"]:
+            out.append(f"| {key} | {c['torch_us']:.1f} | 0 | — | — | — | — | — | — | — |")
+            continue
         b = c["candidates"][c["best_rank"]]
         out.append(f"| {key} | {c['torch_us']:.1f} | {len(c['candidates'])} | {c['candidates'][0]['us']:.1f} | "
                    f"{b['us']:.1f} | {b['rank']} | {b.get('tile')} / {b.get('split_k')} / {b.get('stages')} | "
                    f"{c['best_over_torch']:.3f} | {'yes' if b['equal_to_torch'] else 'no'} | "
                    f"{'yes' if b['repeats_bit_for_bit'] else '**no**'} |")
     out += ["", "A decode step's GEMMs added up (36 layers + the LM head), ms: " + "; ".join(
-        f"{m} rows {s['torch_ms']:.3f} with torch's picks, {s['best_ms']:.3f} with the fastest of each"
+        f"{m} rows {s['torch_ms']:.3f} with torch's picks, {s['best_ms']:.3f} with the faster of torch's and the "
+        "fastest offered, per kind"
         for m, s in r["step_ms"].items()) + "."]
     return "\n".join(out)
 
