@@ -2,7 +2,8 @@
 and ``decode_attention --sweep``.
 
 On this CPU machine the options refuse with an error that says why (they time Triton kernels or
-cuBLASLt on CUDA; the cuBLASLt sweep's stored result renders in tests/test_bench_smoke.py).  Where Triton is installed, the split-K GEMM and the sweep also run under Triton's
+cuBLASLt on CUDA; the cuBLASLt sweep's stored result renders in tests/test_bench_smoke.py).
+Where Triton is installed, the split-K GEMM and the sweep also run under Triton's
 interpreter (in a subprocess, as ``tests/test_serve_attention.py`` does): the GEMM equals
 ``x @ w.T`` for every split count and leaves its counters at zero, and the sweep puts the
 attention module's constants back."""
