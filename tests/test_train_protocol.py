@@ -184,3 +184,46 @@ def test_device_progress_word():
     with pytest.raises(RuntimeError):
         device_resume_point(StepState(9), 0)
     assert st.finish() == StepState(10, IDLE, 0, -1, 4)
+
+
+def test_a_fused_step_takes_its_cursor_from_the_tags():
+    """A fused step's word stays at (s, 0) until (s, N): the last tagged chunk is the cursor."""
+    from gpu_anchor.train.protocol import device_resume_point, encode_progress
+    st = StepState(9).begin(4, device_progress=True)
+    assert device_resume_point(st, encode_progress(9, 0), None) == 0        # no block tagged yet
+    assert device_resume_point(st, encode_progress(9, 0), 2) == 2           # chunk 2 began: 0, 1 written
+    assert device_resume_point(st, encode_progress(9, 4), 3) == 4           # written; commit missing
+    assert device_resume_point(st, encode_progress(9, 3), 1) == 3           # a copy finish moved the word on
+    with pytest.raises(ValueError, match="never showed the step"):
+        device_resume_point(st, encode_progress(8, 4), 1)                   # tags without the word: corrupt
+    with pytest.raises(ValueError, match="4 chunks"):
+        device_resume_point(st, encode_progress(9, 0), 4)
+
+
+def test_last_started_reads_the_highest_chunk_tagged_for_the_step():
+    """``FusedAdam.last_started``: tags of chunk i in slot i % 2, stale tags of chunk i - 2 and
+    of the last step beside them, a chunk with no blocks, chunks of different sizes."""
+    import torch
+    from gpu_anchor.train.fused_adam import BLOCK, FusedAdam
+    from gpu_anchor.train.protocol import encode_progress
+    sizes = [3 * BLOCK, BLOCK + 5, 2 * BLOCK, 10, 4 * BLOCK]          # one slice a chunk, 5 chunks
+
+    def chunk(n):
+        return [([torch.zeros(n) for _ in range(4)], [torch.zeros(n) for _ in range(3)])]
+    tags = torch.full((2, 4), -1, dtype=torch.int64)
+    fused = FusedAdam([chunk(n) for n in sizes], tags)
+    assert fused.last_started(7) is None
+    tags[0, :3] = encode_progress(6, 4)                                # the last step's, all stale
+    tags[1, :2] = encode_progress(6, 3)
+    assert fused.last_started(7) is None
+    tags[0, :3] = encode_progress(7, 0)                                # chunk 0 written
+    assert fused.last_started(7) == 0
+    tags[1, :2] = encode_progress(7, 1)                                # chunk 1 written
+    tags[0, 1] = encode_progress(7, 2)                                 # one block of chunk 2 began
+    assert fused.last_started(7) == 2
+    tags[0, :2] = encode_progress(7, 2)
+    tags[1, :1] = encode_progress(7, 3)
+    assert fused.last_started(7) == 3
+    tags[0, 2] = encode_progress(7, 4)                                 # chunk 4's third block first
+    assert fused.last_started(7) == 4
+    assert fused.last_started(8) is None

@@ -3,7 +3,9 @@ the deferred step commit (the state machine is in ``protocol``; docs/training.md
 
 The word is one anchored int64 that only the device stream writes, between kernels, so
 the host never waits inside a step; the step's journal commit is kept pending and lands
-with the next step's boundary commit, after the device has finished the step.
+with the next step's boundary commit, after the device has finished the step.  A copy step
+moves it before each chunk; a fused step only at its start and end (its blocks' tags say
+how far it got in between: ``FusedAdam.last_started``).
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ class DeviceProgress:
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda and os.environ.get(SIDE_STREAM_ENV, "1") != "0" else None
 
-    def resume_point(self, state: protocol.StepState) -> int | None:
+    def resume_point(self, state: protocol.StepState, last_started: int | None = None) -> int | None:
         """Where the device left the in-flight step (``protocol.device_resume_point``)."""
-        return protocol.device_resume_point(state, int(self.word.item()))
+        return protocol.device_resume_point(state, int(self.word.item()), last_started)
 
     def publish(self, step: int, i: int, save: bool = True) -> None:
         """Save chunk ``i`` (unless the fused update saves it itself: ``save=False``), then let
@@ -54,11 +56,12 @@ class DeviceProgress:
             self._copy_to_undo(i)
         return True
 
-    def advance(self, step: int, i: int, save: bool = True) -> None:
-        """Chunk ``i-1`` is applied: move the word to ``i`` once chunk ``i`` is saved (with
-        ``save=False`` the fused update saves chunk ``i`` block by block as it writes it)."""
-        if self._side is None or not save:
-            self.publish(step, i, save)
+    def advance(self, step: int, i: int) -> None:
+        """Chunk ``i-1`` of a copy step is applied: move the word to ``i`` once chunk ``i`` is
+        saved.  A fused step does not call it: its tags carry the cursor, which spares a
+        kernel launch between chunks (docs/training.md, "Fused undo")."""
+        if self._side is None:
+            self.publish(step, i)
             return
         torch.cuda.current_stream(self.device).wait_stream(self._side)
         self.word.fill_(protocol.encode_progress(step, i))

@@ -17,6 +17,7 @@ a program stores its block's old values, then (after a CTA barrier, with release
 semantics) the block's tag ``encode_progress(step, i)`` in ``<prefix>.undo.tags``, and only
 after that (acquire + barrier) its new values.  A block whose tag is not ``(step, i)``
 was never written by this step's chunk ``i``; ``restore`` copies back only tagged blocks.
+The tags are also the step's cursor (``last_started``): no word moves between chunks.
 """
 from __future__ import annotations
 
@@ -45,10 +46,15 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def tagged(device: torch.device, kind) -> bool:
+    """Whether an optimizer of ``kind`` on ``device`` keeps the per-block undo tags: CUDA and
+    plain Adam/AdamW, even where the kernel cannot run (a step it began rolls back by them)."""
+    from .kinds import AdamKind
+    return device.type == "cuda" and type(kind) is AdamKind
+
+
 def blocks(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK
-
-
 
 
 def _f32(x: float) -> float:
@@ -140,6 +146,18 @@ class FusedAdam:
             t = self._tables[(i, ks)] = table([self._slices[i][k] for k in ks],
                                               [self._bases[i][k] for k in ks], self.tags.device)
         return t
+
+    def last_started(self, step: int) -> int | None:
+        """The last chunk of ``step`` whose update began: the highest ``i`` with a block of
+        slot ``i % 2`` tagged ``encode_progress(step, i)`` (None: no block of ``step`` is).
+
+        Chunk ``i``'s kernel starts after chunk ``i - 1``'s has finished (one stream), and a
+        block's in-place stores follow its tag, so every chunk before it is written and
+        every chunk after it untouched: a fused step's cursor, without a word per chunk."""
+        from .protocol import encode_progress
+        seen = [set(self.tags[k].cpu().tolist()) for k in range(2)]
+        started = [i for i in range(len(self._slices)) if encode_progress(step, i) in seen[i % 2]]
+        return max(started, default=None)
 
     def restore(self, i: int, tag_value: int) -> int:
         """Copy back every block of chunk ``i`` tagged ``tag_value``; returns how many."""

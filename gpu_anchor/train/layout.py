@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_adam
 from .fsdp import like as _like, local as _local
-from .kinds import AdamKind
 
 
 class AnchoredParam:
@@ -84,9 +84,8 @@ def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, 
         raise RuntimeError(f"the journal says {committed_steps} steps were committed but the anchored "
                            f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
     tag_spec = []
-    if device.type == "cuda" and type(kind) is AdamKind:     # the fused update's per-block undo tags, a row per slot
-        from .fused_adam import FusedAdam
-        nblocks = FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in chunks])
+    if fused_adam.tagged(device, kind):     # the fused update's per-block undo tags, a row per slot
+        nblocks = fused_adam.FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in chunks])
         tag_spec = [(f"{prefix}.undo.tags", (2, nblocks), torch.int64)]
     undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]
                        + [(f"{prefix}.progress", (1,), torch.int64)] + tag_spec,

@@ -310,12 +310,13 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             faults.hit("after_update", s, i, before_kill=self._wait)
             if i + 1 == n:
                 self._finish(mask, counts, carry)
-            elif device:
-                self._dev.advance(s, i + 1, save=plan is None)
-            else:
+            elif not device:
                 new = self._state.chunk_done(i)
                 self._commit({key(self.prefix, "state"): new.encode()})
                 self._state = new
+            elif plan is None:
+                self._dev.advance(s, i + 1)
+            # else: a fused chunk's tags are the cursor (FusedAdam.last_started)
             faults.hit("after_commit", s, i, before_kill=self._wait)
         self.stats["steps"] += 1
 

@@ -189,15 +189,26 @@ def decode_progress(word: int) -> tuple[int, int]:
     return word >> _CURSOR_BITS, word & ((1 << _CURSOR_BITS) - 1)
 
 
-def device_resume_point(state: StepState, word: int) -> int | None:
+def device_resume_point(state: StepState, word: int, last_started: int | None = None) -> int | None:
     """Where the device left the in-flight step: ``None`` if it never reached its boundary
     (discard the step), else the cursor ``c``: chunk ``c`` is rolled back from its slot
-    and chunks ``c..N-1`` redone; ``c == N`` means only the commit is missing."""
+    and chunks ``c..N-1`` redone; ``c == N`` means only the commit is missing.
+
+    A fused step moves the word only at its start and end; ``last_started`` (the highest
+    chunk with a block tagged for this step, ``FusedAdam.last_started``) is its cursor
+    in between."""
     if not state.in_flight:
         raise RuntimeError("no step in flight")
     step, cursor = decode_progress(word)
     if step < state.step:
+        if last_started is not None:
+            raise ValueError(f"chunk {last_started} of step {state.step} is tagged, but the device word "
+                             f"{word:#x} never showed the step")
         return None
     if step > state.step or cursor > state.chunks:
         raise ValueError(f"device progress word {word:#x} (step {step}, cursor {cursor}) does not fit {state}")
+    if last_started is not None and cursor < state.chunks:
+        if last_started >= state.chunks:
+            raise ValueError(f"chunk {last_started} tagged, but the step has {state.chunks} chunks")
+        cursor = max(cursor, last_started)
     return cursor

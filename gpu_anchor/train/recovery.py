@@ -5,9 +5,10 @@ objects are bound, with the journal's values under the optimizer's prefix:
 
 - the last committed step's step counts, hyper-parameters and scheduler states are restored;
 - a step in flight is discarded when no device got past its boundary (device progress, the
-  word never published), else finished: the chunk at the cursor is rolled back (its undo
-  slot, or in fused steps its tagged blocks) and chunks ``cursor..N-1`` are redone from the
-  anchored gradients with the boundary's mask, counts and hyper-parameters;
+  word never published), else finished: the chunk at the cursor (the word's, or in fused
+  steps the last tagged chunk's) is rolled back (its undo slot, or in fused steps its tagged
+  blocks) and chunks ``cursor..N-1`` are redone from the anchored gradients with the
+  boundary's mask, counts and hyper-parameters;
 - with several ranks the ranks agree first (``distributed.decide`` / ``decide_device``), so
   every rank discards or every rank finishes;
 - the carried loop / RNG state of the last step (committed or just finished) is restored.
@@ -41,7 +42,8 @@ class RecoveryMixin:
         device = self.progress == "device"
         cursor = None     # device mode: where the device left the in-flight step (None: never began)
         if st.in_flight and device:
-            cursor = self._dev.resume_point(st)
+            fused = json.loads(vals[key(p, "boundary")]).get("undo") == "fused"
+            cursor = self._dev.resume_point(st, self._exec.fused.last_started(st.step) if fused else None)
         if self._world > 1 and device:
             report = distributed.device_report(st.step, st.in_flight, cursor, len(self._chunks))
             action = distributed.decide_device(distributed.gather_states(report), self._rank)
@@ -83,9 +85,10 @@ class RecoveryMixin:
                     self._copy_from_undo(cursor)
                 if fused and plan is None and cursor < len(self._chunks):
                     # This worker cannot run the fused update: finish the step by copies.
-                    # Chunk ``cursor`` is whole again; save it whole, then say so (the
-                    # fused rollback stays right until the boundary's record changes).
-                    self._copy_to_undo(cursor)
+                    # Chunk ``cursor`` is whole again; save it whole and move the word to it
+                    # (a copy step's cursor), then say so (the fused rollback stays right
+                    # until the boundary's record changes).
+                    self._dev.publish(st.step, cursor)
                     self._wait()
                     self._commit({key(p, "boundary"): json.dumps(dict(b, undo="copy")).encode()})
             else:
