@@ -41,6 +41,30 @@ def test_llama_1b_ten_kills_at_the_five_phases(tmp_path):
 
 
 @pytest.mark.gpu
+def test_mlp_killed_at_every_chunk_of_a_fused_step_bit_for_bit(tmp_path):
+    """The fused update's cursor is its tags: kills at the four chunk phases of every chunk
+    (each while the previous one is recovered) end bit for bit where a fault-free run does."""
+    pytest.importorskip("triton")
+    path = _out("train_gpu_every_chunk.json", tmp_path)
+    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--every-chunk", "--out", path], timeout=300)
+    r = json.load(open(path))
+    print(f"kills={r['kills']} chunks={r['chunks']} bit-identical={r['losses_bit_identical']} "
+          f"differing={r['objects_differing']} {r['final_workers_updates']}")
+    assert proc.returncode == 0 and r["ok"], r
+    assert r["kills"] == 4 * r["chunks"] >= 12 and r["objects_differing"] == []
+
+
+def test_every_chunk_driver_on_cpu(tmp_path):
+    """The ``--every-chunk`` driver (daemon, forked workers, bit-for-bit compare) on CPU, copy steps."""
+    path = str(tmp_path / "every_chunk.json")
+    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--every-chunk", "--device", "cpu", "--out", path],
+                timeout=300)
+    r = json.load(open(path))
+    assert proc.returncode == 0 and r["ok"] and r["kills"] == 4 * r["chunks"] >= 12, r
+    assert r["losses_bit_identical"] and r["objects_differing"] == []
+
+
+@pytest.mark.gpu
 def test_ddp_two_gpus_one_rank_killed(tmp_path):
     import torch
     if torch.cuda.device_count() < 2:

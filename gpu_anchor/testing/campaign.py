@@ -41,6 +41,8 @@ class CampaignConfig:
     progress: str = "journal"       # journal | device (where the per-chunk cursor lives)
     scope: bool = False             # build model + optimizer inside gpu_anchor.managed_scope
     amp: bool = False               # GradScaler (``make_scaler``); the log carries the scale too
+    device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
+                                    # forking process must not have initialised CUDA)
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -101,6 +103,8 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
     """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
     faults.arm(fault)
     scaler = make_scaler() if cfg.amp else None
+    if cfg.device != "cpu" and (cfg.scope or cfg.amp):
+        raise ValueError("the campaign runs managed_scope and AMP on the CPU only")
     if cfg.scope:
         with gpu_anchor.managed_scope(namespace=namespace):
             model = build_model(cfg.seed)
@@ -109,8 +113,8 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
             opt = AnchoredOptimizer(inner, model=model, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
                                     progress=cfg.progress, scaler=scaler)
     else:
-        client = gpu_anchor.connect("cpu", namespace=namespace)
-        model = build_model(cfg.seed)
+        client = gpu_anchor.connect(cfg.device, namespace=namespace)
+        model = build_model(cfg.seed).to(cfg.device)
         anchor_module(model, client)
         inner = build_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
@@ -120,7 +124,7 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         for step in range(start, cfg.steps):
-            x, y = batch(step, cfg.seed)
+            x, y = (t.to(cfg.device) for t in batch(step, cfg.seed))
             loss = forward_loss(model, x, y, cfg.amp)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             opt.loop_state["samples"] = opt.loop_state.get("samples", 0) + BATCH
@@ -128,6 +132,8 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
             opt.step()
             opt.zero_grad()
         os.write(fd, f"done {opt.loop_state.get('samples', 0)} {opt.completed_steps}\n".encode())
+        if cfg.device != "cpu":
+            os.write(fd, f"updates fused={opt.stats['fused_steps']} copy={opt.stats['copy_steps']}\n".encode())
     finally:
         os.close(fd)
     return start
@@ -147,9 +153,13 @@ def prewarm(cfg: CampaignConfig) -> None:
     model = build_model(cfg.seed)
     opt = build_optimizer(model, cfg)
     torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    x, y = batch(0, cfg.seed)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
+    if cfg.device == "cpu":
+        # Not before CUDA workers: autograd's first backward counts the CUDA devices and torch's
+        # step asks whether a graph is being captured, either of which initialises CUDA here,
+        # and CUDA does not survive fork.
+        x, y = batch(0, cfg.seed)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
     _warm = True
 
 

@@ -2,6 +2,12 @@
 
     PYTHONPATH=. python -m gpu_anchor.testing.gpu_campaign --out train_gpu_faults.json
     python -m gpu_anchor.testing.gpu_campaign --device cpu --tiny      # the same on a toy model
+    PYTHONPATH=. python -m gpu_anchor.testing.gpu_campaign --every-chunk   # the MLP, bit for bit
+
+``--every-chunk``: the CPU campaign's MLP (``campaign.py``, fp32 AdamW, so the fused update
+on CUDA) killed at the four chunk phases of every chunk, each phase once more while the
+previous kill is recovered, then compared with a fault-free run bit for bit (every loss,
+every anchored object).
 
 This process imports torch and transformers but never touches CUDA; every worker is
 forked from it (CUDA starts in the child, ~0.5 s instead of a cold interpreter).  It
@@ -15,6 +21,7 @@ state differences, each worker's recovery time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -117,6 +124,56 @@ def schedule(n: int) -> list[str]:
             f"after_commit@18:{last}", "between_steps@19"]  # noqa: E501
 
 
+@contextlib.contextmanager
+def _daemon(device: str):
+    """A daemon for ``device`` on a private socket directory, for this process and its forks."""
+    from gpu_anchor.client import control
+    tmp = tempfile.mkdtemp(prefix="ga-train-gpu-")
+    os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
+    os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
+    sock = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], device.replace(":", "") + ".sock")
+    daemon = control.start(device, sock)
+    try:
+        yield tmp
+    finally:
+        control.stop(device, sock)
+        daemon.wait(timeout=30)
+
+
+def every_chunk(device: str) -> dict:
+    """The ``--every-chunk`` campaign (module docstring); returns its result."""
+    import torch
+
+    import gpu_anchor
+    from gpu_anchor.testing import campaign as C
+    from gpu_anchor.train import chunking
+    model = C.build_model(0)
+    ps = [p for g in C.build_optimizer(model, C.CampaignConfig()).param_groups for p in g["params"]]
+    cfg = C.CampaignConfig(progress="device", device=device)
+    n = len(chunking.plan([p.numel() for p in ps], [[4] * 3] * len(ps), cfg.chunk_bytes))
+    cfg = C.CampaignConfig(steps=n + 3, progress="device", device=device)
+    specs = [f"{ph}@{1 + c}:{c}" for c in range(n) for ph in ("before_update", "mid_chunk", "after_update",
+                                                               "after_commit")]
+    with _daemon(device) as tmp:
+        C.prewarm(cfg)        # for a CUDA campaign: no backward, no step here (CUDA does not survive fork)
+        if torch.cuda.is_initialized():
+            raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
+        ref = C.run("every-chunk-ref", cfg, os.path.join(tmp, "ref.log"))
+        run = C.run("every-chunk-run", cfg, os.path.join(tmp, "run.log"), faults_seq=specs)
+        ref_losses, ref_done = C.trajectory(ref.log)
+        losses, done = C.trajectory(run.log)      # raises if a replayed step logged other bits
+        differ = C.compare(gpu_anchor.connect(device, namespace="every-chunk-ref"),
+                           gpu_anchor.connect(device, namespace="every-chunk-run"))
+    updates = [line for line in ref.log.splitlines() + run.log.splitlines() if line.startswith("updates ")]
+    out = {"test": "train_gpu_every_chunk", "device": device, "chunks": n, "steps": cfg.steps,
+           "kill_specs": specs, "kills": run.kills, "losses_bit_identical": losses == ref_losses,
+           "done_identical": done == ref_done, "objects_differing": differ, "final_workers_updates": updates}
+    fused = all(u.endswith(" copy=0") and " fused=0 " not in u for u in updates) and bool(updates)
+    out["ok"] = bool(run.kills == len(specs) and losses == ref_losses and done == ref_done and not differ
+                     and (fused or device == "cpu"))       # on a CPU every step saves by copies
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -126,30 +183,26 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--chunk-bytes", type=int, default=None)
+    ap.add_argument("--every-chunk", action="store_true", help="the MLP killed at every chunk, bit for bit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # in case anything asks: no cuInit here
+    if args.every_chunk:
+        return _report(every_chunk(args.device), args.out)
     if args.tiny:
         args.batch, args.seq = 2, 32
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # in case anything asks: no cuInit here
     import torch  # noqa: F401  (imported before fork on purpose)
     import transformers  # noqa: F401
-
-    from gpu_anchor.client import control
 
     torch.set_num_threads(1)   # no OpenMP team before fork (libgomp is not fork-safe)
     build(True, "cpu")         # resolve transformers' lazy imports once, here, not in every worker
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
-    tmp = tempfile.mkdtemp(prefix="ga-train-gpu-")
-    os.environ["GPU_ANCHOR_SOCKET_DIR"] = os.path.join(tmp, "sock")
-    os.makedirs(os.environ["GPU_ANCHOR_SOCKET_DIR"], mode=0o700)
-    sock = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], args.device.replace(":", "") + ".sock")
-    daemon = control.start(args.device, sock)
     a = dict(device=args.device, tiny=args.tiny, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
              chunk_bytes=args.chunk_bytes)
     out = {"test": "train_gpu_faults", "model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""),
            "device": args.device, "dtype": "bfloat16", "optimizer": "AdamW", **a}
-    try:
+    with _daemon(args.device) as tmp:
         t0 = time.perf_counter()
         ref_log = os.path.join(tmp, "ref.log")
         code = _wait(_child(worker, "ref", a, ref_log, None, unsafe_ok=None))
@@ -165,31 +218,32 @@ def main(argv=None) -> int:
             codes.append(_wait(_child(worker, "run", a, run_log, spec, unsafe_ok=None)))
         codes.append(_wait(_child(worker, "run", a, run_log, None, "ref", unsafe_ok=None)))
         out["faulted_wall_s"] = time.perf_counter() - t0
-        run = _parse(open(run_log).read())
-        kills = sum(c == -signal.SIGKILL for c in codes[:-1])
-        ref_l = {s: v[0] for s, v in ref["losses"].items()}
-        replays_equal = all(len(set(v)) == 1 for v in run["losses"].values())
-        run_l = {s: v[-1] for s, v in run["losses"].items()}
-        diffs = [abs(run_l[s] - ref_l[s]) for s in sorted(ref_l) if s in run_l]
-        out.update({
-            "chunks": ref["chunks"], "kill_specs": specs, "kills": kills, "final_exit": codes[-1],
-            "losses_fault_free": [ref_l[s] for s in sorted(ref_l)],
-            "losses_faulted": [run_l.get(s) for s in sorted(ref_l)],
-            "all_steps_present": sorted(run_l) == sorted(ref_l) == list(range(args.steps)),
-            "max_step_loss_diff": max(diffs) if diffs else None,
-            "losses_bit_identical": run_l == ref_l,
-            "replayed_iterations_identical": replays_equal,
-            "state_compare": run["compare"],
-            "recoveries": run["resumes"],
-        })
-        out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"])
-    finally:
-        control.stop(args.device, sock)
-        daemon.wait(timeout=30)
+    run = _parse(open(run_log).read())
+    kills = sum(c == -signal.SIGKILL for c in codes[:-1])
+    ref_l = {s: v[0] for s, v in ref["losses"].items()}
+    replays_equal = all(len(set(v)) == 1 for v in run["losses"].values())
+    run_l = {s: v[-1] for s, v in run["losses"].items()}
+    diffs = [abs(run_l[s] - ref_l[s]) for s in sorted(ref_l) if s in run_l]
+    out.update({
+        "chunks": ref["chunks"], "kill_specs": specs, "kills": kills, "final_exit": codes[-1],
+        "losses_fault_free": [ref_l[s] for s in sorted(ref_l)],
+        "losses_faulted": [run_l.get(s) for s in sorted(ref_l)],
+        "all_steps_present": sorted(run_l) == sorted(ref_l) == list(range(args.steps)),
+        "max_step_loss_diff": max(diffs) if diffs else None,
+        "losses_bit_identical": run_l == ref_l,
+        "replayed_iterations_identical": replays_equal,
+        "state_compare": run["compare"],
+        "recoveries": run["resumes"],
+    })
+    out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"])
+    return _report(out, args.out)
+
+
+def _report(out: dict, path: str | None) -> int:
     text = json.dumps(out, indent=1)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text)
     return 0 if out.get("ok") else 1
 
