@@ -20,6 +20,8 @@ step counts on the host, is left out there).  Variants named without ``_regs`` t
 ptxas chooses (72 a thread on sm_90: 7 programs of 4 warps an SM); the shipped launch caps them at
 ``fused_adam.REGISTERS`` (64: 8 an SM, 16 bytes spilled), and ``--registers N,...`` adds the
 shipped block and warps capped at each N (Triton's ``maxnreg``; 56 lets 9 and spills 72 bytes).
+``<shipped>_word_fill`` is the shipped launch with an 8-byte fill before each chunk: what moving
+the step's progress word between chunks would cost (a fused step reads its cursor from its tags).
 Without CUDA and Triton (``--tiny`` on a CPU) only the torch variants run, on a small set.
 """
 from __future__ import annotations
@@ -153,6 +155,11 @@ def main(argv=None) -> int:
             name = variant(block, warps, regs)
             ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs))
             passes[name] = 10
+        # What a progress word moved before each chunk would add (copy steps move it; fused
+        # steps read their cursor from the tags instead).
+        word = torch.zeros(1, dtype=torch.int64, device=device)
+        ms[shipped() + "_word_fill"] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, *SHIPPED_LAUNCH, device,
+                                                         shipped_cap, word=word))
     gbps = {k: round(passes[k] * 2 * n * chunks / (v * 1e-3) / 1e9, 1) for k, v in ms.items() if k in passes}
     result = {"params": n * chunks, "chunks": chunks, "dtype": "bfloat16", "device": device, "reps": a.reps,
               "ms": {k: round(v, 3) for k, v in ms.items()}, "gb_per_s_required_bytes": gbps,
@@ -170,7 +177,7 @@ def _kernel_unavailable(device: str) -> str | None:
     return fused_adam.unavailable_reason(torch.device(device))
 
 
-def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None):
+def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None, word=None):
     import triton.language as tl
     from gpu_anchor.train.fused_adam_kernel import adam_undo
     key = fused_adam.structure(HP, torch.bfloat16)
@@ -187,6 +194,8 @@ def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None):
 
     def run():
         for i, r in enumerate(rows):
+            if word is not None:
+                word.fill_(i)
             adam_undo[(nbl,)](r, blks, tags[i % 2], 7, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
                               sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"], T=tl.bfloat16, AMSGRAD=False,
                               MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True, BLOCK=block, num_warps=warps,
