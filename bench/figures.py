@@ -16,7 +16,8 @@ a marker naming the result file and the value of each number in that clause:
   right without precedence (``a / b``, ``x * 1000`` for milliseconds, ``a - b / a * 100`` for
   "b is that many % below a").  ``@OTHER PATH`` takes one number from
   ``bench/results/OTHER.json`` instead (no prefix).  A path starting with ``.`` or ``[``
-  continues ``PREFIX``.
+  continues ``PREFIX``.  ``median(TERM; TERM; ...)`` is the median of its terms, each an
+  ``EXPR`` or an ``@OTHER PATH`` (the median of runs stored one file each).
 - ``fig none: WHY`` — the clause's numbers are not benchmark results (a paper's figure, a
   test's running time); says why.
 
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 from dataclasses import dataclass
 
 from bench.common import RESULTS
@@ -184,17 +186,15 @@ def check(path: str = README, results: str = RESULTS) -> tuple[list[Bound], list
         for (pos, shown), expr in zip(nums, exprs):
             if expr == "_":
                 continue
-            name, pre = source, prefix.strip()
-            if expr.startswith("@"):          # this number comes from another result file
-                name, _, expr = expr[1:].partition(" ")   # whitespace is single spaces by now
-                pre = ""
+            name = source
             try:
-                if name not in cache:
-                    with open(os.path.join(results, name + ".json")) as f:
-                        cache[name] = json.load(f)
-                value = evaluate(cache[name], expr, pre)
+                if expr.startswith("median(") and expr.endswith(")"):
+                    value = statistics.median(_term(t.strip(), source, prefix.strip(), results, cache)[1]
+                                              for t in expr[len("median("):-1].split(";"))
+                else:
+                    name, value = _term(expr, source, prefix.strip(), results, cache)
                 bad = None if _matches(shown, value) else f"README says {shown}, {name}.json gives {value:.6g}"
-            except (OSError, ValueError) as e:  # FigureError is a ValueError
+            except (OSError, ValueError, statistics.StatisticsError) as e:  # FigureError is a ValueError
                 value, bad = None, f"{name}: {e}"
             bounds.append(Bound(_line(text, pos), shown, f"{name}: {expr}", value, bad))
             if bad:
@@ -204,6 +204,18 @@ def check(path: str = README, results: str = RESULTS) -> tuple[list[Bound], list
             problems.append(f"{os.path.basename(path)}:{_line(text, n.start())}: figure "
                             f"{text[n.start():n.end() + 8].split(chr(10))[0]!r} has no source marker")
     return bounds, problems
+
+
+def _term(expr: str, source: str, prefix: str, results: str, cache: dict) -> tuple[str, float]:
+    """``(file, value)`` of one ``EXPR`` of ``source`` (or ``@OTHER PATH``)."""
+    name, pre = source, prefix
+    if expr.startswith("@"):          # this number comes from another result file
+        name, _, expr = expr[1:].partition(" ")   # whitespace is single spaces by now
+        pre = ""
+    if name not in cache:
+        with open(os.path.join(results, name + ".json")) as f:
+            cache[name] = json.load(f)
+    return name, evaluate(cache[name], expr, pre)
 
 
 def main(argv=None) -> int:

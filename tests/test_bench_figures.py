@@ -73,3 +73,14 @@ def test_a_key_may_hold_an_operator():
     assert figures.evaluate(data, "ms[top-k 50 + top-p 0.95/64]") == 0.92
     assert figures.evaluate(data, "ms[top-k 50 + top-p 0.95/64] + ms[a - b] * 2") == (0.92 + 2.0) * 2
     assert figures.evaluate(data, "x - ms[a - b] / x") == -1.0
+
+
+def test_a_median_of_runs_stored_one_file_each(tmp_path):
+    runs = {f"r{i}": {"pct": v} for i, v in enumerate([2.78, 3.28, 2.48, 2.99])}
+    text = "Median +2.9 %<!-- fig r0: median(pct; @r1 pct; @r2 pct; @r3 pct) -->.\n"
+    bounds, problems = _check(tmp_path, text, runs)
+    assert problems == [] and bounds[0].value == 2.885
+    _, problems = _check(tmp_path, "Median +3.0 %<!-- fig r0: median(pct; @r1 pct; @r2 pct; @r3 pct) -->.\n", runs)
+    assert problems and "README says 3.0" in problems[0]
+    _, problems = _check(tmp_path, "Median +2.9 %<!-- fig r0: median(pct; @r9 pct) -->.\n", runs)
+    assert problems and "r9" in problems[0]
