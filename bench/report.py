@@ -120,7 +120,22 @@ def _demo_table(r: dict) -> str:
     return "\n".join(out)
 
 
-TESTS = {"train_gpu_ddp": _ddp_table, "two_gpu": _demo_table}
+def _every_chunk_table(r: dict) -> str:
+    """gpu_campaign --every-chunk's JSON: the campaign MLP's fused steps killed at every chunk, bit for bit."""
+    rows = [("Model", f"the CPU campaign's MLP (fp32 AdamW) on {r.get('device', '?')}, {r.get('steps', '?')} steps, "
+                      f"{r.get('chunks', '?')} chunks", ""),
+            ("SIGKILLs injected", f"{r.get('kills', '?')} ({', '.join(r.get('kill_specs', []))})", ""),
+            ("Updates of the workers that finished", "; ".join(r.get("final_workers_updates", [])) or "—",
+             "fused only (copy=0)"),
+            ("Every step's loss bit-identical to the fault-free run", "yes" if r.get("losses_bit_identical") else "**no**",
+             "yes"),
+            ("Anchored objects differing from the fault-free run", ", ".join(r.get("objects_differing", [])) or "none",
+             "none"),
+            ("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", "")]
+    return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
+
+
+TESTS = {"train_gpu_ddp": _ddp_table, "two_gpu": _demo_table, "train_gpu_every_chunk": _every_chunk_table}
 
 
 def render_all(results_dir: str = RESULTS, include_tiny: bool = False, img_dir: str | None = None) -> str:
