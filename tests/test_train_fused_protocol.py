@@ -1,5 +1,6 @@
-"""The fused steps' protocol on a CPU (one process and DDP): cursor from the tags, rollback of tagged blocks, kills
-while a recovery redoes a chunk, a step begun fused and finished by copies.
+"""The fused steps' protocol on a CPU, in one process and under DDP: cursor from the tags,
+rollback of tagged blocks, kills while a recovery redoes a chunk, a step begun fused and
+finished by copies.
 
 The kernel runs only on CUDA; here ``fused_emulation`` stands in for it (block by block: undo,
 tag, new values), so the protocol code of fused steps runs in CI.  Every run ends compared with
