@@ -38,20 +38,11 @@ def _check(reference, cfg, ns, res):
     assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace=ns)) == []
 
 
-def _num_chunks(cfg):
-    from gpu_anchor.train import chunking
-    model = C.build_model(0)
-    opt = C.build_optimizer(model, cfg)
-    keys = 2 if cfg.optimizer == "adamw" else (3 if cfg.optimizer == "adam" else 1)
-    ps = [p for g in opt.param_groups for p in g["params"]]
-    return len(chunking.plan([p.numel() for p in ps], [[4] * (1 + keys)] * len(ps), cfg.chunk_bytes))
-
-
 @pytest.mark.parametrize("progress", ["journal", "device"])
 @pytest.mark.parametrize("phase", ["before_update", "mid_chunk", "after_update", "after_commit"])
 def test_each_phase_at_every_chunk(reference, tmp_path, phase, progress):
     cfg = C.CampaignConfig(steps=10, progress=progress)
-    n = _num_chunks(cfg)
+    n = C.num_chunks(cfg)
     assert n >= 3
     specs = [f"{phase}@{1 + c}:{c}" for c in range(n)]
     ns = f"phase-{phase}-{progress}"
@@ -93,7 +84,7 @@ def test_after_boundary(reference, tmp_path, progress):
 def test_killed_again_while_recovering(reference, tmp_path, progress):
     """The redo in the next worker's constructor is itself killed, at each of its points."""
     cfg = C.CampaignConfig(steps=8, progress=progress)
-    n = _num_chunks(cfg)
+    n = C.num_chunks(cfg)
     specs = ["mid_chunk@3:0", "before_update@3:0", "mid_chunk@3:0", "after_update@3:1",
              f"mid_chunk@3:{n - 1}", f"after_update@3:{n - 1}", f"after_commit@3:{n - 1}"]
     ns = f"rerecover-{progress}"
@@ -105,7 +96,7 @@ def test_killed_again_while_recovering(reference, tmp_path, progress):
 @pytest.mark.parametrize("name,flavour", [("sgd", "foreach"), ("adam", "single"), ("adamw", "fused")])
 def test_other_optimizers_mid_chunk(reference, tmp_path, name, flavour):
     cfg = C.CampaignConfig(steps=6, optimizer=name, flavour=flavour)
-    n = _num_chunks(cfg)
+    n = C.num_chunks(cfg)
     cfg.steps = n + 2
     specs = ["after_update@0:0"] + [f"mid_chunk@{1 + c}:{c}" for c in range(n)]
     ns = f"other-{name}-{flavour}"
@@ -144,7 +135,7 @@ def test_under_managed_scope(reference, tmp_path):
     """The issue's usage: model and AnchoredOptimizer built inside managed_scope (the
     optimizer attaches when the scope has bound); killed at each phase and at random."""
     cfg = C.CampaignConfig(steps=10, scope=True)
-    n = _num_chunks(cfg)
+    n = C.num_chunks(cfg)
     specs = ["mid_chunk@1:0", f"after_update@2:{n - 1}", "before_update@3:1", "after_commit@4:0",
              "between_steps@5", "before_boundary@7"]
     ns = "scoped"

@@ -13,18 +13,13 @@ import pytest
 
 import gpu_anchor
 from gpu_anchor.testing import campaign as C
-from gpu_anchor.train import chunking, fused_adam
+from gpu_anchor.train import fused_adam
 from gpu_anchor.train.protocol import decode_progress
 
 from fused_emulation import emulated
 
 pytestmark = pytest.mark.usefixtures("host_daemon")
 PHASES = ("before_update", "mid_chunk", "after_update", "after_commit")
-
-
-def _chunks(cfg) -> int:
-    ps = [p for g in C.build_optimizer(C.build_model(0), cfg).param_groups for p in g["params"]]
-    return len(chunking.plan([p.numel() for p in ps], [[4] * 3] * len(ps), cfg.chunk_bytes))
 
 
 def _check(ref_ns, ref, ns, res):
@@ -44,7 +39,7 @@ def _tagged_steps(ns) -> set:
 def test_each_phase_at_every_chunk_and_again_while_recovering(monkeypatch, tmp_path):
     emulated(monkeypatch)
     cfg = C.CampaignConfig(steps=8, progress="device")
-    n = _chunks(cfg)
+    n = C.num_chunks(cfg)
     assert n >= 3
     cfg.steps = n + 4
     ref = C.run("fused-ref", cfg, str(tmp_path / "ref.log"))
@@ -83,7 +78,7 @@ def test_a_step_begun_fused_is_finished_by_copies(monkeypatch, tmp_path, second)
     (``second``) ends where the same switch without it does."""
     emulated(monkeypatch)
     cfg = C.CampaignConfig(steps=6, progress="device")
-    assert _chunks(cfg) >= 3
+    assert C.num_chunks(cfg) >= 3
     C.prewarm(cfg)
     runs = {}
     for name, faults in (("switch-ref", []), (f"switch-{second}", [second] if second else [])):

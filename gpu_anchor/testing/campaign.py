@@ -54,6 +54,15 @@ def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
                                torch.nn.Linear(h, D_OUT))
 
 
+def num_chunks(cfg: CampaignConfig) -> int:
+    """How many chunks the step protocol cuts the campaign's model and optimizer into."""
+    from gpu_anchor.train import chunking
+    opt = build_optimizer(build_model(0), cfg)
+    keys = 2 if cfg.optimizer == "adamw" else (3 if cfg.optimizer == "adam" else 1)
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    return len(chunking.plan([p.numel() for p in ps], [[4] * (1 + keys)] * len(ps), cfg.chunk_bytes))
+
+
 def warmup(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 

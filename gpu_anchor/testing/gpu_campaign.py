@@ -146,11 +146,7 @@ def every_chunk(device: str) -> dict:
 
     import gpu_anchor
     from gpu_anchor.testing import campaign as C
-    from gpu_anchor.train import chunking
-    model = C.build_model(0)
-    ps = [p for g in C.build_optimizer(model, C.CampaignConfig()).param_groups for p in g["params"]]
-    cfg = C.CampaignConfig(progress="device", device=device)
-    n = len(chunking.plan([p.numel() for p in ps], [[4] * 3] * len(ps), cfg.chunk_bytes))
+    n = C.num_chunks(C.CampaignConfig())
     cfg = C.CampaignConfig(steps=n + 3, progress="device", device=device)
     specs = [f"{ph}@{1 + c}:{c}" for c in range(n) for ph in ("before_update", "mid_chunk", "after_update",
                                                                "after_commit")]
