@@ -49,6 +49,11 @@ def load():
     raise RuntimeError("libcublasLt is not loaded in this process (is torch's CUDA build cuBLAS-backed?)")
 
 
+def unload(lib, handle) -> None:
+    """Destroys the handle ``load`` created."""
+    _check(lib.cublasLtDestroy(handle), "destroy")
+
+
 class Linear:
     """``y[M, N] = x[M, K] @ w[N, K].T`` by cuBLASLt, laid out as torch lays out ``F.linear``
     (column-major ``D[N, M] = op_T(w: K × N, ld K) · x (K × M, ld K)``)."""
@@ -70,6 +75,16 @@ class Linear:
         _check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
                "workspace preference")
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def close(self) -> None:
+        """Destroys the descriptor, the three layouts and the preference (once)."""
+        if self.desc is None:
+            return
+        _check(self.lib.cublasLtMatmulPreferenceDestroy(self.pref), "preference destroy")
+        for lay in (self.a, self.b, self.c):
+            _check(self.lib.cublasLtMatrixLayoutDestroy(lay), "layout destroy")
+        _check(self.lib.cublasLtMatmulDescDestroy(self.desc), "descriptor destroy")
+        self.desc = None
 
     def candidates(self, count: int) -> list[HeuristicResult]:
         """The heuristic's answers, best first (at most ``count``), those it says can run."""

@@ -191,16 +191,21 @@ def measure_algos(device: str, rows: list[int], reps: int, top: int, workspace_m
             ref = F.linear(x, ws[0])
             lin = cublaslt.Linear(lib, handle, m, k, n, workspace.numel())
             cell = {"torch_us": run(lambda: [F.linear(x, w) for w in ws]) / count * 1e6, "candidates": []}
-            for rank, cand in enumerate(lin.candidates(top)):
-                lin(x, ws[0], ys[0], cand, workspace)
-                first = ys[0].clone()
-                repeats = all((lin(x, ws[0], ys[0], cand, workspace), torch.equal(ys[0], first))[1] for _ in range(3))
-                us = run(lambda: [lin(x, w, y, cand, workspace) for w, y in zip(ws, ys)]) / count * 1e6
-                cell["candidates"].append({"rank": rank, "us": us, "equal_to_torch": torch.equal(first, ref),
-                                           "repeats_bit_for_bit": repeats,
-                                           "max_abs_difference": (first.float() - ref.float()).abs().max().item(),
-                                           "workspace_bytes": cand.workspace_size, "waves": cand.waves,
-                                           **lin.config(cand)})
+            try:
+                for rank, cand in enumerate(lin.candidates(top)):
+                    lin(x, ws[0], ys[0], cand, workspace)
+                    first = ys[0].clone()
+                    repeats = all((lin(x, ws[0], ys[0], cand, workspace), torch.equal(ys[0], first))[1]
+                                  for _ in range(3))
+                    us = run(lambda: [lin(x, w, y, cand, workspace) for w, y in zip(ws, ys)]) / count * 1e6
+                    cell["candidates"].append({"rank": rank, "us": us, "equal_to_torch": torch.equal(first, ref),
+                                               "repeats_bit_for_bit": repeats,
+                                               "max_abs_difference": (first.float() - ref.float()).abs().max().item(),
+                                               "workspace_bytes": cand.workspace_size, "waves": cand.waves,
+                                               **lin.config(cand)})
+            finally:
+                torch.cuda.synchronize()     # the matmuls enqueued with the descriptors are done
+                lin.close()
             # with nothing offered (not seen), torch's pick stands for the fastest
             best = min(cell["candidates"], key=lambda c: c["us"], default={"rank": None, "us": cell["torch_us"]})
             cell.update(best_rank=best["rank"], best_us=best["us"], best_over_torch=best["us"] / cell["torch_us"])
@@ -210,6 +215,7 @@ def measure_algos(device: str, rows: list[int], reps: int, top: int, workspace_m
                   flush=True)
         ws = None
         torch.cuda.empty_cache()
+    cublaslt.unload(lib, handle)
     step = {}
     for m in rows:
         cs = {kind: cells[f"{kind}/{m}"] for kind in (*SHAPES, "lm_head")}
