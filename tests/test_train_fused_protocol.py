@@ -1,4 +1,4 @@
-"""The fused steps' protocol on a CPU, in one process and under DDP: cursor from the tags,
+"""The fused steps' protocol on a CPU, in one process, under DDP and FSDP2: cursor from the tags,
 rollback of tagged blocks, kills while a recovery redoes a chunk, a step begun fused and
 finished by copies.
 
@@ -93,21 +93,22 @@ def test_a_step_begun_fused_is_finished_by_copies(monkeypatch, tmp_path, second)
         _check("switch-ref", runs["switch-ref"], f"switch-{second}", runs[f"switch-{second}"])
 
 
-def test_ddp_fused_steps_a_rank_killed_at_each_phase(monkeypatch, tmp_path):
-    """DDP (gloo, two forked CPU ranks) with fused steps: one rank killed at a chunk phase, its
-    peer killed with it (torchrun-style), each rank's cursor read from its own tags; both ranks
-    end bit for bit where the fault-free group does."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_fused_steps_a_rank_killed_at_each_phase(monkeypatch, tmp_path, parallel):
+    """DDP or FSDP2 (gloo, two forked CPU ranks) with fused steps: one rank killed at a chunk
+    phase, its peer killed with it (torchrun-style), each rank's cursor read from its own tags;
+    both ranks end bit for bit where the fault-free group does."""
     from gpu_anchor.testing import ddp_campaign as D
     emulated(monkeypatch)
     cfg = C.CampaignConfig(steps=8, progress="device")
     (tmp_path / "ref").mkdir()
-    ref = D.run_group("dfref", cfg, str(tmp_path / "ref"))
-    specs = [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "after_commit@3:2"), (0, "before_update@4:1"),
-             [(0, "mid_chunk@5:2"), (1, "after_update@5:2")], (1, "between_steps@6")]
-    res = D.run_group("dfk", cfg, str(tmp_path), faults_seq=specs)
+    ref = D.run_group(f"{parallel}fref", cfg, str(tmp_path / "ref"), parallel=parallel)
+    specs = [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "after_commit@3:1"), (0, "before_update@4:1"),
+             [(0, "mid_chunk@5:0"), (1, "after_update@5:0")], (1, "between_steps@6")]
+    res = D.run_group(f"{parallel}fk", cfg, str(tmp_path), faults_seq=specs, parallel=parallel)
     assert res["kills"] == len(specs)
     for r in range(2):
         assert C.trajectory(res["logs"][r])[0] == C.trajectory(ref["logs"][r])[0], f"rank {r} losses"
-        assert C.compare(gpu_anchor.connect("cpu", namespace=f"dfref/rank{r}"),
-                         gpu_anchor.connect("cpu", namespace=f"dfk/rank{r}")) == [], f"rank {r} state"
-        assert _tagged_steps(f"dfk/rank{r}") == {cfg.steps - 1}        # fused to the end
+        assert C.compare(gpu_anchor.connect("cpu", namespace=f"{parallel}fref/rank{r}"),
+                         gpu_anchor.connect("cpu", namespace=f"{parallel}fk/rank{r}")) == [], f"rank {r} state"
+        assert _tagged_steps(f"{parallel}fk/rank{r}") == {cfg.steps - 1}        # fused to the end
