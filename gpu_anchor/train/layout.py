@@ -74,9 +74,10 @@ def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, 
     """Binds the gradients, optimizer state, undo slots, progress word and undo tags; returns
     ``(undo slots, progress word, tags or None)``.  ``committed_steps``: the journal's count
     when resuming (its state must be found), None for a fresh start."""
-    specs = []
+    # Gradients first: created in one batch they lie end to end, so ``grad_lending`` can lend
+    # them as a few large runs (a resumed run keeps wherever its objects are).
+    specs = [(f"{prefix}.grad.{q.name}", tuple(q.local.shape), q.local.dtype) for q in params]
     for q, ks in zip(params, keys_of):
-        specs.append((f"{prefix}.grad.{q.name}", tuple(q.local.shape), q.local.dtype))
         specs += [(f"{prefix}.state.{q.name}.{k}", tuple(q.local.shape), q.local.dtype) for k in ks]
     bound = client.bind(specs)
     lost = [b.name for b in bound if b.status == "created"]
@@ -98,9 +99,9 @@ def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, 
         word.fill_(-1)
         if tags is not None:
             tags.fill_(-1)     # no block of any (step, chunk) saved
-    it = iter(bound)
-    for q, ks in zip(params, keys_of):
-        q.grad = next(it).tensor
+    grads, it = bound[:len(params)], iter(bound[len(params):])
+    for q, ks, g in zip(params, keys_of, grads):
+        q.grad = g.tensor
         q.gview = _like(q.p, q.grad)
         q.states = {k: next(it).tensor for k in ks}
         q.flat = q.local.detach().view(-1)
