@@ -43,6 +43,7 @@ class CampaignConfig:
     amp: bool = False               # GradScaler (``make_scaler``); the log carries the scale too
     device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
                                     # forking process must not have initialised CUDA)
+    lend_grad_bytes: int = 0        # StepProtocolConfig.lend_grad_bytes (the log then says what was lent)
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -108,6 +109,11 @@ def _log(fd: int, step: int, loss: torch.Tensor, scaler=None) -> None:
     os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}{extra}\n".encode())
 
 
+def _protocol(cfg: CampaignConfig):
+    from gpu_anchor.train.config import StepProtocolConfig
+    return StepProtocolConfig(chunk_bytes=cfg.chunk_bytes, progress=cfg.progress, lend_grad_bytes=cfg.lend_grad_bytes)
+
+
 def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None = None) -> int:
     """One worker's life: attach, recover, train to the end.  Returns the steps it began at."""
     faults.arm(fault)
@@ -119,16 +125,15 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
             model = build_model(cfg.seed)
             inner = build_optimizer(model, cfg)
             sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
-            opt = AnchoredOptimizer(inner, model=model, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
-                                    progress=cfg.progress, scaler=scaler)
+            opt = AnchoredOptimizer(inner, model=model, schedulers=[sched], scaler=scaler, config=_protocol(cfg))
     else:
         client = gpu_anchor.connect(cfg.device, namespace=namespace)
         model = build_model(cfg.seed).to(cfg.device)
         anchor_module(model, client)
         inner = build_optimizer(model, cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(inner, warmup)
-        opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
-                                progress=cfg.progress, scaler=scaler)
+        opt = AnchoredOptimizer(inner, model=model, client=client, schedulers=[sched], scaler=scaler,
+                                config=_protocol(cfg))
     start = opt.completed_steps
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -143,6 +148,9 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
         os.write(fd, f"done {opt.loop_state.get('samples', 0)} {opt.completed_steps}\n".encode())
         if cfg.device != "cpu":
             os.write(fd, f"updates fused={opt.stats['fused_steps']} copy={opt.stats['copy_steps']}\n".encode())
+        if opt.lender is not None:
+            st = opt.lender.stats
+            os.write(fd, f"lending lent={st['lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
     finally:
         os.close(fd)
     return start

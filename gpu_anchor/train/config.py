@@ -23,19 +23,27 @@ class StepProtocolConfig:
     ``progress="device"`` on CUDA, update Adam/AdamW chunks with one Triton kernel that also
     writes their undo image (``fused_adam``), where Triton is importable and the kernel was
     checked bit for bit against torch's own update on this device; False: always the undo
-    copy + torch's update."""
+    copy + torch's update.  ``lend_grad_bytes``: in one process with ``zero_grad()``'s default
+    ``set_to_none=True``, lend up to this many bytes of the anchored gradient buffers, which hold
+    nothing between ``zero_grad()`` and the next backward, to the last activations the forward
+    saves (``grad_lending``): the peak falls by what is lent, and each byte lent is copied once
+    a step.  0 (the default): off."""
 
     prefix: str = "train"
     chunk_bytes: int | None = None
     progress: str | None = None
     track_rng: bool = True
     fused_update: bool = True
+    lend_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
             raise ValueError(f"prefix must be a non-empty string, got {self.prefix!r}")
         if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0):
             raise ValueError(f"chunk_bytes must be a positive integer, got {self.chunk_bytes!r}")
+        if isinstance(self.lend_grad_bytes, bool) or not isinstance(self.lend_grad_bytes, int) \
+                or self.lend_grad_bytes < 0:
+            raise ValueError(f"lend_grad_bytes must be a byte count >= 0, got {self.lend_grad_bytes!r}")
         if not isinstance(self.fused_update, bool):
             raise ValueError(f"fused_update must be True or False, got {self.fused_update!r}")
         if self.progress is not None and self.progress not in PROGRESS:

@@ -14,8 +14,10 @@ final gradients, because they are the redo log of the step in flight.
 - otherwise (DDP's buckets and FSDP2's sharded gradients own ``p.grad``'s life), and with
   ``zero(cleared=False)``: the buffers are zeroed in place and ``p.grad`` keeps pointing at them.
 
-Either way the buffers keep the last step's gradients until the next backward writes them:
-nothing here clears a redo log.  ``finalize`` is the boundary: a gradient found elsewhere (a
+Either way the buffers keep the last step's gradients until the next backward writes them, or,
+with a ``grad_lending.GradientLender`` (``fresh`` only), until ``zero(cleared=True)`` lends them
+to the next forward's saved activations: nothing here clears a redo log before the step it
+belongs to is written.  ``finalize`` is the boundary: a gradient found elsewhere (a
 framework replaced ``p.grad``) is copied home; the mask says which parameters got one since
 the last ``zero`` — the step skips the others, as torch skips ``grad is None``.
 """
@@ -27,8 +29,10 @@ from .fsdp import local as _local
 
 
 class GradientBuffers:
-    def __init__(self, params, fresh: bool) -> None:
-        self.params, self.fresh = params, fresh
+    def __init__(self, params, fresh: bool, lender=None) -> None:
+        if lender is not None and not fresh:
+            raise ValueError("gradient lending needs the fresh gradients of one process")
+        self.params, self.fresh, self.lender = params, fresh, lender
         self.cleared = [True] * len(params)
         self.hooks = [q.p.register_post_accumulate_grad_hook(self._hook(q)) for q in params if q.p.requires_grad]
 
@@ -36,7 +40,11 @@ class GradientBuffers:
         if cleared and self.fresh:
             for q in self.params:
                 q.p.grad = None
+            if self.lender is not None:
+                self.lender.open()
         else:
+            if self.lender is not None:
+                self.lender.close()
             torch._foreach_zero_([q.grad for q in self.params])
             for q in self.params:
                 if q.p.grad is None or _local(q.p.grad).data_ptr() != q.grad.data_ptr():
@@ -46,6 +54,8 @@ class GradientBuffers:
     def finalize(self) -> list[bool]:
         """The gradient-finalization boundary: the buffers hold the final gradients; returns
         which parameters got one."""
+        if self.lender is not None:
+            self.lender.finalize()
         mask = []
         for q in self.params:
             g = q.p.grad
@@ -65,6 +75,8 @@ class GradientBuffers:
             self.cleared[q.index] = False
             g = p.grad
             if self.fresh and g is not None and g.data_ptr() != q.grad.data_ptr():
+                if self.lender is not None:
+                    self.lender.arrived(q)
                 q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
                 p.grad = q.gview
         return hook

@@ -44,6 +44,7 @@ from gpu_anchor.journal_keys import STEP_KEY
 
 from . import step_hooks
 from .grads import GradientBuffers
+from .grad_lending import GradientLender
 from . import layout
 
 def _open_scope():
@@ -174,8 +175,10 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             self._dev = DeviceProgress(self._word, self.device, self._copy_to_undo, self.stats)
         self._counts = [0] * len(self._params)
         self._rank, self._world = distributed.world()
-        self._grads = GradientBuffers(self._params, fresh=self._world == 1 and
-                                      all(_local(q.p) is q.p for q in self._params))
+        fresh = self._world == 1 and all(_local(q.p) is q.p for q in self._params)
+        self.lender = GradientLender(self._params, self.config.lend_grad_bytes, self.device) \
+            if fresh and self.config.lend_grad_bytes > 0 else None
+        self._grads = GradientBuffers(self._params, fresh=fresh, lender=self.lender)
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
 
         with torch.no_grad():

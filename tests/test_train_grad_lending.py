@@ -1,0 +1,218 @@
+"""Gradient lending (``gpu_anchor.train.grad_lending``): the anchored gradient buffers hold the
+forward's last saved activations between ``zero_grad()`` and the next backward.
+
+    PYTHONPATH=. python -m pytest -q tests/test_train_grad_lending.py        # the CUDA cases: -m gpu
+
+A user's transformers Llama (tied embeddings) trained with lending must equal plain PyTorch bit
+for bit — losses, gradient norms, weights, Adam states — with micro-batches and
+``clip_grad_norm_``, with a budget so large that gradients land on lent tensors still alive
+(they are moved out first), with a retained graph, and with a gradient penalty
+(``create_graph``).  Then the step protocol: SIGKILLs at every protocol point and at random
+instants while tensors are lent, compared with a run that lends nothing.  On a CPU each
+gradient buffer is its own mapping and the model is small, so the tests lower ``MIN_BYTES``.
+"""
+import random
+import re
+import warnings
+
+import pytest
+import torch
+
+import gpu_anchor
+from gpu_anchor.testing import campaign as C
+from gpu_anchor.train import grad_lending
+from gpu_anchor.train.config import StepProtocolConfig
+
+CASES = {"cpu": ("host_daemon", 1000, 64, 2, (2, 32)), "cuda": ("cuda_daemon", 32000, 512, 4, (4, 256))}
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _llama(seed, vocab, hidden, layers, device, attn):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                   tie_word_embeddings=True, attn_implementation=attn)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+
+
+def _setup(request, device, monkeypatch, namespace, budget, attn="sdpa"):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fixture, vocab, hidden, layers, shape = CASES[device]
+    request.getfixturevalue(fixture)
+    if device == "cpu":
+        monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    client = gpu_anchor.connect("cuda:0" if device == "cuda" else "cpu", namespace=namespace)
+    ref, model = (_llama(0, vocab, hidden, layers, device, attn) for _ in range(2))
+    anchor_module(model, client)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                            config=StepProtocolConfig(lend_grad_bytes=budget))
+    assert opt.lender is not None
+    return ref, ropt, model, opt, vocab, shape
+
+
+def _same_state(ref, ropt, model, opt):
+    opt.flush()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ropt.state[a][k], opt.optimizer.state[b][k]), (n, k)
+
+
+def _grad_bytes(opt) -> int:
+    return sum(q.grad.numel() * q.grad.element_size() for q in opt._params)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", ["half", "all"])
+def test_lent_llama_equals_plain_torch_bit_for_bit(request, monkeypatch, device, budget):
+    """Three micro-batches a step and ``clip_grad_norm_``; "all" lends every gradient byte, so
+    gradients arrive on lent tensors still alive (moved out first) and the budget shrinks."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, device, monkeypatch, f"lend-{budget}", 1 << 40)
+    opt.lender.budget = _grad_bytes(opt) // 2 if budget == "half" else _grad_bytes(opt)
+    gen = torch.Generator(device=device).manual_seed(1)
+    for step in range(5):
+        batches = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(3)]
+        seen = []
+        for m, o in ((ref, ropt), (model, opt)):
+            losses = []
+            for ids in batches:
+                loss = m(input_ids=ids, labels=ids).loss / len(batches)
+                loss.backward()
+                losses.append(loss.detach())
+            seen.append((torch.stack(losses), torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+            o.step()
+            o.zero_grad()
+        (lr, nr), (la, na) = seen
+        assert torch.equal(lr, la) and torch.equal(nr, na), (step, nr.item(), na.item())
+    _same_state(ref, ropt, model, opt)
+    st = opt.lender.stats
+    assert st["windows"] >= 3 and st["lent_tensors"] > 0, st
+    if budget == "all":
+        assert st["evicted_bytes"] > 0 and opt.lender.budget < _grad_bytes(opt), st
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_retained_graph_and_gradient_penalty(request, monkeypatch, device):
+    """``backward(retain_graph=True)`` twice (lent tensors outlive the first backward) and a
+    ``create_graph`` gradient penalty (eager attention: SDPA has no double backward): the same
+    bits as plain torch."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, device, monkeypatch, "lend-retain", 1 << 40, "eager")
+    gen = torch.Generator(device=device).manual_seed(2)
+    for step in range(4):
+        ids = torch.randint(0, vocab, shape, device=device, generator=gen)
+        seen = []
+        for m, o in ((ref, ropt), (model, opt)):
+            emb = m.model.embed_tokens(ids).detach().requires_grad_(True)
+            out = m(inputs_embeds=emb, labels=ids)
+            if step % 2:
+                out.loss.backward(retain_graph=True)
+                out.loss.backward()
+            else:
+                (g,) = torch.autograd.grad(out.loss, emb, create_graph=True)
+                (out.loss + g.float().pow(2).sum()).backward()
+            seen.append(out.loss.detach())
+            o.step()
+            o.zero_grad()
+        assert torch.equal(seen[0], seen[1]), step
+    _same_state(ref, ropt, model, opt)
+    assert opt.lender.stats["lent_tensors"] > 0
+
+
+def test_a_kept_tensor_changed_in_place_still_raises(request, monkeypatch):
+    """torch skips its in-place check for hooked saved tensors; the lender keeps it for the ones
+    it does not copy."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, "cpu", monkeypatch, "lend-inplace", 1 << 40)
+    x = torch.randn(8, requires_grad=True)
+    y = x.exp()          # saves its result, too small to lend: kept
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_hooks_only_in_forwards_of_the_window(request, monkeypatch):
+    """The saved-tensor hooks are pushed around the outermost module call between zero_grad()
+    and the first gradient only; a user's hooks in force win; unbalanced ones stop lending,
+    said once."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, "cpu", monkeypatch, "lend-hooks", 1 << 40)
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    ours = lambda: top(True) is not None and getattr(top(True)[0], "__self__", None) is opt.lender  # noqa: E731
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda m, a, o: seen.append(ours()))
+    ids = torch.randint(0, vocab, shape)
+
+    def iteration(micro=2):
+        for _ in range(micro):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    iteration()
+    iteration()
+    assert seen == [True, False] * 2 and top(True) is None
+    assert opt.lender.stats["lent_tensors"] > 0
+    seen.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):    # the user's, around it
+        iteration(1)
+    assert seen == [False] and top(True) is None
+    # hooks pushed inside the forward and never popped: lending stops, with a warning
+    user = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    h = model.model.layers[0].register_forward_pre_hook(lambda m, a: user.__enter__())
+    try:
+        with pytest.warns(RuntimeWarning, match="gradient lending stops"):
+            iteration(1)
+    finally:
+        h.remove()
+        torch._C._autograd._pop_saved_tensors_default_hooks()       # theirs
+        torch._C._autograd._pop_saved_tensors_default_hooks()       # ours, left below theirs
+    assert opt.lender.disabled is not None and top(True) is None
+    seen.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        iteration(1)
+    assert seen == [False]
+
+
+def test_config_refuses_a_bad_budget():
+    for bad in (-1, True, 1.5, "1G"):
+        with pytest.raises(ValueError, match="lend_grad_bytes"):
+            StepProtocolConfig(lend_grad_bytes=bad)
+
+
+# ---------------------------------------------------------------------- the step protocol, killed
+PROTOCOL_POINTS = ["between_steps@2", "before_boundary@3", "after_boundary@4", "before_update@5:0",
+                   "mid_chunk@5:1", "after_update@6:0", "after_commit@6:1"]
+
+
+@pytest.mark.usefixtures("host_daemon")
+@pytest.mark.parametrize("progress", ["journal", "device"])
+def test_kills_while_lent_end_where_a_run_that_lends_nothing_ends(monkeypatch, tmp_path, progress):
+    """Workers killed at each protocol point and at 20 random instants, some of them inside a
+    forward with tensors lent: every loss and every anchored object equals a fault-free run
+    without lending, bit for bit."""
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 256)
+    base = C.CampaignConfig(steps=10, progress=progress)
+    ref = C.run(f"lend-ref-{progress}", base, str(tmp_path / "ref.log"))
+    cfg = C.CampaignConfig(steps=10, progress=progress, lend_grad_bytes=1 << 20)
+    res = C.run(f"lend-pts-{progress}", cfg, str(tmp_path / "pts.log"), faults_seq=PROTOCOL_POINTS)
+    assert res.kills == len(PROTOCOL_POINTS)
+    for ns, r in ((f"lend-pts-{progress}", res),):
+        assert C.trajectory(r.log) == C.trajectory(ref.log)
+        assert C.compare(gpu_anchor.connect("cpu", namespace=f"lend-ref-{progress}"),
+                         gpu_anchor.connect("cpu", namespace=ns)) == []
+    rng = random.Random(20261204)
+    kills = runs = 0
+    while kills < 20:
+        ns = f"lend-rand-{progress}-{runs}"
+        client = gpu_anchor.connect("cpu", namespace=ns)
+        r = C.run(ns, cfg, str(tmp_path / f"{ns}.log"), random_kills=20 - kills, max_delay_s=ref.wall_s * 0.8,
+                  rng=rng, client=client)
+        assert C.trajectory(r.log) == C.trajectory(ref.log)
+        assert C.compare(gpu_anchor.connect("cpu", namespace=f"lend-ref-{progress}"), client) == []
+        kills, runs = kills + r.kills, runs + 1
+        client.drop_namespace()
+    lent = re.search(r"lending lent=(\d+)", res.log)
+    assert lent and int(lent.group(1)) > 0, res.log[-300:]
