@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="plain/anchored window pairs")
     ap.add_argument("--no-fused", action="store_true", help="undo copies + torch's update, not the fused kernel")
     ap.add_argument("--torch-fused", action="store_true", help="AdamW(fused=True) on both sides")
+    ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
+                    help="StepProtocolConfig.lend_grad_bytes: lend up to N bytes of the gradient buffers "
+                         "to the forward's last saved activations")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="then K profiled steps of each mode: device time by kind of kernel")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
@@ -203,9 +206,13 @@ def main(argv=None) -> int:
         popt = torch.optim.AdamW(plain.parameters(), **adamw)    # ... and fresh optimizer state
         opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), **adamw), model=model, client=client,
                                 config=StepProtocolConfig(chunk_bytes=args.chunk_bytes, progress=args.progress,
-                                                          fused_update=not args.no_fused))
+                                                          fused_update=not args.no_fused,
+                                                          lend_grad_bytes=args.lend_grad_bytes))
+        # the peak over the warm-up steps after the first (the first is where gradient lending
+        # learns the forward; without lending it is the same measurement)
+        win.run(model, opt, 1, 0)
         base = _reset_peak(device)
-        win.run(model, opt, args.warmup, 0)
+        win.run(model, opt, max(1, args.warmup - 1), 1)
         peak_a = _peak(device) - base if device.startswith("cuda") else None
         win.run(plain, popt, args.warmup, 0)
         modes = {"plain": (plain, popt, True), "anchored": (model, opt, True)}
@@ -259,6 +266,11 @@ def main(argv=None) -> int:
             "commits_per_step": (opt.stats["commits"] - before["commits"]) / n,
             "commit_ms_per_step": commit_ms, "host_wait_ms_per_step": wait_ms,
             "anchored_bytes": anchored,
+            "lend_grad_bytes": args.lend_grad_bytes,
+            **({"lent_bytes_last_step": opt.lender.stats["last_lent_bytes"],
+                "lent_tensors_per_window": opt.lender.stats["lent_tensors"] / max(1, opt.lender.stats["windows"]),
+                "lend_evicted_bytes": opt.lender.stats["evicted_bytes"],
+                "lend_budget_final": opt.lender.budget} if opt.lender is not None else {}),
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
@@ -279,7 +291,8 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
     name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_nofused" if args.no_fused else "") + ("_torchfused" if args.torch_fused else "") + (
         f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
-        "_profile" if args.profile else "") + ("_tiny" if args.tiny else "")
+        "_profile" if args.profile else "") + (
+        f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + ("_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0
 

@@ -55,6 +55,7 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
 
     from gpu_anchor.train import faults
     from gpu_anchor.train.anchor import anchor_module
+    from gpu_anchor.train.config import StepProtocolConfig
     from gpu_anchor.train.optimizer import AnchoredOptimizer
 
     t0 = time.perf_counter()
@@ -67,7 +68,9 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
     anchor_module(model, client)
     inner = torch.optim.AdamW(model.parameters(), lr=a["lr"], weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 5))
-    opt = AnchoredOptimizer(inner, model=model, client=client, schedulers=[sched], chunk_bytes=a["chunk_bytes"])
+    opt = AnchoredOptimizer(inner, model=model, client=client, schedulers=[sched],
+                            config=StepProtocolConfig(chunk_bytes=a["chunk_bytes"],
+                                                      lend_grad_bytes=a.get("lend_grad_bytes", 0)))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -81,6 +84,9 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
         os.write(fd, f"{step} {float(loss.detach())!r}\n".encode())
         opt.step()
         opt.zero_grad()
+    if opt.lender is not None:
+        st = opt.lender.stats
+        os.write(fd, f"lending lent={st['last_lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
     if compare_ns:
         ref = gpu_anchor.connect(a["device"], namespace=compare_ns)
         diffs = {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
@@ -101,10 +107,13 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
 
 
 def _parse(log: str) -> dict:
-    losses, resumes, compare = {}, [], None
+    losses, resumes, compare, lending = {}, [], None, None
     for line in log.splitlines():
         head, _, rest = line.partition(" ")
-        if head == "resumed":
+        if head == "lending":
+            lent, evicted = (int(f.split("=")[1]) for f in rest.split())
+            lending = {"lent_bytes_last_step": lent, "evicted_bytes": evicted}
+        elif head == "resumed":
             f = rest.split()
             resumes.append({"completed_steps": int(f[0]), "construct_s": float(f[1])})
             chunks = int(f[3])
@@ -113,7 +122,7 @@ def _parse(log: str) -> dict:
         else:
             s, v = int(head), float(rest)
             losses.setdefault(s, []).append(v)
-    return {"losses": losses, "resumes": resumes, "compare": compare, "chunks": chunks}
+    return {"losses": losses, "resumes": resumes, "compare": compare, "chunks": chunks, "lending": lending}
 
 
 def schedule(n: int) -> list[str]:
@@ -140,21 +149,29 @@ def _daemon(device: str):
         daemon.wait(timeout=30)
 
 
-def every_chunk(device: str) -> dict:
-    """The ``--every-chunk`` campaign (module docstring); returns its result."""
+def every_chunk(device: str, lend_grad_bytes: int = 0) -> dict:
+    """The ``--every-chunk`` campaign (module docstring); returns its result.  ``lend_grad_bytes``:
+    the killed run lends its gradient buffers (the MLP's saved tensors are a few KiB, so any size
+    is lent), the reference does not."""
+    import dataclasses
+
     import torch
 
     import gpu_anchor
     from gpu_anchor.testing import campaign as C
+    from gpu_anchor.train import grad_lending
     n = C.num_chunks(C.CampaignConfig())
-    cfg = C.CampaignConfig(steps=n + 3, progress="device", device=device)
+    ref_cfg = C.CampaignConfig(steps=n + 3, progress="device", device=device)
+    cfg = dataclasses.replace(ref_cfg, lend_grad_bytes=lend_grad_bytes)
+    if lend_grad_bytes:
+        grad_lending.MIN_BYTES = 256
     specs = [f"{ph}@{1 + c}:{c}" for c in range(n) for ph in ("before_update", "mid_chunk", "after_update",
                                                                "after_commit")]
     with _daemon(device) as tmp:
         C.prewarm(cfg)        # for a CUDA campaign: no backward, no step here (CUDA does not survive fork)
         if torch.cuda.is_initialized():
             raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
-        ref = C.run("every-chunk-ref", cfg, os.path.join(tmp, "ref.log"))
+        ref = C.run("every-chunk-ref", ref_cfg, os.path.join(tmp, "ref.log"))
         run = C.run("every-chunk-run", cfg, os.path.join(tmp, "run.log"), faults_seq=specs)
         ref_losses, ref_done = C.trajectory(ref.log)
         losses, done = C.trajectory(run.log)      # raises if a replayed step logged other bits
@@ -165,8 +182,11 @@ def every_chunk(device: str) -> dict:
            "kill_specs": specs, "kills": run.kills, "losses_bit_identical": losses == ref_losses,
            "done_identical": done == ref_done, "objects_differing": differ, "final_workers_updates": updates}
     fused = all(u.endswith(" copy=0") and " fused=0 " not in u for u in updates) and bool(updates)
+    lent = [int(line.split()[1].removeprefix("lent=")) for line in run.log.splitlines() if line.startswith("lending ")]
+    out["lend_grad_bytes"], out["lent_bytes_final_worker"] = lend_grad_bytes, (lent[-1] if lent else None)
     out["ok"] = bool(run.kills == len(specs) and losses == ref_losses and done == ref_done and not differ
-                     and (fused or device == "cpu"))       # on a CPU every step saves by copies
+                     and (fused or device == "cpu")       # on a CPU every step saves by copies
+                     and (not lend_grad_bytes or (lent and lent[-1] > 0)))
     return out
 
 
@@ -180,11 +200,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--chunk-bytes", type=int, default=None)
     ap.add_argument("--every-chunk", action="store_true", help="the MLP killed at every chunk, bit for bit")
+    ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
+                    help="StepProtocolConfig.lend_grad_bytes of the killed runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # in case anything asks: no cuInit here
     if args.every_chunk:
-        return _report(every_chunk(args.device), args.out)
+        return _report(every_chunk(args.device, args.lend_grad_bytes), args.out)
     if args.tiny:
         args.batch, args.seq = 2, 32
     import torch  # noqa: F401  (imported before fork on purpose)
@@ -195,7 +217,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
     a = dict(device=args.device, tiny=args.tiny, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
-             chunk_bytes=args.chunk_bytes)
+             chunk_bytes=args.chunk_bytes, lend_grad_bytes=args.lend_grad_bytes)
     out = {"test": "train_gpu_faults", "model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""),
            "device": args.device, "dtype": "bfloat16", "optimizer": "AdamW", **a}
     with _daemon(args.device) as tmp:
@@ -230,8 +252,10 @@ def main(argv=None) -> int:
         "replayed_iterations_identical": replays_equal,
         "state_compare": run["compare"],
         "recoveries": run["resumes"],
+        "lending": run["lending"],
     })
-    out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"])
+    out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"]
+                     and (not args.lend_grad_bytes or bool(run["lending"] and run["lending"]["lent_bytes_last_step"])))
     return _report(out, args.out)
 
 
