@@ -134,7 +134,7 @@ _handles: tuple = ()
 def _enter_hook(module, args) -> None:
     lender = _current() if _current is not None else None
     if lender is not None and not torch.compiler.is_compiling():
-        lender._enter()
+        lender._enter(module)
 
 
 def _leave_hook(module, args, out) -> None:
@@ -185,8 +185,10 @@ class GradientLender:
         self._depth = 0                         # module calls in progress on that thread
         self._pushed = None                     # our pack function while it is on torch's stack
         self._stream = None
+        self._param_ids = {id(q.p) for q in params}
+        self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._live: "weakref.WeakSet[_Lent]" = weakref.WeakSet()
-        self._seen: dict[int, tuple] = {}       # id(original) -> (weakref, version, handle)
+        self._seen: dict[int, tuple] = {}       # id(original) -> (weakrefs to it, version, weakref to handle)
         self._lent = 0
         self._overlapped = 0                    # bytes moved back because a gradient arrived on them
         if self.disabled is None:
@@ -211,20 +213,28 @@ class GradientLender:
         if self._window and self._start is not None:
             self.stats["windows"] += 1
 
-    def _enter(self) -> None:
+    def _enter(self, module: torch.nn.Module) -> None:
         """A module's forward begins: the outermost one in the window pushes the saved-tensor
-        hooks, unless some are in force already (``torch.utils.checkpoint`` around the model,
-        a user's own): theirs win."""
+        hooks if it holds this optimizer's parameters (another model's forward lends nothing),
+        unless some are in force already (``torch.utils.checkpoint`` around the model, a user's
+        own): theirs win."""
         if threading.get_ident() != self._thread:
             return
         self._depth += 1
-        if self._depth == 1 and self._window and torch._C._autograd._top_saved_tensors_default_hooks(True) is None:
+        if self._depth == 1 and self._window and self._owns(module) \
+                and torch._C._autograd._top_saved_tensors_default_hooks(True) is None:
             pack = self._pack      # one bound method: _leave knows ours by identity
             try:
                 torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)
             except RuntimeError:   # torch.autograd.graph.disable_saved_tensors_hooks is in force
                 return
             self._pushed = pack
+
+    def _owns(self, module: torch.nn.Module) -> bool:
+        owns = self._owners.get(module)
+        if owns is None:
+            owns = self._owners[module] = any(id(p) in self._param_ids for p in module.parameters())
+        return owns
 
     def _leave(self) -> None:
         if threading.get_ident() != self._thread or self._depth == 0:
@@ -288,8 +298,9 @@ class GradientLender:
         if self._start is None or k < self._start or k in self._held or self._lent + n > self.budget:
             return _Kept(t)
         prev = self._seen.get(id(t))
-        if prev is not None and prev[0]() is t and prev[1] == t._version and prev[2].resident:
-            return prev[2]
+        h = prev[2]() if prev is not None and prev[0]() is t and prev[1] == t._version else None
+        if h is not None and h.resident:
+            return h
         if self._stream is not None and torch.cuda.current_stream(self.device) != self._stream:
             return _Kept(t)
         placed = self._place(n)
@@ -304,8 +315,9 @@ class GradientLender:
         dst.copy_(t)
         h = _Lent(dst, addr, addr + n)
         self._live.add(h)
-        self._seen[id(t)] = (weakref.ref(t), t._version, h)
-        self._originals.append((k, self._seen[id(t)][0]))
+        original = weakref.ref(t)
+        self._seen[id(t)] = (original, t._version, weakref.ref(h))    # weak: autograd alone keeps h alive
+        self._originals.append((k, original))
         self._lent += n
         self.stats["lent_bytes"] += n
         self.stats["lent_tensors"] += 1
