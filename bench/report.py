@@ -130,8 +130,12 @@ def _every_chunk_table(r: dict) -> str:
             ("Every step's loss bit-identical to the fault-free run", "yes" if r.get("losses_bit_identical") else "**no**",
              "yes"),
             ("Anchored objects differing from the fault-free run", ", ".join(r.get("objects_differing", [])) or "none",
-             "none"),
-            ("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", "")]
+             "none")]
+    if r.get("lend_grad_bytes"):
+        rows.append(("Gradient lending in the killed run (the fault-free run lends nothing)",
+                     f"budget {r['lend_grad_bytes']} B; {r.get('lent_bytes_final_worker')} B lent in the last worker's "
+                     "last step", "more than 0 B"))
+    rows.append(("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", ""))
     return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 
 

@@ -305,6 +305,7 @@ def title(r: dict) -> str:
         side = ", fused Adam update + undo (one kernel per chunk)"
     return (f"Training overhead: AnchoredOptimizer vs plain PyTorch ({r.get('model', '?')}, "
             f"batch {r.get('batch')} × {r.get('seq')}, progress={r.get('progress', '?')}{side}" + (f", {r['chunks']} chunks" if r.get("chunk_bytes_set") else "")
+            + (f", gradient lending up to {r['lend_grad_bytes'] / 2**30:.2f} GiB" if r.get("lend_grad_bytes") else "")
             + ")")
 
 
@@ -348,6 +349,16 @@ def render(r: dict) -> str:
         ("Extra GPU memory vs plain keeping gradients allocated (`set_to_none=False`, as DDP buckets / "
          "FSDP / DeepSpeed hold them)", "— (CPU run)" if keep is None else f"{keep:+.2f} %", "≤ 2 %",
          verdict(None if keep is None else keep <= 2)),
+    ]
+    if r.get("lend_grad_bytes"):
+        rows.append(("Gradient lending (`StepProtocolConfig.lend_grad_bytes` = "
+                     f"{r['lend_grad_bytes'] / 2**30:.2f} GiB): the forward's last saved activations copied into the "
+                     "gradient buffers while they hold nothing",
+                     f"{r['lent_bytes_last_step'] / 2**30:.2f} GiB lent in the last step "
+                     f"({r['lent_tensors_per_window']:.0f} tensors a step); "
+                     f"{r['lend_evicted_bytes'] / 2**20:.0f} MiB moved back before a gradient landed on them",
+                     "", ""))
+    rows += [
         ("Protocol blocking per step: journal commit + host waits on the device",
          f"{r['protocol_blocking_ms']:.2f} ms ({r['commits_per_step']:.0f} commit(s) {r['commit_ms_per_step']:.2f} ms, "
          f"waits {r['host_wait_ms_per_step']:.2f} ms)", "≤ 5 ms [paper 0.03–0.07 s]",
@@ -405,6 +416,11 @@ def render(r: dict) -> str:
                 f"model ({(r['step_s_anchored'] - r['step_s_plain']) * 1e3:.1f} ms here): the shorter the step "
                 "(smaller batch or sequence), the larger its share. The extra memory against torch's default is "
                 "the gradient buffers: anchored gradients stay allocated between steps, as in DDP/FSDP/DeepSpeed."]
+    if r.get("lend_grad_bytes") and mode == "device":
+        out += ["", "Gradient lending: between `zero_grad()` and the first gradient of the next backward the anchored "
+                "gradient buffers hold nothing, so the last tensors the forward saves for backward are copied into "
+                "them and torch frees the originals; the peak falls by what is lent, and each lent byte is copied "
+                "once a step (a read and a write). docs/training.md, \"Gradient lending\"."]
     return "\n".join(out)
 
 
