@@ -14,20 +14,23 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
 ``zero_grad()`` freed: ``grads.GradientBuffers`` decides):
 
 - **Nothing is overwritten that is still needed.**  A gradient is copied into a buffer only
-  after ``claim`` moved every lent tensor still alive in that buffer's bytes back to torch
-  memory.  A lent tensor is alive while autograd holds it (retained graphs, nodes backward did
-  not reach).  ``finalize`` and ``zero_grad(set_to_none=False)`` move every one back first.
+  after ``arrived`` moved every lent tensor still alive in that buffer's bytes to torch memory.
+  A lent tensor is alive while autograd holds it (retained graphs, nodes backward did not
+  reach).  ``finalize`` (``step()``) and ``close`` (``zero_grad(set_to_none=False)``) move every
+  one back first.
 - **The values are torch's.**  A lent tensor is a bit-identical copy with the original's shape,
-  contiguous strides and dtype, so backward gives the same bits.  Only contiguous tensors of
-  at least ``MIN_BYTES`` on the parameters' device are lent, and never a leaf that requires
-  grad (a parameter).  A tensor the lender keeps keeps autograd's check of in-place changes
-  (the same error).  A lent copy holds the value it had when it was saved: a program that
-  changes a saved tensor in place, which torch refuses, runs with the saved value.
+  contiguous strides and dtype, a tensor of its own (its own version counter), so backward gives
+  the same bits.  Only contiguous tensors of at least ``MIN_BYTES`` on the parameters' device
+  are lent, never a leaf that requires grad (a parameter), and nothing while a backward builds
+  a graph (``create_graph``).  A saved tensor the hooks keep keeps autograd's check of in-place
+  changes (the same error).  A lent copy holds the value it had when it was saved: a program
+  that changes a saved tensor in place, which torch refuses, runs with the saved value.
 - **What is lent.**  The forward's tail: the last saved tensors that fit the byte budget, by
-  the previous forward's sizes.  Backward reads them first.  They go into the buffers whose
-  gradients arrived last in the previous backward.  A tensor still alive when its buffer's
-  gradient arrives is moved back (``stats["evicted_bytes"]``), and the next budget shrinks by
-  what was moved.  So a budget too large for the model costs copies, never values.
+  the previous forward's sizes, less those whose original outlived the forward (returned to
+  the caller: copying them freed nothing).  Backward reads them first.  They go into the
+  buffers whose gradients arrived last in the previous backward.  A tensor still alive when
+  its buffer's gradient arrives is moved out (``stats["evicted_bytes"]``), and the next budget
+  shrinks by what was moved: a budget too large for the model costs copies, never values.
 - **Why the buffers are dead.**  The window opens at ``zero_grad(set_to_none=True)``.  By then
   ``step()`` has enqueued the whole update, and the device word that marks the step written
   comes before anything enqueued after it on the stream.  A kill after a lending copy ran
@@ -35,13 +38,14 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   a gradient (``recovery``).  This is the same argument as for the next backward's gradients,
   which overwrite the buffers anyway.  Copies run on the stream that was current at
   ``zero_grad()``; a forward on another stream lends nothing.
-- **Cost.**  The lent bytes are copied once (a read and a write on the device), and every saved
-  tensor passes one Python call while the hooks are pushed, from ``zero_grad()`` to ``step()``.
-
-The hooks are pushed on the thread that calls ``zero_grad()`` and popped at ``step()`` only
-when they are still the innermost ones; when they are not, lending stops for the process.
-An inner ``saved_tensors_hooks`` (``torch.utils.checkpoint``, offloading) takes precedence
-over ours, as torch nests them.
+- **Where.**  Global module hooks (one pair per process, for the optimizer whose window opened
+  last) push autograd's saved-tensor hooks around the outermost forward of a module that holds
+  the optimizer's parameters, in the window, and pop them when it returns.  Hooks already in
+  force (``torch.utils.checkpoint`` around the model, a user's own) win: nothing is lent under
+  them.  Hooks left pushed on top of ours when that forward returns stop lending for the
+  process, with a warning.  Under ``torch.compile`` tracing the module hooks do nothing.
+- **Cost.**  The lent bytes are copied once a step (a read and a write on the device); one
+  Python call per saved tensor in windowed forwards; two per module call while a lender lives.
 """
 from __future__ import annotations
 

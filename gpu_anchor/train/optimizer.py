@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import pickle
 import time
+import warnings
 import weakref
 
 import torch
@@ -178,6 +179,12 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         fresh = self._world == 1 and all(_local(q.p) is q.p for q in self._params)
         self.lender = GradientLender(self._params, self.config.lend_grad_bytes, self.device) \
             if fresh and self.config.lend_grad_bytes > 0 else None
+        why_not = ("under DDP / FSDP2 the gradient buffers are the framework's and zero_grad() does not free them"
+                   if self.config.lend_grad_bytes > 0 and not fresh else
+                   self.lender.disabled if self.lender is not None else None)
+        if why_not:
+            warnings.warn(f"gpu_anchor: StepProtocolConfig.lend_grad_bytes lends nothing here: {why_not}",
+                          RuntimeWarning, stacklevel=3)
         self._grads = GradientBuffers(self._params, fresh=fresh, lender=self.lender)
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
 
