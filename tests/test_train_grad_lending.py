@@ -23,17 +23,9 @@ from gpu_anchor.testing import campaign as C
 from gpu_anchor.train import grad_lending
 from gpu_anchor.train.config import StepProtocolConfig
 
-CASES = {"cpu": ("host_daemon", 1000, 64, 2, (2, 32)), "cuda": ("cuda_daemon", 32000, 512, 4, (4, 256))}
+from test_train_grads import CASES, llama, same_state, train_side_by_side
+
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _llama(seed, vocab, hidden, layers, device, attn):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                   tie_word_embeddings=True, attn_implementation=attn)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16)
 
 
 def _setup(request, device, monkeypatch, namespace, budget, attn="sdpa"):
@@ -45,21 +37,13 @@ def _setup(request, device, monkeypatch, namespace, budget, attn="sdpa"):
         monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
     from gpu_anchor.train import AnchoredOptimizer, anchor_module
     client = gpu_anchor.connect("cuda:0" if device == "cuda" else "cpu", namespace=namespace)
-    ref, model = (_llama(0, vocab, hidden, layers, device, attn) for _ in range(2))
+    ref, model = (llama(0, vocab, hidden, layers, device, attn) for _ in range(2))
     anchor_module(model, client)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
                             config=StepProtocolConfig(lend_grad_bytes=budget))
     assert opt.lender is not None
     return ref, ropt, model, opt, vocab, shape
-
-
-def _same_state(ref, ropt, model, opt):
-    opt.flush()
-    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(a, b), n
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ropt.state[a][k], opt.optimizer.state[b][k]), (n, k)
 
 
 def _grad_bytes(opt) -> int:
@@ -73,22 +57,8 @@ def test_lent_llama_equals_plain_torch_bit_for_bit(request, monkeypatch, device,
     gradients arrive on lent tensors still alive (moved out first) and the budget shrinks."""
     ref, ropt, model, opt, vocab, shape = _setup(request, device, monkeypatch, f"lend-{budget}", 1 << 40)
     opt.lender.budget = _grad_bytes(opt) // 2 if budget == "half" else _grad_bytes(opt)
-    gen = torch.Generator(device=device).manual_seed(1)
-    for step in range(5):
-        batches = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(3)]
-        seen = []
-        for m, o in ((ref, ropt), (model, opt)):
-            losses = []
-            for ids in batches:
-                loss = m(input_ids=ids, labels=ids).loss / len(batches)
-                loss.backward()
-                losses.append(loss.detach())
-            seen.append((torch.stack(losses), torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
-            o.step()
-            o.zero_grad()
-        (lr, nr), (la, na) = seen
-        assert torch.equal(lr, la) and torch.equal(nr, na), (step, nr.item(), na.item())
-    _same_state(ref, ropt, model, opt)
+    train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=5)
+    same_state(ref, ropt, model, opt)
     st = opt.lender.stats
     assert st["windows"] >= 3 and st["lent_tensors"] > 0, st
 
@@ -119,18 +89,10 @@ def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, mon
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    _same_state_mlp(ref, ropt, model, opt)
+    same_state(ref, ropt, model, opt)
     st = opt.lender.stats
     assert st["lent_tensors"] > 0 and st["evicted_bytes"] > 0, st
     assert opt.lender.budget < 1 << 30
-
-
-def _same_state_mlp(ref, ropt, model, opt):
-    opt.flush()
-    for a, b in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(a, b)
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ropt.state[a][k], opt.optimizer.state[b][k])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,7 +118,7 @@ def test_retained_graph_and_gradient_penalty(request, monkeypatch, device):
             o.step()
             o.zero_grad()
         assert torch.equal(seen[0], seen[1]), step
-    _same_state(ref, ropt, model, opt)
+    same_state(ref, ropt, model, opt)
     assert opt.lender.stats["lent_tensors"] > 0
 
 

@@ -17,13 +17,42 @@ import torch
 CASES = {"cpu": ("host_daemon", 1000, 64, 2, (2, 32)), "cuda": ("cuda_daemon", 32000, 512, 4, (4, 256))}
 
 
-def _llama(seed, vocab, hidden, layers, device):
+def llama(seed, vocab, hidden, layers, device, attn="sdpa"):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                                    num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                   tie_word_embeddings=True)
+                                   tie_word_embeddings=True, attn_implementation=attn)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+
+
+def train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=4, micro=3):
+    """``steps`` steps of ``micro`` micro-batches + ``clip_grad_norm_`` on both twins; asserts the
+    losses and norms are equal bit for bit at every step."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    for step in range(steps):
+        batches = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(micro)]
+        seen = []
+        for m, o in ((ref, ropt), (model, opt)):
+            losses = []
+            for ids in batches:
+                loss = m(input_ids=ids, labels=ids).loss / len(batches)
+                loss.backward()
+                losses.append(loss.detach())
+            seen.append((torch.stack(losses), torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+            o.step()
+            o.zero_grad()
+        (lr, nr), (la, na) = seen
+        assert torch.equal(lr, la) and torch.equal(nr, na), (step, nr.item(), na.item())
+
+
+def same_state(ref, ropt, model, opt):
+    """Weights and Adam moments of the twins equal bit for bit."""
+    opt.flush()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ropt.state[a][k], opt.optimizer.state[b][k]), (n, k)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -35,30 +64,11 @@ def test_user_reads_and_scales_gradients_after_backward_bit_for_bit(request, dev
     import gpu_anchor
     from gpu_anchor.train import AnchoredOptimizer, anchor_module
     client = gpu_anchor.connect("cuda:0" if device == "cuda" else "cpu", namespace="grads-side-stream")
-    ref, model = (_llama(0, vocab, hidden, layers, device) for _ in range(2))
+    ref, model = (llama(0, vocab, hidden, layers, device) for _ in range(2))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     anchor_module(model, client)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client)
-    gen = torch.Generator(device=device).manual_seed(1)
-    for step in range(4):
-        batches = [torch.randint(0, vocab, shape, device=device, generator=gen) for _ in range(3)]
-        seen = []
-        for m, o in ((ref, ropt), (model, opt)):
-            losses = []
-            for ids in batches:
-                loss = m(input_ids=ids, labels=ids).loss / len(batches)
-                loss.backward()
-                losses.append(loss.detach())
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            seen.append((torch.stack(losses), norm))
-            o.step()
-            o.zero_grad()
-        (lr, nr), (la, na) = seen
-        assert torch.equal(lr, la) and torch.equal(nr, na), (step, nr.item(), na.item())
-    opt.flush()
-    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(a, b), n
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ropt.state[a][k], opt.optimizer.state[b][k]), (n, k)
+    train_side_by_side(ref, ropt, model, opt, vocab, shape, device)
+    same_state(ref, ropt, model, opt)
     client.drop_namespace()
