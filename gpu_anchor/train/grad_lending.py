@@ -159,7 +159,7 @@ def _register(lender: "GradientLender") -> None:
 
 def _unregister() -> None:
     global _handles
-    if not _lenders and _handles:
+    if _handles and next(iter(_lenders), None) is None:     # iteration skips the dying one
         for h in _handles:
             h.remove()
         _handles = ()
