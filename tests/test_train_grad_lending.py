@@ -93,6 +93,12 @@ def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, mon
     st = opt.lender.stats
     assert st["lent_tensors"] > 0 and st["evicted_bytes"] > 0, st
     assert opt.lender.budget < 1 << 30
+    # a parameter seen through a view (what linear saves: weight.t()) is never copied
+    opt.zero_grad()
+    opt.lender._start, opt.lender._held, opt.lender.budget = 0, set(), 1 << 30
+    w = model[0].weight
+    assert isinstance(opt.lender._pack(w.t()), grad_lending._Kept)
+    assert isinstance(opt.lender._pack(torch.randn(256, 256).requires_grad_(True) * 2), grad_lending._Lent)
 
 
 @pytest.mark.parametrize("device", DEVICES)

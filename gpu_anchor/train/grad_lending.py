@@ -21,7 +21,8 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
 - **The values are torch's.**  A lent tensor is a bit-identical copy with the original's shape,
   contiguous strides and dtype, a tensor of its own (its own version counter), so backward gives
   the same bits.  Only contiguous tensors of at least ``MIN_BYTES`` on the parameters' device
-  are lent, never a leaf that requires grad (a parameter), and nothing while a backward builds
+  are lent, never a parameter (a leaf that requires grad, or a view of one: the ``weight.t()``
+  a linear layer saves), and nothing while a backward builds
   a graph (``create_graph``).  A saved tensor the hooks keep keeps autograd's check of in-place
   changes (the same error).  A lent copy holds the value it had when it was saved: a program
   that changes a saved tensor in place, which torch refuses, runs with the saved value.
@@ -69,8 +70,8 @@ class _Kept:
 
 
 class _Lent:
-    """A saved tensor copied into gradient memory ``[lo, hi)`` (byte addresses); ``t`` is moved
-    to torch memory by ``evict``."""
+    """A saved tensor copied into gradient memory ``[lo, hi)`` (byte addresses); ``_evict`` moves
+    ``t`` to torch memory."""
     __slots__ = ("t", "lo", "hi", "resident", "__weakref__")
 
     def __init__(self, t: torch.Tensor, lo: int, hi: int) -> None:
@@ -80,7 +81,7 @@ class _Lent:
 def _unpack(packed) -> torch.Tensor:
     if isinstance(packed, _Kept) and packed.t._version != packed.version:
         raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
+            "one of the variables needed for gradient computation has been modified by an inplace "
             f"operation: [{packed.t.type()} {list(packed.t.shape)}] is at version {packed.t._version}; "
             f"expected version {packed.version} instead (seen by gpu_anchor's gradient lending, "
             "which keeps torch's check for the tensors it does not copy)")
@@ -190,6 +191,7 @@ class GradientLender:
         self._pushed = None                     # our pack function while it is on torch's stack
         self._stream = None
         self._param_ids = {id(q.p) for q in params}
+        self._param_storages = {q.local.untyped_storage().data_ptr() for q in params}
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._live: "weakref.WeakSet[_Lent]" = weakref.WeakSet()
         self._seen: dict[int, tuple] = {}       # id(original) -> (weakrefs to it, version, weakref to handle)
@@ -295,8 +297,8 @@ class GradientLender:
         if not self._window or t.device != self.device or not t.is_contiguous() or (t.is_leaf and t.requires_grad):
             return _Kept(t)
         n = t.numel() * t.element_size()
-        if n < MIN_BYTES:
-            return _Kept(t)
+        if n < MIN_BYTES or t.untyped_storage().data_ptr() in self._param_storages:
+            return _Kept(t)          # small, or a parameter seen through a view (linear's weight.t())
         k, self._k = self._k, self._k + 1
         self._sizes.append(n)
         if self._start is None or k < self._start or k in self._held or self._lent + n > self.budget:
