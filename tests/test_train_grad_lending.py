@@ -63,6 +63,22 @@ def test_lent_llama_equals_plain_torch_bit_for_bit(request, monkeypatch, device,
     assert st["windows"] >= 3 and st["lent_tensors"] > 0, st
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_with_transformers_gradient_checkpointing(request, monkeypatch, reentrant):
+    """transformers' activation (gradient) checkpointing: torch.utils.checkpoint's own saved-tensor hooks win
+    inside each layer (non-reentrant), the recomputation runs inside backward (reentrant);
+    either way the same bits as plain torch with the same checkpointing."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, "cpu", monkeypatch, f"lend-ckpt-{reentrant}", 1 << 40)
+    for m in (ref, model):
+        if hasattr(m, "activation_checkpointing_enable"):      # transformers >= 5.2x; the older name warns there
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+    train_side_by_side(ref, ropt, model, opt, vocab, shape, "cpu", steps=4)
+    same_state(ref, ropt, model, opt)
+
+
 def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, monkeypatch):
     """A backward whose gradients arrive in another order than the last one (control flow that
     changed): lent tensors sit where gradients now arrive first.  They are moved to torch
