@@ -241,5 +241,5 @@ def test_kills_while_lent_end_where_a_run_that_lends_nothing_ends(monkeypatch, t
         assert C.compare(gpu_anchor.connect("cpu", namespace=f"lend-ref-{progress}"), client) == []
         kills, runs = kills + r.kills, runs + 1
         client.drop_namespace()
-    lent = re.search(r"lending lent=(\d+)", res.log)
+    lent = re.search(r"lending lent_total=(\d+)", res.log)
     assert lent and int(lent.group(1)) > 0, res.log[-300:]

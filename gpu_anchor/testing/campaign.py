@@ -43,7 +43,7 @@ class CampaignConfig:
     amp: bool = False               # GradScaler (``make_scaler``); the log carries the scale too
     device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
                                     # forking process must not have initialised CUDA)
-    lend_grad_bytes: int = 0        # StepProtocolConfig.lend_grad_bytes (the log then says what was lent)
+    lend_grad_bytes: int = 0        # StepProtocolConfig.lend_grad_bytes (the log then says what the last worker lent in all)
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -150,7 +150,7 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
             os.write(fd, f"updates fused={opt.stats['fused_steps']} copy={opt.stats['copy_steps']}\n".encode())
         if opt.lender is not None:
             st = opt.lender.stats
-            os.write(fd, f"lending lent={st['lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
+            os.write(fd, f"lending lent_total={st['lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
     finally:
         os.close(fd)
     return start

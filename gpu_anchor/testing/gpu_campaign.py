@@ -86,7 +86,7 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
         opt.zero_grad()
     if opt.lender is not None:
         st = opt.lender.stats
-        os.write(fd, f"lending lent={st['last_lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
+        os.write(fd, f"lending lent_last_step={st['last_lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
     if compare_ns:
         ref = gpu_anchor.connect(a["device"], namespace=compare_ns)
         diffs = {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
@@ -182,7 +182,7 @@ def every_chunk(device: str, lend_grad_bytes: int = 0) -> dict:
            "kill_specs": specs, "kills": run.kills, "losses_bit_identical": losses == ref_losses,
            "done_identical": done == ref_done, "objects_differing": differ, "final_workers_updates": updates}
     fused = all(u.endswith(" copy=0") and " fused=0 " not in u for u in updates) and bool(updates)
-    lent = [int(line.split()[1].removeprefix("lent=")) for line in run.log.splitlines() if line.startswith("lending ")]
+    lent = [int(line.split()[1].removeprefix("lent_total=")) for line in run.log.splitlines() if line.startswith("lending ")]
     out["lend_grad_bytes"], out["lent_bytes_final_worker"] = lend_grad_bytes, (lent[-1] if lent else None)
     out["ok"] = bool(run.kills == len(specs) and losses == ref_losses and done == ref_done and not differ
                      and (fused or device == "cpu")       # on a CPU every step saves by copies
