@@ -1,12 +1,14 @@
 """The fused steps' protocol on a CPU, in one process, under DDP and FSDP2: cursor from the tags,
-rollback of tagged blocks, kills while a recovery redoes a chunk, a step begun fused and
-finished by copies.
+restore of the blocks in flight from the undo ring, kills while a recovery redoes a chunk, a
+step begun fused finished by the kernel only.
 
-The kernel runs only on CUDA; here ``fused_emulation`` stands in for it (block by block: undo,
-tag, new values), so the protocol code of fused steps runs in CI.  Every run ends compared with
+The kernel runs only on CUDA; here ``fused_emulation`` stands in for it (program by program,
+block by block: ring slot, started tag, new values; a finished tag after a program's last
+block), so the protocol code of fused steps runs in CI.  Every run ends compared with
 a fault-free run under the same stand-in, bit for bit.  The kernel and the same kills on the GPU:
 ``tests/test_train_fused_adam.py``, ``tests/test_train_gpu.py``.
 """
+import dataclasses
 import random
 
 import pytest
@@ -33,7 +35,7 @@ def _tagged_steps(ns) -> set:
     client = gpu_anchor.connect("cpu", namespace=ns)
     info = client.objects()["train.undo.tags"]
     tags = client.lookup("train.undo.tags", info.shape, torch_dtype(info.dtype))
-    return {decode_progress(t)[0] for t in tags.flatten().tolist() if t >= 0}
+    return {decode_progress(d[0])[0] for d in map(fused_adam.decode_tag, tags.flatten().tolist()) if d is not None}
 
 
 def test_each_phase_at_every_chunk_and_again_while_recovering(monkeypatch, tmp_path):
@@ -70,27 +72,33 @@ def test_random_kills(monkeypatch, tmp_path):
     assert in_flight > 0
 
 
-@pytest.mark.parametrize("second", [None, "before_update@3:1", "mid_chunk@3:1", "after_commit@3:1",
-                                    "after_update@3:2"])
-def test_a_step_begun_fused_is_finished_by_copies(monkeypatch, tmp_path, second):
-    """A worker that cannot run the kernel rolls the chunk back by its tags, saves it whole,
-    moves the word to it and finishes the step by copies — and a kill right after that switch
-    (``second``) ends where the same switch without it does."""
+def test_a_step_begun_fused_is_finished_by_the_kernel_only(monkeypatch, tmp_path):
+    """Its written blocks have no undo image, so a step begun fused is finished by the kernel:
+    a worker that cannot run it refuses at attach, saying why, and changes nothing; a worker
+    whose fused switch is off finishes that step by the kernel and the next ones by copies;
+    both end bit for bit where the fault-free run does."""
+    from gpu_anchor.train.config import StepProtocolConfig
     emulated(monkeypatch)
     cfg = C.CampaignConfig(steps=6, progress="device")
     assert C.num_chunks(cfg) >= 3
     C.prewarm(cfg)
-    runs = {}
-    for name, faults in (("switch-ref", []), (f"switch-{second}", [second] if second else [])):
-        log = str(tmp_path / f"{name}.log")
-        assert C._wait(C._child(C.train, name, cfg, log, "mid_chunk@3:1")) == -9    # fused, killed in chunk 1
-        with monkeypatch.context() as m:
-            m.setattr(fused_adam, "unavailable_reason", lambda d: "no kernel here (test)")
-            runs[name] = C.run(name, cfg, log, faults_seq=faults)
-        assert runs[name].kills == len(faults)
-        assert max(_tagged_steps(name)) == 3          # steps 3 (its first chunks) and on: copies
-    if second:
-        _check("switch-ref", runs["switch-ref"], f"switch-{second}", runs[f"switch-{second}"])
+    off = lambda c: StepProtocolConfig(chunk_bytes=c.chunk_bytes, progress=c.progress, fused_update=False)  # noqa: E731
+    C.run("need-ref", dataclasses.replace(cfg, steps=5), str(tmp_path / "ref.log"))     # steps 0-4 fused,
+    with monkeypatch.context() as m:                                                    # 5 by copies
+        m.setattr(C, "_protocol", off)
+        ref = C.run("need-ref", cfg, str(tmp_path / "ref.log"))
+    log = str(tmp_path / "run.log")
+    assert C._wait(C._child(C.train, "need", cfg, log, "mid_chunk@3:1")) == -9    # fused, killed in chunk 1
+    with monkeypatch.context() as m:
+        m.setattr(fused_adam, "unavailable_reason", lambda d: "no kernel here (test)")
+        with pytest.raises(RuntimeError, match="begun by the fused update and this worker cannot run it"):
+            C.train("need", cfg, log)
+    assert C._wait(C._child(C.train, "need", cfg, log, "mid_chunk@4:0")) == -9    # the kernel finishes it
+    with monkeypatch.context() as m:
+        m.setattr(C, "_protocol", off)
+        res = C.run("need", cfg, log)
+    assert max(_tagged_steps("need")) == 4         # step 4 begun fused, finished by the kernel; 5 by copies
+    _check("need-ref", ref, "need", res)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

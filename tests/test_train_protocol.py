@@ -201,17 +201,18 @@ def test_a_fused_step_takes_its_cursor_from_the_tags():
 
 
 def test_last_started_reads_the_highest_chunk_tagged_for_the_step():
-    """``FusedAdam.last_started``: tags of chunk i in slot i % 2, stale tags of chunk i - 2 and
-    of the last step beside them, a chunk with no blocks, chunks of different sizes."""
+    """``FusedAdam.last_started``: tags of chunk i in slot i % 2 (written, started or finished),
+    stale tags of chunk i - 2 and of the last step beside them, a chunk with no blocks, chunks of
+    different sizes."""
     import torch
-    from gpu_anchor.train.fused_adam import BLOCK, FusedAdam
+    from gpu_anchor.train.fused_adam import BLOCK, FINISHED, RING_MIN_BYTES, STARTED, FusedAdam, tag_code
     from gpu_anchor.train.protocol import encode_progress
     sizes = [3 * BLOCK, BLOCK + 5, 2 * BLOCK, 10, 4 * BLOCK]          # one slice a chunk, 5 chunks
 
     def chunk(n):
-        return [([torch.zeros(n) for _ in range(4)], [torch.zeros(n) for _ in range(3)])]
+        return [[torch.zeros(n) for _ in range(4)]]
     tags = torch.full((2, 4), -1, dtype=torch.int64)
-    fused = FusedAdam([chunk(n) for n in sizes], tags)
+    fused = FusedAdam([chunk(n) for n in sizes], tags, [torch.zeros(RING_MIN_BYTES, dtype=torch.uint8)] * 2)
     assert fused.last_started(7) is None
     tags[0, :3] = encode_progress(6, 4)                                # the last step's, all stale
     tags[1, :2] = encode_progress(6, 3)
@@ -219,10 +220,10 @@ def test_last_started_reads_the_highest_chunk_tagged_for_the_step():
     tags[0, :3] = encode_progress(7, 0)                                # chunk 0 written
     assert fused.last_started(7) == 0
     tags[1, :2] = encode_progress(7, 1)                                # chunk 1 written
-    tags[0, 1] = encode_progress(7, 2)                                 # one block of chunk 2 began
+    tags[0, 1] = tag_code(encode_progress(7, 2), 5, STARTED)           # one block of chunk 2 began
     assert fused.last_started(7) == 2
     tags[0, :2] = encode_progress(7, 2)
-    tags[1, :1] = encode_progress(7, 3)
+    tags[1, :1] = tag_code(encode_progress(7, 3), 0, FINISHED)
     assert fused.last_started(7) == 3
     tags[0, 2] = encode_progress(7, 4)                                 # chunk 4's third block first
     assert fused.last_started(7) == 4

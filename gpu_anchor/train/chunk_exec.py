@@ -5,8 +5,9 @@ state slices (views of anchored tensors, no copies) and their places in undo slo
 ``i % 2``.  The protocol (``optimizer.py``) decides *when*; this module only does.
 
 Two ways to save and update a chunk: ``copy_to_undo`` then ``apply`` (any optimizer), or
-``apply_fused`` (Adam/AdamW on CUDA with Triton: one kernel saves and updates, block by
-block, with per-block tags; ``fused_adam``) — used only where ``fused_groups`` says so.
+``apply_fused`` (Adam/AdamW on CUDA with Triton: one kernel updates block by block, each
+block's old bytes in a small undo ring while it is written, per-block tags; ``fused_adam``) —
+used only where ``fused_groups`` says so.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class ChunkExecutor:
                 places = [slot[off:off + n * t.element_size()].view(t.dtype) for t, off in zip(saved, row)]
                 src += saved
                 dst += places
-                mine.append(([pv, views[-1][1]] + list(sv.values()), places))
+                mine.append([pv, views[-1][1]] + list(sv.values()))
             per_slice.append(mine)
             self._views.append(views)
             self._undo_src.append(src)
@@ -46,7 +47,7 @@ class ChunkExecutor:
         self.fused = None
         if tags is not None and isinstance(kind, AdamKind) and type(kind) is AdamKind:
             from .fused_adam import FusedAdam
-            self.fused = FusedAdam(per_slice, tags)
+            self.fused = FusedAdam(per_slice, tags, undo_slots)
 
     def apply(self, i, mask, counts, steps, hps) -> None:
         """Run the optimizer's functional update on chunk ``i`` (parameters with a gradient only)."""
@@ -82,7 +83,7 @@ class ChunkExecutor:
             if (gi, count) not in memo:
                 memo[(gi, count)] = scalars(hps[gi], count)
             out.append((key, memo[(gi, count)], ks))
-        return out
+        return out if self.fused.fits(len(out)) else None
 
     def fused_step(self, mask, counts, hps) -> list | None:
         """Per chunk, the fused launches for this step; None: this step saves by copy."""
@@ -92,8 +93,8 @@ class ChunkExecutor:
         plan = [self.fused_groups(i, mask, counts, hps, memo) for i in range(len(self._chunks))]
         return None if any(p is None for p in plan) else plan
 
-    def apply_fused(self, i, groups, tag_value) -> None:
-        self.fused.apply(i, groups, tag_value)
+    def apply_fused(self, i, groups, tag_value, stop=None) -> None:
+        self.fused.apply(i, groups, tag_value, stop)
 
     def restore_fused(self, i, tag_value) -> int:
         return self.fused.restore(i, tag_value)
@@ -118,15 +119,8 @@ class ChunkExecutor:
     def copy_from_undo(self, i) -> None:
         torch._foreach_copy_(self._undo_src[i], self._undo_dst[i])
 
-    def scribble(self, i, mask=None) -> None:
-        """Fault injection only: leave chunk ``i`` visibly half written before the kill.
-
-        ``mask`` (fused update): only the slices it updated — the kernel writes nothing else
-        (and every block it wrote carries its tag)."""
-        if mask is None:
-            targets = self._undo_src[i]
-        else:
-            targets = [t for k, s in enumerate(self._chunks[i]) if mask[s.param]
-                       for t in [self._views[i][k][0]] + list(self._views[i][k][2].values())]
-        for t in targets:
+    def scribble(self, i) -> None:
+        """Fault injection only (copy steps): leave chunk ``i`` visibly half written before the kill.
+        A fused step is stopped inside its kernel instead (``apply_fused(..., stop=)``)."""
+        for t in self._undo_src[i]:
             t[: max(1, t.numel() // 2)].fill_(float("nan"))

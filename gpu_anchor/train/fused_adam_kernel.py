@@ -1,19 +1,39 @@
 """The Triton kernel of ``fused_adam`` (imported only when Triton is; see that module's contract).
 
-One program = one block of ``BLOCK`` elements of one slice: load, store the old values
-into the undo places, compute the new values, publish the block's tag, then store them.
+A persistent grid: program ``r`` of ``G`` takes blocks ``r, r + G, r + 2G, ...`` of the launch's
+block table, one after the other, and owns two ring slots, ``2r`` and ``2r + 1`` (``RS``
+elements each from ``ring``), which its blocks use in turn.  Per block of ``VEC`` elements:
+
+1. load ``p, g, m, v (, x)``; store ``p, m, v (, x)`` into the block's ring slot; compute the new
+   values in registers (the fence below waits for the ring stores only after the arithmetic);
+2. barrier, the block's tag ← ``started`` (naming the ring slot; release/acquire at GPU scope),
+   barrier;
+3. store the new values in place.
+
+One fence a block: the program's next started tag (its release covers this block's in-place
+stores) is what says this block is done, and the block after that — the first to overwrite
+this block's ring slot — stores nothing before that tag has landed.  After its last block a
+program tags that one ``finished`` (release).  The ring is ``2G`` slots, about 13 MB, so its
+stores are overwritten in L2 instead of costing memory bandwidth.
+
 Every arithmetic step mirrors one op of torch's ``_multi_tensor_adam`` (named beside it);
-``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so
-the only fmas are the explicit ones chosen by ``FMA``.
+``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so the only
+fmas are the explicit ones chosen by ``FMA``.  ``FAULT`` (tests only; compiled out otherwise):
+blocks ``>= stop`` are not finished — each program's first such block is saved and tagged
+started, then written with NaN in place of its new values (what a kill mid-store leaves), and
+the program stops there (no finished tag).
 """
 import triton
 import triton.language as tl
+
+_COLS = tl.constexpr(6)      # table row: p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, numel
 
 
 @triton.jit
 def _rnd(x, T: tl.constexpr):
     # torch stores every foreach op's result in the tensor dtype: round there (RNE)
     return x.to(T).to(tl.float32)
+
 
 @triton.jit
 def _madd(a, b, c, FMA: tl.constexpr):
@@ -23,37 +43,11 @@ def _madd(a, b, c, FMA: tl.constexpr):
     else:
         return c + a * b
 
+
 @triton.jit
-def _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2, omb2, step_size,
-           bc2_sqrt, eps, T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-           WD: tl.constexpr, LERP_SMALL: tl.constexpr, FMA: tl.constexpr, MASKED: tl.constexpr,
-           BLOCK: tl.constexpr):
-    offs = start + tl.arange(0, BLOCK)
-    if MASKED:
-        mask = offs < n
-    else:
-        mask = None
-    pp = tl.multiple_of(tl.load(base + 0).to(tl.pointer_type(T)), 16)
-    gp = tl.multiple_of(tl.load(base + 1).to(tl.pointer_type(T)), 16)
-    mp = tl.multiple_of(tl.load(base + 2).to(tl.pointer_type(T)), 16)
-    vp = tl.multiple_of(tl.load(base + 3).to(tl.pointer_type(T)), 16)
-    up = tl.multiple_of(tl.load(base + 5).to(tl.pointer_type(T)), 16)
-    um = tl.multiple_of(tl.load(base + 6).to(tl.pointer_type(T)), 16)
-    uv = tl.multiple_of(tl.load(base + 7).to(tl.pointer_type(T)), 16)
-    p0 = tl.load(pp + offs, mask=mask)
-    g0 = tl.load(gp + offs, mask=mask)
-    m0 = tl.load(mp + offs, mask=mask)
-    v0 = tl.load(vp + offs, mask=mask)
-    tl.store(up + offs, p0, mask=mask)
-    tl.store(um + offs, m0, mask=mask)
-    tl.store(uv + offs, v0, mask=mask)
-    if AMSGRAD:
-        xp = tl.multiple_of(tl.load(base + 4).to(tl.pointer_type(T)), 16)
-        ux = tl.multiple_of(tl.load(base + 8).to(tl.pointer_type(T)), 16)
-        x0 = tl.load(xp + offs, mask=mask)
-        tl.store(ux + offs, x0, mask=mask)
-    # The new values are computed in registers while the undo stores drain; the tag waits
-    # for them only after that (below), so the fence's wait overlaps the arithmetic.
+def _new_values(p0, g0, m0, v0, x0, decay, wd, w1, omw1, beta2, omb2, step_size, bc2_sqrt, eps,
+                T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
+                LERP_SMALL: tl.constexpr, FMA: tl.constexpr):
     p = p0.to(tl.float32)
     g = g0.to(tl.float32)
     m = m0.to(tl.float32)
@@ -72,6 +66,7 @@ def _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2,
     v = _rnd(v * beta2, T)                        # exp_avg_sq.mul_(beta2)
     v = _rnd(_madd(omb2, g * g, v, FMA), T)       # .addcmul_(grad, grad, 1 - beta2)
     den = v
+    x = v
     if AMSGRAD:
         x = x0.to(tl.float32)
         x = tl.where(x != x, x, tl.where(v != v, v, tl.where(v > x, v, x)))   # maximum, NaN wins
@@ -80,32 +75,95 @@ def _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2,
     den = _rnd(tl.div_rn(den, bc2_sqrt), T)      # .div_(bias_correction2_sqrt)
     den = _rnd(den + eps, T)                      # .add_(eps)
     p = _madd(step_size, tl.div_rn(m, den), p, FMA)   # p.addcdiv_(exp_avg, den, -lr / bc1)
-    # The block's image is stored: publish its tag (one thread, release: the CTA's undo
-    # stores, ordered before it by the barrier, land first), then let the in-place
-    # stores go (acquire + barrier: none is issued before the tag has landed).
+    return p, m, v, x
+
+
+@triton.jit
+def _tag(tags, tag_idx, value):
+    # One thread publishes (release: the CTA's stores, ordered before it by the barrier, land
+    # first); acquire + barrier: none of the CTA's later stores is issued before it has landed.
     tl.debug_barrier()
-    tl.atomic_xchg(tags + tag_idx, tag_value, sem="acq_rel", scope="gpu")
+    tl.atomic_xchg(tags + tag_idx, value, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, beta2, omb2, step_size,
+           bc2_sqrt, eps, T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
+           LERP_SMALL: tl.constexpr, FMA: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, HALTED):
+    pp = tl.multiple_of(tl.load(base + 0).to(tl.pointer_type(T)), 16)
+    gp = tl.multiple_of(tl.load(base + 1).to(tl.pointer_type(T)), 16)
+    mp = tl.multiple_of(tl.load(base + 2).to(tl.pointer_type(T)), 16)
+    vp = tl.multiple_of(tl.load(base + 3).to(tl.pointer_type(T)), 16)
+    ar = tl.arange(0, VEC)
+    offs = start + ar
+    mask = None
+    if MASKED:
+        mask = offs < n
+    p0 = tl.load(pp + offs, mask=mask)
+    g0 = tl.load(gp + offs, mask=mask)
+    m0 = tl.load(mp + offs, mask=mask)
+    v0 = tl.load(vp + offs, mask=mask)
+    tl.store(slot + ar, p0, mask=mask)
+    tl.store(slot + VEC + ar, m0, mask=mask)
+    tl.store(slot + 2 * VEC + ar, v0, mask=mask)
+    x0 = v0
+    xp = pp
+    if AMSGRAD:
+        xp = tl.multiple_of(tl.load(base + 4).to(tl.pointer_type(T)), 16)
+        x0 = tl.load(xp + offs, mask=mask)
+        tl.store(slot + 3 * VEC + ar, x0, mask=mask)
+    p, m, v, x = _new_values(p0, g0, m0, v0, x0, decay, wd, w1, omw1, beta2, omb2, step_size, bc2_sqrt,
+                             eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA)
+    _tag(tags, tag_idx, started)
+    if HALTED:                 # FAULT only: a kill between the in-place stores
+        nan = tl.full(p.shape, float("nan"), tl.float32)
+        p, m, v, x = nan, nan, nan, nan
     if AMSGRAD:
         tl.store(xp + offs, x.to(T), mask=mask)
     tl.store(mp + offs, m.to(T), mask=mask)
     tl.store(vp + offs, v.to(T), mask=mask)
     tl.store(pp + offs, p.to(T), mask=mask)
 
-@triton.jit
-def adam_undo(rows, blks, tags, tag_value, decay, wd, w1, omw1, beta2, omb2, step_size, bc2_sqrt, eps,
-              T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
-              LERP_SMALL: tl.constexpr, FMA: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    row = tl.load(blks + 3 * b)
-    start = tl.load(blks + 3 * b + 1) * BLOCK
-    tag_idx = tl.load(blks + 3 * b + 2)
-    base = rows + row * 10
-    n = tl.load(base + 9)
-    if start + BLOCK <= n:    # full blocks take the unmasked (vectorised) path
-        _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2, omb2, step_size,
-               bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, False, BLOCK)
-    else:
-        _block(base, start, n, tags, tag_idx, tag_value, decay, wd, w1, omw1, beta2, omb2, step_size,
-               bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, True, BLOCK)
 
+@triton.jit
+def adam_ring(rows, blks, nblk, tags, ring, started_base, stop, decay, wd, w1, omw1, beta2, omb2,
+              step_size, bc2_sqrt, eps, T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+              WD: tl.constexpr, LERP_SMALL: tl.constexpr, FMA: tl.constexpr, VEC: tl.constexpr,
+              RS: tl.constexpr, FAULT: tl.constexpr):
+    r = tl.program_id(0)
+    G = tl.num_programs(0)
+    b = r
+    h = r * 0                                        # which half of the program's two ring slots
+    last = tl.load(blks + 3 * r + 2)                 # every program has a block (G <= nblk)
+    started_last = started_base.to(tl.int64)
+    stopped = r < 0
+    while b < nblk:        # (a while loop: the interpreter's range() takes no tensor bounds)
+        row = tl.load(blks + 3 * b)
+        start = tl.load(blks + 3 * b + 1) * VEC
+        tag_idx = tl.load(blks + 3 * b + 2)
+        base = rows + row * _COLS
+        n = tl.load(base + 5)
+        live = True
+        halted = False
+        if FAULT:
+            live = b < stop + G          # this program's blocks up to its first at or past stop
+            halted = b >= stop
+            stopped = stopped | halted
+        if live:
+            k = 2 * r + h
+            slot = ring + k.to(tl.int64) * RS
+            started = started_base - 2 * k.to(tl.int64)      # fused_adam.tag_code(v, first + k, STARTED)
+            if start + VEC <= n:    # full blocks take the unmasked (vectorised) path
+                _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, beta2, omb2,
+                       step_size, bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, False, VEC, halted)
+            else:
+                _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, beta2, omb2,
+                       step_size, bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, True, VEC, halted)
+            last = tag_idx
+            started_last = started
+            h = 1 - h
+        b += G
+    if not stopped:            # the last block's stores have landed: it is done
+        tl.debug_barrier()
+        tl.atomic_xchg(tags + last, started_last - 1, sem="release", scope="gpu")

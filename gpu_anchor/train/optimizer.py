@@ -46,7 +46,7 @@ from gpu_anchor.journal_keys import STEP_KEY
 from . import step_hooks
 from .grads import GradientBuffers
 from .grad_lending import GradientLender
-from . import layout
+from . import fused_adam, layout
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -162,6 +162,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         if self._state.in_flight and len(self._chunks) != self._state.chunks:
             raise RuntimeError(f"in-flight step has {self._state.chunks} chunks, the plan now {len(self._chunks)}")
         slot_bytes = max(chunking.chunk_bytes_used(c, sizes) for c in self._chunks)
+        if fused_adam.tagged(self.device, self.kind):
+            slot_bytes = max(slot_bytes, fused_adam.RING_MIN_BYTES)   # the fused update's ring
         self.undo_bytes = 2 * slot_bytes
 
         # ------------------------------------------------------------ bind everything at once
@@ -307,13 +309,16 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         for i in range(c0, n):
             faults.hit("before_update", s, i, before_kill=self._wait)
             if plan is not None:
+                if faults.armed("mid_chunk", s, i):      # a kill inside the kernel: stop it half way
+                    self._exec.apply_fused(i, plan[i], protocol.encode_progress(s, i), stop=self._half(i, plan[i]))
+                    faults.hit("mid_chunk", s, i, before_kill=self._wait)
                 self._exec.apply_fused(i, plan[i], protocol.encode_progress(s, i))
             else:
                 if device and i + 1 < n:
                     self._dev.save_ahead(i + 1)      # overlaps the update of chunk i
                 self._apply(i, mask, counts, steps, hps)
-            if faults.armed("mid_chunk", s, i):
-                faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i, mask if plan else None))
+            if plan is None and faults.armed("mid_chunk", s, i):
+                faults.hit("mid_chunk", s, i, before_kill=lambda: self._scribble(i))
             if i + 1 < n and not device:
                 self._copy_to_undo(i + 1)
                 self._wait()
@@ -372,9 +377,13 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self._exec.copy_from_undo(i)
         self._wait()
 
-    def _scribble(self, i, mask=None) -> None:
-        self._exec.scribble(i, mask)
+    def _scribble(self, i) -> None:
+        self._exec.scribble(i)
         self._wait()
+
+    def _half(self, i, groups) -> int:
+        """Fault injection: the block at which a fused chunk's launches stop (half of the first's)."""
+        return max(1, self._exec.fused._table(i, tuple(groups[0][2]))[2] // 2)
 
     # ------------------------------------------------------------------ fused update
     def _fused_reason(self, tags) -> str | None:
@@ -387,9 +396,11 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         from .fused_adam import unavailable_reason
         return unavailable_reason(self.device)
 
-    def _fused_plan(self, mask, counts, hps):
-        """This step's fused launches per chunk, or None: it saves by copies."""
-        if self.fused_reason is not None:
+    def _fused_plan(self, mask, counts, hps, finishing: bool = False):
+        """This step's fused launches per chunk, or None: it saves by copies.  ``finishing``: a
+        step begun fused, finished by the kernel even where the switch is now off."""
+        if self.fused_reason is not None and not (finishing and self._exec.fused is not None
+                                                  and fused_adam.unavailable_reason(self.device) is None):
             return None
         plan = self._exec.fused_step(mask, counts, hps)
         self.stats["fused_steps" if plan is not None else "copy_steps"] += 1
@@ -401,7 +412,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         return BLOCK
 
     def _undo_record(self, plan) -> dict:
-        return {"undo": "fused", "undo_block": self._fused_block()} if plan is not None else {"undo": "copy"}
+        return {"undo": "ring", "undo_block": self._fused_block()} if plan is not None else {"undo": "copy"}
 
     def _finalize_grads(self) -> list[bool]:
         """The gradient-finalization boundary (``grads.GradientBuffers.finalize``), then the

@@ -6,9 +6,10 @@ objects are bound, with the journal's values under the optimizer's prefix:
 - the last committed step's step counts, hyper-parameters and scheduler states are restored;
 - a step in flight is discarded when no device got past its boundary (device progress, the
   word never published), else finished: the chunk at the cursor (the word's, or in fused
-  steps the last tagged chunk's) is rolled back (its undo slot, or in fused steps its tagged
-  blocks) and chunks ``cursor..N-1`` are redone from the anchored gradients with the
-  boundary's mask, counts and hyper-parameters;
+  steps the last tagged chunk's) is rolled back (its undo slot; in fused steps the blocks
+  in flight, from the undo ring) and chunks ``cursor..N-1`` are redone from the anchored
+  gradients with the boundary's mask, counts and hyper-parameters (in fused steps only the
+  blocks of chunk ``cursor`` not written yet);
 - with several ranks the ranks agree first (``distributed.decide`` / ``decide_device``), so
   every rank discards or every rank finishes;
 - the carried loop / RNG state of the last step (committed or just finished) is restored.
@@ -42,7 +43,7 @@ class RecoveryMixin:
         device = self.progress == "device"
         cursor = None     # device mode: where the device left the in-flight step (None: never began)
         if st.in_flight and device:
-            fused = json.loads(vals[key(p, "boundary")]).get("undo") == "fused"
+            fused = json.loads(vals[key(p, "boundary")]).get("undo") == "ring"
             cursor = self._dev.resume_point(st, self._exec.fused.last_started(st.step) if fused else None)
         if self._world > 1 and device:
             report = distributed.device_report(st.step, st.in_flight, cursor, len(self._chunks))
@@ -67,14 +68,21 @@ class RecoveryMixin:
             for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
                 _set_hparams(g, hp)
             carry = vals[key(p, "carry_inflight")]
-            fused = b.get("undo") == "fused"       # how this step saves its chunks (boundary)
-            if fused and b.get("undo_block") != self._fused_block():
-                raise RuntimeError(f"the step in flight was saved in blocks of {b.get('undo_block')} elements, "
-                                   f"this version uses {self._fused_block()}: restore from a checkpoint")
+            fused = b.get("undo") == "ring"        # how this step saves its chunks (boundary)
+            if b.get("undo") not in ("ring", "copy", None) or (fused and b.get("undo_block") != self._fused_block()):
+                raise RuntimeError(f"the step in flight was saved by another version's fused update "
+                                   f"({b.get('undo')!r}, blocks of {b.get('undo_block')} elements; this one: 'ring', "
+                                   f"{self._fused_block()}): finish it with that version or restore from a checkpoint")
             plan = None
             if device:
                 if fused:
-                    plan = self._fused_plan(mask, b["counts"], b["hparams"])
+                    plan = self._fused_plan(mask, b["counts"], b["hparams"], finishing=True)
+                    if plan is None and (cursor is None or cursor < len(self._chunks)):
+                        raise RuntimeError(
+                            f"step {st.step} was begun by the fused update and this worker cannot run it "
+                            f"({self.fused_reason or 'the kernel does not reproduce this configuration here'}); "
+                            "its written blocks have no undo image, so it can only be finished by the kernel: "
+                            "run this worker where Triton imports (nothing anchored was changed)")
                 if cursor is None:      # another rank's device began it: ours has the final gradients
                     cursor = 0
                     self._dev.publish(st.step, 0, save=not fused)
@@ -83,14 +91,6 @@ class RecoveryMixin:
                     self._wait()
                 elif cursor < len(self._chunks):
                     self._copy_from_undo(cursor)
-                if fused and plan is None and cursor < len(self._chunks):
-                    # This worker cannot run the fused update: finish the step by copies.
-                    # Chunk ``cursor`` is whole again; save it whole and move the word to it
-                    # (a copy step's cursor), then say so (the fused rollback stays right
-                    # until the boundary's record changes).
-                    self._dev.publish(st.step, cursor)
-                    self._wait()
-                    self._commit({key(p, "boundary"): json.dumps(dict(b, undo="copy")).encode()})
             else:
                 cursor = self._state.cursor
                 if self._state.rollback_chunk() is not None:
