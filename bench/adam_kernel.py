@@ -1,28 +1,25 @@
 """The fused anchored Adam kernel alone against torch's AdamW kernels, on one device.
 
-    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76] [--graph] [--registers 64,56]
+    python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76] [--graph]
+                                [--variants 1024x8,2048x4] [--registers 64,56]
 
 A 1.24 B bf16 parameter set (llama3.2-1b's) in 76 chunks, as the step protocol runs it: per
-chunk one launch of ``fused_adam``'s kernel (reads p, g, m, v; writes the old p, m, v into the
-undo slot and the new ones in place), against torch's ``_fused_adamw_`` (``AdamW(fused=True)``:
-one multi-tensor pass, no undo), torch's foreach AdamW (the default), the undo copy alone, and
-the copy followed by torch's fused kernel (what the protocol would run without its own
-kernel).  Each figure is the median of ``--reps`` passes over every chunk, CUDA events, after
-one warm-up pass; the kernel's block size and warps are swept.  The bandwidth column counts
-the bytes each variant must move (10 tensor passes for the anchored kernel, 7 for torch's
-fused one), not what it moved.  ``--chunks``: more, smaller chunks make the two undo slots small
-enough to stay in the GPU's L2 (50 MB on the H200: at 640 chunks both slots take 23 MB), which
-is what the kernel's undo writes would need to stop costing memory bandwidth; the result's name
-then says the count.  Launched from Python, a chunk costs the host about 20 µs, so with hundreds
-of chunks the host is part of the time: ``--graph`` captures each variant's pass in a CUDA graph and
-times its replays (only the shipped block size and warps; torch's foreach AdamW, which reads its
-step counts on the host, is left out there).  Variants named without ``_regs`` take the registers
-ptxas chooses (72 a thread on sm_90: 7 programs of 4 warps an SM); the shipped launch caps them at
-``fused_adam.REGISTERS`` (64: 8 an SM, 16 bytes spilled), and ``--registers N,...`` adds the
-shipped block and warps capped at each N (Triton's ``maxnreg``; 56 lets 9 and spills 72 bytes).
-``<shipped>_word_fill`` is the shipped launch with an 8-byte fill before each chunk: what moving
-the step's progress word between chunks would cost (a fused step reads its cursor from its tags).
-Without CUDA and Triton (``--tiny`` on a CPU) only the torch variants run, on a small set.
+chunk one launch of ``fused_adam``'s kernel (reads p, g, m, v; writes the new p, m, v in place,
+each block's old p, m, v into its program's slot of the undo ring first), against torch's
+``_fused_adamw_`` (``AdamW(fused=True)``: one multi-tensor pass, no undo), torch's foreach AdamW
+(the default), a copy of every chunk into an undo slot alone, and that copy followed by torch's
+fused kernel (what the protocol runs without its own kernel: a copy step).  Each figure is the
+median of ``--reps`` passes over every chunk, CUDA events, after one warm-up pass.  The
+bandwidth column counts the bytes each variant must move to memory (7 tensor passes for the
+anchored kernel and for torch's fused one: the ring's stores are meant to stay in L2), not what
+it moved.  ``--variants BxP,...``: the kernel with blocks (one tag each) of ``B`` elements
+(``fused_adam.BLOCK``) and ``P`` persistent programs a SM (``fused_adam.PROGRAMS_PER_SM``), each
+capped at ``fused_adam.REGISTERS`` registers; ``--registers N,...`` adds the shipped one capped
+at each N (Triton's ``maxnreg``).  ``--chunks``: the same parameters in another number of
+chunks.  Launched from Python, a chunk costs the host about 20 µs, so ``--graph`` captures each
+variant's pass in a CUDA graph and times its replays (torch's foreach AdamW, which reads its
+step counts on the host, is left out there).  Without CUDA and Triton (``--tiny`` on a CPU)
+only the torch variants run, on a small set.
 """
 from __future__ import annotations
 
@@ -34,20 +31,19 @@ import torch
 
 from bench.common import default_device, int_list, write_result
 
-SHIPPED_LAUNCH = (1024, 4)                   # fused_adam.BLOCK and the launch's num_warps
-VARIANTS = [(1024, 4), (2048, 8), (1024, 2), (1024, 8), (512, 2), (512, 4), (256, 2)]
+VARIANTS = [(1024, 8), (1024, 4), (1024, 16), (512, 8), (512, 16), (2048, 4)]     # (BLOCK, programs a SM)
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, foreach=None,
           fused=None, capturable=False, differentiable=False, decoupled_weight_decay=True)
 
 
-def variant(block: int, warps: int, regs: int | None) -> str:
-    return f"anchored_block{block}_warps{warps}" + (f"_regs{regs}" if regs else "")
+def variant(block: int, programs: int, regs: int | None) -> str:
+    return f"anchored_ring_block{block}_pps{programs}" + (f"_regs{regs}" if regs else "")
 
 
 def shipped() -> str:
     """The variant name of the launch ``fused_adam`` makes (its registers cap only on NVIDIA)."""
     from gpu_anchor.train import fused_adam
-    return variant(*SHIPPED_LAUNCH, None if torch.version.hip else fused_adam.REGISTERS)
+    return variant(fused_adam.BLOCK, fused_adam.PROGRAMS_PER_SM, None if torch.version.hip else fused_adam.REGISTERS)
 
 
 def _captured(fn):
@@ -98,6 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=None, help="chunks of the parameter set (default 76, the "
                     "optimizer's default for llama3.2-1b)")
     ap.add_argument("--graph", action="store_true", help="time each pass as a CUDA graph's replay (CUDA only)")
+    ap.add_argument("--variants", default=None, metavar="BxP,...",
+                    help="kernel variants: blocks of B elements (a power of two from 128), P programs a SM "
+                         "(default: a sweep around the shipped one)")
     ap.add_argument("--registers", default="", metavar="N,...",
                     help="also the shipped launch capped at N registers a thread (maxnreg), per N")
     ap.add_argument("--out", default=None)
@@ -105,6 +104,15 @@ def main(argv=None) -> int:
     caps = int_list(ap, "--registers", a.registers)
     if any(not 16 <= c <= 255 for c in caps):
         ap.error(f"--registers: each cap must be from 16 to 255, got {a.registers!r}")
+    variants = VARIANTS
+    if a.variants is not None:
+        try:
+            variants = [tuple(int(x) for x in v.split("x")) for v in a.variants.split(",") if v.strip()]
+        except ValueError:
+            variants = []
+        if not variants or any(len(v) != 2 or v[0] < 128 or v[0] & (v[0] - 1) or v[1] < 1 for v in variants):
+            ap.error(f"--variants takes BxP pairs (B a power of two from 128, P >= 1) separated by commas, "
+                     f"got {a.variants!r}")
     device = "cpu" if a.tiny and not torch.cuda.is_available() else default_device(a.device)
     if a.graph and not device.startswith("cuda"):
         ap.error(f"--graph needs a CUDA device, got {device}")
@@ -148,24 +156,20 @@ def main(argv=None) -> int:
         ms["undo_copy_then_torch_fused"] = time_ms(lambda: (copy_undo(), torch_fused()))
     if why is None:
         from gpu_anchor.train import fused_adam
-        launches = [(b, w, None) for b, w in ([SHIPPED_LAUNCH] if a.graph else VARIANTS)]
-        shipped_cap = None if torch.version.hip else fused_adam.REGISTERS     # ROCm's Triton has no maxnreg
-        launches += [SHIPPED_LAUNCH + (c,) for c in sorted({*caps, shipped_cap} - {None}, reverse=True)]
-        for block, warps, regs in launches:
-            name = variant(block, warps, regs)
-            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs))
-            passes[name] = 10
-        # What a progress word moved before each chunk would add (copy steps move it; fused
-        # steps read their cursor from the tags instead).
-        word = torch.zeros(1, dtype=torch.int64, device=device)
-        ms[shipped() + "_word_fill"] = time_ms(_anchored(fused_adam, P, G, M, V, U, n, *SHIPPED_LAUNCH, device,
-                                                         shipped_cap, word=word))
+        cap = None if torch.version.hip else fused_adam.REGISTERS     # ROCm's Triton has no maxnreg
+        launches = [(bl, pps, cap) for bl, pps in variants]
+        launches += [(fused_adam.BLOCK, fused_adam.PROGRAMS_PER_SM, c) for c in sorted(set(caps) - {cap}, reverse=True)]
+        for block, pps, regs in launches:
+            name = variant(block, pps, regs)
+            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, n, block, pps, device, regs))
+            passes[name] = 7
     gbps = {k: round(passes[k] * 2 * n * chunks / (v * 1e-3) / 1e9, 1) for k, v in ms.items() if k in passes}
     result = {"params": n * chunks, "chunks": chunks, "dtype": "bfloat16", "device": device, "reps": a.reps,
               "ms": {k: round(v, 3) for k, v in ms.items()}, "gb_per_s_required_bytes": gbps,
               "shipped": shipped(), "kernel_unavailable": why, "cuda_graph": a.graph}
     if "torch_fused_adamw" in ms and result["shipped"] in ms:
         result["anchored_minus_torch_fused_ms"] = round(ms[result["shipped"]] - ms["torch_fused_adamw"], 3)
+    result["variants"] = [list(v) for v in variants] if why is None else []
     name = ("adam_kernel" + (f"_chunks{chunks}" if a.chunks is not None else "") + ("_graph" if a.graph else "")
             + ("_tiny" if a.tiny else ""))
     print(write_result(name, result, a.out))
@@ -177,29 +181,27 @@ def _kernel_unavailable(device: str) -> str | None:
     return fused_adam.unavailable_reason(torch.device(device))
 
 
-def _anchored(fused_adam, P, G, M, V, U, n, block, warps, device, regs=None, word=None):
+def _anchored(fused_adam, P, G, M, V, n, block, pps, device, regs=None):
+    """One pass of the kernel over every chunk, blocks of ``block`` elements, ``pps`` programs a SM."""
     import triton.language as tl
-    from gpu_anchor.train.fused_adam_kernel import adam_undo
+    from gpu_anchor.train.fused_adam_kernel import adam_ring
     key = fused_adam.structure(HP, torch.bfloat16)
     sc = fused_adam.scalars(HP, 5)
     nbl = (n + block - 1) // block
+    programs = min(nbl, pps * torch.cuda.get_device_properties(device).multi_processor_count)
+    ring = [torch.empty(2 * programs * 3 * block, device=device, dtype=torch.bfloat16) for _ in range(2)]
     tags = torch.full((2, nbl), -1, dtype=torch.int64, device=device)
     blks = torch.tensor([[0, j, j] for j in range(nbl)], dtype=torch.int64, device=device)
-    rows = []
-    for i in range(len(P)):
-        u = U[i % 2]
-        addrs = [P[i].data_ptr(), G[i].data_ptr(), M[i].data_ptr(), V[i].data_ptr(), 0,
-                 u[0].data_ptr(), u[1].data_ptr(), u[2].data_ptr(), 0, n]
-        rows.append(torch.tensor([addrs], dtype=torch.int64, device=device))
+    rows = [torch.tensor([[P[i].data_ptr(), G[i].data_ptr(), M[i].data_ptr(), V[i].data_ptr(), 0, n]],
+                         dtype=torch.int64, device=device) for i in range(len(P))]
 
     def run():
         for i, r in enumerate(rows):
-            if word is not None:
-                word.fill_(i)
-            adam_undo[(nbl,)](r, blks, tags[i % 2], 7, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
-                              sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"], T=tl.bfloat16, AMSGRAD=False,
-                              MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True, BLOCK=block, num_warps=warps,
-                              maxnreg=regs, enable_fp_fusion=False)
+            adam_ring[(programs,)](r, blks, nbl, tags[i % 2], ring[i % 2], fused_adam.tag_code(7 + i, 0, 0), -1,
+                                   sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"], sc["omb2"],
+                                   sc["step_size"], sc["bc2_sqrt"], sc["eps"], T=tl.bfloat16, AMSGRAD=False,
+                                   MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True, VEC=block, RS=3 * block,
+                                   FAULT=False, num_warps=4, maxnreg=regs, enable_fp_fusion=False)
     return run
 
 
@@ -215,7 +217,7 @@ def render(r: dict) -> str:
                      f"{r['gb_per_s_required_bytes'].get(k, '—')} |")
     if r.get("anchored_minus_torch_fused_ms") is not None:
         lines.append(f"\nThe shipped anchored kernel takes {r['anchored_minus_torch_fused_ms']:.2f} ms per step more "
-                     "than torch's fused AdamW: the undo writes (3 of its 10 tensor passes).")
+                     "than torch's fused AdamW (negative: less).")
     if r.get("kernel_unavailable"):
         lines.append(f"\nAnchored kernel not run: {r['kernel_unavailable']}.")
     return "\n".join(lines)

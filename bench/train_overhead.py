@@ -88,7 +88,7 @@ class _Window:
 def _kinds():
     """Kinds of kernel in a training step; first match wins."""
     from bench.step_profile import ATTENTION, MATMUL
-    return (("fused Adam + undo (Triton)", r"adam_undo"),
+    return (("fused Adam + undo (Triton)", r"adam_ring|adam_undo"),
             ("optimizer (torch)", r"adam|multi_tensor_apply|_foreach_(add|mul|lerp|addcmul|addcdiv|sqrt|div)"),
             ("attention", ATTENTION), ("matmul", MATMUL), ("copies", r"copy|memcpy"),
             ("fills and zeroing", r"fill|memset|zero"))
