@@ -22,7 +22,7 @@ else (in flight) has its complete pre-step image in the slot its tag names; its 
 are untouched.  ``restore`` copies back each program's in-flight block and settles the tags;
 the redo then writes only the blocks not written.  The tags are also the step's cursor
 (``last_started``): no word moves between chunks.  The ring is small (two blocks a program),
-so its stores stay in L2 instead of costing memory bandwidth as an image of the whole chunk would.
+so that its stores can stay in L2 instead of costing memory bandwidth as an image of the whole chunk does.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ elements each from ``ring``), which its blocks use in turn.  Per block of ``VEC`
 One fence a block: the program's next started tag (its release covers this block's in-place
 stores) is what says this block is done, and the block after that — the first to overwrite
 this block's ring slot — stores nothing before that tag has landed.  After its last block a
-program tags that one ``finished`` (release).  The ring is ``2G`` slots, about 13 MB, so its
-stores are overwritten in L2 instead of costing memory bandwidth.
+program tags that one ``finished`` (release).  The ring is ``2G`` slots, about 13 MB, so that its
+stores can be overwritten in L2 instead of costing memory bandwidth.
 
 Every arithmetic step mirrors one op of torch's ``_multi_tensor_adam`` (named beside it);
 ``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so the only
