@@ -101,6 +101,28 @@ def test_a_step_begun_fused_is_finished_by_the_kernel_only(monkeypatch, tmp_path
     _check("need-ref", ref, "need", res)
 
 
+def test_a_step_in_flight_from_the_chunk_sized_undo_is_refused(monkeypatch, tmp_path):
+    """A step in flight whose boundary says it was saved by the earlier fused update (an undo
+    image of the whole chunk, ``"undo": "fused"``) is refused with an error that says what to
+    do, and nothing anchored changes: restoring the record lets a worker finish it bit for bit."""
+    import json
+    from gpu_anchor.train.protocol import key
+    emulated(monkeypatch)
+    cfg = C.CampaignConfig(steps=5, progress="device")
+    C.prewarm(cfg)
+    ref = C.run("old-ref", cfg, str(tmp_path / "ref.log"))
+    log = str(tmp_path / "run.log")
+    assert C._wait(C._child(C.train, "old", cfg, log, "mid_chunk@2:1")) == -9
+    client = gpu_anchor.connect("cpu", namespace="old")
+    record = client.journal.get(key("train", "boundary"))
+    assert json.loads(record)["undo"] == "ring"
+    client.journal.commit({key("train", "boundary"): json.dumps(dict(json.loads(record), undo="fused")).encode()})
+    with pytest.raises(RuntimeError, match="another version's fused update .*finish it with that version"):
+        C.train("old", cfg, log)
+    client.journal.commit({key("train", "boundary"): record})
+    _check("old-ref", ref, "old", C.run("old", cfg, log))
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_fused_steps_a_rank_killed_at_each_phase(monkeypatch, tmp_path, parallel):
     """DDP or FSDP2 (gloo, two forked CPU ranks) with fused steps: one rank killed at a chunk
