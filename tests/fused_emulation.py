@@ -48,7 +48,7 @@ def _launch(self, i, key, sc, ks, rows, blks, nb, tag_value, programs, first, st
     tags = self.tags[i % 2]
     blks = blks.tolist()[:nb]
     ring = self._undo[i % 2]
-    es = torch.empty((), dtype=key[0]).element_size()
+    es = key[0].itemsize
     view = ring[: ring.numel() // es * es].view(key[0])
     last: dict = {}
     for b, (row, j, idx) in enumerate(blks):

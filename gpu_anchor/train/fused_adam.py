@@ -141,7 +141,7 @@ def launch(rows: torch.Tensor, blks: torch.Tensor, nblocks: int, tags: torch.Ten
     from .fused_adam_kernel import adam_ring
     if not (0 < programs <= nblocks and first + 2 * programs <= ring_capacity(ring.numel())):
         raise ValueError(f"{programs} programs from ring slot {first}: the ring or the table is too small")
-    es = torch.empty((), dtype=dtype).element_size()
+    es = dtype.itemsize
     view = ring[first * RING_STRIDE:ring.numel() // es * es].view(dtype)
     regs = {} if REGISTERS is None or torch.version.hip else {"maxnreg": REGISTERS}
     adam_ring[(programs,)](rows, blks, nblocks, tags, view, tag_code(tag_value, first, STARTED),
