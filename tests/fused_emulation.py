@@ -49,7 +49,7 @@ def _launch(self, i, key, sc, ks, rows, blks, nb, tag_value, programs, first, st
     blks = blks.tolist()[:nb]
     ring = self._undo[i % 2]
     es = key[0].itemsize
-    view = ring[: ring.numel() // es * es].view(key[0])
+    view = fused_adam.ring_elements(ring, key[0])
     last: dict = {}
     for b, (row, j, idx) in enumerate(blks):
         p = b % programs

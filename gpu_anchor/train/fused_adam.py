@@ -66,6 +66,12 @@ def decode_tag(t: int) -> tuple[int, int | None, int | None] | None:
     return q // RING_SLOTS, q % RING_SLOTS, kind
 
 
+def ring_elements(ring: torch.Tensor, dtype: torch.dtype, first: int = 0) -> torch.Tensor:
+    """An undo slot's bytes from ring slot ``first`` on, as elements of ``dtype``."""
+    es = dtype.itemsize
+    return ring[first * RING_STRIDE:ring.numel() // es * es].view(dtype)
+
+
 def max_programs(device: torch.device) -> int:
     """The persistent grid's size on ``device`` (a few on a host: the CPU stand-in of the tests)."""
     if device.type != "cuda":
@@ -142,7 +148,7 @@ def launch(rows: torch.Tensor, blks: torch.Tensor, nblocks: int, tags: torch.Ten
     if not (0 < programs <= nblocks and first + 2 * programs <= ring_capacity(ring.numel())):
         raise ValueError(f"{programs} programs from ring slot {first}: the ring or the table is too small")
     es = dtype.itemsize
-    view = ring[first * RING_STRIDE:ring.numel() // es * es].view(dtype)
+    view = ring_elements(ring, dtype, first)
     regs = {} if REGISTERS is None or torch.version.hip else {"maxnreg": REGISTERS}
     adam_ring[(programs,)](rows, blks, nblocks, tags, view, tag_code(tag_value, first, STARTED),
                            -1 if stop is None else stop, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
@@ -289,7 +295,7 @@ class FusedAdam:
                 continue
             saved = [tensors[0]] + tensors[2:]           # the gradient is not saved: it is the redo log
             es = tensors[0].element_size()
-            ring = self._undo[i % 2][: self._undo[i % 2].numel() // es * es].view(tensors[0].dtype)
+            ring = ring_elements(self._undo[i % 2], tensors[0].dtype)
             dst, src = [], []
             for j, r in mine:
                 lo, hi = j * BLOCK, min((j + 1) * BLOCK, n)
@@ -398,7 +404,7 @@ def _ring_holds(ring, tags, before, n, programs, v) -> bool:
                 return False
         lo, hi = mine[-1] * BLOCK, min((mine[-1] + 1) * BLOCK, n)
         es = before[0].element_size()
-        view = ring[: ring.numel() // es * es].view(before[0].dtype)
+        view = ring_elements(ring, before[0].dtype)
         for x, a in enumerate(before):
             at = (2 * p + (len(mine) - 1) % 2) * (RING_STRIDE // es) + x * BLOCK
             if not _same_bits(a[lo:hi], view[at:at + hi - lo]):
