@@ -12,6 +12,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 import gpu_anchor
 from gpu_anchor.testing import campaign as C
@@ -121,6 +122,45 @@ def test_a_step_in_flight_from_the_chunk_sized_undo_is_refused(monkeypatch, tmp_
         C.train("old", cfg, log)
     client.journal.commit({key("train", "boundary"): record})
     _check("old-ref", ref, "old", C.run("old", cfg, log))
+
+
+def _slot_bytes(ns) -> int:
+    return gpu_anchor.connect("cpu", namespace=ns).objects()["train.undo.0"].shape[0]
+
+
+def test_undo_slots_hold_the_ring_alone_and_grow_for_a_copy_step(monkeypatch, tmp_path):
+    """Where steps are expected fused, the undo slots hold the ring alone (two ring slots per
+    program and launch; the last chunk spans both parameter groups: two launches).  A worker
+    whose kernel does not reproduce torch saves by copies: its first step grows the slots to a
+    chunk's image, and a kill in a copy step after that is finished from them.  The run ends
+    bit for bit where a fault-free run with the same fused and copy steps does."""
+    emulated(monkeypatch)
+    monkeypatch.setattr(C, "HIDDEN", 256)                     # chunks larger than the ring
+    monkeypatch.setattr(fused_adam, "RING_MIN_BYTES", 2 * fused_adam.RING_STRIDE)
+    cfg = C.CampaignConfig(steps=7, progress="device", chunk_bytes=256 << 10)
+    assert C.num_chunks(cfg) == 4
+    ring = fused_adam.ring_slot_bytes(2, torch.device("cpu"))
+    chunk = 261888                    # the largest chunk's p, exp_avg, exp_avg_sq (fp32)
+    assert ring < chunk
+    no_kernel = lambda key, hp, device: None  # noqa: E731  (verification fails here)
+    C.run("grow-ref", dataclasses.replace(cfg, steps=3), str(tmp_path / "ref.log"))
+    assert _slot_bytes("grow-ref") == ring
+    with monkeypatch.context() as m:
+        m.setattr(fused_adam, "verified", no_kernel)
+        ref = C.run("grow-ref", cfg, str(tmp_path / "ref.log"))
+    assert _slot_bytes("grow-ref") == chunk
+
+    log = str(tmp_path / "run.log")
+    assert C._wait(C._child(C.train, "grow", cfg, log, "mid_chunk@1:3")) == -9      # fused, in the 2-launch chunk
+    assert C._wait(C._child(C.train, "grow", cfg, log, "between_steps@2")) == -9    # steps 0-2 fused
+    assert _slot_bytes("grow") == ring and max(_tagged_steps("grow")) == 2
+    with monkeypatch.context() as m:
+        m.setattr(fused_adam, "verified", no_kernel)
+        assert C._wait(C._child(C.train, "grow", cfg, log, "mid_chunk@4:2")) == -9  # grown at step 3
+        assert _slot_bytes("grow") == chunk
+        res = C.run("grow", cfg, log)
+    assert max(_tagged_steps("grow")) == 2
+    _check("grow-ref", ref, "grow", res)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

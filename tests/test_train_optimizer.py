@@ -115,6 +115,17 @@ def test_state_is_anchored_and_named(host_daemon):
     assert opt.undo_bytes <= max(2 * 4096, 0.5 * total)
 
 
+def test_both_undo_slots_stay_anchored_with_one_chunk(host_daemon):
+    """A one-chunk plan writes only slot 0, and the optimizer still holds slot 1: an anchored
+    object is freed once its last tensor is collected, and a step in flight needs both."""
+    import gc
+    cfg = C.CampaignConfig()
+    client, _, (model, opt) = _pair("undo-held", cfg, chunk_bytes=1 << 20)
+    assert opt.num_chunks == 1
+    gc.collect()
+    assert {"train.undo.0", "train.undo.1"} <= set(client.names())
+
+
 def test_bad_inputs(host_daemon):
     client = gpu_anchor.connect("cpu", namespace="bad")
     model = C.build_model(0)

@@ -79,6 +79,12 @@ def max_programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def ring_slot_bytes(launches: int, device: torch.device) -> int:
+    """An undo slot that holds the ring alone: two ring slots for every program of each of a
+    chunk's ``launches`` launches, and at least ``RING_MIN_BYTES``."""
+    return max(RING_MIN_BYTES, 2 * launches * max_programs(device) * RING_STRIDE)
+
+
 def ring_capacity(slot_bytes: int) -> int:
     """Ring slots an undo slot of ``slot_bytes`` holds (the launches of a chunk share them)."""
     return min(RING_SLOTS, slot_bytes // RING_STRIDE)

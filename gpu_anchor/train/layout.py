@@ -9,9 +9,9 @@
 - ``bind_state``: ``<prefix>.grad.<param>`` and ``<prefix>.state.<param>.<key>`` in one bind
   (a resumed run that finds them created lost its state: refused), then the two undo slots,
   the device progress word and (CUDA + Adam) the fused kernel's per-block undo tags — matched
-  when a step is in flight (a missing undo slot is then refused), replaced otherwise.  The
-  anchored tensors are set on each parameter's record (``grad``, ``gview``, ``states`` and
-  their flat views).
+  when a step is in flight (a missing undo slot is then refused), replaced otherwise;
+  ``rebind_undo`` replaces the undo slots alone, at another size.  The anchored tensors are
+  set on each parameter's record (``grad``, ``gview``, ``states`` and their flat views).
 
 The optimizer's journal, chunk plan and recovery stay in ``optimizer``; this module only
 names, checks and binds.
@@ -88,8 +88,7 @@ def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, 
     if fused_adam.tagged(device, kind):     # the fused update's per-block undo tags, a row per slot
         nblocks = fused_adam.FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in chunks])
         tag_spec = [(f"{prefix}.undo.tags", (2, nblocks), torch.int64)]
-    undo = client.bind([(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]
-                       + [(f"{prefix}.progress", (1,), torch.int64)] + tag_spec,
+    undo = client.bind(_undo_specs(prefix, slot_bytes) + [(f"{prefix}.progress", (1,), torch.int64)] + tag_spec,
                        policy="match_or_create" if in_flight else "replace")
     if in_flight and any(b.status == "created" for b in undo):
         raise RuntimeError("a step is in flight but the undo buffer is gone: restore from a checkpoint")
@@ -108,3 +107,12 @@ def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, 
         q.gflat = q.grad.view(-1)
         q.sflat = {k: t.view(-1) for k, t in q.states.items()}
     return [b.tensor for b in undo[:2]], word, tags
+
+
+def rebind_undo(client, prefix: str, slot_bytes: int) -> list[torch.Tensor]:
+    """Replaces the two undo slots by slots of ``slot_bytes`` (no step may be in flight)."""
+    return [b.tensor for b in client.bind(_undo_specs(prefix, slot_bytes), policy="replace")]
+
+
+def _undo_specs(prefix: str, slot_bytes: int) -> list:
+    return [(f"{prefix}.undo.{i}", (slot_bytes,), torch.uint8) for i in (0, 1)]

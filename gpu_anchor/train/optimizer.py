@@ -161,19 +161,22 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self._chunks = chunking.plan([q.local.numel() for q in self._params], sizes, self.chunk_bytes)
         if self._state.in_flight and len(self._chunks) != self._state.chunks:
             raise RuntimeError(f"in-flight step has {self._state.chunks} chunks, the plan now {len(self._chunks)}")
-        slot_bytes = max(chunking.chunk_bytes_used(c, sizes) for c in self._chunks)
-        if fused_adam.tagged(self.device, self.kind):
-            slot_bytes = max(slot_bytes, fused_adam.RING_MIN_BYTES)   # the fused update's ring
-        self.undo_bytes = 2 * slot_bytes
+        tagged = fused_adam.tagged(self.device, self.kind)
+        # a copy step's slot holds a chunk's image (and, tagged, a ring: a step begun fused is
+        # finished by the kernel even by a worker that then saves by copies)
+        self._copy_slot_bytes = max(chunking.chunk_bytes_used(c, sizes) for c in self._chunks)
+        if tagged:
+            self._copy_slot_bytes = max(self._copy_slot_bytes, fused_adam.RING_MIN_BYTES)
+        self.fused_reason = self._fused_reason(tagged)   # None: steps may use the fused update
+        slot_bytes = self._slot_bytes(vals.get(key(prefix, "boundary")))
 
         # ------------------------------------------------------------ bind everything at once
-        self._undo, self._word, tags = layout.bind_state(      # _word held: an anchored object lives while referenced
+        undo, self._word, self._tags = layout.bind_state(      # _word held: an anchored object lives while referenced
             client, prefix, self._params, keys_of, self._chunks, slot_bytes, self.kind, self.device,
             in_flight=self._state.in_flight, committed_steps=self._state.step if resuming else None)
         for q in self._params:
             optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
-        self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, self._undo, self.kind, tags)
-        self.fused_reason = self._fused_reason(tags)   # None: steps may use the fused update
+        self._use_undo(undo)
         if self.progress == "device":
             self._dev = DeviceProgress(self._word, self.device, self._copy_to_undo, self.stats)
         self._counts = [0] * len(self._params)
@@ -261,6 +264,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             carry = self._capture_carry()
             device = self.progress == "device"
             plan = self._fused_plan(mask, counts, hps)
+            if plan is None and self.undo_bytes < 2 * self._copy_slot_bytes:
+                self._grow_undo()
             if not device:
                 self._copy_to_undo(0)
                 self._wait()     # the gradients (and chunk 0's undo image) are in memory
@@ -385,13 +390,41 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         """Fault injection: the block at which a fused chunk's launches stop (half of the first's)."""
         return max(1, self._exec.fused._table(i, tuple(groups[0][2]))[2] // 2)
 
+    # ------------------------------------------------------------------ undo slots
+    def _slot_bytes(self, boundary: bytes | None) -> int:
+        """The undo slots' size.  A step in flight keeps those it was saved in (its boundary
+        records their size; a record without one is a chunk's image).  Otherwise: where steps
+        are expected fused, the ring alone (a chunk's launches, one per parameter group and
+        dtype it spans), else a chunk's image; a copy step grows them (``_grow_undo``)."""
+        if self._state.in_flight:
+            return json.loads(boundary).get("undo_slot_bytes", self._copy_slot_bytes) \
+                if boundary is not None else self._copy_slot_bytes
+        if self.fused_reason is not None:
+            return self._copy_slot_bytes
+        launches = max(len({(self._params[s.param].group, self._params[s.param].local.dtype) for s in c})
+                       for c in self._chunks)
+        return min(self._copy_slot_bytes, fused_adam.ring_slot_bytes(launches, self.device))
+
+    def _use_undo(self, undo) -> None:
+        self._undo = undo       # held: an anchored object is freed once its tensor is collected
+        self.undo_bytes = 2 * undo[0].numel()
+        self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, undo, self.kind, self._tags)
+
+    def _grow_undo(self) -> None:
+        """This step saves by copies and the undo slots hold the fused ring alone: replace them
+        by slots of a chunk's image, before the boundary.  The last step lands first (while it
+        is in flight a kill reads its ring), so no step names the slots being replaced."""
+        self.flush()
+        self._wait()
+        self._use_undo(layout.rebind_undo(self.client, self.prefix, self._copy_slot_bytes))
+
     # ------------------------------------------------------------------ fused update
-    def _fused_reason(self, tags) -> str | None:
+    def _fused_reason(self, tagged: bool) -> str | None:
         if not self.config.fused_update:
             return "off (StepProtocolConfig.fused_update=False)"
         if self.progress != "device":
             return "progress='journal' saves each chunk before its cursor commit"
-        if tags is None:
+        if not tagged:
             return "not Adam/AdamW on CUDA"
         from .fused_adam import unavailable_reason
         return unavailable_reason(self.device)
@@ -412,7 +445,9 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         return BLOCK
 
     def _undo_record(self, plan) -> dict:
-        return {"undo": "ring", "undo_block": self._fused_block()} if plan is not None else {"undo": "copy"}
+        slots = {"undo_slot_bytes": self.undo_bytes // 2}
+        return {"undo": "ring", "undo_block": self._fused_block(), **slots} if plan is not None \
+            else {"undo": "copy", **slots}
 
     def _finalize_grads(self) -> list[bool]:
         """The gradient-finalization boundary (``grads.GradientBuffers.finalize``), then the
