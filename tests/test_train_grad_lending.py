@@ -98,12 +98,12 @@ def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, mon
                             config=StepProtocolConfig(lend_grad_bytes=1 << 30))
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     for step in range(4):
-        if step == 2:        # as if the last backward had made its gradients in the reverse order
-            opt.lender._order.reverse()
-            opt.lender._areas = None
         for m, o in ((ref, ropt), (model, opt)):
             m(x).square().mean().backward()
             o.step()
+            if step == 1 and o is opt:   # as if this backward had made its gradients in the reverse order
+                opt.lender._order.reverse()
+                opt.lender._areas = None
             o.zero_grad()
     same_state(ref, ropt, model, opt)
     st = opt.lender.stats
@@ -111,10 +111,43 @@ def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, mon
     assert opt.lender.budget < 1 << 30
     # a parameter seen through a view (what linear saves: weight.t()) is never copied
     opt.zero_grad()
-    opt.lender._start, opt.lender._held, opt.lender.budget = 0, set(), 1 << 30
+    area = max(opt.lender._ordered_areas(), key=lambda a: a.end - a.base)
+    opt.lender._chosen = {k: (area, area.base, 256 * 256 * 4) for k in (opt.lender._k, opt.lender._k + 1)}
+    opt.lender.budget = 1 << 30
     w = model[0].weight
     assert isinstance(opt.lender._pack(w.t()), grad_lending._Kept)
     assert isinstance(opt.lender._pack(torch.randn(256, 256).requires_grad_(True) * 2), grad_lending._Lent)
+
+
+def test_a_tail_tensor_larger_than_the_budget_is_passed_over(host_daemon, monkeypatch):
+    """The forward's last saved tensor (the wide output's tanh, 512 KiB) does not fit a budget
+    of 200 KiB: it stays in torch memory and the 64 KiB tensors saved before it are lent
+    instead.  The same bits as plain torch."""
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    client = gpu_anchor.connect("cpu", namespace="lend-pass-over")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256),
+                                   torch.nn.Linear(256, 2048), torch.nn.Tanh())
+    ref, model = mlp(), mlp()
+    anchor_module(model, client)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                            config=StepProtocolConfig(lend_grad_bytes=200 << 10))
+    x, lent = torch.randn(64, 256), []
+    for step in range(4):
+        for m, o in ((ref, ropt), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["last_lent_bytes"])
+    # the first window only learns; the second lends x too, the caller's, which outlives the
+    # forward (copying it freed nothing), so the later ones lend the two hidden layers' outputs
+    assert lent == [0, 3 * 64 * 256 * 4, 2 * 64 * 256 * 4, 2 * 64 * 256 * 4]
+    same_state(ref, ropt, model, opt)
+    assert opt.lender.stats["evicted_bytes"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -26,8 +26,9 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   a graph (``create_graph``).  A saved tensor the hooks keep keeps autograd's check of in-place
   changes (the same error).  A lent copy holds the value it had when it was saved: a program
   that changes a saved tensor in place, which torch refuses, runs with the saved value.
-- **What is lent.**  The forward's tail: the last saved tensors that fit the byte budget, by
-  the previous forward's sizes, less those whose original outlived the forward (returned to
+- **What is lent.**  The forward's tail: from its last saved tensor back, each one that still
+  fits the byte budget, by the previous forward's sizes (one too large is passed over and the
+  ones before it fill the rest), less those whose original outlived the forward (returned to
   the caller: copying them freed nothing).  Backward reads them first.  They go into the
   buffers whose gradients arrived last in the previous backward.  A tensor still alive when
   its buffer's gradient arrives is moved out (``stats["evicted_bytes"]``), and the next budget
@@ -89,14 +90,13 @@ def _unpack(packed) -> torch.Tensor:
 
 
 class _Area:
-    """Address-adjacent gradient buffers: one bump allocator per window."""
-    __slots__ = ("base", "end", "params", "top", "buf")
+    """Address-adjacent gradient buffers (``_plan`` places the tensors to lend in them)."""
+    __slots__ = ("base", "end", "params", "buf")
 
     def __init__(self, buf: torch.Tensor, params: list) -> None:
         self.buf, self.params = buf, params          # buf: a uint8 view over the whole run
         self.base = buf.data_ptr()
         self.end = self.base + buf.numel()
-        self.top = self.base
 
 
 class _DeviceBytes:
@@ -181,7 +181,8 @@ class GradientLender:
         self._areas: list[_Area] | None = None
         self._arrivals: list[int] = []          # ... in this backward
         self._sizes: list[int] = []             # candidate sizes, this forward
-        self._start: int | None = None          # the first candidate to lend (None: learning)
+        self._chosen: dict | None = None        # candidate -> (area, address, bytes) (None: learning)
+        self._learned: list[int] | None = None  # the last forward's candidate sizes, to plan from
         self._held: set[int] = set()            # candidates whose original outlived the forward
         self._originals: list[tuple] = []       # (candidate, weakref to the original), this window
         self._k = 0
@@ -213,10 +214,10 @@ class GradientLender:
         self._thread, self._depth = threading.get_ident(), 0
         self._k, self._lent, self._overlapped, self._sizes, self._arrivals, self._seen = 0, 0, 0, [], [], {}
         self._originals = []
-        for a in self._areas or ():
-            a.top = a.base
+        if self._learned is not None:
+            self._chosen, self._learned = self._plan(self._learned), None
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if self._window and self._start is not None:
+        if self._window and self._chosen is not None:
             self.stats["windows"] += 1
 
     def _enter(self, module: torch.nn.Module) -> None:
@@ -280,7 +281,7 @@ class GradientLender:
         self.stats["last_lent_bytes"] = self._lent
         self.budget = max(0, self.budget - self._overlapped)
         if self._order is not None:
-            self._start = self._plan()
+            self._learned = self._sizes         # planned at the next open, by then's arrival order
         self._arrivals, self._sizes = [], []
 
     def close(self) -> None:
@@ -301,7 +302,8 @@ class GradientLender:
             return _Kept(t)          # small, or a parameter seen through a view (linear's weight.t())
         k, self._k = self._k, self._k + 1
         self._sizes.append(n)
-        if self._start is None or k < self._start or k in self._held or self._lent + n > self.budget:
+        placed = self._chosen.get(k) if self._chosen is not None else None
+        if placed is None or placed[2] != n or self._lent + n > self.budget:
             return _Kept(t)
         prev = self._seen.get(id(t))
         h = prev[2]() if prev is not None and prev[0]() is t and prev[1] == t._version else None
@@ -309,10 +311,7 @@ class GradientLender:
             return h
         if self._stream is not None and torch.cuda.current_stream(self.device) != self._stream:
             return _Kept(t)
-        placed = self._place(n)
-        if placed is None:
-            return _Kept(t)
-        area, addr = placed
+        area, addr, _ = placed
         # Its own tensor, not a view of the area: its own version counter, which copies into
         # other slots of the area do not move.
         storage = area.buf.untyped_storage()
@@ -333,14 +332,6 @@ class GradientLender:
         p = t.data_ptr()
         return any(a.base <= p < a.end for a in self._areas or ())
 
-    def _place(self, n: int):
-        for a in self._ordered_areas():
-            start = (a.top + ALIGN - 1) // ALIGN * ALIGN
-            if start + n <= a.end:
-                a.top = start + n
-                return a, start
-        return None
-
     def _ordered_areas(self) -> list[_Area]:
         """Areas whose first gradient arrives last come first: the tail of the forward, which
         backward reads first, goes where gradients arrive last."""
@@ -349,18 +340,27 @@ class GradientLender:
             self._areas = sorted(_areas(self.params), key=lambda a: -min(rank.get(q.index, 0) for q in a.params))
         return self._areas
 
-    def _plan(self) -> int:
-        """The first candidate of the forward's tail that fits the budget, by the sizes seen."""
-        largest = max((a.end - a.base for a in self._ordered_areas()), default=0)
-        total, start = 0, len(self._sizes)
-        for k in range(len(self._sizes) - 1, -1, -1):
-            n = self._sizes[k]
-            if n > largest or k in self._held:
+    def _plan(self, sizes: list[int]) -> dict:
+        """Which candidates to lend and where, by the sizes seen: from the forward's last one
+        back, each that still fits the budget and an area (the first with room, in
+        ``_ordered_areas`` order).  One that does not fit (the logits, say) is passed over, not
+        an end: the ones before it fill what is left.  Placed here, not as the forward saves
+        them, so that the tail gets the room: saved first, the earlier ones would take it."""
+        areas = self._ordered_areas()
+        tops = [a.base for a in areas]
+        total, chosen = 0, {}
+        for k in range(len(sizes) - 1, -1, -1):
+            n = sizes[k]
+            if k in self._held or total + n > self.budget:
                 continue
-            if total + n > self.budget:
-                break
-            total, start = total + n, k
-        return start
+            for j, a in enumerate(areas):
+                start = (tops[j] + ALIGN - 1) // ALIGN * ALIGN
+                if start + n <= a.end:
+                    tops[j] = start + n
+                    chosen[k] = (a, start, n)
+                    total += n
+                    break
+        return chosen
 
     # ------------------------------------------------------------------ eviction
     def evict_all(self) -> None:
