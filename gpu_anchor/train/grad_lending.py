@@ -90,13 +90,14 @@ def _unpack(packed) -> torch.Tensor:
 
 
 class _Area:
-    """Address-adjacent gradient buffers (``_plan`` places the tensors to lend in them)."""
-    __slots__ = ("base", "end", "params", "buf")
+    """Address-adjacent gradient buffers: one bump allocator per window."""
+    __slots__ = ("base", "end", "params", "top", "buf")
 
     def __init__(self, buf: torch.Tensor, params: list) -> None:
         self.buf, self.params = buf, params          # buf: a uint8 view over the whole run
         self.base = buf.data_ptr()
         self.end = self.base + buf.numel()
+        self.top = self.base
 
 
 class _DeviceBytes:
@@ -181,8 +182,7 @@ class GradientLender:
         self._areas: list[_Area] | None = None
         self._arrivals: list[int] = []          # ... in this backward
         self._sizes: list[int] = []             # candidate sizes, this forward
-        self._chosen: dict | None = None        # candidate -> (area, address, bytes) (None: learning)
-        self._learned: list[int] | None = None  # the last forward's candidate sizes, to plan from
+        self._chosen: set[int] | None = None    # the candidates to lend (None: learning)
         self._held: set[int] = set()            # candidates whose original outlived the forward
         self._originals: list[tuple] = []       # (candidate, weakref to the original), this window
         self._k = 0
@@ -214,8 +214,8 @@ class GradientLender:
         self._thread, self._depth = threading.get_ident(), 0
         self._k, self._lent, self._overlapped, self._sizes, self._arrivals, self._seen = 0, 0, 0, [], [], {}
         self._originals = []
-        if self._learned is not None:
-            self._chosen, self._learned = self._plan(self._learned), None
+        for a in self._areas or ():
+            a.top = a.base
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self._window and self._chosen is not None:
             self.stats["windows"] += 1
@@ -281,7 +281,7 @@ class GradientLender:
         self.stats["last_lent_bytes"] = self._lent
         self.budget = max(0, self.budget - self._overlapped)
         if self._order is not None:
-            self._learned = self._sizes         # planned at the next open, by then's arrival order
+            self._chosen = self._plan()
         self._arrivals, self._sizes = [], []
 
     def close(self) -> None:
@@ -302,8 +302,7 @@ class GradientLender:
             return _Kept(t)          # small, or a parameter seen through a view (linear's weight.t())
         k, self._k = self._k, self._k + 1
         self._sizes.append(n)
-        placed = self._chosen.get(k) if self._chosen is not None else None
-        if placed is None or placed[2] != n or self._lent + n > self.budget:
+        if self._chosen is None or k not in self._chosen or self._lent + n > self.budget:
             return _Kept(t)
         prev = self._seen.get(id(t))
         h = prev[2]() if prev is not None and prev[0]() is t and prev[1] == t._version else None
@@ -311,7 +310,10 @@ class GradientLender:
             return h
         if self._stream is not None and torch.cuda.current_stream(self.device) != self._stream:
             return _Kept(t)
-        area, addr, _ = placed
+        placed = self._place(n)
+        if placed is None:
+            return _Kept(t)
+        area, addr = placed
         # Its own tensor, not a view of the area: its own version counter, which copies into
         # other slots of the area do not move.
         storage = area.buf.untyped_storage()
@@ -332,6 +334,14 @@ class GradientLender:
         p = t.data_ptr()
         return any(a.base <= p < a.end for a in self._areas or ())
 
+    def _place(self, n: int):
+        for a in self._ordered_areas():
+            start = (a.top + ALIGN - 1) // ALIGN * ALIGN
+            if start + n <= a.end:
+                a.top = start + n
+                return a, start
+        return None
+
     def _ordered_areas(self) -> list[_Area]:
         """Areas whose first gradient arrives last come first: the tail of the forward, which
         backward reads first, goes where gradients arrive last."""
@@ -340,26 +350,19 @@ class GradientLender:
             self._areas = sorted(_areas(self.params), key=lambda a: -min(rank.get(q.index, 0) for q in a.params))
         return self._areas
 
-    def _plan(self, sizes: list[int]) -> dict:
-        """Which candidates to lend and where, by the sizes seen: from the forward's last one
-        back, each that still fits the budget and an area (the first with room, in
-        ``_ordered_areas`` order).  One that does not fit (the logits, say) is passed over, not
-        an end: the ones before it fill what is left.  Placed here, not as the forward saves
-        them, so that the tail gets the room: saved first, the earlier ones would take it."""
-        areas = self._ordered_areas()
-        tops = [a.base for a in areas]
-        total, chosen = 0, {}
-        for k in range(len(sizes) - 1, -1, -1):
-            n = sizes[k]
-            if k in self._held or total + n > self.budget:
+    def _plan(self) -> set[int]:
+        """The candidates to lend, by the sizes seen: from the forward's last one back, each that
+        still fits the budget.  One too large (the logits, say) is passed over, not an end: the
+        ones before it fill what is left.  ``_place`` puts them in forward order, so the earlier
+        ones, which backward frees last, take the areas whose gradients arrive last."""
+        largest = max((a.end - a.base for a in self._ordered_areas()), default=0)
+        total, chosen = 0, set()
+        for k in range(len(self._sizes) - 1, -1, -1):
+            n = self._sizes[k]
+            if n > largest or k in self._held or total + n > self.budget:
                 continue
-            for j, a in enumerate(areas):
-                start = (tops[j] + ALIGN - 1) // ALIGN * ALIGN
-                if start + n <= a.end:
-                    tops[j] = start + n
-                    chosen[k] = (a, start, n)
-                    total += n
-                    break
+            total += n
+            chosen.add(k)
         return chosen
 
     # ------------------------------------------------------------------ eviction
