@@ -27,7 +27,7 @@ class StepProtocolConfig:
     ``set_to_none=True``, lend up to this many bytes of the anchored gradient buffers, which hold
     nothing between ``zero_grad()`` and the next backward, to the last activations the forward
     saves (``grad_lending``): the peak falls by what is lent, and each byte lent is copied once
-    a step.  0 (the default): off."""
+    a step; a budget of at least the gradients' size lends all that fits.  0 (the default): off."""
 
     prefix: str = "train"
     chunk_bytes: int | None = None
