@@ -148,6 +148,99 @@ def test_a_tail_tensor_larger_than_the_budget_is_passed_over(host_daemon, monkey
     assert opt.lender.stats["evicted_bytes"] == 0
 
 
+def test_a_tensor_saved_several_times_is_one_candidate(host_daemon, monkeypatch):
+    """The q, k and v projections each save the same input ``h``: the plan counts its bytes once,
+    and ``h`` is lent at every save or at none (a copy made at the third save while the first
+    kept the original would free nothing).  A budget of the five distinct tensors after the
+    caller's ``x`` lends all five; the same bits as plain torch."""
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    client = gpu_anchor.connect("cpu", namespace="lend-saved-twice")
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.q, self.k, self.v = (torch.nn.Linear(256, 256) for _ in range(4))
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.q(h) * self.k(h) * self.v(h)
+    ref, model = QKV(), QKV()
+    anchor_module(model, client)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    one = 64 * 256 * 4
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                            config=StepProtocolConfig(lend_grad_bytes=5 * one))
+    packs, pack = [], opt.lender._pack
+
+    def spy(t):
+        out = pack(t)
+        packs.append((t.untyped_storage().data_ptr(), type(out)))
+        return out
+    monkeypatch.setattr(opt.lender, "_pack", spy)
+    x, lent = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)), []
+    for step in range(4):
+        packs.clear()
+        for m, o in ((ref, ropt), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["last_lent_bytes"])
+        kinds: dict[int, set] = {}
+        for ptr, kind in packs:
+            kinds.setdefault(ptr, set()).add(kind)
+        assert all(len(k) == 1 for k in kinds.values()), (step, kinds)
+    assert lent == [0, 5 * one, 5 * one, 5 * one]
+    same_state(ref, ropt, model, opt)
+
+
+def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
+    """Lending the last four of eight layers' activations, the saved-tensor hooks see every save
+    of the learning window, then only those from the module call where the chosen tail began:
+    the saves before it stay torch's own (no Python object each, which fed the garbage
+    collector).  Another model's forward in one window (a teacher's, here) moves nothing: the
+    calls are counted in our forwards.  The same bytes lent each window, the same bits as plain
+    torch."""
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    client = gpu_anchor.connect("cpu", namespace="lend-late-push")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
+    ref, model = mlp(), mlp()
+    anchor_module(model, client)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # a linear saves its input and weight.t() (the first one, whose input needs no gradient, its
+    # input only), a tanh its output, which the next linear saves again: one candidate a layer
+    one = 64 * 256 * 4
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                            config=StepProtocolConfig(lend_grad_bytes=4 * one))
+    calls, pack = [], opt.lender._pack
+
+    def spy(t):
+        calls[-1] += 1
+        return pack(t)
+    monkeypatch.setattr(opt.lender, "_pack", spy)
+    teacher = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    x, lent = torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), []
+    for step in range(5):
+        calls.append(0)
+        if step == 2:
+            with torch.no_grad():
+                teacher(x)
+        for m, o in ((model, opt), (ref, ropt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["last_lent_bytes"])
+    assert lent == [0, 4 * one, 4 * one, 4 * one, 4 * one]
+    # learning: 8 x 3 - 1 saves; lending the last four tanh outputs: from the fifth tanh's call on
+    assert calls[0] == 23 and calls[1:] == [10, 10, 10, 10], calls
+    same_state(ref, ropt, model, opt)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_retained_graph_and_gradient_penalty(request, monkeypatch, device):
     """``backward(retain_graph=True)`` twice (lent tensors outlive the first backward) and a
@@ -224,8 +317,8 @@ def test_hooks_only_in_forwards_of_the_window(request, monkeypatch):
             iteration(1)
     finally:
         h.remove()
-        torch._C._autograd._pop_saved_tensors_default_hooks()       # theirs
-        torch._C._autograd._pop_saved_tensors_default_hooks()       # ours, left below theirs
+        while top(True) is not None:      # theirs, and ours if they went on before theirs
+            torch._C._autograd._pop_saved_tensors_default_hooks()
     assert opt.lender.disabled is not None and top(True) is None
     seen.clear()
     with warnings.catch_warnings():

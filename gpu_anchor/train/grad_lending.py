@@ -29,7 +29,8 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
 - **What is lent.**  The forward's tail: from its last saved tensor back, each one that still
   fits the byte budget, by the previous forward's sizes (one too large is passed over and the
   ones before it fill the rest), less those whose original outlived the forward (returned to
-  the caller: copying them freed nothing).  Backward reads them first.  They go into the
+  the caller: copying them freed nothing).  A tensor saved by several ops (one input of the
+  q, k and v projections) is one candidate, lent at every save or at none.  Backward reads them first.  They go into the
   buffers whose gradients arrived last in the previous backward.  A tensor still alive when
   its buffer's gradient arrives is moved out (``stats["evicted_bytes"]``), and the next budget
   shrinks by what was moved: a budget too large for the model costs copies, never values.
@@ -41,93 +42,41 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   which overwrite the buffers anyway.  Copies run on the stream that was current at
   ``zero_grad()``; a forward on another stream lends nothing.
 - **Where.**  Global module hooks (one pair per process, for the optimizer whose window opened
-  last) push autograd's saved-tensor hooks around the outermost forward of a module that holds
-  the optimizer's parameters, in the window, and pop them when it returns.  Hooks already in
-  force (``torch.utils.checkpoint`` around the model, a user's own) win: nothing is lent under
-  them.  Hooks left pushed on top of ours when that forward returns stop lending for the
-  process, with a warning.  Under ``torch.compile`` tracing the module hooks do nothing.
+  last) count the module calls of the window's outermost forwards of a module that holds the
+  optimizer's parameters (another model's forward counts nothing and lends nothing).  A
+  learning window pushes autograd's saved-tensor hooks at the outermost call; a lending one at
+  the call where the first chosen candidate came last time, so the saves before it stay
+  torch's own.  The hooks are popped when the outermost forward returns.  Hooks already in
+  force (``torch.utils.checkpoint``, a user's own) win: nothing is lent under them.  Hooks
+  pushed inside that forward and still in force when it returns stop lending for the process,
+  with a warning.  A window in which our forward ran but the hooks never went on (fewer calls
+  than last time) makes the next one learn again.  Under ``torch.compile`` tracing the module
+  hooks do nothing.
 - **Cost.**  The lent bytes are copied once a step (a read and a write on the device); one
-  Python call per saved tensor in windowed forwards; two per module call while a lender lives.
+  Python call and two or three Python objects per saved tensor from the push on; two calls per
+  module call while a lender lives.  Python objects made a step and alive across the garbage
+  collector's passes are what brings its full passes on (250 ms each on the H200 machine's
+  benchmark process): pushing the hooks at the outermost call, as before 2026-12-04, made two
+  per save of the whole forward.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import warnings
 import weakref
 
 import torch
 
+from .lent_memory import _Area, _Kept, _Lent, _areas, _unpack
+
 MIN_BYTES = 1 << 20        # smaller saved tensors are not worth a copy and a Python object
 ALIGN = 512                # as the daemon's arena and torch's allocator align
 
 
-class _Kept:
-    """A saved tensor the lender did not copy: autograd's own in-place check, by hand (torch
-    skips it for hooked tensors)."""
-    __slots__ = ("t", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.version = t.detach(), t._version
-
-
-class _Lent:
-    """A saved tensor copied into gradient memory ``[lo, hi)`` (byte addresses); ``_evict`` moves
-    ``t`` to torch memory."""
-    __slots__ = ("t", "lo", "hi", "resident", "__weakref__")
-
-    def __init__(self, t: torch.Tensor, lo: int, hi: int) -> None:
-        self.t, self.lo, self.hi, self.resident = t, lo, hi, True
-
-
-def _unpack(packed) -> torch.Tensor:
-    if isinstance(packed, _Kept) and packed.t._version != packed.version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{packed.t.type()} {list(packed.t.shape)}] is at version {packed.t._version}; "
-            f"expected version {packed.version} instead (seen by gpu_anchor's gradient lending, "
-            "which keeps torch's check for the tensors it does not copy)")
-    return packed.t
-
-
-class _Area:
-    """Address-adjacent gradient buffers: one bump allocator per window."""
-    __slots__ = ("base", "end", "params", "top", "buf")
-
-    def __init__(self, buf: torch.Tensor, params: list) -> None:
-        self.buf, self.params = buf, params          # buf: a uint8 view over the whole run
-        self.base = buf.data_ptr()
-        self.end = self.base + buf.numel()
-        self.top = self.base
-
-
-class _DeviceBytes:
-    """``n`` bytes of device memory at ``ptr``, for ``torch.as_tensor``: a run of gradient buffers
-    that touch end to end spans several anchored objects, each its own storage."""
-
-    def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "|u1", "version": 3}
-
-
-def _areas(params) -> list[_Area]:
-    """The gradient buffers grouped into runs that touch end to end on a CUDA device (``layout``
-    binds them in one batch, gradients first, and the arena packs a batch end to end); on the
-    host each buffer is its own mapping, so its own area."""
-    spans = sorted(((q.grad.data_ptr(), q.grad.numel() * q.grad.element_size(), q) for q in params
-                    if q.grad.numel()), key=lambda s: s[0])
-    runs: list[list] = []
-    for ptr, n, q in spans:
-        if runs and q.grad.is_cuda and runs[-1][0] + runs[-1][1] == ptr:
-            runs[-1][1] += n
-            runs[-1][2].append(q)
-        else:
-            runs.append([ptr, n, [q]])
-    out = []
-    for ptr, n, qs in runs:
-        g = qs[0].grad
-        buf = g.view(-1).view(torch.uint8) if len(qs) == 1 else \
-            torch.as_tensor(_DeviceBytes(ptr, n), device=g.device)
-        out.append(_Area(buf, qs))
-    return out
+def _top_pack():
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if top is None else top[0]
 
 
 # One pair of global module hooks serves the process: they call the lender whose window was
@@ -181,10 +130,19 @@ class GradientLender:
         self._order: list[int] | None = None    # parameter indices, by arrival in the last backward
         self._areas: list[_Area] | None = None
         self._arrivals: list[int] = []          # ... in this backward
-        self._sizes: list[int] = []             # candidate sizes, this forward
+        # By candidate index: its size and the module call it came in (the last window that saw
+        # it; a lending window sees the tail only, from the call where the hooks went on)
+        self._sizes: list[int] = []
+        self._calls_at: list[int] = []
+        self._seen_end: int | None = None       # one past the last candidate this window saw
+        self._calls = 0                         # module calls so far in this window's forwards of ours
+        self._push_at = 0                       # ... from which the saved-tensor hooks go on
+        self._ours = False                      # the outermost module in progress holds our parameters
+        self._entry_top = None                  # the pack hook in force when it began
         self._chosen: set[int] | None = None    # the candidates to lend (None: learning)
         self._held: set[int] = set()            # candidates whose original outlived the forward
-        self._originals: list[tuple] = []       # (candidate, weakref to the original), this window
+        self._lent_k: list[int] = []            # candidates lent this window, and weak references
+        self._lent_src: list = []               # to their originals (held: they outlived the forward)
         self._k = 0
         self._window = False                    # between zero_grad() and the first gradient
         self._thread: int | None = None         # the thread that opened it
@@ -195,7 +153,7 @@ class GradientLender:
         self._param_storages = {q.local.untyped_storage().data_ptr() for q in params}
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._live: "weakref.WeakSet[_Lent]" = weakref.WeakSet()
-        self._seen: dict[int, tuple] = {}       # id(original) -> (weakrefs to it, version, weakref to handle)
+        self._seen: dict[int, object] = {}      # address -> what a candidate there was packed as, this forward
         self._lent = 0
         self._overlapped = 0                    # bytes moved back because a gradient arrived on them
         if self.disabled is None:
@@ -212,8 +170,12 @@ class GradientLender:
             _current = weakref.ref(self)
         self._window = self.disabled is None
         self._thread, self._depth = threading.get_ident(), 0
-        self._k, self._lent, self._overlapped, self._sizes, self._arrivals, self._seen = 0, 0, 0, [], [], {}
-        self._originals = []
+        self._k, self._lent, self._overlapped, self._arrivals, self._seen = 0, 0, 0, [], {}
+        self._lent_k, self._lent_src, self._seen_end, self._calls, self._ours = [], [], None, 0, False
+        # Learning, the hooks go on at the outermost forward and see every candidate; lending, at
+        # the module call where the first chosen one came last time: the saves before it stay
+        # torch's own, with no Python objects (two a save fed the garbage collector's full passes).
+        self._push_at = self._calls_at[min(self._chosen)] if self._chosen else 0
         for a in self._areas or ():
             a.top = a.base
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -221,14 +183,22 @@ class GradientLender:
             self.stats["windows"] += 1
 
     def _enter(self, module: torch.nn.Module) -> None:
-        """A module's forward begins: the outermost one in the window pushes the saved-tensor
-        hooks if it holds this optimizer's parameters (another model's forward lends nothing),
-        unless some are in force already (``torch.utils.checkpoint`` around the model, a user's
-        own): theirs win."""
+        """A module's forward begins.  Within an outermost forward of a module that holds this
+        optimizer's parameters (another model's forward lends nothing), the first module call
+        from ``_push_at`` on pushes the saved-tensor hooks, which stay until that outermost
+        forward returns, unless some are in force already (``torch.utils.checkpoint``, a
+        user's own): theirs win."""
         if threading.get_ident() != self._thread:
             return
         self._depth += 1
-        if self._depth == 1 and self._window and self._owns(module) \
+        if not self._window:
+            return
+        if self._depth == 1:
+            self._ours, self._entry_top = self._owns(module), _top_pack()
+        if not self._ours:         # another model's forward (a reference or teacher model, say)
+            return
+        self._calls += 1
+        if self._pushed is None and self._calls >= self._push_at \
                 and torch._C._autograd._top_saved_tensors_default_hooks(True) is None:
             pack = self._pack      # one bound method: _leave knows ours by identity
             try:
@@ -236,6 +206,8 @@ class GradientLender:
             except RuntimeError:   # torch.autograd.graph.disable_saved_tensors_hooks is in force
                 return
             self._pushed = pack
+            if self._push_at:      # the candidates of the calls before this one went by unseen
+                self._k = max(self._k, bisect.bisect_left(self._calls_at, self._calls))
 
     def _owns(self, module: torch.nn.Module) -> bool:
         owns = self._owners.get(module)
@@ -248,7 +220,9 @@ class GradientLender:
             return
         self._depth -= 1
         if self._depth == 0:
+            self._seen = {}
             self._pop()
+            self._ours = False
 
     def arrived(self, q) -> None:
         """A gradient is about to be copied into ``q.grad``: the window is over, and nothing lent
@@ -256,8 +230,8 @@ class GradientLender:
         if self._window:
             # A lent tensor whose original is still alive here (returned to the caller, like
             # the logits) freed nothing: the next forwards keep it.
-            self._held.update(k for k, ref in self._originals if ref() is not None)
-            self._originals = []
+            self._held.update(k for k, src in zip(self._lent_k, self._lent_src) if src() is not None)
+            self._lent_k, self._lent_src = [], []
         self._window = False
         self._arrivals.append(q.index)
         if self._live:
@@ -270,9 +244,14 @@ class GradientLender:
         window's forward (sizes) and backward (arrival order) for the next one."""
         self._window = False
         self.evict_all()
-        if not self._sizes or self.disabled is not None:
+        if self._seen_end is None or self.disabled is not None:
+            if self._calls and self._chosen:
+                # Our forward ran, yet the hooks never went on where the lent tail began last
+                # time (fewer module calls now, say): learn the whole forward again.
+                self._chosen = None
             self._arrivals = []
             return
+        del self._sizes[self._seen_end:], self._calls_at[self._seen_end:]   # fewer candidates now, maybe
         if self._arrivals:
             seen = set(self._arrivals)
             order = self._arrivals + [q.index for q in self.params if q.index not in seen]
@@ -282,7 +261,7 @@ class GradientLender:
         self.budget = max(0, self.budget - self._overlapped)
         if self._order is not None:
             self._chosen = self._plan()
-        self._arrivals, self._sizes = [], []
+        self._arrivals = []
 
     def close(self) -> None:
         """Any other write into the buffers (``zero_grad(set_to_none=False)``): nothing lent stays."""
@@ -300,19 +279,30 @@ class GradientLender:
         n = t.numel() * t.element_size()
         if n < MIN_BYTES or t.untyped_storage().data_ptr() in self._param_storages:
             return _Kept(t)          # small, or a parameter seen through a view (linear's weight.t())
+        ptr = t.data_ptr()
+        prev = self._seen.get(ptr)
+        if prev is not None and prev.same(t):
+            return prev    # saved again (one input of the q, k and v projections, by each): one candidate
         k, self._k = self._k, self._k + 1
-        self._sizes.append(n)
+        if k < len(self._sizes):
+            self._sizes[k], self._calls_at[k] = n, self._calls
+        else:
+            self._sizes.append(n)
+            self._calls_at.append(self._calls)
+        self._seen_end = self._k
+        packed = self._lend(t, k, n) or _Kept(t)
+        self._seen[ptr] = packed
+        return packed
+
+    def _lend(self, t: torch.Tensor, k: int, n: int) -> "_Lent | None":
+        """Candidate ``k`` (``n`` bytes) copied into the area ``_place`` gives it, if chosen."""
         if self._chosen is None or k not in self._chosen or self._lent + n > self.budget:
-            return _Kept(t)
-        prev = self._seen.get(id(t))
-        h = prev[2]() if prev is not None and prev[0]() is t and prev[1] == t._version else None
-        if h is not None and h.resident:
-            return h
+            return None
         if self._stream is not None and torch.cuda.current_stream(self.device) != self._stream:
-            return _Kept(t)
+            return None
         placed = self._place(n)
         if placed is None:
-            return _Kept(t)
+            return None
         area, addr = placed
         # Its own tensor, not a view of the area: its own version counter, which copies into
         # other slots of the area do not move.
@@ -320,11 +310,10 @@ class GradientLender:
         dst = torch.empty(0, dtype=t.dtype, device=t.device).set_(
             storage, (addr - storage.data_ptr()) // t.element_size(), t.shape)
         dst.copy_(t)
-        h = _Lent(dst, addr, addr + n)
+        h = _Lent(dst, addr, addr + n, weakref.ref(t), t._version)
         self._live.add(h)
-        original = weakref.ref(t)
-        self._seen[id(t)] = (original, t._version, weakref.ref(h))    # weak: autograd alone keeps h alive
-        self._originals.append((k, original))
+        self._lent_k.append(k)
+        self._lent_src.append(h.src)
         self._lent += n
         self.stats["lent_bytes"] += n
         self.stats["lent_tensors"] += 1
@@ -382,14 +371,19 @@ class GradientLender:
         return moved
 
     def _pop(self) -> None:
+        top = _top_pack()
         if self._pushed is None:
+            if self._ours and top is not self._entry_top:     # pushed inside, before ours went on
+                self._stop()
             return
-        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if top is None or top[0] is not self._pushed:
-            self.disabled = "saved-tensor hooks pushed inside a module's forward were still in force when it returned"
-            warnings.warn(f"gpu_anchor: gradient lending stops: {self.disabled}", RuntimeWarning, stacklevel=3)
+        if top is not self._pushed:
+            self._stop()
             self._pushed = None      # ours stay below theirs; from now on _pack keeps everything
-            self._window = False
             return
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._pushed = None
+
+    def _stop(self) -> None:
+        self.disabled = "saved-tensor hooks pushed inside a module's forward were still in force when it returned"
+        warnings.warn(f"gpu_anchor: gradient lending stops: {self.disabled}", RuntimeWarning, stacklevel=4)
+        self._window = False

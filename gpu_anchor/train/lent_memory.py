@@ -1,0 +1,95 @@
+"""What gradient lending packs a saved tensor as, and where lent bytes go (``grad_lending``).
+
+- ``_Kept``: a saved tensor left in torch memory, with autograd's in-place check done by hand
+  (torch skips it for tensors its saved-tensor hooks packed).
+- ``_Lent``: a bit-identical copy in gradient-buffer memory ``[lo, hi)``; ``grad_lending``
+  moves it to torch memory (``resident`` False) before a gradient lands on those bytes.
+- ``_Area``: a run of gradient buffers that touch end to end, one bump allocator a window.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _Kept:
+    """A saved tensor the lender did not copy: autograd's own in-place check, by hand (torch
+    skips it for hooked tensors)."""
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t.detach(), t._version
+
+    def same(self, t: torch.Tensor) -> bool:
+        """``t`` at ``self.t``'s address holds these very bytes, unchanged (``self.t`` keeps its
+        storage alive, so no other storage can have that address)."""
+        return _same_bytes(self.t, self.version, t)
+
+
+def _same_bytes(a: torch.Tensor, version: int, t: torch.Tensor) -> bool:
+    return version == t._version and a.data_ptr() == t.data_ptr() and a.dtype == t.dtype \
+        and a.shape == t.shape and a.stride() == t.stride()
+
+
+class _Lent:
+    """A saved tensor copied into gradient memory ``[lo, hi)`` (byte addresses); ``_evict`` moves
+    ``t`` to torch memory.  ``src``: a weak reference to the original, saved at ``version``."""
+    __slots__ = ("t", "lo", "hi", "resident", "src", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, lo: int, hi: int, src, version: int) -> None:
+        self.t, self.lo, self.hi, self.resident, self.src, self.version = t, lo, hi, True, src, version
+
+    def same(self, t: torch.Tensor) -> bool:
+        """``t`` holds the original's bytes, unchanged (the original alive keeps its address its own)."""
+        o = self.src()
+        return self.resident and o is not None and (o is t or _same_bytes(o, self.version, t))
+
+
+def _unpack(packed) -> torch.Tensor:
+    if isinstance(packed, _Kept) and packed.t._version != packed.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{packed.t.type()} {list(packed.t.shape)}] is at version {packed.t._version}; "
+            f"expected version {packed.version} instead (seen by gpu_anchor's gradient lending, "
+            "which keeps torch's check for the tensors it does not copy)")
+    return packed.t
+
+
+class _Area:
+    """Address-adjacent gradient buffers: one bump allocator per window."""
+    __slots__ = ("base", "end", "params", "top", "buf")
+
+    def __init__(self, buf: torch.Tensor, params: list) -> None:
+        self.buf, self.params = buf, params          # buf: a uint8 view over the whole run
+        self.base = buf.data_ptr()
+        self.end = self.base + buf.numel()
+        self.top = self.base
+
+
+class _DeviceBytes:
+    """``n`` bytes of device memory at ``ptr``, for ``torch.as_tensor``: a run of gradient buffers
+    that touch end to end spans several anchored objects, each its own storage."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "|u1", "version": 3}
+
+
+def _areas(params) -> list[_Area]:
+    """The gradient buffers grouped into runs that touch end to end on a CUDA device (``layout``
+    binds them in one batch, gradients first, and the arena packs a batch end to end); on the
+    host each buffer is its own mapping, so its own area."""
+    spans = sorted(((q.grad.data_ptr(), q.grad.numel() * q.grad.element_size(), q) for q in params
+                    if q.grad.numel()), key=lambda s: s[0])
+    runs: list[list] = []
+    for ptr, n, q in spans:
+        if runs and q.grad.is_cuda and runs[-1][0] + runs[-1][1] == ptr:
+            runs[-1][1] += n
+            runs[-1][2].append(q)
+        else:
+            runs.append([ptr, n, [q]])
+    out = []
+    for ptr, n, qs in runs:
+        g = qs[0].grad
+        buf = g.view(-1).view(torch.uint8) if len(qs) == 1 else \
+            torch.as_tensor(_DeviceBytes(ptr, n), device=g.device)
+        out.append(_Area(buf, qs))
+    return out
