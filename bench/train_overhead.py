@@ -27,6 +27,7 @@ ones; they say where the time goes, not how much there is.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -49,6 +50,25 @@ def _llama(tiny: bool, device: str, seed: int):
     torch.manual_seed(seed)
     with torch.device(device):
         return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+class _GcClock:
+    """Time the Python garbage collector runs, by generation (``gc.callbacks``): a pass over
+    every object of a large process stalls the loop, and a median of windows hides it."""
+
+    def __init__(self) -> None:
+        self.ms, self.passes, self._t0 = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase, info) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t0)
+            self.passes[info["generation"]] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 def _sync(device):
@@ -227,13 +247,20 @@ def main(argv=None) -> int:
         times = {k: [] for k in modes}
         host = {k: [] for k in modes}
         losses = {k: [] for k in modes}
+        gc_ms = {k: 0.0 for k in modes}
+        gc_full = {k: 0 for k in modes}
         before = dict(opt.stats)
+        clock = _GcClock()
         for r in range(args.rounds):
             for mode, (m, o, to_none) in modes.items():
+                ms0, full0 = sum(clock.ms), clock.passes[2]
                 t, h, ls = win.run(m, o, args.steps, args.warmup + r * args.steps, set_to_none=to_none)
                 times[mode].append(t)
                 host[mode].append(h)
                 losses[mode] += ls
+                gc_ms[mode] += sum(clock.ms) - ms0
+                gc_full[mode] += clock.passes[2] - full0
+        clock.close()
         n = opt.stats["steps"] - before["steps"]
         opt.flush()
         step_p, step_a = statistics.median(times["plain"]), statistics.median(times["anchored"])
@@ -271,6 +298,9 @@ def main(argv=None) -> int:
                 "lent_tensors_per_window": opt.lender.stats["lent_tensors"] / max(1, opt.lender.stats["windows"]),
                 "lend_evicted_bytes": opt.lender.stats["evicted_bytes"],
                 "lend_budget_final": opt.lender.budget} if opt.lender is not None else {}),
+            "step_s_mean": {k: statistics.mean(v) for k, v in times.items()},
+            "gc_ms_per_step": {k: v / (args.rounds * args.steps) for k, v in gc_ms.items()},
+            "gc_full_passes": gc_full,
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
@@ -357,6 +387,12 @@ def render(r: dict) -> str:
                      f"{r['lent_bytes_last_step'] / 2**30:.2f} GiB lent in the last step "
                      f"({r['lent_tensors_per_window']:.0f} tensors a step); "
                      f"{r['lend_evicted_bytes'] / 2**20:.0f} MiB moved back before a gradient landed on them",
+                     "", ""))
+    if "gc_ms_per_step" in r:
+        g, full = r["gc_ms_per_step"], r["gc_full_passes"]
+        rows.append(("Python's garbage collector in the timed windows, ms a step (full passes), and the mean "
+                     "step, which a pass lengthens and the medians above leave out",
+                     "; ".join(f"{k} {g[k]:.2f} ({full[k]}), mean {r['step_s_mean'][k] * 1e3:.1f} ms" for k in g),
                      "", ""))
     rows += [
         ("Protocol blocking per step: journal commit + host waits on the device",

@@ -1,6 +1,7 @@
 """``bench train_overhead --profile`` on this CPU machine: the toy run profiles each mode, sorts
 device (here aten) time into kinds of kernel and reports the anchored step's difference per kind.
 No timing is asserted."""
+import gc
 import json
 
 import pytest
@@ -50,6 +51,21 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
     text = T.render(r)
     assert "| kind | plain | anchored | anchored minus plain |" in text and "| busy (sum) |" in text
     assert "| kernels a step |" in text
+    # the garbage collector's time in the timed windows, per mode, beside the mean step
+    assert set(unprofiled["gc_ms_per_step"]) == set(unprofiled["gc_full_passes"]) == {"plain", "anchored"}
+    assert set(unprofiled["step_s_mean"]) == {"plain", "anchored"}
+    assert "garbage collector" in T.render(unprofiled)
+
+
+def test_gc_clock_counts_passes_by_generation():
+    clock = T._GcClock()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        clock.close()
+    assert clock.passes[0] >= 1 and clock.passes[2] >= 1 and clock.ms[2] > 0
+    assert clock._tick not in gc.callbacks
 
 
 class _Avg:      # one row of ``torch.profiler.profile.key_averages()``, as much of it as by_kernel reads
