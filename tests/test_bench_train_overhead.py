@@ -53,7 +53,7 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
     assert "| kernels a step |" in text
     # the garbage collector's time in the timed windows, per mode, beside the mean step
     assert set(unprofiled["gc_ms_per_step"]) == set(unprofiled["gc_full_passes"]) == {"plain", "anchored"}
-    assert set(unprofiled["step_s_mean"]) == {"plain", "anchored"}
+    assert set(unprofiled["step_s_mean"]) == {"plain", "anchored"} and "step_overhead_vs_fastest_plain_mean_pct" in unprofiled
     assert "garbage collector" in T.render(unprofiled)
 
 
