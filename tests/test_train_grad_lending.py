@@ -46,6 +46,17 @@ def _setup(request, device, monkeypatch, namespace, budget, attn="sdpa"):
     return ref, ropt, model, opt, vocab, shape
 
 
+def _twins(make, client, budget):
+    """``make()`` twice: a plain model with torch's AdamW and an anchored one lending ``budget``."""
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    ref, model = make(), make()
+    anchor_module(model, client)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                            config=StepProtocolConfig(lend_grad_bytes=budget))
+    return ref, ropt, model, opt
+
+
 def _grad_bytes(opt) -> int:
     return sum(q.grad.numel() * q.grad.element_size() for q in opt._params)
 
@@ -153,7 +164,6 @@ def test_a_tensor_saved_several_times_is_one_candidate(host_daemon, monkeypatch)
     and ``h`` is lent at every save or at none (a copy made at the third save while the first
     kept the original would free nothing).  A budget of the five distinct tensors after the
     caller's ``x`` lends all five; the same bits as plain torch."""
-    from gpu_anchor.train import AnchoredOptimizer, anchor_module
     monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
     client = gpu_anchor.connect("cpu", namespace="lend-saved-twice")
 
@@ -166,12 +176,8 @@ def test_a_tensor_saved_several_times_is_one_candidate(host_daemon, monkeypatch)
         def forward(self, x):
             h = self.inp(x)
             return self.q(h) * self.k(h) * self.v(h)
-    ref, model = QKV(), QKV()
-    anchor_module(model, client)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     one = 64 * 256 * 4
-    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
-                            config=StepProtocolConfig(lend_grad_bytes=5 * one))
+    ref, ropt, model, opt = _twins(QKV, client, 5 * one)
     packs, pack = [], opt.lender._pack
 
     def spy(t):
@@ -202,21 +208,16 @@ def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
     collector).  Another model's forward in one window (a teacher's, here) moves nothing: the
     calls are counted in our forwards.  The same bytes lent each window, the same bits as plain
     torch."""
-    from gpu_anchor.train import AnchoredOptimizer, anchor_module
     monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
     client = gpu_anchor.connect("cpu", namespace="lend-late-push")
 
     def mlp():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
-    ref, model = mlp(), mlp()
-    anchor_module(model, client)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     # a linear saves its input and weight.t() (the first one, whose input needs no gradient, its
     # input only), a tanh its output, which the next linear saves again: one candidate a layer
     one = 64 * 256 * 4
-    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
-                            config=StepProtocolConfig(lend_grad_bytes=4 * one))
+    ref, ropt, model, opt = _twins(mlp, client, 4 * one)
     calls, pack = [], opt.lender._pack
 
     def spy(t):
