@@ -97,3 +97,25 @@ def test_profile_refuses_a_negative_count(tmp_path, capsys):
         T.main(["--tiny", "--profile", "-1", "--out", str(tmp_path)])
     assert "--profile" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_train_peak_finds_the_blocks_alive_at_the_peak():
+    """``bench train_peak``'s analysis of an allocator trace: the peak is the largest total above
+    the start, the blocks alive there are grouped by the Python line that made them, and a
+    block without one is the backward engine's."""
+    from bench.train_peak import BACKWARD, analyse
+    fr = lambda line: [{"filename": "/x/torch/autograd/graph.py", "line": 1, "name": "hook"},  # noqa: E731
+                       {"filename": "/x/model.py", "line": line, "name": "forward"}]
+    mib = 2**20
+    trace = [{"action": "alloc", "addr": 1, "size": 100 * mib, "frames": fr(10)},
+             {"action": "alloc", "addr": 2, "size": 300 * mib, "frames": fr(20)},
+             {"action": "free_completed", "addr": 1, "size": 100 * mib},
+             {"action": "alloc", "addr": 3, "size": 250 * mib, "frames": []},
+             {"action": "alloc", "addr": 4, "size": 50 * mib, "frames": fr(20)},
+             {"action": "free_completed", "addr": 3, "size": 250 * mib},
+             {"action": "alloc", "addr": 5, "size": 200 * mib, "frames": fr(30)}]
+    r = analyse(trace)
+    assert r["peak_bytes"] == 600 * mib and r["peak_event"] == 4 and r["alive_blocks"] == 3
+    assert r["alive_by_site_mib"] == {"model.py:20:forward": 350.0, BACKWARD: 250.0}
+    assert [b["site"] for b in r["largest_alive_mib"]] == ["model.py:20:forward", BACKWARD, "model.py:20:forward"]
+    assert analyse([])["peak_bytes"] == 0
