@@ -220,7 +220,7 @@ class GradientLender:
             return
         self._depth -= 1
         if self._depth == 0:
-            self._seen = {}
+            self._seen = {}        # the forward is over: what it packed is autograd's alone again
             self._pop()
             self._ours = False
 
