@@ -74,6 +74,27 @@ def test_lent_llama_equals_plain_torch_bit_for_bit(request, monkeypatch, device,
     assert st["windows"] >= 3 and st["lent_tensors"] > 0, st
 
 
+def test_sequence_lengths_that_change_every_step(request, monkeypatch):
+    """Batches of another length each step (as variable-length data makes them): every window's
+    candidates have other sizes than the plan learnt, the tail the hooks see updates it, and
+    the results equal plain torch bit for bit."""
+    ref, ropt, model, opt, vocab, _ = _setup(request, "cpu", monkeypatch, "lend-lengths", 1 << 40)
+    opt.lender.budget = _grad_bytes(opt)
+    gen = torch.Generator().manual_seed(4)
+    for step, seq in enumerate([32, 48, 16, 64, 24, 40, 32]):
+        ids = torch.randint(0, vocab, (2, seq), generator=gen)
+        seen = []
+        for m, o in ((ref, ropt), (model, opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            seen.append(loss.detach())
+            o.step()
+            o.zero_grad()
+        assert torch.equal(seen[0], seen[1]), step
+    same_state(ref, ropt, model, opt)
+    assert opt.lender.stats["lent_tensors"] > 0 and opt.lender.stats["windows"] >= 5
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_with_transformers_gradient_checkpointing(request, monkeypatch, reentrant):
     """transformers' activation (gradient) checkpointing: torch.utils.checkpoint's own saved-tensor hooks win
@@ -239,6 +260,44 @@ def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
     assert lent == [0, 4 * one, 4 * one, 4 * one, 4 * one]
     # learning: 8 x 3 - 1 saves; lending the last four tanh outputs: from the fifth tanh's call on
     assert calls[0] == 23 and calls[1:] == [10, 10, 10, 10], calls
+    same_state(ref, ropt, model, opt)
+
+
+def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon, monkeypatch):
+    """The plan was learnt on eight layers; a step that runs four never reaches the module call
+    where the hooks went on: it lends nothing, the next window learns the whole forward again,
+    and the one after lends the four layers' tail.  The same bits as plain torch."""
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    client = gpu_anchor.connect("cpu", namespace="lend-shorter")
+
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(8))
+            self.depth = 8
+
+        def forward(self, x):
+            for layer in self.layers[:self.depth]:
+                x = torch.tanh(layer(x))
+            return x
+    one = 64 * 256 * 4
+    ref, ropt, model, opt = _twins(Deep, client, 2 * one)
+    x, lent, learning = torch.randn(64, 256, generator=torch.Generator().manual_seed(7)), [], []
+    for step, depth in enumerate([8, 8, 8, 4, 4, 4, 4]):
+        ref.depth = model.depth = depth
+        before = opt.lender.stats["lent_bytes"]
+        for m, o in ((model, opt), (ref, ropt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["lent_bytes"] - before)
+        learning.append(opt.lender._chosen is None)
+    # step 0 learns (the window the optimizer's construction opened), 1 and 2 lend; step 3 (four
+    # layers) never reaches the eight-layer tail: it lends nothing and the next window learns
+    # again (step 4); steps 5 and 6 lend the new tail
+    assert lent == [0, 2 * one, 2 * one, 0, 0, 2 * one, 2 * one], lent
+    assert learning[3] and not learning[4]
     same_state(ref, ropt, model, opt)
 
 
