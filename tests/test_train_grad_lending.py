@@ -46,6 +46,12 @@ def _setup(request, device, monkeypatch, namespace, budget, attn="sdpa"):
     return ref, ropt, model, opt, vocab, shape
 
 
+def _cpu_client(monkeypatch, namespace):
+    """A client of the host daemon, with ``MIN_BYTES`` lowered to the toy models' tensors."""
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    return gpu_anchor.connect("cpu", namespace=namespace)
+
+
 def _twins(make, client, budget):
     """``make()`` twice: a plain model with torch's AdamW and an anchored one lending ``budget``."""
     from gpu_anchor.train import AnchoredOptimizer, anchor_module
@@ -185,8 +191,7 @@ def test_a_tensor_saved_several_times_is_one_candidate(host_daemon, monkeypatch)
     and ``h`` is lent at every save or at none (a copy made at the third save while the first
     kept the original would free nothing).  A budget of the five distinct tensors after the
     caller's ``x`` lends all five; the same bits as plain torch."""
-    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
-    client = gpu_anchor.connect("cpu", namespace="lend-saved-twice")
+    client = _cpu_client(monkeypatch, "lend-saved-twice")
 
     class QKV(torch.nn.Module):
         def __init__(self):
@@ -229,8 +234,7 @@ def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
     collector).  Another model's forward in one window (a teacher's, here) moves nothing: the
     calls are counted in our forwards.  The same bytes lent each window, the same bits as plain
     torch."""
-    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
-    client = gpu_anchor.connect("cpu", namespace="lend-late-push")
+    client = _cpu_client(monkeypatch, "lend-late-push")
 
     def mlp():
         torch.manual_seed(0)
@@ -267,8 +271,7 @@ def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon
     """The plan was learnt on eight layers; a step that runs four never reaches the module call
     where the hooks went on: it lends nothing, the next window learns the whole forward again,
     and the one after lends the four layers' tail.  The same bits as plain torch."""
-    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
-    client = gpu_anchor.connect("cpu", namespace="lend-shorter")
+    client = _cpu_client(monkeypatch, "lend-shorter")
 
     class Deep(torch.nn.Module):
         def __init__(self):
