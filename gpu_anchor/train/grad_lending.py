@@ -30,8 +30,8 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   fits the byte budget, by the previous forward's sizes (one too large is passed over and the
   ones before it fill the rest), less those whose original outlived the forward (returned to
   the caller: copying them freed nothing).  A tensor saved by several ops (one input of the
-  q, k and v projections) is one candidate, lent at every save or at none.  Backward reads them first.  They go into the
-  buffers whose gradients arrived last in the previous backward.  A tensor still alive when
+  q, k and v projections) is one candidate, lent at every save or at none.  Backward reads
+  them first.  They go into the buffers whose gradients arrived last in the previous backward.  A tensor still alive when
   its buffer's gradient arrives is moved out (``stats["evicted_bytes"]``), and the next budget
   shrinks by what was moved: a budget too large for the model costs copies, never values.
 - **Why the buffers are dead.**  The window opens at ``zero_grad(set_to_none=True)``.  By then
