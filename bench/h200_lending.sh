@@ -7,6 +7,7 @@
 #     every gradient byte lendable at 4 x 1 024 and 8 x 2 048, alternating (targets: step <= 3 % and
 #     <= 1 % against plain AdamW(fused=True), memory <= 2 % against set_to_none=True; the files also
 #     carry the garbage collector's time per mode and the ratio of mean steps);
+#   train_peak_lend2357m.json: where the 4 x 1 024 peak is and what is alive there, plain and lending;
 #   train_gpu_faults_lend.json: the 1B Llama's 10-kill campaign, lending;
 #   pytest_lending.log, logs.tgz.
 # Stop 44 measured the lending before this tree's last fix (train_overhead_*lendall_latepush_*.json).
@@ -31,6 +32,9 @@ for i in 1 2 3; do
     mv /tmp/lending/train_overhead*.json "$OUT/$name.json" 2>/dev/null
   done
 done
+timeout -k 5 120 python -m bench train_peak --batch 4 --seq 1024 --lend-grad-bytes 2471628800 $X --out "$OUT" \
+  > /tmp/lending/train_peak.log 2>&1
+say "train_peak rc=$?"
 if [ -z "$X" ]; then
   OUT="$OUT" timeout -k 5 200 python -m pytest -q -s -m gpu tests/test_train_gpu.py -k "ten_kills and lending and not no" \
     > /tmp/lending/campaign.log 2>&1
