@@ -371,12 +371,11 @@ class GradientLender:
         return moved
 
     def _pop(self) -> None:
-        top = _top_pack()
         if self._pushed is None:
-            if self._ours and top is not self._entry_top:     # pushed inside, before ours went on
+            if self._ours and _top_pack() is not self._entry_top:     # pushed inside, before ours went on
                 self._stop()
             return
-        if top is not self._pushed:
+        if _top_pack() is not self._pushed:
             self._stop()
             self._pushed = None      # ours stay below theirs; from now on _pack keeps everything
             return
