@@ -347,11 +347,10 @@ def render(r: dict) -> str:
     """Issue 4's targets: step-time overhead ≤ 1 % [paper 2.6 %], extra GPU memory ≤ 2 % [paper 4.9 %],
     per-step protocol blocking ≤ 5 ms [paper 0.03–0.07 s]."""
     from bench.common import verdict
-    if "diagnostic" in r:      # a probe run beside this benchmark (memory at the peak, the garbage collector)
-        skip = {"benchmark", "command", "machine", "date", "title", "diagnostic"}
-        return "\n".join([f"{r['diagnostic']}; the full record is in the JSON.", "", "| figure | value |", "| --- | --- |"]
-                         + [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in r.items()
-                            if k not in skip and isinstance(v, (int, float, str))])
+    if "diagnostic" in r:      # a probe run beside this benchmark (the garbage collector's passes)
+        from bench.report import _generic
+        return f"{r['diagnostic']}; the full record is in the JSON.\n\n" + _generic(
+            {k: v for k, v in r.items() if k not in ("title", "diagnostic")})
     if "step_s_plain_windows" not in r:
         return ("Result from an older version of this benchmark (per-phase synchronised timing); "
                 "rerun `python -m bench train_overhead`.")
