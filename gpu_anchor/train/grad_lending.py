@@ -310,7 +310,7 @@ class GradientLender:
         dst = torch.empty(0, dtype=t.dtype, device=t.device).set_(
             storage, (addr - storage.data_ptr()) // t.element_size(), t.shape)
         dst.copy_(t)
-        h = _Lent(dst, addr, addr + n, weakref.ref(t), t._version)
+        h = _Lent(dst, addr, addr + n, t)
         self._live.add(h)
         self._lent_k.append(k)
         self._lent_src.append(h.src)

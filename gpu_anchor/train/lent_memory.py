@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -32,16 +34,22 @@ def _same_bytes(a: torch.Tensor, version: int, t: torch.Tensor) -> bool:
 
 class _Lent:
     """A saved tensor copied into gradient memory ``[lo, hi)`` (byte addresses); ``_evict`` moves
-    ``t`` to torch memory.  ``src``: a weak reference to the original, saved at ``version``."""
-    __slots__ = ("t", "lo", "hi", "resident", "src", "version", "__weakref__")
+    ``t`` to torch memory.  ``src``: a weak reference to the original's storage, whose bytes at
+    ``ptr`` were saved at ``version``.  The storage, not the tensor: a linear layer given a batch
+    of sequences saves a 2-D view that torch makes in C++, whose Python object dies as soon as
+    the hook returns, while the storage (one Python object as long as it lives) is the input's."""
+    __slots__ = ("t", "lo", "hi", "resident", "src", "ptr", "version", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, lo: int, hi: int, src, version: int) -> None:
-        self.t, self.lo, self.hi, self.resident, self.src, self.version = t, lo, hi, True, src, version
+    def __init__(self, t: torch.Tensor, lo: int, hi: int, original: torch.Tensor) -> None:
+        self.t, self.lo, self.hi, self.resident = t, lo, hi, True
+        self.src, self.ptr, self.version = weakref.ref(original.untyped_storage()), original.data_ptr(), original._version
 
     def same(self, t: torch.Tensor) -> bool:
-        """``t`` holds the original's bytes, unchanged (the original alive keeps its address its own)."""
-        o = self.src()
-        return self.resident and o is not None and (o is t or _same_bytes(o, self.version, t))
+        """``t`` holds the original's bytes, unchanged (its storage alive keeps the address its own)."""
+        s = self.src()
+        return self.resident and s is not None and self.version == t._version and self.ptr == t.data_ptr() \
+            and self.t.dtype == t.dtype and self.t.shape == t.shape and self.t.stride() == t.stride() \
+            and t.untyped_storage() is s
 
 
 def _unpack(packed) -> torch.Tensor:
