@@ -26,10 +26,10 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   a graph (``create_graph``).  A saved tensor the hooks keep keeps autograd's check of in-place
   changes (the same error).  A lent copy holds the value it had when it was saved: a program
   that changes a saved tensor in place, which torch refuses, runs with the saved value.
-- **What is lent.**  The forward's tail: from its last saved tensor back, each one that fits
-  the byte budget, by the previous forward's sizes, up to the first that does not; passed over
-  are the ones larger than any area or the whole budget and those whose original outlived the
-  forward (returned to the caller: copying them freed nothing).  A tensor saved by several ops (one input of the
+- **What is lent.**  The forward's tail: from its last saved tensor back, each one that still
+  fits the byte budget, by the previous forward's sizes (one too large is passed over and the
+  ones before it fill the rest), less those whose original outlived the forward (returned to
+  the caller: copying them freed nothing).  A tensor saved by several ops (one input of the
   q, k and v projections) is one candidate, lent at every save or at none.  Backward reads
   them first.  They go into the buffers whose gradients arrived last in the previous backward.  A tensor still alive when
   its buffer's gradient arrives is moved out (``stats["evicted_bytes"]``), and the next budget
@@ -341,20 +341,15 @@ class GradientLender:
 
     def _plan(self) -> set[int]:
         """The candidates to lend, by the sizes seen: from the forward's last one back, each that
-        fits the budget, up to the first that does not.  Ones that no area or not the whole
-        budget can hold (the loss's float32 log-probabilities, say) and ones whose original
-        outlived the forward are passed over.  Not the rest of the budget filled with earlier, smaller ones: that moved the hooks'
-        push (the first chosen one's call) to the forward's start for a few MB (docs/training.md).
-        ``_place`` puts them in forward order, so the earlier ones, which backward frees last,
-        take the areas whose gradients arrive last."""
-        largest = min(max((a.end - a.base for a in self._ordered_areas()), default=0), self.budget)
+        still fits the budget.  One too large (the logits, say) is passed over, not an end: the
+        ones before it fill what is left.  ``_place`` puts them in forward order, so the earlier
+        ones, which backward frees last, take the areas whose gradients arrive last."""
+        largest = max((a.end - a.base for a in self._ordered_areas()), default=0)
         total, chosen = 0, set()
         for k in range(len(self._sizes) - 1, -1, -1):
             n = self._sizes[k]
-            if n > largest or k in self._held:
+            if n > largest or k in self._held or total + n > self.budget:
                 continue
-            if total + n > self.budget:
-                break
             total += n
             chosen.add(k)
         return chosen
