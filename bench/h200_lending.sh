@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Gradient lending as shipped (a324503 on), one H200, one device call (<= 8 min):
+# Gradient lending as shipped, one H200, one device call (<= 8 min):
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_lending.sh
 #   BENCH_EXTRA=--tiny OUT=/tmp/x PYTHONPATH=. bash bench/h200_lending.sh    # CPU dry run (toy sizes, no GPU tests)
 # Writes, named as they are to be stored in bench/results:
@@ -10,7 +10,8 @@
 #   train_peak_lend2357m.json: where the 4 x 1 024 peak is and what is alive there, plain and lending;
 #   train_gpu_faults_lend.json: the 1B Llama's 10-kill campaign, lending;
 #   pytest_lending.log, logs.tgz.
-# Stop 44 measured the lending before this tree's last fix (train_overhead_*lendall_latepush_*.json).
+# Stored from its runs: 3421dc8's lending as *_s44final*.json, 8d1737f's as *_shipped*.json
+# (train_peak_lend2357m_shipped.json, train_gpu_faults_lend_shipped.json); name a later run's files anew.
 set -u
 OUT=${OUT:-bench/results}
 X=${BENCH_EXTRA:-}
