@@ -247,8 +247,8 @@ def main(argv=None) -> int:
         times = {k: [] for k in modes}
         host = {k: [] for k in modes}
         losses = {k: [] for k in modes}
-        gc_ms = {k: 0.0 for k in modes}
-        gc_full = {k: 0 for k in modes}
+        gc_ms = {k: [] for k in modes}          # per window: the collector's ms, and its full passes
+        gc_full = {k: [] for k in modes}
         before = dict(opt.stats)
         clock = _GcClock()
         for r in range(args.rounds):
@@ -258,8 +258,8 @@ def main(argv=None) -> int:
                 times[mode].append(t)
                 host[mode].append(h)
                 losses[mode] += ls
-                gc_ms[mode] += sum(clock.ms) - ms0
-                gc_full[mode] += clock.passes[2] - full0
+                gc_ms[mode].append(sum(clock.ms) - ms0)
+                gc_full[mode].append(clock.passes[2] - full0)
         clock.close()
         n = opt.stats["steps"] - before["steps"]
         opt.flush()
@@ -303,8 +303,11 @@ def main(argv=None) -> int:
             # lengthened counts here, not in the medians
             "step_overhead_vs_fastest_plain_mean_pct": 100 * (statistics.mean(times["anchored"]) / min(
                 statistics.mean(v) for k, v in times.items() if k in ("plain", "plain_fused")) - 1),
-            "gc_ms_per_step": {k: v / (args.rounds * args.steps) for k, v in gc_ms.items()},
-            "gc_full_passes": gc_full,
+            "gc_ms_per_step": {k: sum(v) / (args.rounds * args.steps) for k, v in gc_ms.items()},
+            "gc_full_passes": {k: sum(v) for k, v in gc_full.items()},
+            # by window, beside step_s_*_windows: tells a window the collector lengthened from one
+            # that was slow for another reason
+            "gc_ms_windows": gc_ms, "gc_full_passes_windows": gc_full,
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })

@@ -53,6 +53,9 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
     assert "| kernels a step |" in text
     # the garbage collector's time in the timed windows, per mode, beside the mean step
     assert set(unprofiled["gc_ms_per_step"]) == set(unprofiled["gc_full_passes"]) == {"plain", "anchored"}
+    for mode, windows in unprofiled["gc_full_passes_windows"].items():      # by window, as the steps
+        assert len(windows) == len(unprofiled[f"step_s_{mode}_windows"]) == len(unprofiled["gc_ms_windows"][mode])
+        assert sum(windows) == unprofiled["gc_full_passes"][mode]
     assert set(unprofiled["step_s_mean"]) == {"plain", "anchored"} and "step_overhead_vs_fastest_plain_mean_pct" in unprofiled
     assert "garbage collector" in T.render(unprofiled)
 
