@@ -63,7 +63,7 @@ def _interpreted(code: str) -> str:
 
 
 def test_splitk_gemm_equals_the_matmul_interpreted():
-    pytest.importorskip("triton", reason="triton is not installed on this CPU machine")
+    pytest.importorskip("triton", reason="triton is not installed on this CPU machine (CPU torch does not ship it); the GPU machine's torch does, and runs this interpreted")
     out = _interpreted('''
 import torch
 from bench import decode_gemm as G
@@ -84,7 +84,7 @@ print(worst)
 
 
 def test_attention_sweep_puts_the_constants_back_interpreted():
-    pytest.importorskip("triton", reason="triton is not installed on this CPU machine")
+    pytest.importorskip("triton", reason="triton is not installed on this CPU machine (CPU torch does not ship it); the GPU machine's torch does, and runs this interpreted")
     out = _interpreted('''
 import torch
 from bench import decode_attention as DA
