@@ -24,12 +24,13 @@ class _Kept:
     def same(self, t: torch.Tensor) -> bool:
         """``t`` at ``self.t``'s address holds these very bytes, unchanged (``self.t`` keeps its
         storage alive, so no other storage can have that address)."""
-        return _same_bytes(self.t, self.version, t)
+        return _same_bytes(self.t.data_ptr(), self.version, self.t, t)
 
 
-def _same_bytes(a: torch.Tensor, version: int, t: torch.Tensor) -> bool:
-    return version == t._version and a.data_ptr() == t.data_ptr() and a.dtype == t.dtype \
-        and a.shape == t.shape and a.stride() == t.stride()
+def _same_bytes(ptr: int, version: int, like: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` is at ``ptr``, at ``version``, with ``like``'s dtype, shape and strides."""
+    return version == t._version and ptr == t.data_ptr() and like.dtype == t.dtype \
+        and like.shape == t.shape and like.stride() == t.stride()
 
 
 class _Lent:
@@ -47,8 +48,7 @@ class _Lent:
     def same(self, t: torch.Tensor) -> bool:
         """``t`` holds the original's bytes, unchanged (its storage alive keeps the address its own)."""
         s = self.src()
-        return self.resident and s is not None and self.version == t._version and self.ptr == t.data_ptr() \
-            and self.t.dtype == t.dtype and self.t.shape == t.shape and self.t.stride() == t.stride() \
+        return self.resident and s is not None and _same_bytes(self.ptr, self.version, self.t, t) \
             and t.untyped_storage() is s
 
 
