@@ -71,6 +71,16 @@ class _GcClock:
         gc.callbacks.remove(self._tick)
 
 
+_ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def _allocator_counts(device) -> dict:
+    """The caching allocator's counts of driver calls and retries (zeros off CUDA)."""
+    import torch
+    stats = torch.cuda.memory_stats(device) if str(device).startswith("cuda") else {}
+    return {c: stats.get(c, 0) for c in _ALLOCATOR_COUNTS}
+
+
 def _sync(device):
     import torch
     if device.startswith("cuda"):
@@ -249,17 +259,25 @@ def main(argv=None) -> int:
         losses = {k: [] for k in modes}
         gc_ms = {k: [] for k in modes}          # per window: the collector's ms, and its full passes
         gc_full = {k: [] for k in modes}
+        alloc = {k: {c: [] for c in _ALLOCATOR_COUNTS} for k in modes}    # per window: cudaMalloc calls ...
         before = dict(opt.stats)
+        # The setup (four models built, Triton's compiles) leaves objects the collector has not
+        # looked at yet; its next full pass walks them all, in whichever window comes first to
+        # make enough garbage, so that pass is the setup's and goes before any timed window.
+        gc.collect()
         clock = _GcClock()
         for r in range(args.rounds):
             for mode, (m, o, to_none) in modes.items():
-                ms0, full0 = sum(clock.ms), clock.passes[2]
+                ms0, full0, a0 = sum(clock.ms), clock.passes[2], _allocator_counts(device)
                 t, h, ls = win.run(m, o, args.steps, args.warmup + r * args.steps, set_to_none=to_none)
+                a1 = _allocator_counts(device)
                 times[mode].append(t)
                 host[mode].append(h)
                 losses[mode] += ls
                 gc_ms[mode].append(sum(clock.ms) - ms0)
                 gc_full[mode].append(clock.passes[2] - full0)
+                for c in _ALLOCATOR_COUNTS:
+                    alloc[mode][c].append(a1[c] - a0[c])
         clock.close()
         n = opt.stats["steps"] - before["steps"]
         opt.flush()
@@ -307,7 +325,10 @@ def main(argv=None) -> int:
             "gc_full_passes": {k: sum(v) for k, v in gc_full.items()},
             # by window, beside step_s_*_windows: tells a window the collector lengthened from one
             # that was slow for another reason
-            "gc_ms_windows": gc_ms, "gc_full_passes_windows": gc_full,
+            "gc_ms_windows": gc_ms, "gc_full_passes_windows": gc_full, "gc_collected_before_rounds": True,
+            # ... and by window, what the caching allocator asked of the driver: a window whose
+            # blocks no longer fit the cache mallocs (or frees its cache and retries), and waits
+            **({"allocator_windows": alloc} if device.startswith("cuda") else {}),
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
@@ -405,6 +426,14 @@ def render(r: dict) -> str:
                      "step, which a pass lengthens and the medians above leave out",
                      "; ".join(f"{k} {g[k]:.2f} ({full[k]}), mean {r['step_s_mean'][k] * 1e3:.1f} ms" for k in g)
                      + f"; anchored over the faster plain mean: {r['step_overhead_vs_fastest_plain_mean_pct']:+.2f} %",
+                     "", ""))
+    if "allocator_windows" in r:
+        a = r["allocator_windows"]
+        rows.append(("The caching allocator's calls to the driver in the timed windows, by window (cudaMalloc / "
+                     "cudaFree / retries after freeing its cache): a window whose blocks no longer fit the cache "
+                     "waits for them",
+                     "; ".join(f"{k} " + ", ".join(f"{m}/{f}/{t}" for m, f, t in zip(
+                         v["num_device_alloc"], v["num_device_free"], v["num_alloc_retries"])) for k, v in a.items()),
                      "", ""))
     rows += [
         ("Protocol blocking per step: journal commit + host waits on the device",

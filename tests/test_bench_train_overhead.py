@@ -3,6 +3,7 @@ device (here aten) time into kinds of kernel and reports the anchored step's dif
 No timing is asserted."""
 import gc
 import json
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,19 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
         assert sum(windows) == unprofiled["gc_full_passes"][mode]
     assert set(unprofiled["step_s_mean"]) == {"plain", "anchored"} and "step_overhead_vs_fastest_plain_mean_pct" in unprofiled
     assert "garbage collector" in T.render(unprofiled)
+    # the setup's garbage is collected before the first timed window; the allocator's counts are CUDA's
+    assert unprofiled["gc_collected_before_rounds"] is True and "allocator_windows" not in unprofiled
+
+
+def test_allocator_counts_by_window_are_rendered():
+    assert T._allocator_counts("cpu") == dict.fromkeys(T._ALLOCATOR_COUNTS, 0)
+    counts = {"num_device_alloc": [3, 0], "num_device_free": [1, 0], "num_alloc_retries": [1, 0],
+              "num_sync_all_streams": [1, 0]}
+    stored = Path(__file__).parent.parent / "bench" / "results" / "train_overhead_short_lendall_shipped_1.json"
+    r = json.loads(stored.read_text())
+    r["allocator_windows"] = {"plain": counts, "anchored": counts}
+    text = T.render(r)
+    assert "calls to the driver" in text and "plain 3/1/1, 0/0/0; anchored 3/1/1, 0/0/0" in text
 
 
 def test_gc_clock_counts_passes_by_generation():
