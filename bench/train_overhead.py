@@ -22,7 +22,10 @@ timed windows, ``K`` more steps of each mode under ``torch.profiler``, their dev
 step by kind of kernel (matmuls, attention, the fused Adam/undo kernel, torch's optimizer
 kernels, copies, fills, the rest) and the anchored step's difference from plain
 ``AdamW(fused=True)`` per kind: where the overhead goes.  Profiled steps are slower than timed
-ones; they say where the time goes, not how much there is.
+ones; they say where the time goes, not how much there is.  The setup's garbage is collected
+before the first timed window (its first full pass would otherwise fall in whichever window first
+made enough garbage to start one); the collector's time and full passes, and the caching
+allocator's calls to the driver, are recorded by window.
 """
 from __future__ import annotations
 
