@@ -152,7 +152,11 @@ class GradientLender:
         self._param_ids = {id(q.p) for q in params}
         self._param_storages = {q.local.untyped_storage().data_ptr() for q in params}
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-        self._live: "weakref.WeakSet[_Lent]" = weakref.WeakSet()
+        # Weak references to the lent tensors not yet moved out (alive: autograd holds them), in
+        # lending order; at the backward's first gradient, indexed by the parameters whose
+        # gradient bytes they lie in, so that each arrival looks at its own only.
+        self._resident: list = []
+        self._by_param: dict[int, list] | None = None
         self._seen: dict[int, object] = {}      # address -> what a candidate there was packed as, this forward
         self._lent = 0
         self._overlapped = 0                    # bytes moved back because a gradient arrived on them
@@ -234,10 +238,12 @@ class GradientLender:
             self._lent_k, self._lent_src = [], []
         self._window = False
         self._arrivals.append(q.index)
-        if self._live:
-            lo = q.grad.data_ptr()
-            hi = lo + q.grad.numel() * q.grad.element_size()
-            self._overlapped += self._evict(lambda h: h.lo < hi and lo < h.hi)
+        if self._resident:
+            if self._by_param is None:
+                self._by_param = self._index()
+            refs = self._by_param.pop(q.index, None)
+            if refs:
+                self._overlapped += self._evict(refs)
 
     def finalize(self) -> None:
         """``step()``'s gradient boundary: every buffer is the redo log again.  Learns this
@@ -311,7 +317,8 @@ class GradientLender:
             storage, (addr - storage.data_ptr()) // t.element_size(), t.shape)
         dst.copy_(t)
         h = _Lent(dst, addr, addr + n, t)
-        self._live.add(h)
+        self._resident.append(weakref.ref(h))
+        self._by_param = None
         self._lent_k.append(k)
         self._lent_src.append(h.src)
         self._lent += n
@@ -356,17 +363,36 @@ class GradientLender:
 
     # ------------------------------------------------------------------ eviction
     def evict_all(self) -> None:
-        if self._live:
-            self._evict(lambda h: True)
+        if self._resident:
+            self._evict(self._resident)
+            self._resident, self._by_param = [], None
 
-    def _evict(self, overlaps) -> int:
-        """Moves the live lent tensors ``overlaps`` picks to torch memory; returns their bytes."""
+    def _index(self) -> dict[int, list]:
+        """The live lent tensors by the parameter whose gradient bytes they overlap (lent copies
+        never overlap each other: each area is a bump allocator)."""
+        live = sorted(((h.lo, h.hi, r) for r in self._resident if (h := r()) is not None and h.resident),
+                      key=lambda e: e[0])
+        his = [hi for _, hi, _ in live]
+        out: dict[int, list] = {}
+        for q in self.params:
+            lo = q.grad.data_ptr()
+            hi = lo + q.grad.numel() * q.grad.element_size()
+            i = bisect.bisect_right(his, lo)       # the first one that ends after lo
+            while i < len(live) and live[i][0] < hi:
+                out.setdefault(q.index, []).append(live[i][2])
+                i += 1
+        return out
+
+    def _evict(self, refs) -> int:
+        """Moves the lent tensors behind ``refs`` that are alive and still in gradient memory to
+        torch memory; returns their bytes."""
         moved = 0
-        for h in [h for h in self._live if h.resident and overlaps(h)]:
-            h.t = h.t.clone()
-            h.resident = False
-            self._live.discard(h)
-            moved += h.hi - h.lo
+        for r in refs:
+            h = r()
+            if h is not None and h.resident:
+                h.t = h.t.clone()
+                h.resident = False
+                moved += h.hi - h.lo
         self.stats["evicted_bytes"] += moved
         return moved
 
