@@ -100,21 +100,38 @@ class _Window:
         self.device = device
 
     def run(self, model, opt, steps, first, set_to_none=True):
-        """Returns (seconds per step, host seconds in step() per step, losses)."""
+        """Returns (seconds per step, host seconds in step() per step, losses); ``self.last``:
+        the same window's host seconds per step in the forward and backward calls and, on CUDA,
+        how far the host ran ahead of the device at each step's start (``host_lead_ms``)."""
+        import torch
+        cuda = str(self.device).startswith("cuda")
         _sync(self.device)
-        losses, in_step = [], 0.0
+        losses, in_step, in_fwd, in_bwd, marks = [], 0.0, 0.0, 0.0, []
         t0 = time.perf_counter()
         for i in range(first, first + steps):
             x = self.tokens[i % 2]
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
             t1 = time.perf_counter()
+            if cuda:     # the device reaches this event when it starts the step's work
+                marks.append((t1, torch.cuda.Event(enable_timing=True)))
+                marks[-1][1].record()
+            loss = model(input_ids=x, labels=x).loss
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
             opt.step()
-            in_step += time.perf_counter() - t1
+            in_fwd, in_bwd, in_step = in_fwd + t2 - t1, in_bwd + t3 - t2, in_step + time.perf_counter() - t3
             opt.zero_grad(set_to_none=set_to_none)
             losses.append(loss.detach())
         _sync(self.device)
         wall = time.perf_counter() - t0
+        # The window starts with the device idle, so the first event runs as soon as it is
+        # recorded: the device's time of each later one, less the host's when it recorded it, is
+        # how much work the host had queued ahead then (about 0: the host was what the device
+        # waited for).
+        self.last = {"host_fwd_s": in_fwd / steps, "host_bwd_s": in_bwd / steps}
+        if marks:
+            h0, e0 = marks[0]
+            self.last["host_lead_ms"] = [e0.elapsed_time(e) - 1e3 * (h - h0) for h, e in marks]
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
 
@@ -262,6 +279,8 @@ def main(argv=None) -> int:
         losses = {k: [] for k in modes}
         gc_ms = {k: [] for k in modes}          # per window: the collector's ms, and its full passes
         gc_full = {k: [] for k in modes}
+        phases = {k: {"host_fwd_ms": [], "host_bwd_ms": [], "host_lead_ms_min": [], "host_lead_ms_median": []}
+                  for k in modes}          # per window
         alloc = {k: {c: [] for c in _ALLOCATOR_COUNTS} for k in modes}    # per window: cudaMalloc calls ...
         before = dict(opt.stats)
         # The setup (four models built, Triton's compiles) leaves objects the collector has not
@@ -281,6 +300,11 @@ def main(argv=None) -> int:
                 gc_full[mode].append(clock.passes[2] - full0)
                 for c in _ALLOCATOR_COUNTS:
                     alloc[mode][c].append(a1[c] - a0[c])
+                phases[mode]["host_fwd_ms"].append(1e3 * win.last["host_fwd_s"])
+                phases[mode]["host_bwd_ms"].append(1e3 * win.last["host_bwd_s"])
+                lead = win.last.get("host_lead_ms", [])[1:]     # the first step starts level
+                phases[mode]["host_lead_ms_min"].append(min(lead) if lead else None)
+                phases[mode]["host_lead_ms_median"].append(statistics.median(lead) if lead else None)
         clock.close()
         n = opt.stats["steps"] - before["steps"]
         opt.flush()
@@ -332,6 +356,10 @@ def main(argv=None) -> int:
             # ... and by window, what the caching allocator asked of the driver: a window whose
             # blocks no longer fit the cache mallocs (or frees its cache and retries), and waits
             **({"allocator_windows": alloc} if device.startswith("cuda") else {}),
+            # ... and the host's side by window: its seconds in the forward and backward calls, and
+            # how far ahead of the device it was at the steps' starts (about 0: the device waited
+            # for the host; None off CUDA)
+            "host_windows": phases,
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
@@ -438,6 +466,15 @@ def render(r: dict) -> str:
                      "; ".join(f"{k} " + ", ".join(f"{m}/{f}/{t}" for m, f, t in zip(
                          v["num_device_alloc"], v["num_device_free"], v["num_alloc_retries"])) for k, v in a.items()),
                      "", ""))
+    if "host_windows" in r:
+        def host(h):
+            lead = "" if h["host_lead_ms_median"][0] is None else ", lead " + ", ".join(
+                f"{m:.0f} (≥ {lo:.0f})" for m, lo in zip(h["host_lead_ms_median"], h["host_lead_ms_min"]))
+            return ("forward " + ", ".join(f"{x:.1f}" for x in h["host_fwd_ms"]) + "; backward "
+                    + ", ".join(f"{x:.1f}" for x in h["host_bwd_ms"]) + lead)
+        rows.append(("The host, by window: ms a step in the forward and backward calls, and how far ahead of the "
+                     "device it was when each step began (median, min; about 0: the device waited for the host)",
+                     "; ".join(f"{k}: {host(h)}" for k, h in r["host_windows"].items()), "", ""))
     rows += [
         ("Protocol blocking per step: journal commit + host waits on the device",
          f"{r['protocol_blocking_ms']:.2f} ms ({r['commits_per_step']:.0f} commit(s) {r['commit_ms_per_step']:.2f} ms, "

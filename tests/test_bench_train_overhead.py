@@ -58,9 +58,13 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
         assert len(windows) == len(unprofiled[f"step_s_{mode}_windows"]) == len(unprofiled["gc_ms_windows"][mode])
         assert sum(windows) == unprofiled["gc_full_passes"][mode]
     assert set(unprofiled["step_s_mean"]) == {"plain", "anchored"} and "step_overhead_vs_fastest_plain_mean_pct" in unprofiled
-    assert "garbage collector" in T.render(unprofiled)
+    assert "garbage collector" in T.render(unprofiled) and "The host, by window" in T.render(unprofiled)
     # the setup's garbage is collected before the first timed window; the allocator's counts are CUDA's
     assert unprofiled["gc_collected_before_rounds"] is True and "allocator_windows" not in unprofiled
+    for mode, h in unprofiled["host_windows"].items():      # the host's side, by window
+        assert len(h["host_fwd_ms"]) == len(h["host_bwd_ms"]) == len(unprofiled[f"step_s_{mode}_windows"])
+        assert all(x > 0 for x in h["host_fwd_ms"] + h["host_bwd_ms"])
+        assert h["host_lead_ms_min"] == h["host_lead_ms_median"] == [None]     # no device to lead on a CPU
 
 
 def test_allocator_counts_by_window_are_rendered():
