@@ -307,6 +307,38 @@ def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon
     same_state(ref, ropt, model, opt)
 
 
+@pytest.mark.gpu
+def test_a_forward_on_another_stream_lends_nothing(request, monkeypatch):
+    """Lent copies run on the stream current at ``zero_grad()``: a forward on another stream
+    lends nothing (its saves stay torch's own), the next one on the window's stream lends again,
+    and every step has plain torch's bits."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, "cuda", monkeypatch, "lend-stream", 1 << 40)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    side = torch.cuda.Stream()
+    lent = []
+    for step in range(5):
+        ids = torch.randint(0, vocab, shape, device="cuda", generator=gen)
+        seen = []
+        for m, o in ((ref, ropt), (model, opt)):
+            before = opt.lender.stats["lent_tensors"]
+            if step == 3:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    loss = m(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+            o.step()
+            o.zero_grad()
+            seen.append(loss.detach())
+        lent.append(opt.lender.stats["lent_tensors"] - before)
+        assert torch.equal(seen[0], seen[1]), step
+    same_state(ref, ropt, model, opt)
+    assert lent[0] == 0 and lent[1] > 0 and lent[2] > 0 and lent[3] == 0 and lent[4] > 0, lent
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_retained_graph_and_gradient_penalty(request, monkeypatch, device):
     """``backward(retain_graph=True)`` twice (lent tensors outlive the first backward) and a

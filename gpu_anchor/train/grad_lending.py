@@ -148,7 +148,8 @@ class GradientLender:
         self._thread: int | None = None         # the thread that opened it
         self._depth = 0                         # module calls in progress on that thread
         self._pushed = None                     # our pack function while it is on torch's stack
-        self._stream = None
+        self._stream: int | None = None         # the raw CUDA stream current at zero_grad(), and its device
+        self._stream_device = 0
         self._param_ids = {id(q.p) for q in params}
         self._param_storages = {q.local.untyped_storage().data_ptr() for q in params}
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -182,7 +183,11 @@ class GradientLender:
         self._push_at = self._calls_at[min(self._chosen)] if self._chosen else 0
         for a in self._areas or ():
             a.top = a.base
-        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.current_stream(self.device).cuda_stream
+            self._stream_device = torch.cuda._get_device_index(self.device, optional=True)
+        else:
+            self._stream = None
         if self._window and self._chosen is not None:
             self.stats["windows"] += 1
 
@@ -304,7 +309,8 @@ class GradientLender:
         """Candidate ``k`` (``n`` bytes) copied into the area ``_place`` gives it, if chosen."""
         if self._chosen is None or k not in self._chosen or self._lent + n > self.budget:
             return None
-        if self._stream is not None and torch.cuda.current_stream(self.device) != self._stream:
+        # the raw handle: torch.cuda.current_stream() costs more host time than the copy's launch
+        if self._stream is not None and torch._C._cuda_getCurrentRawStream(self._stream_device) != self._stream:
             return None
         placed = self._place(n)
         if placed is None:
