@@ -2,7 +2,7 @@
 
     python -m bench train_overhead [--tiny] [--device cuda:0] [--steps 10] [--batch 8 --seq 2048]
                                    [--progress device|journal] [--no-fused] [--torch-fused] [--rounds 2]
-                                   [--profile K] [--out DIR]
+                                   [--profile K] [--host-forward K] [--out DIR]
 
 Llama3.2-1B shape (transformers, bf16 weights, AdamW foreach, random tokens) on the GPU;
 ``--tiny`` runs the same architecture at toy size on the CPU.  Both models live in one
@@ -25,7 +25,9 @@ kernels, copies, fills, the rest) and the anchored step's difference from plain
 ones; they say where the time goes, not how much there is.  The setup's garbage is collected
 before the first timed window (its first full pass would otherwise fall in whichever window first
 made enough garbage to start one); the collector's time and full passes, and the caching
-allocator's calls to the driver, are recorded by window.
+allocator's calls to the driver, are recorded by window.  ``--host-forward K``: then ``K`` steps of
+each mode, each begun with the device idle, so that the forward's host time is its own (nothing
+to wait for): what the host spends that the device may end up waiting for.
 """
 from __future__ import annotations
 
@@ -134,6 +136,21 @@ class _Window:
             self.last["host_lead_ms"] = [e0.elapsed_time(e) - 1e3 * (h - h0) for h, e in marks]
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
+    def host_forward(self, model, opt, steps, first, set_to_none=True) -> list[float]:
+        """Milliseconds of host time in each step's forward call, each step begun with the
+        device idle: the forward's own cost on the host, with no queue to wait on."""
+        out = []
+        for i in range(first, first + steps):
+            x = self.tokens[i % 2]
+            _sync(self.device)
+            t0 = time.perf_counter()
+            loss = model(input_ids=x, labels=x).loss
+            out.append(1e3 * (time.perf_counter() - t0))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return out
+
 
 def _kinds():
     """Kinds of kernel in a training step; first match wins."""
@@ -209,10 +226,13 @@ def main(argv=None) -> int:
                          "to the forward's last saved activations")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="then K profiled steps of each mode: device time by kind of kernel")
+    ap.add_argument("--host-forward", type=int, default=0, metavar="K",
+                    help="then K steps of each mode, each after a synchronisation: the forward's own host time")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
-    if args.profile < 0:
-        ap.error(f"--profile takes a number of steps >= 0, got {args.profile}")
+    for flag in ("profile", "host_forward"):
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} takes a number of steps >= 0, got {getattr(args, flag)}")
     device = args.device or ("cpu" if args.tiny else "cuda:0")
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 64)
@@ -363,8 +383,13 @@ def main(argv=None) -> int:
             "losses_plain": losses["plain"], "losses_anchored": losses["anchored"],
             "losses_identical": losses["plain"] == losses["anchored"], "chunk_bytes_set": args.chunk_bytes,
         })
+        first = args.warmup + args.rounds * args.steps
         if args.profile:     # after the figures above: its steps must not count in the stats
-            out["profile"] = _profile(win, modes, args.profile, args.warmup + args.rounds * args.steps, device)
+            out["profile"] = _profile(win, modes, args.profile, first, device)
+            first += args.profile
+        if args.host_forward:
+            out["host_forward_ms"] = {mode: win.host_forward(m, o, args.host_forward, first, set_to_none=to_none)
+                                      for mode, (m, o, to_none) in modes.items()}
             opt.flush()
         if peak_a is not None:
             out.update({"peak_bytes_plain": peak_none, "peak_bytes_plain_grads_kept": peak_keep,
@@ -380,7 +405,7 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
     name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_nofused" if args.no_fused else "") + ("_torchfused" if args.torch_fused else "") + (
         f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
-        "_profile" if args.profile else "") + (
+        "_profile" if args.profile else "") + ("_hostfwd" if args.host_forward else "") + (
         f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + ("_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0

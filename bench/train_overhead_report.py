@@ -3,6 +3,7 @@ and memory against plain PyTorch, lending, the garbage collector, the allocator 
 window, and the profiled kinds of kernel."""
 from __future__ import annotations
 
+import statistics
 
 def title(r: dict) -> str:
     side = {True: ", undo copies on a side stream", False: ", undo copies on the main stream"}.get(
@@ -92,6 +93,11 @@ def render(r: dict) -> str:
         rows.append(("The host, by window: ms a step in the forward and backward calls, and how far ahead of the "
                      "device it was when each step began (median, min; about 0: the device waited for the host)",
                      "; ".join(f"{k}: {host(h)}" for k, h in r["host_windows"].items()), "", ""))
+    if "host_forward_ms" in r:
+        hf = {k: statistics.median(v) for k, v in r["host_forward_ms"].items()}
+        rows.append(("The forward's own host time, each step begun with the device idle (median of "
+                     f"{len(next(iter(r['host_forward_ms'].values())))} steps, ms)",
+                     "; ".join(f"{k} {v:.1f}" for k, v in hf.items()), "", ""))
     rows += [
         ("Protocol blocking per step: journal commit + host waits on the device",
          f"{r['protocol_blocking_ms']:.2f} ms ({r['commits_per_step']:.0f} commit(s) {r['commit_ms_per_step']:.2f} ms, "

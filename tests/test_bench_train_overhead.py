@@ -67,6 +67,17 @@ def test_profile_of_the_tiny_run_adds_up(tmp_path):
         assert h["host_lead_ms_min"] == h["host_lead_ms_median"] == [None]     # no device to lead on a CPU
 
 
+def test_host_forward_times_each_mode_with_the_device_idle(tmp_path):
+    args = ["--tiny", "--steps", "1", "--warmup", "1", "--rounds", "1", "--host-forward", "3", "--out", str(tmp_path)]
+    assert T.main(args) == 0
+    r = json.loads((tmp_path / "train_overhead_hostfwd_tiny.json").read_text())
+    assert set(r["host_forward_ms"]) == {"plain", "anchored"}
+    assert all(len(v) == 3 and min(v) > 0 for v in r["host_forward_ms"].values())
+    assert "The forward's own host time" in T.render(r)
+    with pytest.raises(SystemExit):
+        T.main(["--tiny", "--host-forward", "-1", "--out", str(tmp_path)])
+
+
 def test_allocator_counts_by_window_are_rendered():
     assert T._allocator_counts("cpu") == dict.fromkeys(T._ALLOCATOR_COUNTS, 0)
     counts = {"num_device_alloc": [3, 0], "num_device_free": [1, 0], "num_alloc_retries": [1, 0],
