@@ -390,6 +390,7 @@ def main(argv=None) -> int:
         if args.host_forward:
             out["host_forward_ms"] = {mode: win.host_forward(m, o, args.host_forward, first, set_to_none=to_none)
                                       for mode, (m, o, to_none) in modes.items()}
+        if args.profile or args.host_forward:
             opt.flush()
         if peak_a is not None:
             out.update({"peak_bytes_plain": peak_none, "peak_bytes_plain_grads_kept": peak_keep,
