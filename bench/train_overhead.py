@@ -27,7 +27,8 @@ before the first timed window (its first full pass would otherwise fall in which
 made enough garbage to start one); the collector's time and full passes, and the caching
 allocator's calls to the driver, are recorded by window.  ``--host-forward K``: then ``K`` steps of
 each mode, each begun with the device idle, so that the forward's host time is its own (nothing
-to wait for): what the host spends that the device may end up waiting for.
+to wait for): what the host spends that the device may end up waiting for; then ``K`` anchored
+forwards under cProfile, their Python functions by own time.
 """
 from __future__ import annotations
 
@@ -136,20 +137,37 @@ class _Window:
             self.last["host_lead_ms"] = [e0.elapsed_time(e) - 1e3 * (h - h0) for h, e in marks]
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
-    def host_forward(self, model, opt, steps, first, set_to_none=True) -> list[float]:
+    def host_forward(self, model, opt, steps, first, set_to_none=True, profiler=None) -> list[float]:
         """Milliseconds of host time in each step's forward call, each step begun with the
-        device idle: the forward's own cost on the host, with no queue to wait on."""
+        device idle: the forward's own cost on the host, with no queue to wait on.  With a
+        ``cProfile.Profile``, the forwards run under it (and their times count its overhead)."""
         out = []
         for i in range(first, first + steps):
             x = self.tokens[i % 2]
             _sync(self.device)
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             loss = model(input_ids=x, labels=x).loss
+            if profiler is not None:
+                profiler.disable()
             out.append(1e3 * (time.perf_counter() - t0))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
         return out
+
+
+def _host_profile(win, model, opt, steps, first, top=25) -> list[dict]:
+    """The Python functions of ``steps`` forwards by their own host time (cProfile), per step."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    win.host_forward(model, opt, steps, first, profiler=prof)
+    rows = [{"function": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": nc / steps,
+             "own_ms_per_step": 1e3 * tt / steps, "cum_ms_per_step": 1e3 * ct / steps}
+            for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
 
 
 def _kinds():
@@ -390,6 +408,9 @@ def main(argv=None) -> int:
         if args.host_forward:
             out["host_forward_ms"] = {mode: win.host_forward(m, o, args.host_forward, first, set_to_none=to_none)
                                       for mode, (m, o, to_none) in modes.items()}
+            # then where the anchored forward's host time goes, by Python function
+            out["host_forward_profile_anchored"] = _host_profile(win, model, opt, args.host_forward,
+                                                                 first + args.host_forward)
         if args.profile or args.host_forward:
             opt.flush()
         if peak_a is not None:

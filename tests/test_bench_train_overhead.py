@@ -74,6 +74,11 @@ def test_host_forward_times_each_mode_with_the_device_idle(tmp_path):
     assert set(r["host_forward_ms"]) == {"plain", "anchored"}
     assert all(len(v) == 3 and min(v) > 0 for v in r["host_forward_ms"].values())
     assert "The forward's own host time" in T.render(r)
+    prof = r["host_forward_profile_anchored"]          # the anchored forward's Python, by own time
+    assert prof and [e["own_ms_per_step"] for e in prof] == sorted((e["own_ms_per_step"] for e in prof), reverse=True)
+    assert prof[0]["own_ms_per_step"] > 0 and all(e["calls_per_step"] > 0 and e["cum_ms_per_step"] >= e["own_ms_per_step"] for e in prof)
+    assert any(e["function"].startswith("module.py:") for e in prof)     # nn.Module's own calls are in it
+    assert "Where the anchored forward's host time goes" in T.render(r)
     with pytest.raises(SystemExit):
         T.main(["--tiny", "--host-forward", "-1", "--out", str(tmp_path)])
 
