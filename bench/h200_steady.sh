@@ -9,6 +9,10 @@
 #   train_overhead_short_lendall_steady_long.json      the same, 10 windows a mode
 #   train_overhead_short_steady_nolend.json            no lending, 5 windows a mode
 #   train_overhead_lendall_steady_{1,2}.json           8 x 2 048, every byte lendable, 3 windows a mode
+#   train_overhead_short_lendall_hostfwd.json          the forward's own host time per mode, and the
+#                                                      anchored forward's Python by own time (cProfile)
+# Stored from its first run (2026-12-04, 8d1737f's lending): the *_steady_* files; the host-forward
+# run was added after it (b35f484) and has not run yet.  Name a later run's files anew.
 set -u
 OUT=${OUT:-bench/results}
 X=${BENCH_EXTRA:-}
@@ -28,3 +32,4 @@ for i in 1 2 3; do one train_overhead_short_lendall_steady_$i --rounds 5 --batch
 one train_overhead_short_steady_nolend --rounds 5 --batch 4 --seq 1024
 for i in 1 2; do one train_overhead_lendall_steady_$i --rounds 3 $ALL; done
 one train_overhead_short_lendall_steady_long --rounds 10 --batch 4 --seq 1024 $ALL
+one train_overhead_short_lendall_hostfwd --rounds 2 --batch 4 --seq 1024 $ALL --host-forward 10
