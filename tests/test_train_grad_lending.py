@@ -307,6 +307,103 @@ def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon
     same_state(ref, ropt, model, opt)
 
 
+def _global_hooks() -> int:
+    from torch.nn.modules import module as nn_module
+    return len(nn_module._global_forward_pre_hooks) + len(nn_module._global_forward_hooks)
+
+
+def _hooked(model) -> list[str]:
+    return [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+
+
+def test_lending_windows_hook_two_modules_only(host_daemon, monkeypatch):
+    """Global module hooks put every module call of the process on torch's slow path: they are
+    on while the lender learns only.  Lending, the root (the model) and the mark (the module
+    whose call begins the lent tail) carry its hooks, and nothing else does.  The same bytes
+    lent, the same bits as plain torch."""
+    client = _cpu_client(monkeypatch, "lend-targeted")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
+    one = 64 * 256 * 4
+    ref, ropt, model, opt = _twins(mlp, client, 4 * one)
+    x, lent, hooks = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)), [], []
+    for step in range(4):
+        hooks.append((_global_hooks(), _hooked(model)))
+        for m, o in ((model, opt), (ref, ropt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["last_lent_bytes"])
+    assert lent == [0, 4 * one, 4 * one, 4 * one]
+    # learning: the global pair; then the model and its tail's first module (the fifth tanh,
+    # whose output is the first of the four lent), and no global hook
+    assert hooks[0] == (2, []) and hooks[1:] == [(0, ["", "9"])] * 3, hooks
+    same_state(ref, ropt, model, opt)
+
+
+def test_a_forward_whose_candidates_change_every_step_keeps_the_global_hooks(host_daemon, monkeypatch):
+    """A forward whose saved tensors after the mark differ from the ones learnt (one more every
+    other step): the lender learns again; when the next targeted window differs too, it
+    lends with the global hooks from then on, which record the calls each window sees.  It
+    lends in every window after that, with plain torch's bits."""
+    client = _cpu_client(monkeypatch, "lend-drift")
+
+    class Toggle(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))
+            self.extra = False
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return torch.tanh(x) if self.extra else x
+    one = 64 * 256 * 4
+    ref, ropt, model, opt = _twins(Toggle, client, 2 * one)
+    x, lent, learning = torch.randn(64, 256, generator=torch.Generator().manual_seed(9)), [], []
+    for step in range(9):
+        ref.extra = model.extra = step % 2 == 1
+        before = opt.lender.stats["lent_bytes"]
+        for m, o in ((model, opt), (ref, ropt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["lent_bytes"] - before)
+        learning.append(opt.lender._chosen is None)
+    # 0 learns; 1 has an extra layer after the mark: learn again (2); 3 differs again: the
+    # global hooks from then on, which lend from 4 on (3's own saves stand until it ended)
+    assert learning[:3] == [False, True, False] and not any(learning[3:]), learning
+    assert _global_hooks() == 2 and _hooked(model) == []
+    assert all(b > 0 for b in lent[4:]), lent
+    same_state(ref, ropt, model, opt)
+
+
+def test_a_forward_with_two_outermost_modules_keeps_the_global_hooks(host_daemon, monkeypatch):
+    """A training step that calls two modules of the model itself (an encoder, then a head): no
+    one module begins its forwards, so the lender lends with the global hooks, as it learnt."""
+    client = _cpu_client(monkeypatch, "lend-two-roots")
+
+    def parts():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"body": torch.nn.Sequential(*[m for _ in range(4) for m in (
+            torch.nn.Linear(256, 256), torch.nn.Tanh())]), "head": torch.nn.Linear(256, 256)})
+    one = 64 * 256 * 4
+    ref, ropt, model, opt = _twins(parts, client, 3 * one)
+    x, lent = torch.randn(64, 256, generator=torch.Generator().manual_seed(10)), []
+    for step in range(4):
+        for m, o in ((model, opt), (ref, ropt)):
+            m["head"](m["body"](x)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        lent.append(opt.lender.stats["last_lent_bytes"])
+    assert lent[0] == 0 and all(b > 0 for b in lent[1:]), lent
+    assert _global_hooks() == 2 and _hooked(model) == []
+    same_state(ref, ropt, model, opt)
+
+
 @pytest.mark.gpu
 def test_a_forward_on_another_stream_lends_nothing(request, monkeypatch):
     """Lent copies run on the stream current at ``zero_grad()``: a forward on another stream

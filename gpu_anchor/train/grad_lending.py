@@ -41,23 +41,30 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   a gradient (``recovery``).  This is the same argument as for the next backward's gradients,
   which overwrite the buffers anyway.  Copies run on the stream that was current at
   ``zero_grad()``; a forward on another stream lends nothing.
-- **Where.**  Global module hooks (one pair per process, for the optimizer whose window opened
-  last) count the module calls of the window's outermost forwards of a module that holds the
-  optimizer's parameters (another model's forward counts nothing and lends nothing).  A
-  learning window pushes autograd's saved-tensor hooks at the outermost call; a lending one at
-  the call where the first chosen candidate came last time, so the saves before it stay
-  torch's own.  The hooks are popped when the outermost forward returns.  Hooks already in
-  force (``torch.utils.checkpoint``, a user's own) win: nothing is lent under them.  Hooks
-  pushed inside that forward and still in force when it returns stop lending for the process,
-  with a warning.  A window in which our forward ran but the hooks never went on (fewer calls
-  than last time) makes the next one learn again.  Under ``torch.compile`` tracing the module
-  hooks do nothing.
+- **Where.**  A learning window hears of every module call (global module hooks,
+  ``lend_hooks``): it counts the module calls of the window's outermost forwards of a module
+  that holds the optimizer's parameters (another model's forward counts nothing and lends
+  nothing), and pushes autograd's saved-tensor hooks at the outermost call.  A lending window
+  pushes them at the call where the first chosen candidate came when the lender learnt, so
+  the saves before it stay torch's own, and hears of two modules only: the outermost one (the
+  *root*) and the one whose call that is (the *mark*, at its ``n``-th call in the window).  The
+  hooks are popped when the root's forward returns.  Hooks already in force
+  (``torch.utils.checkpoint``, a user's own) win: nothing is lent under them.  Hooks pushed
+  inside that forward and still in force when it returns stop lending for the process, with a
+  warning.  A window in which our forward ran but the hooks never went on (fewer calls than
+  last time), or a backward ran with no call of the root, makes the next one learn again; so
+  does a lending window that saw other candidates than the learnt ones, and if the next one
+  does too (a forward that changes from step to step), or the learnt forward had several
+  outermost modules, the lender keeps the global hooks, whose windows record the calls they
+  see.  Under ``torch.compile`` tracing the module hooks do nothing.
 - **Cost.**  The lent bytes are copied once a step (a read and a write on the device); one
-  Python call and two or three Python objects per saved tensor from the push on; two calls per
-  module call while a lender lives.  Python objects made a step and alive across the garbage
-  collector's passes are what brings its full passes on (250 ms each on the H200 machine's
-  benchmark process): pushing the hooks at the outermost call, as before 2026-12-04, made two
-  per save of the whole forward.
+  Python call and two or three Python objects per saved tensor from the push on; three calls
+  per forward on the root and the mark.  Learning, two calls per module call of the process,
+  each of which the global hooks put on torch's slow path (``lend_hooks``); before
+  2026-12-04's second change every window paid that, and every other model's forward too.
+  Python objects made a step and alive across the garbage collector's passes are what brings
+  its full passes on (250 ms each on the H200 machine's benchmark process): pushing the hooks
+  at the outermost call, as before 2026-12-04, made two per save of the whole forward.
 """
 from __future__ import annotations
 
@@ -68,7 +75,8 @@ import weakref
 
 import torch
 
-from .lent_memory import _Area, _Kept, _Lent, _areas, _unpack
+from . import lend_hooks
+from .lent_memory import _Area, _areas, _Kept, _Lent, _Residents, _unpack
 
 MIN_BYTES = 1 << 20        # smaller saved tensors are not worth a copy and a Python object
 ALIGN = 512                # as the daemon's arena and torch's allocator align
@@ -77,43 +85,6 @@ ALIGN = 512                # as the daemon's arena and torch's allocator align
 def _top_pack():
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return None if top is None else top[0]
-
-
-# One pair of global module hooks serves the process: they call the lender whose window was
-# opened last (a discarded optimizer's open window lends nothing), and go when no lender is left.
-_lenders: "weakref.WeakSet[GradientLender]" = weakref.WeakSet()
-_current = None         # weakref to the lender that opened a window last
-_handles: tuple = ()
-
-
-def _enter_hook(module, args) -> None:
-    lender = _current() if _current is not None else None
-    if lender is not None and not torch.compiler.is_compiling():
-        lender._enter(module)
-
-
-def _leave_hook(module, args, out) -> None:
-    lender = _current() if _current is not None else None
-    if lender is not None and not torch.compiler.is_compiling():
-        lender._leave()
-
-
-def _register(lender: "GradientLender") -> None:
-    global _handles
-    from torch.nn.modules import module as nn_module
-    _lenders.add(lender)
-    if not _handles:
-        _handles = (nn_module.register_module_forward_pre_hook(_enter_hook),
-                    nn_module.register_module_forward_hook(_leave_hook, always_call=True))
-    weakref.finalize(lender, _unregister)
-
-
-def _unregister() -> None:
-    global _handles
-    if _handles and next(iter(_lenders), None) is None:     # iteration skips the dying one
-        for h in _handles:
-            h.remove()
-        _handles = ()
 
 
 class GradientLender:
@@ -137,6 +108,23 @@ class GradientLender:
         self._seen_end: int | None = None       # one past the last candidate this window saw
         self._calls = 0                         # module calls so far in this window's forwards of ours
         self._push_at = 0                       # ... from which the saved-tensor hooks go on
+        # A learning window logs the module of each call of ours, the outermost one (False:
+        # several) and (call, candidate) for each save of a candidate; kept from the last one as
+        # (weakref to the module, its n-th call in the window) by call, the root and the saves.
+        self._log: list = []
+        self._log_root = None
+        self._saves: list = []
+        self._call_log: list = []
+        self._root = None
+        self._save_log: list = []
+        self._expect: list[int] = []            # a targeted window: the learnt candidates it sees, in order
+        self._drifted = False                   # ... and it saw more
+        self._drifts = 0                        # targeted windows in a row that saw other candidates
+        self._hooks = lend_hooks.ModuleHooks(self)
+        self._targeted = False                  # this window hears of the root and mark modules only
+        self._mark_at = 0                       # the mark's call in the window where the hooks go on
+        self._mark_calls = 0
+        self._passed = False                    # ... and it has been reached
         self._ours = False                      # the outermost module in progress holds our parameters
         self._entry_top = None                  # the pack hook in force when it began
         self._chosen: set[int] | None = None    # the candidates to lend (None: learning)
@@ -153,30 +141,30 @@ class GradientLender:
         self._param_ids = {id(q.p) for q in params}
         self._param_storages = {q.local.untyped_storage().data_ptr() for q in params}
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-        # Weak references to the lent tensors not yet moved out (alive: autograd holds them), in
-        # lending order; at the backward's first gradient, indexed by the parameters whose
-        # gradient bytes they lie in, so that each arrival looks at its own only.
-        self._resident: list = []
-        self._by_param: dict[int, list] | None = None
+        self._resident = _Residents(params, self.stats)   # lent tensors not yet moved out
         self._seen: dict[int, object] = {}      # address -> what a candidate there was packed as, this forward
         self._lent = 0
         self._overlapped = 0                    # bytes moved back because a gradient arrived on them
-        if self.disabled is None:
-            _register(self)
 
     # ------------------------------------------------------------------ window
     def open(self) -> None:
         """``zero_grad(set_to_none=True)``: the buffers hold nothing needed until the next gradient."""
-        global _current
         self.evict_all()
         if self.disabled is None:
-            if _current is not None and _current() not in (None, self):
-                _current()._pop()       # the other lender's forward, if one is in progress, is over for it
-            _current = weakref.ref(self)
+            other = lend_hooks.current()
+            if other not in (None, self):
+                other._pop()            # the other lender's forward, if one is in progress, is over for it
+            lend_hooks.make_current(self)
+            lend_hooks.set_global(self._needs_global())
+        else:
+            self._hooks.remove()
         self._window = self.disabled is None
+        self._targeted = self._window and bool(self._chosen) and self._hooks.placed
         self._thread, self._depth = threading.get_ident(), 0
         self._k, self._lent, self._overlapped, self._arrivals, self._seen = 0, 0, 0, [], {}
         self._lent_k, self._lent_src, self._seen_end, self._calls, self._ours = [], [], None, 0, False
+        self._log, self._log_root, self._saves, self._mark_calls, self._passed = [], None, [], 0, False
+        self._drifted = False
         # Learning, the hooks go on at the outermost forward and see every candidate; lending, at
         # the module call where the first chosen one came last time: the saves before it stay
         # torch's own, with no Python objects (two a save fed the garbage collector's full passes).
@@ -191,32 +179,73 @@ class GradientLender:
         if self._window and self._chosen is not None:
             self.stats["windows"] += 1
 
+    def _needs_global(self) -> bool:
+        """Every module call must reach this lender: it learns, or its learnt forward had several
+        outermost modules (``lend_hooks``)."""
+        return self.disabled is None and (self._chosen is None or (bool(self._chosen) and not self._hooks.placed))
+
     def _enter(self, module: torch.nn.Module) -> None:
-        """A module's forward begins.  Within an outermost forward of a module that holds this
-        optimizer's parameters (another model's forward lends nothing), the first module call
-        from ``_push_at`` on pushes the saved-tensor hooks, which stay until that outermost
-        forward returns, unless some are in force already (``torch.utils.checkpoint``, a
-        user's own): theirs win."""
-        if threading.get_ident() != self._thread:
+        """A module's forward begins (global hooks).  Within an outermost forward of a module
+        that holds this optimizer's parameters (another model's forward lends nothing), the first
+        module call from ``_push_at`` on pushes the saved-tensor hooks, which stay until that
+        outermost forward returns, unless some are in force already (``torch.utils.checkpoint``,
+        a user's own): theirs win."""
+        if threading.get_ident() != self._thread or self._targeted:
             return
         self._depth += 1
         if not self._window:
             return
         if self._depth == 1:
             self._ours, self._entry_top = self._owns(module), _top_pack()
+            if self._ours and self._chosen is None:
+                self._log_root = module if self._log_root in (None, module) else False
         if not self._ours:         # another model's forward (a reference or teacher model, say)
             return
         self._calls += 1
-        if self._pushed is None and self._calls >= self._push_at \
-                and torch._C._autograd._top_saved_tensors_default_hooks(True) is None:
-            pack = self._pack      # one bound method: _leave knows ours by identity
-            try:
-                torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)
-            except RuntimeError:   # torch.autograd.graph.disable_saved_tensors_hooks is in force
-                return
-            self._pushed = pack
-            if self._push_at:      # the candidates of the calls before this one went by unseen
-                self._k = max(self._k, bisect.bisect_left(self._calls_at, self._calls))
+        if self._chosen is None:
+            self._log.append(module)
+        if self._calls >= self._push_at:
+            self._push(self._calls)
+
+    def _root_enter(self) -> None:
+        """The root's forward begins (``lend_hooks.ModuleHooks``): a forward of ours.  In a later
+        forward of the window than the one that reached the mark, the hooks go on at once, as
+        the global hooks would put them on at its first call."""
+        if threading.get_ident() != self._thread or not self._targeted:
+            return
+        self._depth += 1
+        if self._depth > 1 or not self._window or lend_hooks.current() is not self:
+            return
+        self._ours, self._entry_top = True, _top_pack()
+        self._calls += 1
+        if self._passed:
+            self._push(self._push_at)
+
+    def _mark_enter(self) -> None:
+        """The mark's forward begins: at its ``_mark_at``-th call in the window, the hooks go on."""
+        if threading.get_ident() != self._thread or not self._ours or not self._window:
+            return
+        self._mark_calls += 1
+        if self._mark_calls == self._mark_at:
+            self._passed = True
+            self._push(self._push_at)
+
+    def _root_leave(self) -> None:
+        if self._targeted:
+            self._leave()
+
+    def _push(self, call: int) -> None:
+        """Our saved-tensor hooks on, at module call ``call``, unless some are in force."""
+        if self._pushed is not None or _top_pack() is not None:
+            return
+        pack = self._pack          # one bound method: _leave knows ours by identity
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)
+        except RuntimeError:       # torch.autograd.graph.disable_saved_tensors_hooks is in force
+            return
+        self._pushed = pack
+        if self._push_at and not self._targeted:   # the candidates of the calls before this one went by unseen
+            self._k = max(self._k, bisect.bisect_left(self._calls_at, call))
 
     def _owns(self, module: torch.nn.Module) -> bool:
         owns = self._owners.get(module)
@@ -244,25 +273,47 @@ class GradientLender:
         self._window = False
         self._arrivals.append(q.index)
         if self._resident:
-            if self._by_param is None:
-                self._by_param = self._index()
-            refs = self._by_param.pop(q.index, None)
-            if refs:
-                self._overlapped += self._evict(refs)
+            self._overlapped += self._resident.arrived(q.index)
 
     def finalize(self) -> None:
         """``step()``'s gradient boundary: every buffer is the redo log again.  Learns this
         window's forward (sizes) and backward (arrival order) for the next one."""
         self._window = False
         self.evict_all()
+        learning = self._chosen is None
+        log, log_root, saves = self._log, self._log_root, self._saves
+        self._log, self._log_root, self._saves = [], None, []
         if self._seen_end is None or self.disabled is not None:
-            if self._calls and self._chosen:
+            if self._chosen and (self._calls or (self._targeted and self._arrivals)):
                 # Our forward ran, yet the hooks never went on where the lent tail began last
-                # time (fewer module calls now, say): learn the whole forward again.
-                self._chosen = None
+                # time (fewer module calls now, say), or a backward ran with no call of the root
+                # we learnt: learn the whole forward again.
+                self._relearn()
             self._arrivals = []
             return
-        del self._sizes[self._seen_end:], self._calls_at[self._seen_end:]   # fewer candidates now, maybe
+        if self._targeted:
+            if self._drifted or self._seen_end != len(self._expect):
+                # Other candidates than the forward we learnt: learn it again, or, if the last
+                # targeted window did so too (a forward that changes from step to step), go on
+                # with the global hooks, whose windows record the calls they see.
+                self._drifts += 1
+                if self._drifts == 1:
+                    self._relearn()
+                    self._arrivals = []
+                    return
+                self._root = None
+            else:
+                self._drifts = 0
+        else:
+            del self._sizes[self._seen_end:], self._calls_at[self._seen_end:]   # fewer candidates now, maybe
+        if learning:
+            self._root = weakref.ref(log_root) if log_root and self._drifts < 2 else None
+            nth: dict = {}
+            self._call_log = []
+            for m in log:
+                nth[m] = nth.get(m, 0) + 1
+                self._call_log.append((weakref.ref(m), nth[m]))
+            self._save_log = saves
         if self._arrivals:
             seen = set(self._arrivals)
             order = self._arrivals + [q.index for q in self.params if q.index not in seen]
@@ -272,7 +323,37 @@ class GradientLender:
         self.budget = max(0, self.budget - self._overlapped)
         if self._order is not None:
             self._chosen = self._plan()
+            self._retarget()
         self._arrivals = []
+
+    def _relearn(self) -> None:
+        self._chosen = None
+        self._hooks.remove()
+        if lend_hooks.current() is self:
+            lend_hooks.set_global(self._needs_global())
+
+    def _retarget(self) -> None:
+        """After a plan: hooks on the root and on the module whose call began the chosen tail
+        when the lender learnt, instead of the global ones (``lend_hooks``), and the candidates
+        a window sees from there (``_expect``: each by the first of its saves from that call on;
+        a tensor saved before it and again after is seen).  Where the learnt forward had several
+        outermost modules, the global hooks stay; with nothing to lend, no hooks."""
+        target = None
+        if self._chosen and self._root is not None:
+            call = self._calls_at[min(self._chosen)]
+            if 0 < call <= len(self._call_log):
+                mark, nth = self._call_log[call - 1]
+                root, mark = self._root(), mark()
+                if root is not None and mark is not None:
+                    target = root, mark, nth
+                    self._expect = list(dict.fromkeys(k for c, k in self._save_log if c >= call))
+        if target is None:
+            self._hooks.remove()
+        else:
+            self._hooks.place(target[0], target[1])
+            self._mark_at = target[2]
+        if lend_hooks.current() is self:
+            lend_hooks.set_global(self._needs_global())
 
     def close(self) -> None:
         """Any other write into the buffers (``zero_grad(set_to_none=False)``): nothing lent stays."""
@@ -292,18 +373,38 @@ class GradientLender:
             return _Kept(t)          # small, or a parameter seen through a view (linear's weight.t())
         ptr = t.data_ptr()
         prev = self._seen.get(ptr)
-        if prev is not None and prev.same(t):
-            return prev    # saved again (one input of the q, k and v projections, by each): one candidate
-        k, self._k = self._k, self._k + 1
-        if k < len(self._sizes):
-            self._sizes[k], self._calls_at[k] = n, self._calls
+        if prev is not None and prev[0].same(t):
+            # saved again (one input of the q, k and v projections, by each): one candidate
+            if self._chosen is None:
+                self._saves.append((self._calls, prev[1]))
+            return prev[0]
+        k = self._candidate(n)
+        packed = (self._lend(t, k, n) if k is not None else None) or _Kept(t)
+        self._seen[ptr] = packed, k
+        return packed
+
+    def _candidate(self, n: int) -> int | None:
+        """The index of the next new candidate, of ``n`` bytes, its size recorded.  With the global
+        hooks, in order from where the hooks went on, its call recorded too.  In a targeted
+        window, which counts no calls, the learnt candidate at that place of ``_expect``; None
+        past its end (the forward changed)."""
+        i, self._k = self._k, self._k + 1
+        self._seen_end = self._k
+        if self._targeted:
+            if i >= len(self._expect):
+                self._drifted = True
+                return None
+            k = self._expect[i]
+            self._sizes[k] = n
+            return k
+        if i < len(self._sizes):
+            self._sizes[i], self._calls_at[i] = n, self._calls
         else:
             self._sizes.append(n)
             self._calls_at.append(self._calls)
-        self._seen_end = self._k
-        packed = self._lend(t, k, n) or _Kept(t)
-        self._seen[ptr] = packed
-        return packed
+        if self._chosen is None:
+            self._saves.append((self._calls, i))
+        return i
 
     def _lend(self, t: torch.Tensor, k: int, n: int) -> "_Lent | None":
         """Candidate ``k`` (``n`` bytes) copied into the area ``_place`` gives it, if chosen."""
@@ -319,12 +420,10 @@ class GradientLender:
         # Its own tensor, not a view of the area: its own version counter, which copies into
         # other slots of the area do not move.
         storage = area.buf.untyped_storage()
-        dst = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            storage, (addr - storage.data_ptr()) // t.element_size(), t.shape)
+        dst = t.new_empty(0).set_(storage, (addr - storage.data_ptr()) // t.element_size(), t.shape)
         dst.copy_(t)
         h = _Lent(dst, addr, addr + n, t)
-        self._resident.append(weakref.ref(h))
-        self._by_param = None
+        self._resident.add(h)
         self._lent_k.append(k)
         self._lent_src.append(h.src)
         self._lent += n
@@ -369,38 +468,7 @@ class GradientLender:
 
     # ------------------------------------------------------------------ eviction
     def evict_all(self) -> None:
-        if self._resident:
-            self._evict(self._resident)
-            self._resident, self._by_param = [], None
-
-    def _index(self) -> dict[int, list]:
-        """The live lent tensors by the parameter whose gradient bytes they overlap (lent copies
-        never overlap each other: each area is a bump allocator)."""
-        live = sorted(((h.lo, h.hi, r) for r in self._resident if (h := r()) is not None and h.resident),
-                      key=lambda e: e[0])
-        his = [hi for _, hi, _ in live]
-        out: dict[int, list] = {}
-        for q in self.params:
-            lo = q.grad.data_ptr()
-            hi = lo + q.grad.numel() * q.grad.element_size()
-            i = bisect.bisect_right(his, lo)       # the first one that ends after lo
-            while i < len(live) and live[i][0] < hi:
-                out.setdefault(q.index, []).append(live[i][2])
-                i += 1
-        return out
-
-    def _evict(self, refs) -> int:
-        """Moves the lent tensors behind ``refs`` that are alive and still in gradient memory to
-        torch memory; returns their bytes."""
-        moved = 0
-        for r in refs:
-            h = r()
-            if h is not None and h.resident:
-                h.t = h.t.clone()
-                h.resident = False
-                moved += h.hi - h.lo
-        self.stats["evicted_bytes"] += moved
-        return moved
+        self._resident.evict_all()
 
     def _pop(self) -> None:
         if self._pushed is None:

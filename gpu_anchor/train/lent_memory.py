@@ -4,10 +4,12 @@
   (torch skips it for tensors its saved-tensor hooks packed).
 - ``_Lent``: a bit-identical copy in gradient-buffer memory ``[lo, hi)``; ``grad_lending``
   moves it to torch memory (``resident`` False) before a gradient lands on those bytes.
+- ``_Residents``: the lent tensors still in gradient memory, and moving them out.
 - ``_Area``: a run of gradient buffers that touch end to end, one bump allocator a window.
 """
 from __future__ import annotations
 
+import bisect
 import weakref
 
 import torch
@@ -60,6 +62,67 @@ def _unpack(packed) -> torch.Tensor:
             f"expected version {packed.version} instead (seen by gpu_anchor's gradient lending, "
             "which keeps torch's check for the tensors it does not copy)")
     return packed.t
+
+
+class _Residents:
+    """Weak references to the lent tensors not yet moved out (alive: autograd holds them), in
+    lending order; at the backward's first gradient, indexed by the parameters whose gradient
+    bytes they lie in, so that each arrival looks at its own only.  ``stats["evicted_bytes"]``
+    counts what was moved."""
+
+    def __init__(self, params, stats: dict) -> None:
+        self.params, self.stats = params, stats
+        self._refs: list = []
+        self._by_param: dict[int, list] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
+    def add(self, h: _Lent) -> None:
+        self._refs.append(weakref.ref(h))
+        self._by_param = None
+
+    def arrived(self, index: int) -> int:
+        """Parameter ``index``'s gradient is about to land: the lent tensors in its bytes moved
+        out; returns their bytes."""
+        if self._by_param is None:
+            self._by_param = self._index()
+        refs = self._by_param.pop(index, None)
+        return self._evict(refs) if refs else 0
+
+    def evict_all(self) -> None:
+        if self._refs:
+            self._evict(self._refs)
+            self._refs, self._by_param = [], None
+
+    def _index(self) -> dict[int, list]:
+        """The live lent tensors by the parameter whose gradient bytes they overlap (lent copies
+        never overlap each other: each area is a bump allocator)."""
+        live = sorted(((h.lo, h.hi, r) for r in self._refs if (h := r()) is not None and h.resident),
+                      key=lambda e: e[0])
+        his = [hi for _, hi, _ in live]
+        out: dict[int, list] = {}
+        for q in self.params:
+            lo = q.grad.data_ptr()
+            hi = lo + q.grad.numel() * q.grad.element_size()
+            i = bisect.bisect_right(his, lo)       # the first one that ends after lo
+            while i < len(live) and live[i][0] < hi:
+                out.setdefault(q.index, []).append(live[i][2])
+                i += 1
+        return out
+
+    def _evict(self, refs) -> int:
+        """Moves the lent tensors behind ``refs`` that are alive and still in gradient memory to
+        torch memory; returns their bytes."""
+        moved = 0
+        for r in refs:
+            h = r()
+            if h is not None and h.resident:
+                h.t = h.t.clone()
+                h.resident = False
+                moved += h.hi - h.lo
+        self.stats["evicted_bytes"] += moved
+        return moved
 
 
 class _Area:
