@@ -26,9 +26,9 @@ ones; they say where the time goes, not how much there is.  The setup's garbage 
 before the first timed window (its first full pass would otherwise fall in whichever window first
 made enough garbage to start one); the collector's time and full passes, and the caching
 allocator's calls to the driver, are recorded by window.  ``--host-forward K``: then ``K`` steps of
-each mode, each begun with the device idle, so that the forward's host time is its own (nothing
-to wait for): what the host spends that the device may end up waiting for; then ``K`` anchored
-forwards under cProfile, their Python functions by own time.
+each mode, their forward and ``step()`` calls each begun with the device idle, so that their host
+time is their own (nothing to wait for): what the host spends that the device may end up waiting
+for; then ``K`` anchored steps with those calls under cProfile, their Python functions by own time.
 """
 from __future__ import annotations
 
@@ -137,37 +137,46 @@ class _Window:
             self.last["host_lead_ms"] = [e0.elapsed_time(e) - 1e3 * (h - h0) for h, e in marks]
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
-    def host_forward(self, model, opt, steps, first, set_to_none=True, profiler=None) -> list[float]:
-        """Milliseconds of host time in each step's forward call, each step begun with the
-        device idle: the forward's own cost on the host, with no queue to wait on.  With a
-        ``cProfile.Profile``, the forwards run under it (and their times count its overhead)."""
-        out = []
+    def host_forward(self, model, opt, steps, first, set_to_none=True, profilers=(None, None)):
+        """Milliseconds of host time in each step's forward call and in its ``step()`` call,
+        each begun with the device idle: their own cost on the host, with no queue to wait on.
+        With ``cProfile.Profile`` objects (forward, step), those calls run under them (and their
+        times count the profiler's overhead).  Returns (forward ms, step ms)."""
+        fwd, stp = [], []
         for i in range(first, first + steps):
             x = self.tokens[i % 2]
-            _sync(self.device)
-            t0 = time.perf_counter()
-            if profiler is not None:
-                profiler.enable()
-            loss = model(input_ids=x, labels=x).loss
-            if profiler is not None:
-                profiler.disable()
-            out.append(1e3 * (time.perf_counter() - t0))
+            fwd.append(self._timed(lambda: model(input_ids=x, labels=x).loss, profilers[0]))
+            loss = self.result
             loss.backward()
-            opt.step()
+            stp.append(self._timed(opt.step, profilers[1]))
             opt.zero_grad(set_to_none=set_to_none)
-        return out
+        return fwd, stp
+
+    def _timed(self, call, profiler) -> float:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        self.result = call()
+        if profiler is not None:
+            profiler.disable()
+        return 1e3 * (time.perf_counter() - t0)
 
 
-def _host_profile(win, model, opt, steps, first, top=25) -> list[dict]:
-    """The Python functions of ``steps`` forwards by their own host time (cProfile), per step."""
+def _host_profile(win, model, opt, steps, first, top=25) -> tuple[list[dict], list[dict]]:
+    """The Python functions of ``steps`` forwards and, apart, of their ``step()`` calls, by their
+    own host time (cProfile), per step."""
     import cProfile
     import pstats
-    prof = cProfile.Profile()
-    win.host_forward(model, opt, steps, first, profiler=prof)
-    rows = [{"function": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": nc / steps,
-             "own_ms_per_step": 1e3 * tt / steps, "cum_ms_per_step": 1e3 * ct / steps}
-            for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
-    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
+    profs = (cProfile.Profile(), cProfile.Profile())
+    win.host_forward(model, opt, steps, first, profilers=profs)
+
+    def rows(prof):
+        out = [{"function": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": nc / steps,
+                "own_ms_per_step": 1e3 * tt / steps, "cum_ms_per_step": 1e3 * ct / steps}
+               for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+        return sorted(out, key=lambda r: -r["own_ms_per_step"])[:top]
+    return rows(profs[0]), rows(profs[1])
 
 
 def _kinds():
@@ -245,7 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="then K profiled steps of each mode: device time by kind of kernel")
     ap.add_argument("--host-forward", type=int, default=0, metavar="K",
-                    help="then K steps of each mode, each after a synchronisation: the forward's own host time")
+                    help="then K steps of each mode, each call after a synchronisation: the forward's and "
+                         "step()'s own host time")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
     for flag in ("profile", "host_forward"):
@@ -406,11 +416,13 @@ def main(argv=None) -> int:
             out["profile"] = _profile(win, modes, args.profile, first, device)
             first += args.profile
         if args.host_forward:
-            out["host_forward_ms"] = {mode: win.host_forward(m, o, args.host_forward, first, set_to_none=to_none)
-                                      for mode, (m, o, to_none) in modes.items()}
-            # then where the anchored forward's host time goes, by Python function
-            out["host_forward_profile_anchored"] = _host_profile(win, model, opt, args.host_forward,
-                                                                 first + args.host_forward)
+            timed = {mode: win.host_forward(m, o, args.host_forward, first, set_to_none=to_none)
+                     for mode, (m, o, to_none) in modes.items()}
+            out["host_forward_ms"] = {mode: f for mode, (f, _) in timed.items()}
+            out["host_step_ms"] = {mode: s for mode, (_, s) in timed.items()}
+            # then where the anchored forward's and step()'s host time goes, by Python function
+            out["host_forward_profile_anchored"], out["host_step_profile_anchored"] = _host_profile(
+                win, model, opt, args.host_forward, first + args.host_forward)
         if args.profile or args.host_forward:
             opt.flush()
         if peak_a is not None:

@@ -98,11 +98,16 @@ def render(r: dict) -> str:
         rows.append(("The forward's own host time, each step begun with the device idle (median of "
                      f"{len(next(iter(r['host_forward_ms'].values())))} steps, ms)",
                      "; ".join(f"{k} {v:.1f}" for k, v in hf.items()), "", ""))
-        if r.get("host_forward_profile_anchored"):
-            rows.append(("Where the anchored forward's host time goes (cProfile, which slows it; own ms a step, "
-                         "calls a step), the first eight",
-                         "; ".join(f"`{e['function']}` {e['own_ms_per_step']:.2f} ({e['calls_per_step']:.0f})"
-                                   for e in r["host_forward_profile_anchored"][:8]), "", ""))
+        if "host_step_ms" in r:
+            hs = {k: statistics.median(v) for k, v in r["host_step_ms"].items()}
+            rows.append(("`step()`'s own host time, each call begun with the device idle (median, ms)",
+                         "; ".join(f"{k} {v:.1f}" for k, v in hs.items()), "", ""))
+        for call in ("forward", "step"):
+            if r.get(f"host_{call}_profile_anchored"):
+                rows.append((f"Where the anchored {'forward' if call == 'forward' else '`step()`'}'s host time goes "
+                             "(cProfile, which slows it; own ms a step, calls a step), the first eight",
+                             "; ".join(f"`{e['function']}` {e['own_ms_per_step']:.2f} ({e['calls_per_step']:.0f})"
+                                       for e in r[f"host_{call}_profile_anchored"][:8]), "", ""))
     rows += [
         ("Protocol blocking per step: journal commit + host waits on the device",
          f"{r['protocol_blocking_ms']:.2f} ms ({r['commits_per_step']:.0f} commit(s) {r['commit_ms_per_step']:.2f} ms, "
