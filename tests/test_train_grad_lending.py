@@ -230,13 +230,24 @@ def test_a_tensor_saved_several_times_is_one_candidate(host_daemon, monkeypatch)
     same_state(ref, ropt, model, opt)
 
 
+def _global_hooks() -> int:
+    from torch.nn.modules import module as nn_module
+    return len(nn_module._global_forward_pre_hooks) + len(nn_module._global_forward_hooks)
+
+
+def _hooked(model) -> list[str]:
+    return [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+
+
 def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
     """Lending the last four of eight layers' activations, the saved-tensor hooks see every save
     of the learning window, then only those from the module call where the chosen tail began:
     the saves before it stay torch's own (no Python object each, which fed the garbage
     collector).  Another model's forward in one window (a teacher's, here) moves nothing: the
-    calls are counted in our forwards.  The same bytes lent each window, the same bits as plain
-    torch."""
+    calls are counted in our forwards.  Global module hooks put every module call of the process
+    on torch's slow path: they are on while the lender learns only; lending, the root (the model)
+    and the mark (the module whose call begins the lent tail) carry its hooks, and no other
+    module.  The same bytes lent each window, the same bits as plain torch."""
     client = _cpu_client(monkeypatch, "lend-late-push")
 
     def mlp():
@@ -254,8 +265,10 @@ def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
     monkeypatch.setattr(opt.lender, "_pack", spy)
     teacher = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
     x, lent = torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), []
+    hooks = []
     for step in range(5):
         calls.append(0)
+        hooks.append((_global_hooks(), _hooked(model)))
         if step == 2:
             with torch.no_grad():
                 teacher(x)
@@ -267,31 +280,39 @@ def test_hooks_go_on_where_the_lent_tail_begins(host_daemon, monkeypatch):
     assert lent == [0, 4 * one, 4 * one, 4 * one, 4 * one]
     # learning: 8 x 3 - 1 saves; lending the last four tanh outputs: from the fifth tanh's call on
     assert calls[0] == 23 and calls[1:] == [10, 10, 10, 10], calls
+    # learning: the global pair; then the model and its tail's first module (the fifth tanh,
+    # whose output is the first of the four lent), and no global hook
+    assert hooks[0] == (2, []) and hooks[1:] == [(0, ["", "9"])] * 4, hooks
     same_state(ref, ropt, model, opt)
 
 
-def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon, monkeypatch):
-    """The plan was learnt on eight layers; a step that runs four never reaches the module call
-    where the hooks went on: it lends nothing, the next window learns the whole forward again,
-    and the one after lends the four layers' tail.  The same bits as plain torch."""
-    client = _cpu_client(monkeypatch, "lend-shorter")
+class _TanhStack(torch.nn.Module):
+    """``layers`` linear layers, each followed by a tanh; a forward runs the first ``depth`` of
+    them, then ``extra`` more tanhs (saves with no parameter)."""
 
-    class Deep(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(8))
-            self.depth = 8
+    def __init__(self, layers: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(layers))
+        self.depth, self.extra = layers, 0
 
-        def forward(self, x):
-            for layer in self.layers[:self.depth]:
-                x = torch.tanh(layer(x))
-            return x
-    one = 64 * 256 * 4
-    ref, ropt, model, opt = _twins(Deep, client, 2 * one)
-    x, lent, learning = torch.randn(64, 256, generator=torch.Generator().manual_seed(7)), [], []
-    for step, depth in enumerate([8, 8, 8, 4, 4, 4, 4]):
-        ref.depth = model.depth = depth
+    def forward(self, x):
+        for layer in self.layers[:self.depth]:
+            x = torch.tanh(layer(x))
+        for _ in range(self.extra):
+            x = torch.tanh(x)
+        return x
+
+
+def _lend_steps(twins, seed: int, settings: list[dict]):
+    """One step of each twin per entry of ``settings`` (attributes set on both models first), on
+    one batch; the bytes lent in each step, and whether the lender learns in the next."""
+    ref, ropt, model, opt = twins
+    x, lent, learning = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed)), [], []
+    for attrs in settings:
+        for name, value in attrs.items():
+            setattr(ref, name, value)
+            setattr(model, name, value)
         before = opt.lender.stats["lent_bytes"]
         for m, o in ((model, opt), (ref, ropt)):
             m(x).square().mean().backward()
@@ -299,6 +320,17 @@ def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon
             o.zero_grad()
         lent.append(opt.lender.stats["lent_bytes"] - before)
         learning.append(opt.lender._chosen is None)
+    return lent, learning
+
+
+def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon, monkeypatch):
+    """The plan was learnt on eight layers; a step that runs four never reaches the module call
+    where the hooks went on: it lends nothing, the next window learns the whole forward again,
+    and the one after lends the four layers' tail.  The same bits as plain torch."""
+    client = _cpu_client(monkeypatch, "lend-shorter")
+    one = 64 * 256 * 4
+    ref, ropt, model, opt = _twins(lambda: _TanhStack(8), client, 2 * one)
+    lent, learning = _lend_steps((ref, ropt, model, opt), 7, [{"depth": d} for d in [8, 8, 8, 4, 4, 4, 4]])
     # step 0 learns (the window the optimizer's construction opened), 1 and 2 lend; step 3 (four
     # layers) never reaches the eight-layer tail: it lends nothing and the next window learns
     # again (step 4); steps 5 and 6 lend the new tail
@@ -307,73 +339,16 @@ def test_a_forward_that_no_longer_reaches_the_lent_tail_learns_again(host_daemon
     same_state(ref, ropt, model, opt)
 
 
-def _global_hooks() -> int:
-    from torch.nn.modules import module as nn_module
-    return len(nn_module._global_forward_pre_hooks) + len(nn_module._global_forward_hooks)
-
-
-def _hooked(model) -> list[str]:
-    return [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
-
-
-def test_lending_windows_hook_two_modules_only(host_daemon, monkeypatch):
-    """Global module hooks put every module call of the process on torch's slow path: they are
-    on while the lender learns only.  Lending, the root (the model) and the mark (the module
-    whose call begins the lent tail) carry its hooks, and nothing else does.  The same bytes
-    lent, the same bits as plain torch."""
-    client = _cpu_client(monkeypatch, "lend-targeted")
-
-    def mlp():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
-    one = 64 * 256 * 4
-    ref, ropt, model, opt = _twins(mlp, client, 4 * one)
-    x, lent, hooks = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)), [], []
-    for step in range(4):
-        hooks.append((_global_hooks(), _hooked(model)))
-        for m, o in ((model, opt), (ref, ropt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
-        lent.append(opt.lender.stats["last_lent_bytes"])
-    assert lent == [0, 4 * one, 4 * one, 4 * one]
-    # learning: the global pair; then the model and its tail's first module (the fifth tanh,
-    # whose output is the first of the four lent), and no global hook
-    assert hooks[0] == (2, []) and hooks[1:] == [(0, ["", "9"])] * 3, hooks
-    same_state(ref, ropt, model, opt)
-
-
 def test_a_forward_whose_candidates_change_every_step_keeps_the_global_hooks(host_daemon, monkeypatch):
     """A forward whose saved tensors after the mark differ from the ones learnt (one more every
-    other step): the lender learns again; when the next targeted window differs too, it
+    other step): the lender learns again; when the next lending window differs too, it
     lends with the global hooks from then on, which record the calls each window sees.  It
     lends in every window after that, with plain torch's bits."""
     client = _cpu_client(monkeypatch, "lend-drift")
-
-    class Toggle(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))
-            self.extra = False
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return torch.tanh(x) if self.extra else x
     one = 64 * 256 * 4
-    ref, ropt, model, opt = _twins(Toggle, client, 2 * one)
-    x, lent, learning = torch.randn(64, 256, generator=torch.Generator().manual_seed(9)), [], []
-    for step in range(9):
-        ref.extra = model.extra = step % 2 == 1
-        before = opt.lender.stats["lent_bytes"]
-        for m, o in ((model, opt), (ref, ropt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
-        lent.append(opt.lender.stats["lent_bytes"] - before)
-        learning.append(opt.lender._chosen is None)
-    # 0 learns; 1 has an extra layer after the mark: learn again (2); 3 differs again: the
+    ref, ropt, model, opt = _twins(lambda: _TanhStack(6), client, 2 * one)
+    lent, learning = _lend_steps((ref, ropt, model, opt), 9, [{"extra": step % 2} for step in range(9)])
+    # 0 learns; 1 has one more tanh after the mark: learn again (2); 3 differs again: the
     # global hooks from then on, which lend from 4 on (3's own saves stand until it ended)
     assert learning[:3] == [False, True, False] and not any(learning[3:]), learning
     assert _global_hooks() == 2 and _hooked(model) == []
