@@ -379,6 +379,38 @@ def test_a_forward_with_two_outermost_modules_keeps_the_global_hooks(host_daemon
     same_state(ref, ropt, model, opt)
 
 
+@pytest.mark.parametrize("how", ["model", "blocks"])
+def test_under_torch_compile(request, monkeypatch, how):
+    """``torch.compile`` of the whole model (its wrapper is the root) or of each decoder layer in
+    place (``Module.compile``, as torchtitan does), backend ``aot_eager`` (no C++ compiler):
+    module hooks do nothing inside a traced frame, and the global hooks' going off after the
+    learning window recompiles once, which changes the saves of that window: it learns again,
+    and lends from the fourth step on.  Every step has the bits of the plain twin compiled alike."""
+    ref, ropt, model, opt, vocab, shape = _setup(request, "cpu", monkeypatch, f"lend-compile-{how}", 1 << 40)
+    if how == "model":
+        run_ref, run_model = torch.compile(ref, backend="aot_eager"), torch.compile(model, backend="aot_eager")
+    else:
+        for m in (ref, model):
+            for layer in m.model.layers:
+                layer.compile(backend="aot_eager")
+        run_ref, run_model = ref, model
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(11))
+    lent = []
+    for step in range(5):
+        before = opt.lender.stats["lent_tensors"]
+        seen = []
+        for m, o in ((run_ref, ropt), (run_model, opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            seen.append(loss.detach())
+        assert torch.equal(*seen), step
+        lent.append(opt.lender.stats["lent_tensors"] - before)
+    assert lent[:3] == [0, 0, 0] and lent[3] > 0 and lent[4] > 0, lent
+    same_state(ref, ropt, model, opt)
+
+
 @pytest.mark.gpu
 def test_a_forward_on_another_stream_lends_nothing(request, monkeypatch):
     """Lent copies run on the stream current at ``zero_grad()``: a forward on another stream

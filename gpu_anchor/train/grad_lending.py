@@ -56,7 +56,9 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   does a lending window that saw other candidates than the learnt ones, and if the next one
   does too (a forward that changes from step to step), or the learnt forward had several
   outermost modules, the lender keeps the global hooks, whose windows record the calls they
-  see.  Under ``torch.compile`` tracing the module hooks do nothing.
+  see.  Under ``torch.compile`` tracing the module hooks do nothing; a compiled frame guards on
+  the global hooks, so their going off after learning recompiles it once, and the window that
+  recompiled learns again.
 - **Cost.**  The lent bytes are copied once a step (a read and a write on the device); one
   Python call and two or three Python objects per saved tensor from the push on; three calls
   per forward on the root and the mark.  Learning, two calls per module call of the process,
@@ -307,7 +309,8 @@ class GradientLender:
         else:
             del self._sizes[self._seen_end:], self._calls_at[self._seen_end:]   # fewer candidates now, maybe
         if learning:
-            self._root = weakref.ref(log_root) if log_root and self._drifts < 2 else None
+            # (a module's truth is its len() where it has one: torch.compile's wrapper refuses it)
+            self._root = weakref.ref(log_root) if isinstance(log_root, torch.nn.Module) and self._drifts < 2 else None
             nth: dict = {}
             self._call_log = []
             for m in log:
