@@ -136,7 +136,7 @@ class GradientLender:
         self._k = 0
         self._window = False                    # between zero_grad() and the first gradient
         self._thread: int | None = None         # the thread that opened it
-        self._depth = 0                         # module calls in progress on that thread
+        self._depth = 0                         # module calls (a targeted window: root calls) in progress there
         self._pushed = None                     # our pack function while it is on torch's stack
         self._stream: int | None = None         # the raw CUDA stream current at zero_grad(), and its device
         self._stream_device = 0
