@@ -529,6 +529,23 @@ def test_hooks_only_in_forwards_of_the_window(request, monkeypatch):
     assert seen == [False]
 
 
+def test_a_budget_nothing_fits_says_so_once_and_hooks_nothing(host_daemon, monkeypatch):
+    """A budget smaller than every candidate: after the learning window the lender warns once,
+    naming the smallest candidate and the budget, and hooks nothing from then on (no global
+    hook, no module hook); the steps are plain torch's."""
+    client = _cpu_client(monkeypatch, "lend-idle")
+    one = 64 * 256 * 4
+    ref, ropt, model, opt = _twins(lambda: _TanhStack(4), client, one - 1)
+    with pytest.warns(RuntimeWarning, match=f"lends nothing from now on: none of its 5 candidates fits: the smallest is {one} bytes, the budget {one - 1}"):
+        lent, learning = _lend_steps((ref, ropt, model, opt), 12, [{}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lent, learning = _lend_steps((ref, ropt, model, opt), 12, [{}] * 3)
+    assert lent == [0, 0, 0] and not any(learning)
+    assert _global_hooks() == 0 and _hooked(model) == []
+    same_state(ref, ropt, model, opt)
+
+
 def test_config_refuses_a_bad_budget():
     for bad in (-1, True, 1.5, "1G"):
         with pytest.raises(ValueError, match="lend_grad_bytes"):

@@ -326,6 +326,8 @@ class GradientLender:
         self.budget = max(0, self.budget - self._overlapped)
         if self._order is not None:
             self._chosen = self._plan()
+            if not self._chosen:
+                self._say_idle()
             self._retarget()
         self._arrivals = []
 
@@ -468,6 +470,16 @@ class GradientLender:
             total += n
             chosen.add(k)
         return chosen
+
+    def _say_idle(self) -> None:
+        """A plan with nothing in it stays so (no hooks from now on): say why, once."""
+        largest = max((a.end - a.base for a in self._ordered_areas()), default=0)
+        sizes = [n for k, n in enumerate(self._sizes) if k not in self._held]
+        why = (f"the forward saves no tensor of {MIN_BYTES} bytes or more that it does not return" if not sizes else
+               f"none of its {len(sizes)} candidates fits: the smallest is {min(sizes)} bytes, the budget "
+               f"{self.budget} (lend_grad_bytes less what gradients had to move out) and the largest run of "
+               f"gradient buffers {largest}")
+        warnings.warn(f"gpu_anchor: gradient lending lends nothing from now on: {why}", RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ eviction
     def evict_all(self) -> None:
