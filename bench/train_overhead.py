@@ -138,19 +138,20 @@ class _Window:
         return wall / steps, in_step / steps, [float(x) for x in losses]
 
     def host_forward(self, model, opt, steps, first, set_to_none=True, profilers=(None, None)):
-        """Milliseconds of host time in each step's forward call and in its ``step()`` call,
-        each begun with the device idle: their own cost on the host, with no queue to wait on.
-        With ``cProfile.Profile`` objects (forward, step), those calls run under them (and their
-        times count the profiler's overhead).  Returns (forward ms, step ms)."""
-        fwd, stp = [], []
+        """Milliseconds of host time in each step's forward, backward and ``step()`` calls, each
+        begun with the device idle: their own cost on the host (a call that launches more work
+        than the launch queue holds also waits for the device there).  With
+        ``cProfile.Profile`` objects (forward, step), those calls run under them (and their
+        times count the profiler's overhead).  Returns (forward ms, step ms, backward ms)."""
+        fwd, stp, bwd = [], [], []
         for i in range(first, first + steps):
             x = self.tokens[i % 2]
             fwd.append(self._timed(lambda: model(input_ids=x, labels=x).loss, profilers[0]))
             loss = self.result
-            loss.backward()
+            bwd.append(self._timed(loss.backward, None))
             stp.append(self._timed(opt.step, profilers[1]))
             opt.zero_grad(set_to_none=set_to_none)
-        return fwd, stp
+        return fwd, stp, bwd
 
     def _timed(self, call, profiler) -> float:
         _sync(self.device)
@@ -418,8 +419,9 @@ def main(argv=None) -> int:
         if args.host_forward:
             timed = {mode: win.host_forward(m, o, args.host_forward, first, set_to_none=to_none)
                      for mode, (m, o, to_none) in modes.items()}
-            out["host_forward_ms"] = {mode: f for mode, (f, _) in timed.items()}
-            out["host_step_ms"] = {mode: s for mode, (_, s) in timed.items()}
+            out["host_forward_ms"] = {mode: t[0] for mode, t in timed.items()}
+            out["host_step_ms"] = {mode: t[1] for mode, t in timed.items()}
+            out["host_backward_ms"] = {mode: t[2] for mode, t in timed.items()}
             # then where the anchored forward's and step()'s host time goes, by Python function
             out["host_forward_profile_anchored"], out["host_step_profile_anchored"] = _host_profile(
                 win, model, opt, args.host_forward, first + args.host_forward)

@@ -102,6 +102,15 @@ def render(r: dict) -> str:
             hs = {k: statistics.median(v) for k, v in r["host_step_ms"].items()}
             rows.append(("`step()`'s own host time, each call begun with the device idle (median, ms)",
                          "; ".join(f"{k} {v:.1f}" for k, v in hs.items()), "", ""))
+        if "host_backward_ms" in r:
+            # forward + backward + step(), each begun with the device idle, against the timed step:
+            # above 1, the host alone takes longer than the step, which then waits for it
+            own = {k: hf[k] + statistics.median(r["host_backward_ms"][k]) + hs[k] for k in hf}
+            step = {k: 1e3 * statistics.median(r[f"step_s_{k}_windows"]) for k in own if f"step_s_{k}_windows" in r}
+            rows.append(("The host's own time a step (forward + backward + `step()`, medians, each begun with "
+                         "the device idle; a call that fills the launch queue waits there too) against the "
+                         "timed step, ms",
+                         "; ".join(f"{k} {own[k]:.1f} / {step[k]:.1f}" for k in step), "", ""))
         for call in ("forward", "step"):
             if r.get(f"host_{call}_profile_anchored"):
                 rows.append((f"Where the anchored {'forward' if call == 'forward' else '`step()`'}'s host time goes "

@@ -79,7 +79,9 @@ def test_host_forward_times_each_mode_with_the_device_idle(tmp_path):
     assert prof[0]["own_ms_per_step"] > 0 and all(e["calls_per_step"] > 0 and e["cum_ms_per_step"] >= e["own_ms_per_step"] for e in prof)
     assert any(e["function"].startswith("module.py:") for e in prof)     # nn.Module's own calls are in it
     assert "Where the anchored forward's host time goes" in T.render(r)
-    assert set(r["host_step_ms"]) == {"plain", "anchored"} and all(len(v) == 3 and min(v) > 0 for v in r["host_step_ms"].values())
+    for timed in ("host_step_ms", "host_backward_ms"):
+        assert set(r[timed]) == {"plain", "anchored"} and all(len(v) == 3 and min(v) > 0 for v in r[timed].values())
+    assert "The host's own time a step" in T.render(r)
     steps = r["host_step_profile_anchored"]              # ... and step()'s, apart
     assert steps and not any("modeling_llama" in e["function"] for e in steps)     # no forward in it
     assert "`step()`'s own host time" in T.render(r) and "Where the anchored `step()`'s host time goes" in T.render(r)
