@@ -9,10 +9,12 @@
 #   train_overhead_short_lendall_steady_long.json      the same, 10 windows a mode
 #   train_overhead_short_steady_nolend.json            no lending, 5 windows a mode
 #   train_overhead_lendall_steady_{1,2}.json           8 x 2 048, every byte lendable, 3 windows a mode
-#   train_overhead_short_lendall_hostfwd.json          the forward's own host time per mode, and the
-#                                                      anchored forward's Python by own time (cProfile)
-# Stored from its first run (2026-12-04, 8d1737f's lending): the *_steady_* files; the host-forward
-# run was added after it (b35f484) and has not run yet.  Name a later run's files anew.
+#   train_overhead_short_lendall_hostfwd.json          the forward's, backward's and step()'s own host
+#                                                      time per mode, and the anchored forward's and
+#                                                      step()'s Python by own time (cProfile)
+# Stored from its first run (2026-12-04, 8d1737f's lending): the *_steady_* files.  The host-forward
+# run was added after it (b35f484); it ran alone at ef4de65 (stored under the name above, forward
+# only then).  Name a later run's files anew.
 set -u
 OUT=${OUT:-bench/results}
 X=${BENCH_EXTRA:-}
