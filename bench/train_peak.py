@@ -75,11 +75,12 @@ def _history(step, device: str) -> dict | None:
 
 
 def _plan(lender) -> dict:
-    sizes, chosen = lender._sizes, sorted(lender._chosen or ())
-    return {"areas_mib": [round((a.end - a.base) / 2**20, 1) for a in lender._ordered_areas()],
+    plan = lender.plan
+    sizes, chosen = plan.sizes, sorted(plan.chosen or ())
+    return {"areas_mib": [round((a.end - a.base) / 2**20, 1) for a in plan.ordered_areas()],
             "candidates": len(sizes), "candidate_mib": [round(n / 2**20, 1) for n in sizes],
             "chosen": chosen, "chosen_bytes": sum(sizes[k] for k in chosen),
-            "lent_bytes_last_step": lender.stats["last_lent_bytes"], "held": sorted(lender._held),
+            "lent_bytes_last_step": lender.stats["last_lent_bytes"], "held": sorted(plan.held),
             "budget": lender.budget}
 
 

@@ -137,8 +137,8 @@ def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, mon
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     for step in range(4):
         if step == 2:        # as if the last backward had made its gradients in the reverse order
-            opt.lender._order.reverse()
-            opt.lender._areas = None
+            opt.lender.plan.order.reverse()
+            opt.lender.plan._areas = None
         for m, o in ((ref, ropt), (model, opt)):
             m(x).square().mean().backward()
             o.step()
@@ -149,7 +149,7 @@ def test_gradients_arriving_on_lent_tensors_move_them_out_first(host_daemon, mon
     assert opt.lender.budget < 1 << 30
     # a parameter seen through a view (what linear saves: weight.t()) is never copied
     opt.zero_grad()
-    opt.lender._chosen, opt.lender.budget = {opt.lender._k, opt.lender._k + 1}, 1 << 30
+    opt.lender.plan.chosen, opt.lender.budget = {opt.lender._k, opt.lender._k + 1}, 1 << 30
     w = model[0].weight
     assert isinstance(opt.lender._pack(w.t()), grad_lending._Kept)
     assert isinstance(opt.lender._pack(torch.randn(256, 256).requires_grad_(True) * 2), grad_lending._Lent)
@@ -319,7 +319,7 @@ def _lend_steps(twins, seed: int, settings: list[dict]):
             o.step()
             o.zero_grad()
         lent.append(opt.lender.stats["lent_bytes"] - before)
-        learning.append(opt.lender._chosen is None)
+        learning.append(opt.lender.plan.chosen is None)
     return lent, learning
 
 

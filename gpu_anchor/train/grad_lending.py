@@ -26,14 +26,15 @@ Contract (``StepProtocolConfig.lend_grad_bytes``; one process, plain tensors, th
   a graph (``create_graph``).  A saved tensor the hooks keep keeps autograd's check of in-place
   changes (the same error).  A lent copy holds the value it had when it was saved: a program
   that changes a saved tensor in place, which torch refuses, runs with the saved value.
-- **What is lent.**  The forward's tail: from its last saved tensor back, each one that still
-  fits the byte budget, by the previous forward's sizes (one too large is passed over and the
-  ones before it fill the rest), less those whose original outlived the forward (returned to
-  the caller: copying them freed nothing).  A tensor saved by several ops (one input of the
-  q, k and v projections) is one candidate, lent at every save or at none.  Backward reads
-  them first.  They go into the buffers whose gradients arrived last in the previous backward.  A tensor still alive when
-  its buffer's gradient arrives is moved out (``stats["evicted_bytes"]``), and the next budget
-  shrinks by what was moved: a budget too large for the model costs copies, never values.
+- **What is lent** (``lend_plan``).  The forward's tail: from its last saved tensor back, each
+  one that still fits the byte budget, by the previous forward's sizes (one too large is passed
+  over and the ones before it fill the rest), less those whose original outlived the forward
+  (returned to the caller: copying them freed nothing).  A tensor saved by several ops (one
+  input of the q, k and v projections) is one candidate, lent at every save or at none.
+  Backward reads them first.  They go into the buffers whose gradients arrived last in the
+  previous backward.  A tensor still alive when its buffer's gradient arrives is moved out
+  (``stats["evicted_bytes"]``), and the next budget shrinks by what was moved: a budget too
+  large for the model costs copies, never values.
 - **Why the buffers are dead.**  The window opens at ``zero_grad(set_to_none=True)``.  By then
   ``step()`` has enqueued the whole update, and the device word that marks the step written
   comes before anything enqueued after it on the stream.  A kill after a lending copy ran
@@ -78,10 +79,10 @@ import weakref
 import torch
 
 from . import lend_hooks
-from .lent_memory import _Area, _areas, _Kept, _Lent, _Residents, _unpack
+from .lend_plan import ForwardPlan
+from .lent_memory import _Kept, _Lent, _Residents, _unpack
 
 MIN_BYTES = 1 << 20        # smaller saved tensors are not worth a copy and a Python object
-ALIGN = 512                # as the daemon's arena and torch's allocator align
 
 
 def _top_pack():
@@ -100,28 +101,17 @@ class GradientLender:
         self.stats = {"windows": 0, "lent_bytes": 0, "lent_tensors": 0, "evicted_bytes": 0, "last_lent_bytes": 0}
         self.disabled: str | None = None if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else \
             "this torch cannot tell which saved-tensor hooks are innermost"
-        self._order: list[int] | None = None    # parameter indices, by arrival in the last backward
-        self._areas: list[_Area] | None = None
-        self._arrivals: list[int] = []          # ... in this backward
-        # By candidate index: its size and the module call it came in (the last window that saw
-        # it; a lending window sees the tail only, from the call where the hooks went on)
-        self._sizes: list[int] = []
-        self._calls_at: list[int] = []
+        self.plan = ForwardPlan(params)         # what it learnt of the forward, and lends next
+        self._arrivals: list[int] = []          # parameter indices, by arrival in this backward
         self._seen_end: int | None = None       # one past the last candidate this window saw
         self._calls = 0                         # module calls so far in this window's forwards of ours
         self._push_at = 0                       # ... from which the saved-tensor hooks go on
         # A learning window logs the module of each call of ours, the outermost one (False:
-        # several) and (call, candidate) for each save of a candidate; kept from the last one as
-        # (weakref to the module, its n-th call in the window) by call, the root and the saves.
+        # several) and (call, candidate) for each save of a candidate (``ForwardPlan.learn``)
         self._log: list = []
         self._log_root = None
         self._saves: list = []
-        self._call_log: list = []
-        self._root = None
-        self._save_log: list = []
-        self._expect: list[int] = []            # a targeted window: the learnt candidates it sees, in order
-        self._drifted = False                   # ... and it saw more
-        self._drifts = 0                        # targeted windows in a row that saw other candidates
+        self._drifted = False                   # a targeted window saw more candidates than learnt
         self._hooks = lend_hooks.ModuleHooks(self)
         self._targeted = False                  # this window hears of the root and mark modules only
         self._mark_at = 0                       # the mark's call in the window where the hooks go on
@@ -129,8 +119,6 @@ class GradientLender:
         self._passed = False                    # ... and it has been reached
         self._ours = False                      # the outermost module in progress holds our parameters
         self._entry_top = None                  # the pack hook in force when it began
-        self._chosen: set[int] | None = None    # the candidates to lend (None: learning)
-        self._held: set[int] = set()            # candidates whose original outlived the forward
         self._lent_k: list[int] = []            # candidates lent this window, and weak references
         self._lent_src: list = []               # to their originals (held: they outlived the forward)
         self._k = 0
@@ -161,7 +149,7 @@ class GradientLender:
         else:
             self._hooks.remove()
         self._window = self.disabled is None
-        self._targeted = self._window and bool(self._chosen) and self._hooks.placed
+        self._targeted = self._window and bool(self.plan.chosen) and self._hooks.placed
         self._thread, self._depth = threading.get_ident(), 0
         self._k, self._lent, self._overlapped, self._arrivals, self._seen = 0, 0, 0, [], {}
         self._lent_k, self._lent_src, self._seen_end, self._calls, self._ours = [], [], None, 0, False
@@ -170,21 +158,21 @@ class GradientLender:
         # Learning, the hooks go on at the outermost forward and see every candidate; lending, at
         # the module call where the first chosen one came last time: the saves before it stay
         # torch's own, with no Python objects (two a save fed the garbage collector's full passes).
-        self._push_at = self._calls_at[min(self._chosen)] if self._chosen else 0
-        for a in self._areas or ():
-            a.top = a.base
+        self._push_at = self.plan.push_call()
+        self.plan.reset_areas()
         if self.device.type == "cuda":
             self._stream = torch.cuda.current_stream(self.device).cuda_stream
             self._stream_device = torch.cuda._get_device_index(self.device, optional=True)
         else:
             self._stream = None
-        if self._window and self._chosen is not None:
+        if self._window and self.plan.chosen is not None:
             self.stats["windows"] += 1
 
     def _needs_global(self) -> bool:
         """Every module call must reach this lender: it learns, or its learnt forward had several
         outermost modules (``lend_hooks``)."""
-        return self.disabled is None and (self._chosen is None or (bool(self._chosen) and not self._hooks.placed))
+        chosen = self.plan.chosen
+        return self.disabled is None and (chosen is None or (bool(chosen) and not self._hooks.placed))
 
     def _enter(self, module: torch.nn.Module) -> None:
         """A module's forward begins (global hooks).  Within an outermost forward of a module
@@ -199,12 +187,12 @@ class GradientLender:
             return
         if self._depth == 1:
             self._ours, self._entry_top = self._owns(module), _top_pack()
-            if self._ours and self._chosen is None:
+            if self._ours and self.plan.chosen is None:
                 self._log_root = module if self._log_root in (None, module) else False
         if not self._ours:         # another model's forward (a reference or teacher model, say)
             return
         self._calls += 1
-        if self._chosen is None:
+        if self.plan.chosen is None:
             self._log.append(module)
         if self._calls >= self._push_at:
             self._push(self._calls)
@@ -247,7 +235,7 @@ class GradientLender:
             return
         self._pushed = pack
         if self._push_at and not self._targeted:   # the candidates of the calls before this one went by unseen
-            self._k = max(self._k, bisect.bisect_left(self._calls_at, call))
+            self._k = max(self._k, bisect.bisect_left(self.plan.calls_at, call))
 
     def _owns(self, module: torch.nn.Module) -> bool:
         owns = self._owners.get(module)
@@ -270,7 +258,7 @@ class GradientLender:
         if self._window:
             # A lent tensor whose original is still alive here (returned to the caller, like
             # the logits) freed nothing: the next forwards keep it.
-            self._held.update(k for k, src in zip(self._lent_k, self._lent_src) if src() is not None)
+            self.plan.held.update(k for k, src in zip(self._lent_k, self._lent_src) if src() is not None)
             self._lent_k, self._lent_src = [], []
         self._window = False
         self._arrivals.append(q.index)
@@ -282,76 +270,55 @@ class GradientLender:
         window's forward (sizes) and backward (arrival order) for the next one."""
         self._window = False
         self.evict_all()
-        learning = self._chosen is None
+        plan = self.plan
+        learning = plan.chosen is None
         log, log_root, saves = self._log, self._log_root, self._saves
         self._log, self._log_root, self._saves = [], None, []
+        arrivals, self._arrivals = self._arrivals, []
         if self._seen_end is None or self.disabled is not None:
-            if self._chosen and (self._calls or (self._targeted and self._arrivals)):
+            if plan.chosen and (self._calls or (self._targeted and arrivals)):
                 # Our forward ran, yet the hooks never went on where the lent tail began last
                 # time (fewer module calls now, say), or a backward ran with no call of the root
                 # we learnt: learn the whole forward again.
                 self._relearn()
-            self._arrivals = []
             return
         if self._targeted:
-            if self._drifted or self._seen_end != len(self._expect):
+            if self._drifted or self._seen_end != len(plan.expect):
                 # Other candidates than the forward we learnt: learn it again, or, if the last
                 # targeted window did so too (a forward that changes from step to step), go on
                 # with the global hooks, whose windows record the calls they see.
-                self._drifts += 1
-                if self._drifts == 1:
+                plan.drifts += 1
+                if plan.drifts == 1:
                     self._relearn()
-                    self._arrivals = []
                     return
-                self._root = None
+                plan.root = None
             else:
-                self._drifts = 0
+                plan.drifts = 0
         else:
-            del self._sizes[self._seen_end:], self._calls_at[self._seen_end:]   # fewer candidates now, maybe
+            plan.trim(self._seen_end)
         if learning:
-            # (a module's truth is its len() where it has one: torch.compile's wrapper refuses it)
-            self._root = weakref.ref(log_root) if isinstance(log_root, torch.nn.Module) and self._drifts < 2 else None
-            nth: dict = {}
-            self._call_log = []
-            for m in log:
-                nth[m] = nth.get(m, 0) + 1
-                self._call_log.append((weakref.ref(m), nth[m]))
-            self._save_log = saves
-        if self._arrivals:
-            seen = set(self._arrivals)
-            order = self._arrivals + [q.index for q in self.params if q.index not in seen]
-            if order != self._order:
-                self._order, self._areas = order, None
+            plan.learn(log, log_root, saves)
+        if arrivals:
+            plan.arrived_in(arrivals)
         self.stats["last_lent_bytes"] = self._lent
         self.budget = max(0, self.budget - self._overlapped)
-        if self._order is not None:
-            self._chosen = self._plan()
-            if not self._chosen:
-                self._say_idle()
+        if plan.order is not None:
+            if not plan.replan(self.budget):
+                warnings.warn("gpu_anchor: gradient lending lends nothing from now on: "
+                              + plan.idle_reason(self.budget, MIN_BYTES), RuntimeWarning, stacklevel=2)
             self._retarget()
-        self._arrivals = []
 
     def _relearn(self) -> None:
-        self._chosen = None
+        self.plan.chosen = None
         self._hooks.remove()
         if lend_hooks.current() is self:
             lend_hooks.set_global(self._needs_global())
 
     def _retarget(self) -> None:
-        """After a plan: hooks on the root and on the module whose call began the chosen tail
-        when the lender learnt, instead of the global ones (``lend_hooks``), and the candidates
-        a window sees from there (``_expect``: each by the first of its saves from that call on;
-        a tensor saved before it and again after is seen).  Where the learnt forward had several
-        outermost modules, the global hooks stay; with nothing to lend, no hooks."""
-        target = None
-        if self._chosen and self._root is not None:
-            call = self._calls_at[min(self._chosen)]
-            if 0 < call <= len(self._call_log):
-                mark, nth = self._call_log[call - 1]
-                root, mark = self._root(), mark()
-                if root is not None and mark is not None:
-                    target = root, mark, nth
-                    self._expect = list(dict.fromkeys(k for c, k in self._save_log if c >= call))
+        """After a plan: hooks on the root and the mark (``ForwardPlan.target``) instead of the
+        global ones (``lend_hooks``).  Where the learnt forward had several outermost modules, the
+        global hooks stay; with nothing to lend, no hooks (a plan with nothing in it stays so)."""
+        target = self.plan.target()
         if target is None:
             self._hooks.remove()
         else:
@@ -370,7 +337,7 @@ class GradientLender:
         if torch._C._current_graph_task_id() != -1:
             # A backward that builds a graph (create_graph): lend nothing, and keep no alias of a
             # lent tensor (its bytes are a gradient buffer's once its handle is gone).
-            return _Kept(t.clone() if self._aliases_areas(t) else t)
+            return _Kept(t.clone() if self.plan.aliases(t.data_ptr()) else t)
         if not self._window or t.device != self.device or not t.is_contiguous() or (t.is_leaf and t.requires_grad):
             return _Kept(t)
         n = t.numel() * t.element_size()
@@ -380,7 +347,7 @@ class GradientLender:
         prev = self._seen.get(ptr)
         if prev is not None and prev[0].same(t):
             # saved again (one input of the q, k and v projections, by each): one candidate
-            if self._chosen is None:
+            if self.plan.chosen is None:
                 self._saves.append((self._calls, prev[1]))
             return prev[0]
         k = self._candidate(n)
@@ -389,36 +356,28 @@ class GradientLender:
         return packed
 
     def _candidate(self, n: int) -> int | None:
-        """The index of the next new candidate, of ``n`` bytes, its size recorded.  With the global
-        hooks, in order from where the hooks went on, its call recorded too.  In a targeted
-        window, which counts no calls, the learnt candidate at that place of ``_expect``; None
-        past its end (the forward changed)."""
+        """The number of the next new candidate, of ``n`` bytes, its size recorded (and with the
+        global hooks, its call): ``ForwardPlan.record`` / ``expected``.  None: a targeted
+        window saw more candidates than the learnt forward has after the mark."""
         i, self._k = self._k, self._k + 1
         self._seen_end = self._k
         if self._targeted:
-            if i >= len(self._expect):
-                self._drifted = True
-                return None
-            k = self._expect[i]
-            self._sizes[k] = n
+            k = self.plan.expected(i, n)
+            self._drifted |= k is None
             return k
-        if i < len(self._sizes):
-            self._sizes[i], self._calls_at[i] = n, self._calls
-        else:
-            self._sizes.append(n)
-            self._calls_at.append(self._calls)
-        if self._chosen is None:
+        if self.plan.chosen is None:
             self._saves.append((self._calls, i))
-        return i
+        return self.plan.record(i, n, self._calls)
 
     def _lend(self, t: torch.Tensor, k: int, n: int) -> "_Lent | None":
-        """Candidate ``k`` (``n`` bytes) copied into the area ``_place`` gives it, if chosen."""
-        if self._chosen is None or k not in self._chosen or self._lent + n > self.budget:
+        """Candidate ``k`` (``n`` bytes) copied into the area ``ForwardPlan.place`` gives it, if chosen."""
+        chosen = self.plan.chosen
+        if chosen is None or k not in chosen or self._lent + n > self.budget:
             return None
         # the raw handle: torch.cuda.current_stream() costs more host time than the copy's launch
         if self._stream is not None and torch._C._cuda_getCurrentRawStream(self._stream_device) != self._stream:
             return None
-        placed = self._place(n)
+        placed = self.plan.place(n)
         if placed is None:
             return None
         area, addr = placed
@@ -435,51 +394,6 @@ class GradientLender:
         self.stats["lent_bytes"] += n
         self.stats["lent_tensors"] += 1
         return h
-
-    def _aliases_areas(self, t: torch.Tensor) -> bool:
-        p = t.data_ptr()
-        return any(a.base <= p < a.end for a in self._areas or ())
-
-    def _place(self, n: int):
-        for a in self._ordered_areas():
-            start = (a.top + ALIGN - 1) // ALIGN * ALIGN
-            if start + n <= a.end:
-                a.top = start + n
-                return a, start
-        return None
-
-    def _ordered_areas(self) -> list[_Area]:
-        """Areas whose first gradient arrives last come first: the tail of the forward, which
-        backward reads first, goes where gradients arrive last."""
-        if self._areas is None:
-            rank = {i: r for r, i in enumerate(self._order or ())}
-            self._areas = sorted(_areas(self.params), key=lambda a: -min(rank.get(q.index, 0) for q in a.params))
-        return self._areas
-
-    def _plan(self) -> set[int]:
-        """The candidates to lend, by the sizes seen: from the forward's last one back, each that
-        still fits the budget.  One too large (the logits, say) is passed over, not an end: the
-        ones before it fill what is left.  ``_place`` puts them in forward order, so the earlier
-        ones, which backward frees last, take the areas whose gradients arrive last."""
-        largest = max((a.end - a.base for a in self._ordered_areas()), default=0)
-        total, chosen = 0, set()
-        for k in range(len(self._sizes) - 1, -1, -1):
-            n = self._sizes[k]
-            if n > largest or k in self._held or total + n > self.budget:
-                continue
-            total += n
-            chosen.add(k)
-        return chosen
-
-    def _say_idle(self) -> None:
-        """A plan with nothing in it stays so (no hooks from now on): say why, once."""
-        largest = max((a.end - a.base for a in self._ordered_areas()), default=0)
-        sizes = [n for k, n in enumerate(self._sizes) if k not in self._held]
-        why = (f"the forward saves no tensor of {MIN_BYTES} bytes or more that it does not return" if not sizes else
-               f"none of its {len(sizes)} candidates fits: the smallest is {min(sizes)} bytes, the budget "
-               f"{self.budget} (lend_grad_bytes less what gradients had to move out) and the largest run of "
-               f"gradient buffers {largest}")
-        warnings.warn(f"gpu_anchor: gradient lending lends nothing from now on: {why}", RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ eviction
     def evict_all(self) -> None:

@@ -12,7 +12,7 @@ on inside it and come off when it returns) and where, inside it, the lent tail b
   lender whose window is open learns (or cannot lend without them: ``GradientLender``).
 - **Lending**: hooks on two modules only, the root (its calls begin and end a forward of ours)
   and the *mark*, the module whose ``n``-th call in the window is where the first chosen
-  candidate came when the lender learnt (``GradientLender._retarget``).  Every other module call
+  candidate came when the lender learnt (``lend_plan.ForwardPlan.target``).  Every other module call
   stays on torch's fast path.
 
 Hooks hold the lender weakly: a model outlives its optimizer, its hooks must not keep the lender.
