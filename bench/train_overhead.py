@@ -146,22 +146,23 @@ class _Window:
         fwd, stp, bwd = [], [], []
         for i in range(first, first + steps):
             x = self.tokens[i % 2]
-            fwd.append(self._timed(lambda: model(input_ids=x, labels=x).loss, profilers[0]))
-            loss = self.result
-            bwd.append(self._timed(loss.backward, None))
-            stp.append(self._timed(opt.step, profilers[1]))
+            ms, loss = self._timed(lambda: model(input_ids=x, labels=x).loss, profilers[0])
+            fwd.append(ms)
+            bwd.append(self._timed(loss.backward, None)[0])
+            stp.append(self._timed(opt.step, profilers[1])[0])
             opt.zero_grad(set_to_none=set_to_none)
         return fwd, stp, bwd
 
-    def _timed(self, call, profiler) -> float:
+    def _timed(self, call, profiler):
+        """(host ms, result) of ``call()`` begun with the device idle, under ``profiler`` if any."""
         _sync(self.device)
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        self.result = call()
+        out = call()
         if profiler is not None:
             profiler.disable()
-        return 1e3 * (time.perf_counter() - t0)
+        return 1e3 * (time.perf_counter() - t0), out
 
 
 def _host_profile(win, model, opt, steps, first, top=25) -> tuple[list[dict], list[dict]]:

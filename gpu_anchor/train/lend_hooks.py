@@ -81,25 +81,10 @@ class ModuleHooks:
         if self.root is not None and self.root() is root and self.mark() is mark:
             return
         self.remove()
-        ref = self._ref
-
-        def root_enter(module, args):
-            lender = ref()
-            if lender is not None and not torch.compiler.is_compiling():
-                lender._root_enter()
-
-        def root_leave(module, args, out):
-            lender = ref()
-            if lender is not None and not torch.compiler.is_compiling():
-                lender._root_leave()
-
-        def mark_enter(module, args):
-            lender = ref()
-            if lender is not None and not torch.compiler.is_compiling():
-                lender._mark_enter()
         # in this order: the root's call is known begun when a root that is its own mark is counted
-        self._handles += [root.register_forward_pre_hook(root_enter), mark.register_forward_pre_hook(mark_enter),
-                          root.register_forward_hook(root_leave, always_call=True)]
+        self._handles += [root.register_forward_pre_hook(_calling(self._ref, "_root_enter")),
+                          mark.register_forward_pre_hook(_calling(self._ref, "_mark_enter")),
+                          root.register_forward_hook(_calling(self._ref, "_root_leave"), always_call=True)]
         self.root, self.mark = weakref.ref(root), weakref.ref(mark)
 
     @property
@@ -109,6 +94,15 @@ class ModuleHooks:
     def remove(self) -> None:
         _remove(self._handles)
         self.root = self.mark = None
+
+
+def _calling(ref, method: str):
+    """A module hook that calls ``method`` of the lender behind ``ref``, outside tracing."""
+    def hook(module, *args):
+        lender = ref()
+        if lender is not None and not torch.compiler.is_compiling():
+            getattr(lender, method)()
+    return hook
 
 
 def _remove(handles: list) -> None:
