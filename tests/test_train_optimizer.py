@@ -115,6 +115,17 @@ def test_state_is_anchored_and_named(host_daemon):
     assert opt.undo_bytes <= max(2 * 4096, 0.5 * total)
 
 
+def test_state_goes_where_the_parameters_are_anchored(host_daemon):
+    """Built after its scope closed (or by a library, as AnchoredTrainer builds it), the
+    optimizer keeps its state in the namespace its parameters are anchored in."""
+    with gpu_anchor.managed_scope(namespace="elsewhere"):
+        model = C.build_model(0)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model)
+    assert opt.client.namespace == "elsewhere"
+    assert "train.state.0.weight.exp_avg" in gpu_anchor.connect("cpu", namespace="elsewhere").names()
+    assert "train.state.0.weight.exp_avg" not in gpu_anchor.connect("cpu").names()
+
+
 def test_both_undo_slots_stay_anchored_with_one_chunk(host_daemon):
     """A one-chunk plan writes only slot 0, and the optimizer still holds slot 1: an anchored
     object is freed once its last tensor is collected, and a step in flight needs both."""

@@ -3,6 +3,8 @@
 - ``collect``: the optimizer's parameters in optimizer order, each named by the model's access
   path (``model=``) or ``g<group>.p<index>``; refused: a parameter twice, a non-contiguous one,
   none at all, more than one device.
+- ``connect``: the daemon client the state goes to: the open scope's namespace, else the one
+  the parameters are anchored in, else the default one.
 - ``signature`` / ``describe``: what the journal's ``meta`` records of them (names, shapes,
   dtypes), and how an error names an optimizer; ``foreign_state`` is the error for another
   optimizer's state under the same prefix.
@@ -50,6 +52,20 @@ def collect(optimizer: torch.optim.Optimizer, model) -> tuple[list[AnchoredParam
     if len(devices) != 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
     return params, devices.pop()
+
+
+def connect(params: list[AnchoredParam], device: torch.device, namespace: str | None):
+    """The client for the optimizer's state, next to its parameters: the open scope's
+    ``namespace``; else, for an optimizer built after its scope closed (or by a library, such
+    as ``hf.AnchoredTrainer``), the namespace every parameter is anchored in; else the default."""
+    from gpu_anchor.client.client import Client, anchored_name, connect as connect_default
+    dev = "cpu" if device.type == "cpu" else str(device)
+    if namespace is not None:
+        return connect_default(dev, namespace=namespace)
+    found = {(anchored_name(q.local) or (None,))[0] for q in params}
+    if len(found) == 1 and None not in found:
+        return Client(dev, found.pop())      # already this rank's namespace on a shared daemon
+    return connect_default(dev)
 
 
 def signature(params: list[AnchoredParam]) -> list:

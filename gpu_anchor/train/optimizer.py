@@ -119,8 +119,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         optimizer = self.optimizer
         self._params, self.device = layout.collect(optimizer, model)
         if client is None:
-            import gpu_anchor
-            client = gpu_anchor.connect("cpu" if self.device.type == "cpu" else str(self.device), namespace=namespace)
+            client = layout.connect(self._params, self.device, namespace)
         self.client = client
         self._journal = client.journal
         holder_key = (getattr(client, "socket_path", None), getattr(client, "namespace", None), prefix)
