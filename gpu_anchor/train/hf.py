@@ -1,0 +1,219 @@
+"""``AnchoredTrainer``: Hugging Face's ``transformers.Trainer`` on anchored state.
+
+    with gpu_anchor.managed_scope():
+        model = AutoModelForCausalLM.from_pretrained(name)
+    trainer = AnchoredTrainer(model=model, args=TrainingArguments(...), train_dataset=ds)
+    trainer.train()      # a worker started again continues at the step the last one committed
+
+The contract:
+
+- **The optimizer.**  The model's parameters are anchored (built in ``managed_scope``, or
+  ``anchor_module``).  The torch optimizer Trainer builds (``args.optim``, its weight-decay
+  groups) or the one passed in ``optimizers=`` is wrapped in an ``AnchoredOptimizer``
+  (``anchor_config``: its ``StepProtocolConfig``) when ``train()`` starts, before the loop
+  decides where to begin: its constructor is where a killed step is finished or discarded.
+- **The LR scheduler** (``args.lr_scheduler_type``, or the one passed in) is built on the torch
+  optimizer before that, and steps inside the anchored step, its state committed with it;
+  Trainer's own ``lr_scheduler.step()`` call after ``optimizer.step()`` does nothing.
+- **Where the loop stands.**  Each step commits, with its gradients' boundary, Trainer's state
+  as it is once that step is done (global step, epoch, FLOs, tokens seen, best metric) and Python's,
+  NumPy's and torch's RNG states.  ``train()`` on a journal with committed steps resumes through
+  Trainer's own resume path from that state: the same epoch and position in it (its data loader
+  skips the batches already trained, in the seedable sampler's order), the RNG states set where
+  Trainer sets a checkpoint's.  No model, optimizer, scheduler, scaler or RNG file is read: they
+  are anchored or carried.  ``state.log_history`` is not carried (it grows with the run): after a
+  restart it holds what was logged since, and the earlier entries are where ``report_to`` sent
+  them when they were logged.  The anchored state is newer than any checkpoint on disk, so a
+  ``resume_from_checkpoint`` given as well is not read (a warning says so); with no committed
+  step (a new daemon after the old one was lost) Trainer reads that checkpoint as usual, into
+  the anchored memory.
+- **Refused, with the reason** (not silently run unanchored): an ``AnchoredOptimizer`` passed in
+  (this class builds its own), ``model_init`` / hyper-parameter search, DeepSpeed and FSDP
+  through accelerate, fp16 with a ``GradScaler`` (accelerate unscales only the optimizers it
+  wraps), ``reduce_lr_on_plateau`` (stepped with a metric, outside the optimizer step) and
+  ``auto_find_batch_size``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import random
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import TrainOutput
+
+from .config import StepProtocolConfig
+from .optimizer import AnchoredOptimizer
+
+LOOP_KEY = "hf_trainer"      # AnchoredOptimizer.loop_state[LOOP_KEY]: what the next worker resumes from
+STATE_FILE = "trainer_state.json"     # transformers' TRAINER_STATE_NAME
+
+
+class _SteppedWithTheOptimizer:
+    """Trainer's handle on the LR scheduler.  ``AnchoredOptimizer`` steps the scheduler inside its
+    step and commits its state with it, so Trainer's own ``step()`` call after the optimizer's
+    does nothing; between the two, ``get_last_lr`` still gives the rate the step used, which is
+    what Trainer logs.  The rest (``state_dict``, ``load_state_dict``, ...) is the scheduler's."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self._used: list | None = None
+
+    def before_step(self) -> None:
+        self._used = self.scheduler.get_last_lr()
+
+    def get_last_lr(self) -> list:
+        return self._used if self._used is not None else self.scheduler.get_last_lr()
+
+    def step(self, *args, **kwargs) -> None:
+        self._used = None
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+
+class _CarryLoop(TrainerCallback):
+    """Puts into the step's carried loop state what Trainer's resume reads from a checkpoint."""
+
+    def __init__(self, trainer: "AnchoredTrainer") -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # Not the log history: it grows with the run, and this is journaled at every step.
+        done = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "log_history"}
+        done["global_step"] = state.global_step + 1     # as it is once this step is done
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        self.trainer.anchored.loop_state[LOOP_KEY] = {"state": done, "rng": rng}
+        self.trainer._scheduler_handle.before_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Trainer clears the gradients with model.zero_grad(); the optimizer's own zero_grad
+        # marks the boundary between steps (and opens gradient lending's window, if configured).
+        self.trainer.anchored.zero_grad()
+
+
+class AnchoredTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer step survives SIGKILL at any instant and whose
+    ``train()`` resumes at the last committed step (module docstring: the contract).
+    ``anchor_config``: the ``StepProtocolConfig`` of the ``AnchoredOptimizer`` it builds."""
+
+    def __init__(self, *args, anchor_config: StepProtocolConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.anchor_config = anchor_config
+        self.anchored: AnchoredOptimizer | None = None
+        self._scheduler_handle = None
+        self._resume_dir = None
+        self._planned_steps = 0
+        why = self._unsupported()
+        if why:
+            raise ValueError(f"AnchoredTrainer: {why}")
+        self.add_callback(_CarryLoop(self))
+
+    def _unsupported(self) -> str | None:
+        a = self.args
+        if isinstance(self.optimizer, AnchoredOptimizer):
+            return ("pass the torch optimizer (optimizers=(torch.optim.AdamW(...), None)) or none (args.optim): "
+                    "AnchoredTrainer wraps it in an AnchoredOptimizer itself, with Trainer's LR scheduler inside")
+        if self.model_init is not None:
+            return "model_init builds a new model for each run; build the model once, in managed_scope"
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return "DeepSpeed and FSDP through accelerate own the optimizer state; they are not anchored"
+        if a.fp16:
+            return ("fp16 mixed precision needs a GradScaler that accelerate drives only for the optimizers it wraps; "
+                    "use bf16=True, or a loop of your own with AnchoredOptimizer(..., scaler=)")
+        if str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type)) == "reduce_lr_on_plateau":
+            return "reduce_lr_on_plateau steps with a metric after evaluation, outside the optimizer step"
+        if a.auto_find_batch_size:
+            return "auto_find_batch_size changes the batch size, and with it the step, between attempts"
+        return None
+
+    # ---------------------------------------------------------------- Trainer's hooks
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        self._anchor()
+        carried = self.anchored.loop_state.get(LOOP_KEY)
+        if carried is not None and carried["state"]["global_step"] >= self._planned_steps:
+            # The last worker committed the last step (and died before returning): nothing to
+            # train.  Trainer's resume would run one more step before it checks.
+            self.state = TrainerState(**carried["state"])
+            return TrainOutput(self.state.global_step, float("nan"), {})
+        if carried is not None:
+            if resume_from_checkpoint:
+                warnings.warn(f"AnchoredTrainer: resume_from_checkpoint={resume_from_checkpoint!r} is not read: the "
+                              f"anchored state, at step {carried['state']['global_step']}, is newer", stacklevel=2)
+            self._resume_dir = tempfile.mkdtemp(prefix="gpu-anchor-resume-")
+            TrainerState(**carried["state"]).save_to_json(os.path.join(self._resume_dir, STATE_FILE))
+            resume_from_checkpoint = self._resume_dir
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            if self._resume_dir is not None:
+                shutil.rmtree(self._resume_dir, ignore_errors=True)
+                self._resume_dir = None
+
+    def create_optimizer(self, model=None):
+        if self.anchored is not None:
+            return self.anchored
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self._scheduler_handle is not None:
+            self.lr_scheduler = self._scheduler_handle
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if resume_from_checkpoint != self._resume_dir:      # the weights are anchored
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint != self._resume_dir:                 # so are the optimizer and the scheduler
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_scaler(self, checkpoint):
+        if checkpoint != self._resume_dir:
+            return super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is None or checkpoint != self._resume_dir:
+            return super()._load_rng_state(checkpoint)
+        rng = self.anchored.loop_state[LOOP_KEY]["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    # ---------------------------------------------------------------- the anchored optimizer
+    def _anchor(self) -> None:
+        """Build the torch optimizer and the scheduler as Trainer would, then the AnchoredOptimizer
+        over both (which recovers a killed step here, before the loop reads where it stands)."""
+        if self.anchored is not None:
+            return
+        inner = super().create_optimizer()
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"AnchoredTrainer: the optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer")
+        self._planned_steps = self._max_steps()
+        scheduler = super().create_scheduler(self._planned_steps, optimizer=inner)
+        self._created_lr_scheduler = False      # Trainer drops a scheduler it made at each train(); this one stays
+        self.anchored = AnchoredOptimizer(inner, model=self.model, schedulers=[scheduler],
+                                          config=self.anchor_config)
+        self.optimizer = self.anchored
+        self.lr_scheduler = self._scheduler_handle = _SteppedWithTheOptimizer(scheduler)
+
+    def _max_steps(self) -> int:
+        """The step count Trainer gives its scheduler (the last of ``set_initial_training_values``)."""
+        args, loader = self.args, self.get_train_dataloader()
+        f = self.set_initial_training_values
+        if "total_train_batch_size" in inspect.signature(f).parameters:      # transformers 4.x
+            return f(args, loader, self._train_batch_size * args.gradient_accumulation_steps * args.world_size)[-1]
+        return f(args, loader)[-1]

@@ -1,0 +1,108 @@
+"""A Hugging Face Trainer job as a user writes it, for ``test_train_hf.py``.
+
+A tiny Qwen3 with dropout (so the RNG matters), 20 samples, batches of 4 with two
+micro-batches a step (so each epoch ends on a step of one micro-batch), warm-up then linear
+decay, weight decay, gradient clipping, Trainer's default optimizer, nine steps over three
+epochs.  After each step a line ``step <global step> <sha1 of every parameter's bytes>`` is
+appended to the log; at the end, ``done <global step>``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+import gpu_anchor
+
+SAMPLES, BATCH, ACCUMULATE, STEPS = 20, 4, 2, 9
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1000 + i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def build_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_dropout=0.1,
+                         attn_implementation="eager")
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config)
+
+
+def arguments(out_dir: str, **overrides):
+    from transformers import TrainingArguments
+    kw = dict(output_dir=out_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
+              max_steps=STEPS, learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
+              max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=7,
+              dataloader_num_workers=0, disable_tqdm=True)
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def digest(model) -> str:
+    h = hashlib.sha1()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _log_callback(log_path: str, model):
+    from transformers import TrainerCallback
+
+    class LogSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            with open(log_path, "a") as f:
+                f.write(f"step {state.global_step} {digest(model)}\n")
+    return LogSteps()
+
+
+def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = None, **overrides) -> int:
+    """One worker: ``namespace`` None trains with plain ``transformers.Trainer``; else with
+    ``AnchoredTrainer`` on the host daemon's ``namespace``.  ``fault``: a
+    ``GPU_ANCHOR_TRAIN_FAULT`` spec (the step protocol kills this process there)."""
+    from transformers import Trainer
+    if fault:
+        os.environ["GPU_ANCHOR_TRAIN_FAULT"] = fault
+    if namespace is None:
+        model = build_model()
+        trainer = Trainer(model=model, args=arguments(out_dir, **overrides), train_dataset=Tokens())
+    else:
+        from gpu_anchor.train import AnchoredTrainer
+        with gpu_anchor.managed_scope(namespace=namespace):
+            model = build_model()
+        trainer = AnchoredTrainer(model=model, args=arguments(out_dir, **overrides), train_dataset=Tokens())
+    trainer.add_callback(_log_callback(log_path, model))
+    trainer.train()
+    logs = [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate", "epoch") if k in e}
+            for e in trainer.state.log_history if "loss" in e]
+    with open(log_path, "a") as f:
+        f.write(f"logs {json.dumps(logs)}\n")
+        f.write(f"done {trainer.state.global_step} {digest(model)}\n")
+    return 0
+
+
+def steps(log: str) -> dict[int, str]:
+    """Each step's parameter digest; a step logged twice (a killed worker's step replayed)
+    must have logged the same bits both times."""
+    out: dict[int, str] = {}
+    for line in log.splitlines():
+        if line.startswith("step "):
+            _, step, sha = line.split()
+            if out.setdefault(int(step), sha) != sha:
+                raise AssertionError(f"step {step} logged two different parameter digests")
+    return out
+
+
+def finished(log: str) -> tuple[int, str, list]:
+    """The last worker's ``(global step, parameter digest, log history)``."""
+    lines = log.splitlines()
+    _, step, sha = lines[-1].split()
+    return int(step), sha, json.loads(lines[-2].split(" ", 1)[1])

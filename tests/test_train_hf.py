@@ -1,0 +1,163 @@
+"""Hugging Face ``Trainer``, the way most transformers users train, on anchored state.
+
+``AnchoredTrainer`` against plain ``transformers.Trainer`` (the same job, ``hf_trainer_job``):
+the same parameters after every step, bit for bit, and the same logs.  Then the job's workers
+are SIGKILLed at each point of the step protocol, at the ends of epochs and at random
+instants, each worker a fork of a process that has imported transformers (as the supervisor's
+warm workers are), and the job ends where the fault-free one does: every anchored object bit
+for bit, every step's parameters bit for bit.  Then the daemon's state is lost and the job
+resumes from Trainer's own checkpoint, read into anchored memory.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("transformers", reason="the Hugging Face Trainer tests need transformers (the test extra)")
+
+import gpu_anchor  # noqa: E402
+from gpu_anchor.testing import campaign as C  # noqa: E402
+
+import hf_trainer_job as job  # noqa: E402
+
+
+def _start(namespace, log, out, fault=None, **overrides) -> int:
+    return C._child(functools.partial(job.run, namespace, str(log), str(out), fault, **overrides))
+
+
+def _train(namespace, log, out, fault=None, **overrides) -> int:
+    return C._wait(_start(namespace, log, out, fault, **overrides))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The job under plain ``transformers.Trainer``: its log."""
+    d = tmp_path_factory.mktemp("plain")
+    assert _train(None, d / "log", d / "out") == 0
+    return (d / "log").read_text()
+
+
+@pytest.fixture
+def fault_free(host_daemon, references, tmp_path_factory):
+    """The job under ``AnchoredTrainer`` with no fault, once per session: its log, a client of
+    its namespace and its wall time."""
+    def run():
+        d = tmp_path_factory.mktemp("hf-ref")
+        t0 = time.perf_counter()
+        assert _train("hf-ref", d / "log", d / "out") == 0
+        return (d / "log").read_text(), references.connect("hf-ref"), time.perf_counter() - t0
+    return references.get("hf_trainer", run)
+
+
+def test_trains_what_trainer_trains(plain, fault_free):
+    log, client, _ = fault_free
+    assert job.steps(log) == job.steps(plain)
+    assert len(job.steps(log)) == job.STEPS
+    assert job.finished(log) == job.finished(plain)       # global step, parameters, every logged value
+    objects = client.objects()
+    assert "model.model.layers[0].self_attn.q_proj.weight" in objects      # managed_scope names the weights
+    assert any(n.startswith("train.state.") for n in objects), sorted(objects)    # the optimizer state is anchored
+
+
+def _run_with_kills(namespace, tmp_path, specs, random_kills, max_delay_s, rng):
+    """Rerun the job until it finishes: first killed at each protocol spec, then at random."""
+    log = tmp_path / f"{namespace}.log"
+    kills = 0
+    for spec in specs:
+        assert _train(namespace, log, tmp_path / "out", fault=spec) == -9, f"fault point {spec} was not reached"
+        kills += 1
+    left = random_kills
+    while True:
+        pid = _start(namespace, log, tmp_path / "out")
+        if left > 0:
+            time.sleep(rng.uniform(0, max_delay_s))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        code = C._wait(pid)
+        if code == -9:
+            kills += 1
+            left -= 1
+            continue
+        assert code == 0
+        return log.read_text(), kills
+
+
+def test_killed_anywhere_ends_where_the_fault_free_job_does(fault_free, tmp_path):
+    ref_log, ref_client, ref_wall = fault_free
+    steps_per_epoch = 3            # 5 micro-batches of 4, two a step: the third step has one
+    # each spec in a worker that resumed after the previous one's kill (a killed step that
+    # recovery finishes is not run again, so a point inside it cannot be reached twice)
+    specs = ["before_boundary@0",                    # the first step, before its gradients are final
+             "after_boundary@1",                     # the redo log committed, nothing applied
+             f"between_steps@{steps_per_epoch - 1}",  # the epoch's last (one micro-batch) step committed
+             "mid_chunk@3:0",                        # the next epoch's first step, half applied
+             "after_update@4:0",
+             f"between_steps@{2 * steps_per_epoch - 1}",
+             "after_commit@6:0",
+             "before_boundary@8"]                    # the job's last step
+    log, kills = _run_with_kills("hf-kills", tmp_path, specs, random_kills=6, max_delay_s=ref_wall,
+                                 rng=random.Random(20261204))
+    assert kills >= len(specs)
+    ref_steps = job.steps(ref_log)
+    got = job.steps(log)
+    assert {s: ref_steps[s] for s in got} == got          # every step a worker finished: the same parameters
+    step, sha, logs = job.finished(log)
+    ref_step, ref_sha, ref_logs = job.finished(ref_log)
+    assert (step, sha) == (ref_step, ref_sha)
+    by_step = {e["step"]: e for e in ref_logs}
+    assert all(by_step[e["step"]] == e for e in logs)     # what was logged is what the fault-free job logged
+    assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace="hf-kills")) == []
+
+
+def test_a_rerun_after_the_last_step_trains_nothing(host_daemon, tmp_path):
+    """Killed after committing the last step, before ``train()`` returned: the rerun trains no
+    step and ends where the fault-free job does.  Eight steps end inside the third epoch, where
+    Trainer's own resume would run a ninth before it checks."""
+    last = dict(max_steps=8)
+    assert _train("hf-last-ref", tmp_path / "ref", tmp_path / "out", **last) == 0
+    assert _train("hf-last", tmp_path / "log", tmp_path / "out", fault="between_steps@7", **last) == -9
+    assert _train("hf-last", tmp_path / "log2", tmp_path / "out", **last) == 0
+    step, sha, logs = job.finished((tmp_path / "log2").read_text())
+    assert (step, sha, logs) == (8, job.finished((tmp_path / "ref").read_text())[1], [])
+    assert C.compare(gpu_anchor.connect("cpu", namespace="hf-last-ref"), gpu_anchor.connect("cpu", namespace="hf-last")) == []
+
+
+def test_daemon_state_lost_resumes_from_trainers_checkpoint(fault_free, tmp_path):
+    """Checkpoints every 3 steps (Trainer's own files); the namespace is dropped after step 5
+    (what a new daemon holds); the rerun with ``resume_from_checkpoint=True`` reads
+    checkpoint-3 into anchored memory and ends where the fault-free job does."""
+    ref_log, ref_client, _ = fault_free
+    out = tmp_path / "out"
+    ckpt = dict(save_strategy="steps", save_steps=3)
+    assert _train("hf-lost", tmp_path / "log", out, fault="between_steps@4", **ckpt) == -9
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    gpu_anchor.connect("cpu", namespace="hf-lost").drop_namespace()
+    assert _train("hf-lost", tmp_path / "log", out, resume_from_checkpoint=True, **ckpt) == 0
+    step, sha, _ = job.finished((tmp_path / "log").read_text())
+    assert (step, sha) == job.finished(ref_log)[:2]
+    assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace="hf-lost")) == []
+
+
+def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):
+    import torch
+    from gpu_anchor.train import AnchoredOptimizer
+    from gpu_anchor.train import AnchoredTrainer
+    with gpu_anchor.managed_scope(namespace="hf-refuse"):
+        model = job.build_model()
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model)
+    with pytest.raises(ValueError, match=r"pass the torch optimizer"):
+        AnchoredTrainer(model=model, args=job.arguments(str(tmp_path)), train_dataset=job.Tokens(),
+                        optimizers=(opt, None))
+    with pytest.raises(ValueError, match=r"reduce_lr_on_plateau steps with a metric"):
+        AnchoredTrainer(model=model, args=job.arguments(str(tmp_path), lr_scheduler_type="reduce_lr_on_plateau",
+                                                        eval_strategy="steps", eval_steps=3),
+                        train_dataset=job.Tokens(), eval_dataset=job.Tokens())
+    with pytest.raises(ValueError, match=r"model_init builds a new model"):
+        AnchoredTrainer(model_init=job.build_model, args=job.arguments(str(tmp_path)), train_dataset=job.Tokens())
