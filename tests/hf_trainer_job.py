@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 
 import torch
 
@@ -64,10 +65,12 @@ def _log_callback(log_path: str, model):
     return LogSteps()
 
 
-def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = None, **overrides) -> int:
+def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = None,
+        resume_from_checkpoint=None, **overrides) -> int:
     """One worker: ``namespace`` None trains with plain ``transformers.Trainer``; else with
     ``AnchoredTrainer`` on the host daemon's ``namespace``.  ``fault``: a
-    ``GPU_ANCHOR_TRAIN_FAULT`` spec (the step protocol kills this process there)."""
+    ``GPU_ANCHOR_TRAIN_FAULT`` spec (the step protocol kills this process there);
+    ``resume_from_checkpoint``: ``Trainer.train``'s.  Warnings are appended to ``out_dir/warnings``."""
     from transformers import Trainer
     if fault:
         os.environ["GPU_ANCHOR_TRAIN_FAULT"] = fault
@@ -80,7 +83,14 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
             model = build_model()
         trainer = AnchoredTrainer(model=model, args=arguments(out_dir, **overrides), train_dataset=Tokens())
     trainer.add_callback(_log_callback(log_path, model))
-    trainer.train()
+    os.makedirs(out_dir, exist_ok=True)
+
+    def record(message, *args, **kwargs):       # as each comes: a killed worker writes no summary
+        with open(os.path.join(out_dir, "warnings"), "a") as f:
+            f.write(f"{message}\n")
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     logs = [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate", "epoch") if k in e}
             for e in trainer.state.log_history if "loss" in e]
     with open(log_path, "a") as f:

@@ -129,17 +129,26 @@ def test_a_rerun_after_the_last_step_trains_nothing(host_daemon, tmp_path):
     assert C.compare(gpu_anchor.connect("cpu", namespace="hf-last-ref"), gpu_anchor.connect("cpu", namespace="hf-last")) == []
 
 
-def test_daemon_state_lost_resumes_from_trainers_checkpoint(fault_free, tmp_path):
-    """Checkpoints every 3 steps (Trainer's own files); the namespace is dropped after step 5
-    (what a new daemon holds); the rerun with ``resume_from_checkpoint=True`` reads
-    checkpoint-3 into anchored memory and ends where the fault-free job does."""
+def test_checkpoints_on_disk_and_the_daemon_state_lost(fault_free, tmp_path):
+    """Trainer's own checkpoints every 3 steps; killed after step 5.  The rerun, asked to
+    ``resume_from_checkpoint=True``, resumes from the anchored state (step 5, newer than
+    checkpoint-3) and says so; killed again after step 7, the daemon's state is lost (the
+    namespace dropped: what a new daemon holds), and the rerun reads checkpoint-6 into
+    anchored memory.  Both end where the fault-free job does."""
     ref_log, ref_client, _ = fault_free
     out = tmp_path / "out"
-    ckpt = dict(save_strategy="steps", save_steps=3)
-    assert _train("hf-lost", tmp_path / "log", out, fault="between_steps@4", **ckpt) == -9
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    ckpt = dict(save_strategy="steps", save_steps=3, resume_from_checkpoint=True)
+
+    def checkpoints():
+        return sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert _train("hf-lost", tmp_path / "log", out, fault="between_steps@4", **{**ckpt, "resume_from_checkpoint": None}) == -9
+    assert checkpoints() == ["checkpoint-3"]
+    assert _train("hf-lost", tmp_path / "log2", out, fault="between_steps@6", **ckpt) == -9
+    assert "resume_from_checkpoint=True is not read: the anchored state, at step 5, is newer" in (out / "warnings").read_text()
+    assert job.steps((tmp_path / "log2").read_text()) == {6: job.steps(ref_log)[6]}    # from step 5, not 3
+    assert checkpoints() == ["checkpoint-3", "checkpoint-6"]
     gpu_anchor.connect("cpu", namespace="hf-lost").drop_namespace()
-    assert _train("hf-lost", tmp_path / "log", out, resume_from_checkpoint=True, **ckpt) == 0
+    assert _train("hf-lost", tmp_path / "log", out, **ckpt) == 0
     step, sha, _ = job.finished((tmp_path / "log").read_text())
     assert (step, sha) == job.finished(ref_log)[:2]
     assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace="hf-lost")) == []
