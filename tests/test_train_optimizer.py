@@ -126,6 +126,23 @@ def test_state_goes_where_the_parameters_are_anchored(host_daemon):
     assert "train.state.0.weight.exp_avg" not in gpu_anchor.connect("cpu").names()
 
 
+def test_parameters_outside_anchored_memory_are_refused(host_daemon):
+    """Unanchored at construction: refused, naming them (a restart would resume the state over
+    fresh weights).  Moved out after it (a copy): the next step is refused before it commits
+    anything (it would update memory the model no longer reads)."""
+    plain = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"2 of 2 parameter\(s\) are not in anchored memory \(weight, bias\)"):
+        AnchoredOptimizer(torch.optim.AdamW(plain.parameters()), model=plain)
+    with gpu_anchor.managed_scope(namespace="moved"):
+        model = torch.nn.Linear(4, 4)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model)
+    model.to("cpu:0")                  # torch copies a CPU tensor for "cpu:0": new storage under the Parameter
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' no longer lies in the anchored memory"):
+        opt.step()
+    assert opt.completed_steps == 0 and not opt._state.in_flight
+
+
 def test_both_undo_slots_stay_anchored_with_one_chunk(host_daemon):
     """A one-chunk plan writes only slot 0, and the optimizer still holds slot 1: an anchored
     object is freed once its last tensor is collected, and a step in flight needs both."""
@@ -149,6 +166,7 @@ def test_bad_inputs(host_daemon):
         AnchoredOptimizer(inner, client=client)
     with pytest.raises(TypeError):
         AnchoredOptimizer(model, client=client)
+    anchor_module(model, client)
     with pytest.raises(ValueError, match="closure"):
         AnchoredOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), client=client).step(lambda: 0)
 

@@ -17,8 +17,9 @@ final gradients, because they are the redo log of the step in flight.
 Either way the buffers keep the last step's gradients until the next backward writes them, or,
 with a ``grad_lending.GradientLender`` (``fresh`` only), until ``zero(cleared=True)`` lends them
 to the next forward's saved activations: nothing here clears a redo log before the step it
-belongs to is written.  ``finalize`` is the boundary: a gradient found elsewhere (a
-framework replaced ``p.grad``) is copied home; the mask says which parameters got one since
+belongs to is written.  ``finalize`` is the boundary: a parameter whose tensor was replaced since (moved out of
+anchored memory) is refused; a gradient found elsewhere (a framework replaced ``p.grad``) is
+copied home; the mask says which parameters got one since
 the last ``zero`` — the step skips the others, as torch skips ``grad is None``.
 """
 from __future__ import annotations
@@ -58,6 +59,12 @@ class GradientBuffers:
             self.lender.finalize()
         mask = []
         for q in self.params:
+            if _local(q.p).data_ptr() != q.flat.data_ptr():
+                raise RuntimeError(
+                    f"parameter {q.name!r} no longer lies in the anchored memory the optimizer updates: its "
+                    "tensor was replaced after AnchoredOptimizer was built (a .to()/.cuda(), or a framework "
+                    "placing the model on its device, copies it), so the step would update memory the model no "
+                    "longer reads. Move the model before building the optimizer, inside the scope.")
             g = q.p.grad
             if g is None:
                 q.p.grad = q.gview

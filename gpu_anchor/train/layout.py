@@ -3,6 +3,7 @@
 - ``collect``: the optimizer's parameters in optimizer order, each named by the model's access
   path (``model=``) or ``g<group>.p<index>``; refused: a parameter twice, a non-contiguous one,
   none at all, more than one device.
+- ``check_anchored``: every parameter must be in anchored memory already (refused otherwise).
 - ``connect``: the daemon client the state goes to: the open scope's namespace, else the one
   the parameters are anchored in, else the default one.
 - ``signature`` / ``describe``: what the journal's ``meta`` records of them (names, shapes,
@@ -52,6 +53,21 @@ def collect(optimizer: torch.optim.Optimizer, model) -> tuple[list[AnchoredParam
     if len(devices) != 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
     return params, devices.pop()
+
+
+def check_anchored(params: list[AnchoredParam]) -> None:
+    """Refuse parameters outside anchored memory: a restarted worker would resume the optimizer's
+    state and step count over weights its script made afresh."""
+    from gpu_anchor.client.client import anchored_name
+    missing = [q.name for q in params if anchored_name(q.local) is None]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(
+            f"AnchoredOptimizer: {len(missing)} of {len(params)} parameter(s) are not in anchored memory "
+            f"({', '.join(missing[:3])}{more}), so a restarted worker would resume the optimizer's state and "
+            "step count over weights made afresh. Build the model inside gpu_anchor.managed_scope() (or anchor "
+            "it with gpu_anchor.train.anchor_module) before the optimizer; a move after that (.to(), .cuda(), a "
+            "framework placing it on its device) copies it out of anchored memory: move it inside the scope.")
 
 
 def connect(params: list[AnchoredParam], device: torch.device, namespace: str | None):

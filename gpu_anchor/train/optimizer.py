@@ -118,6 +118,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
     def _attach(self, model, client, prefix, chunk_bytes, progress, namespace=None) -> None:
         optimizer = self.optimizer
         self._params, self.device = layout.collect(optimizer, model)
+        layout.check_anchored(self._params)
         if client is None:
             client = layout.connect(self._params, self.device, namespace)
         self.client = client
