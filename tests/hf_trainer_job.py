@@ -74,14 +74,15 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
     from transformers import Trainer
     if fault:
         os.environ["GPU_ANCHOR_TRAIN_FAULT"] = fault
+    args = arguments(out_dir, **overrides)
     if namespace is None:
-        model = build_model()
-        trainer = Trainer(model=model, args=arguments(out_dir, **overrides), train_dataset=Tokens())
+        model = build_model().to(args.device)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     else:
         from gpu_anchor.train import AnchoredTrainer
         with gpu_anchor.managed_scope(namespace=namespace):
-            model = build_model()
-        trainer = AnchoredTrainer(model=model, args=arguments(out_dir, **overrides), train_dataset=Tokens())
+            model = build_model().to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
+        trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens())
     trainer.add_callback(_log_callback(log_path, model))
     os.makedirs(out_dir, exist_ok=True)
 
@@ -116,3 +117,19 @@ def finished(log: str) -> tuple[int, str, list]:
     lines = log.splitlines()
     _, step, sha = lines[-1].split()
     return int(step), sha, json.loads(lines[-2].split(" ", 1)[1])
+
+
+def rank_run(rank, world, store, namespace, cfg, log_path, fault, device, plain, width, parallel) -> None:
+    """One DDP rank of the job under ``ddp_campaign.run_group`` (its ``target``): gloo over
+    ``store``, then ``run`` as torchrun's worker would (``plain``: ``transformers.Trainer``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    AcceleratorState._reset_state(True)     # forked: not the parent's one-process state
+    run(None if plain else namespace, log_path, os.path.join(os.path.dirname(log_path), f"out{rank}"), fault)
+    dist.barrier()       # as ddp_campaign.rank_train: no rank leaves while its peer may need it

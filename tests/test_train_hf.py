@@ -22,6 +22,7 @@ pytest.importorskip("transformers", reason="the Hugging Face Trainer tests need 
 
 import gpu_anchor  # noqa: E402
 from gpu_anchor.testing import campaign as C  # noqa: E402
+from gpu_anchor.testing import ddp_campaign as D  # noqa: E402
 
 import hf_trainer_job as job  # noqa: E402
 
@@ -152,6 +153,36 @@ def test_checkpoints_on_disk_and_the_daemon_state_lost(fault_free, tmp_path):
     step, sha, _ = job.finished((tmp_path / "log").read_text())
     assert (step, sha) == job.finished(ref_log)[:2]
     assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace="hf-lost")) == []
+
+
+@pytest.fixture
+def ddp_fault_free(host_daemon, references, tmp_path_factory):
+    """The job on two DDP ranks (gloo, torchrun-style group), no fault, once per session."""
+    def run():
+        return D.run_group("hf-ddp-ref", C.CampaignConfig(), str(tmp_path_factory.mktemp("hf-ddp-ref")),
+                           target=job.rank_run)
+    return references.get("hf_trainer_ddp", run), references.connect
+
+
+def test_ddp_ranks_killed_end_where_the_fault_free_group_does(ddp_fault_free, tmp_path):
+    """Two ranks; plain ``Trainer`` first (the same bits on each rank); then one rank or both
+    killed at protocol points and at random, the group torn down and started again each time."""
+    ref, ref_client = ddp_fault_free
+    (tmp_path / "plain").mkdir()
+    plain = D.run_group("hf-ddp-plain", C.CampaignConfig(), str(tmp_path / "plain"), target=job.rank_run, plain=True)
+    for r in range(2):
+        assert job.finished(ref["logs"][r]) == job.finished(plain["logs"][r])
+        assert len(set(job.steps(ref["logs"][r]).values())) == job.STEPS          # it trains: nine different weights
+    specs = [(0, "before_boundary@1"), (1, "mid_chunk@2:0"), (0, f"between_steps@{3}"), (1, "after_commit@5:0"),
+             [(0, "after_update@6:0"), (1, "after_update@6:0")]]
+    (tmp_path / "kills").mkdir()
+    res = D.run_group("hf-ddp", C.CampaignConfig(), str(tmp_path / "kills"), faults_seq=specs, random_kills=4,
+                      max_delay_s=ref["wall_s"], rng=random.Random(20261205), target=job.rank_run)
+    print(f"DDP Trainer campaign: {res['kills']} kills in {res['generations']} generations")
+    assert res["kills"] >= len(specs)
+    for r in range(2):
+        assert job.finished(res["logs"][r])[:2] == job.finished(ref["logs"][r])[:2]
+        assert C.compare(ref_client(f"hf-ddp-ref/rank{r}"), gpu_anchor.connect("cpu", namespace=f"hf-ddp/rank{r}")) == []
 
 
 def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):

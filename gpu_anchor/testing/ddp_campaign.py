@@ -140,10 +140,12 @@ def _to_file(fn, path):
     return run
 
 
-def _start(rank, world, store, namespace, cfg, log_path, fault, device, plain, width, parallel):
+def _start(rank, world, store, namespace, cfg, log_path, fault, device, plain, width, parallel, target=None):
     if device == "cpu":
-        return C._child(_to_file(rank_train, log_path + ".err"), rank, world, store, namespace, cfg, log_path, fault,
-                        device, plain, width, parallel)
+        return C._child(_to_file(target or rank_train, log_path + ".err"), rank, world, store, namespace, cfg, log_path,
+                        fault, device, plain, width, parallel)
+    if target is not None:
+        raise ValueError("a rank target of one's own runs on CPU ranks only (forked)")
     args = json.dumps([rank, world, store, namespace, cfg.__dict__, log_path, fault, device, plain, width, parallel])
     return subprocess.Popen([sys.executable, "-m", "gpu_anchor.testing.ddp_campaign", args])
 
@@ -166,10 +168,12 @@ def _kill(h):
 
 def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 2, faults_seq=(),
               random_kills: int = 0, max_delay_s: float = 1.0, rng=None, devices=None, plain=False,
-              width: int = 0, timeout_s: float = 150, parallel: str = "ddp", kill_all: bool = False) -> dict:
+              width: int = 0, timeout_s: float = 150, parallel: str = "ddp", kill_all: bool = False,
+              target=None) -> dict:
     """Run the group to the end; ``faults_seq`` items are ``(rank, spec)``, or a list of them
     (those ranks armed in one generation: the group is torn down only once each has reached
-    its point).  Returns counts and logs.
+    its point).  Returns counts and logs.  ``target``: a rank's life other than ``rank_train``
+    (same arguments; CPU ranks), such as a Hugging Face Trainer job.
 
     A random kill SIGKILLs one random rank (``kill_all``: every rank at the same instant).
     A generation in which no rank was killed on purpose must end with every rank at 0."""
@@ -189,7 +193,7 @@ def run_group(namespace: str, cfg: C.CampaignConfig, log_dir: str, world: int = 
         spec = fixed.pop(0) if fixed else None
         armed = dict(spec) if isinstance(spec, list) else dict([spec]) if spec else {}
         procs = [_start(r, world, store, namespace, cfg, os.path.join(log_dir, f"rank{r}.log"),
-                        armed.get(r), devices[r], plain, width, parallel)
+                        armed.get(r), devices[r], plain, width, parallel, target)
                  for r in range(world)]
         generations += 1
         deadline = time.monotonic() + timeout_s

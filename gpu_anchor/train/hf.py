@@ -27,6 +27,10 @@ The contract:
   ``resume_from_checkpoint`` given as well is not read (a warning says so); with no committed
   step (a new daemon after the old one was lost) Trainer reads that checkpoint as usual, into
   the anchored memory.
+- **Several ranks** (``torchrun``; DDP through accelerate): the optimizer is anchored, and the
+  ranks agree on a killed step, before accelerate wraps the model (DDP broadcasts rank 0's
+  weights when it is built).  Trainer places the model on ``args.device`` when it is built:
+  build it there, inside the scope (a parameter outside anchored memory is refused, naming it).
 - **Refused, with the reason** (not silently run unanchored): an ``AnchoredOptimizer`` passed in
   (this class builds its own), ``model_init`` / hyper-parameter search, DeepSpeed and FSDP
   through accelerate, fp16 with a ``GradScaler`` (accelerate unscales only the optimizers it
@@ -48,6 +52,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
+
+from gpu_anchor.client.client import anchored_name
 
 from .config import StepProtocolConfig
 from .optimizer import AnchoredOptimizer
@@ -171,6 +177,15 @@ class AnchoredTrainer(Trainer):
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
 
+    def _move_model_to_device(self, model, device):
+        # Torch copies a CPU tensor on `.to("cpu:N")` (the device Trainer gives each rank of a
+        # CPU group) though it is on the CPU already: a move that changes nothing must not take
+        # the weights out of anchored memory.  Any other move goes ahead (and is refused at
+        # train(), with the fix, if it took the weights out).
+        if torch.device(device).type == "cpu" and all(p.device.type == "cpu" for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if resume_from_checkpoint != self._resume_dir:      # the weights are anchored
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -199,6 +214,15 @@ class AnchoredTrainer(Trainer):
         over both (which recovers a killed step here, before the loop reads where it stands)."""
         if self.anchored is not None:
             return
+        moved = [n for n, p in self.model.named_parameters() if p.requires_grad and anchored_name(p) is None]
+        if moved:
+            raise ValueError(
+                f"AnchoredTrainer: {len(moved)} trainable parameter(s) are not in anchored memory ({', '.join(moved[:3])}"
+                f"{', ...' if len(moved) > 3 else ''}). Trainer places the model on args.device ({self.args.device}) "
+                "when it is built, and a move copies it out of anchored memory: build the model on that device "
+                "inside gpu_anchor.managed_scope() (`.to(args.device)` in the block).")
+        if self.args.device.type == "cpu":
+            self.accelerator.device_placement = False      # accelerate's .to("cpu:N"): the copy above
         inner = super().create_optimizer()
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"AnchoredTrainer: the optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer")
