@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 
 import torch
@@ -18,6 +19,7 @@ import torch
 import gpu_anchor
 
 SAMPLES, BATCH, ACCUMULATE, STEPS = 20, 4, 2, 9
+_extra_callbacks: list = []
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -84,6 +86,8 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
             model = build_model().to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
         trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens())
     trainer.add_callback(_log_callback(log_path, model))
+    for cb in _extra_callbacks:
+        trainer.add_callback(cb)
     os.makedirs(out_dir, exist_ok=True)
 
     def record(message, *args, **kwargs):       # as each comes: a killed worker writes no summary
@@ -133,3 +137,20 @@ def rank_run(rank, world, store, namespace, cfg, log_path, fault, device, plain,
     AcceleratorState._reset_state(True)     # forked: not the parent's one-process state
     run(None if plain else namespace, log_path, os.path.join(os.path.dirname(log_path), f"out{rank}"), fault)
     dist.barrier()       # as ddp_campaign.rank_train: no rank leaves while its peer may need it
+
+
+def _pace(seconds: float):
+    from transformers import TrainerCallback
+
+    class Pace(TrainerCallback):        # a longer step, so that a supervisor's chaos kill lands inside the job
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(seconds)
+    return Pace()
+
+
+if __name__ == "__main__":
+    # a worker of `gpu-anchor run -- python hf_trainer_job.py LOG OUT STEPS STEP_SLEEP`, in the
+    # namespace the supervisor gives the job
+    import sys
+    _extra_callbacks.append(_pace(float(sys.argv[4])))
+    sys.exit(run(os.environ.get("GPU_ANCHOR_NAMESPACE", "default"), sys.argv[1], sys.argv[2], max_steps=int(sys.argv[3])))

@@ -11,9 +11,12 @@ resumes from Trainer's own checkpoint, read into anchored memory.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -183,6 +186,47 @@ def test_ddp_ranks_killed_end_where_the_fault_free_group_does(ddp_fault_free, tm
     for r in range(2):
         assert job.finished(res["logs"][r])[:2] == job.finished(ref["logs"][r])[:2]
         assert C.compare(ref_client(f"hf-ddp-ref/rank{r}"), gpu_anchor.connect("cpu", namespace=f"hf-ddp/rank{r}")) == []
+
+
+def _supervised(cwd, opts, namespace, steps=200, step_sleep=0.01):
+    """``gpu-anchor run [opts] -- python hf_trainer_job.py``: its last ``done`` line and its job record."""
+    cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--namespace", namespace,
+           *opts, "--", sys.executable, job.__file__, "log", "out", str(steps), str(step_sleep)]
+    root = os.path.dirname(os.path.dirname(job.__file__))
+    p = subprocess.run(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    with open(os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "jobs", namespace + ".json")) as f:
+        record = json.load(f)
+    return job.finished((cwd / "log").read_text())[:2], record["restarts"]
+
+
+@pytest.fixture
+def supervised_daemons(socket_dir):
+    from gpu_anchor.client import control
+    yield socket_dir
+    for device, path in control.discover(socket_dir).items():
+        control.stop(device, path)
+
+
+def test_under_the_supervisor_workers_and_the_daemon_killed(supervised_daemons, tmp_path):
+    """The user's command line: ``gpu-anchor run -- python job.py``.  Workers SIGKILLed twice
+    (restarted in place), then in another run the daemon (its memory gone: restored from the
+    supervisor's last checkpoint); both end where the fault-free run under the same supervisor
+    does (the same threads, so the same bits)."""
+    for d in ("ref", "workers", "daemon"):
+        (tmp_path / d).mkdir()
+    ref, none = _supervised(tmp_path / "ref", [], "hf-sup-ref")
+    assert none == [] and ref[0] == 200
+    done, restarts = _supervised(tmp_path / "workers", ["--chaos-kills", "2", "--chaos-kill-every", "0.5",
+                                                        "--chaos-seed", "1"], "hf-sup-workers")
+    assert [(r["action"], r["kind"]) for r in restarts] == [("restart", "shallow")] * 2
+    assert done == ref
+    done, restarts = _supervised(tmp_path / "daemon", ["--checkpoint-dir", "ckpt", "--checkpoint-every", "20",
+                                                       "--chaos-kills", "1", "--chaos-target", "daemon",
+                                                       "--chaos-kill-every", "1.0", "--chaos-seed", "2"], "hf-sup-daemon")
+    assert [(r["action"], r["kind"]) for r in restarts] == [("restore", "destructive")]
+    assert restarts[0]["restore_step"] and restarts[0]["restore_step"] % 20 == 0
+    assert done == ref
 
 
 def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):
