@@ -53,8 +53,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from gpu_anchor.client.client import anchored_name
-
+from . import layout
 from .config import StepProtocolConfig
 from .optimizer import AnchoredOptimizer
 
@@ -214,7 +213,7 @@ class AnchoredTrainer(Trainer):
         over both (which recovers a killed step here, before the loop reads where it stands)."""
         if self.anchored is not None:
             return
-        moved = [n for n, p in self.model.named_parameters() if p.requires_grad and anchored_name(p) is None]
+        moved = layout.outside_anchored((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
         if moved:
             raise ValueError(
                 f"AnchoredTrainer: {len(moved)} trainable parameter(s) are not in anchored memory ({', '.join(moved[:3])}"

@@ -55,11 +55,16 @@ def collect(optimizer: torch.optim.Optimizer, model) -> tuple[list[AnchoredParam
     return params, devices.pop()
 
 
+def outside_anchored(named) -> list[str]:
+    """The names of the ``(name, tensor)`` pairs whose tensor is not in anchored memory."""
+    from gpu_anchor.client.client import anchored_name
+    return [n for n, t in named if anchored_name(t) is None]
+
+
 def check_anchored(params: list[AnchoredParam]) -> None:
     """Refuse parameters outside anchored memory: a restarted worker would resume the optimizer's
     state and step count over weights its script made afresh."""
-    from gpu_anchor.client.client import anchored_name
-    missing = [q.name for q in params if anchored_name(q.local) is None]
+    missing = outside_anchored((q.name, q.local) for q in params)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(
@@ -73,13 +78,14 @@ def check_anchored(params: list[AnchoredParam]) -> None:
 def connect(params: list[AnchoredParam], device: torch.device, namespace: str | None):
     """The client for the optimizer's state, next to its parameters: the open scope's
     ``namespace``; else, for an optimizer built after its scope closed (or by a library, such
-    as ``hf.AnchoredTrainer``), the namespace every parameter is anchored in; else the default."""
+    as ``hf.AnchoredTrainer``), the namespace its parameters are anchored in (``check_anchored``
+    first); else, theirs spread over several, the default one."""
     from gpu_anchor.client.client import Client, anchored_name, connect as connect_default
     dev = "cpu" if device.type == "cpu" else str(device)
     if namespace is not None:
         return connect_default(dev, namespace=namespace)
-    found = {(anchored_name(q.local) or (None,))[0] for q in params}
-    if len(found) == 1 and None not in found:
+    found = {anchored_name(q.local)[0] for q in params}
+    if len(found) == 1:
         return Client(dev, found.pop())      # already this rank's namespace on a shared daemon
     return connect_default(dev)
 
