@@ -150,7 +150,9 @@ def _pace(seconds: float):
 
 if __name__ == "__main__":
     # a worker of `gpu-anchor run -- python hf_trainer_job.py LOG OUT STEPS STEP_SLEEP`, in the
-    # namespace the supervisor gives the job
+    # namespace the supervisor gives the job (LOG.rank<r> and OUT.rank<r> with several ranks)
     import sys
     _extra_callbacks.append(_pace(float(sys.argv[4])))
-    sys.exit(run(os.environ.get("GPU_ANCHOR_NAMESPACE", "default"), sys.argv[1], sys.argv[2], max_steps=int(sys.argv[3])))
+    rank = f".rank{os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    sys.exit(run(os.environ.get("GPU_ANCHOR_NAMESPACE", "default"), sys.argv[1] + rank, sys.argv[2] + rank,
+                 max_steps=int(sys.argv[3])))

@@ -189,7 +189,7 @@ def test_ddp_ranks_killed_end_where_the_fault_free_group_does(ddp_fault_free, tm
 
 
 def _supervised(cwd, opts, namespace, steps=200, step_sleep=0.01):
-    """``gpu-anchor run [opts] -- python hf_trainer_job.py``: its last ``done`` line and its job record."""
+    """``gpu-anchor run [opts] -- python hf_trainer_job.py``: its job record's restarts."""
     cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--namespace", namespace,
            *opts, "--", sys.executable, job.__file__, "log", "out", str(steps), str(step_sleep)]
     root = os.path.dirname(os.path.dirname(job.__file__))
@@ -197,7 +197,12 @@ def _supervised(cwd, opts, namespace, steps=200, step_sleep=0.01):
     assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     with open(os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "jobs", namespace + ".json")) as f:
         record = json.load(f)
-    return job.finished((cwd / "log").read_text())[:2], record["restarts"]
+    return record["restarts"]
+
+
+def _done(log) -> tuple[int, str]:
+    """The global step and parameter digest the job's last worker ended with."""
+    return job.finished(log.read_text())[:2]
 
 
 @pytest.fixture
@@ -215,18 +220,35 @@ def test_under_the_supervisor_workers_and_the_daemon_killed(supervised_daemons, 
     does (the same threads, so the same bits)."""
     for d in ("ref", "workers", "daemon"):
         (tmp_path / d).mkdir()
-    ref, none = _supervised(tmp_path / "ref", [], "hf-sup-ref")
-    assert none == [] and ref[0] == 200
-    done, restarts = _supervised(tmp_path / "workers", ["--chaos-kills", "2", "--chaos-kill-every", "0.5",
-                                                        "--chaos-seed", "1"], "hf-sup-workers")
+    assert _supervised(tmp_path / "ref", [], "hf-sup-ref") == []
+    ref = _done(tmp_path / "ref" / "log")
+    assert ref[0] == 200
+    restarts = _supervised(tmp_path / "workers", ["--chaos-kills", "2", "--chaos-kill-every", "0.5",
+                                                  "--chaos-seed", "1"], "hf-sup-workers")
     assert [(r["action"], r["kind"]) for r in restarts] == [("restart", "shallow")] * 2
-    assert done == ref
-    done, restarts = _supervised(tmp_path / "daemon", ["--checkpoint-dir", "ckpt", "--checkpoint-every", "20",
-                                                       "--chaos-kills", "1", "--chaos-target", "daemon",
-                                                       "--chaos-kill-every", "1.0", "--chaos-seed", "2"], "hf-sup-daemon")
+    assert _done(tmp_path / "workers" / "log") == ref
+    restarts = _supervised(tmp_path / "daemon", ["--checkpoint-dir", "ckpt", "--checkpoint-every", "20",
+                                                 "--chaos-kills", "1", "--chaos-target", "daemon",
+                                                 "--chaos-kill-every", "1.0", "--chaos-seed", "2"], "hf-sup-daemon")
     assert [(r["action"], r["kind"]) for r in restarts] == [("restore", "destructive")]
     assert restarts[0]["restore_step"] and restarts[0]["restore_step"] % 20 == 0
-    assert done == ref
+    assert _done(tmp_path / "daemon" / "log") == ref
+
+
+def test_under_the_supervisor_two_ranks_one_killed(supervised_daemons, tmp_path):
+    """``gpu-anchor run --nproc-per-node 2``: Trainer's DDP over the two workers the supervisor
+    starts; one rank SIGKILLed twice, the group restarted in place; each rank ends on the
+    fault-free group's parameters."""
+    two = ["--nproc-per-node", "2"]
+    for d in ("ref", "kills"):
+        (tmp_path / d).mkdir()
+    assert _supervised(tmp_path / "ref", two, "hf-np2-ref") == []
+    ref = _done(tmp_path / "ref" / "log.rank0")
+    assert _done(tmp_path / "ref" / "log.rank1") == ref and ref[0] == 200      # replicas
+    restarts = _supervised(tmp_path / "kills", [*two, "--chaos-kills", "2", "--chaos-kill-every", "0.7",
+                                                "--chaos-seed", "3"], "hf-np2")
+    assert [(r["action"], r["kind"]) for r in restarts] == [("restart", "shallow")] * 2
+    assert [_done(tmp_path / "kills" / f"log.rank{r}") for r in range(2)] == [ref, ref]
 
 
 def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):
