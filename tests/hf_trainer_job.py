@@ -151,8 +151,15 @@ def _pace(seconds: float):
 if __name__ == "__main__":
     # a worker of `gpu-anchor run -- python hf_trainer_job.py LOG OUT STEPS STEP_SLEEP`, in the
     # namespace the supervisor gives the job (LOG.rank<r> and OUT.rank<r> with several ranks)
+    # HF_JOB_CUDA=1: on this process's GPU, with torch's deterministic algorithms (a kill test
+    # compares bits); HF_JOB_PLAIN=1: plain transformers.Trainer; GPU_ANCHOR_TRAIN_FAULT: a kill.
     import sys
     _extra_callbacks.append(_pace(float(sys.argv[4])))
     rank = f".rank{os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    sys.exit(run(os.environ.get("GPU_ANCHOR_NAMESPACE", "default"), sys.argv[1] + rank, sys.argv[2] + rank,
-                 max_steps=int(sys.argv[3])))
+    cuda = os.environ.get("HF_JOB_CUDA") == "1"
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    namespace = None if os.environ.get("HF_JOB_PLAIN") == "1" else os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
+    sys.exit(run(namespace, sys.argv[1] + rank, sys.argv[2] + rank, os.environ.get("GPU_ANCHOR_TRAIN_FAULT"),
+                 max_steps=int(sys.argv[3]), **({"use_cpu": False} if cuda else {})))

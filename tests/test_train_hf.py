@@ -251,6 +251,32 @@ def test_under_the_supervisor_two_ranks_one_killed(supervised_daemons, tmp_path)
     assert [_done(tmp_path / "kills" / f"log.rank{r}") for r in range(2)] == [ref, ref]
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_killed_at_protocol_points(cuda_daemon, tmp_path):
+    """On one GPU (device progress, the fused Adam kernel), each worker a new interpreter, with
+    torch's deterministic algorithms: plain ``Trainer`` and ``AnchoredTrainer`` end on the same
+    parameters, and the job killed at four protocol points ends where the fault-free one does."""
+    pytest.importorskip("triton", reason="the GPU path under test is the fused Triton kernel")
+
+    def worker(name, namespace, fault=None, plain=False):
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(job.__file__)), "HF_JOB_CUDA": "1",
+               "GPU_ANCHOR_NAMESPACE": namespace, "HF_JOB_PLAIN": "1" if plain else "0"}
+        env.pop("GPU_ANCHOR_TRAIN_FAULT", None)
+        if fault:
+            env["GPU_ANCHOR_TRAIN_FAULT"] = fault
+        return subprocess.run([sys.executable, job.__file__, str(tmp_path / name), str(tmp_path / "out"), "20", "0"],
+                              env=env, timeout=300).returncode
+    assert worker("plain", "-", plain=True) == 0
+    assert worker("ref", "hf-gpu-ref") == 0
+    assert _done(tmp_path / "ref") == _done(tmp_path / "plain")
+    for spec in ("before_boundary@2", "mid_chunk@5:0", "after_update@9:0", "between_steps@14"):
+        assert worker("kills", "hf-gpu-kills", fault=spec) == -signal.SIGKILL, spec
+    assert worker("kills", "hf-gpu-kills") == 0
+    assert _done(tmp_path / "kills") == _done(tmp_path / "ref")
+    assert C.compare(gpu_anchor.connect("cuda:0", namespace="hf-gpu-ref"),
+                     gpu_anchor.connect("cuda:0", namespace="hf-gpu-kills")) == []
+
+
 def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):
     import torch
     from gpu_anchor.train import AnchoredOptimizer
