@@ -31,13 +31,20 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def build_model():
+def build_model(lora: bool = False):
+    """``lora``: peft's LoRA on the attention projections (rank 4, dropout 0.1); only the
+    adapters train."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     config = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_dropout=0.1,
                          attn_implementation="eager")
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model
 
 
 def arguments(out_dir: str, **overrides):
@@ -68,22 +75,23 @@ def _log_callback(log_path: str, model):
 
 
 def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = None,
-        resume_from_checkpoint=None, **overrides) -> int:
+        resume_from_checkpoint=None, lora: bool = False, **overrides) -> int:
     """One worker: ``namespace`` None trains with plain ``transformers.Trainer``; else with
     ``AnchoredTrainer`` on the host daemon's ``namespace``.  ``fault``: a
     ``GPU_ANCHOR_TRAIN_FAULT`` spec (the step protocol kills this process there);
-    ``resume_from_checkpoint``: ``Trainer.train``'s.  Warnings are appended to ``out_dir/warnings``."""
+    ``resume_from_checkpoint``: ``Trainer.train``'s; ``lora``: ``build_model``'s.  Warnings are
+    appended to ``out_dir/warnings``."""
     from transformers import Trainer
     if fault:
         os.environ["GPU_ANCHOR_TRAIN_FAULT"] = fault
     args = arguments(out_dir, **overrides)
     if namespace is None:
-        model = build_model().to(args.device)
+        model = build_model(lora).to(args.device)
         trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     else:
         from gpu_anchor.train import AnchoredTrainer
         with gpu_anchor.managed_scope(namespace=namespace):
-            model = build_model().to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
+            model = build_model(lora).to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
         trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens())
     trainer.add_callback(_log_callback(log_path, model))
     for cb in _extra_callbacks:

@@ -68,16 +68,16 @@ def test_trains_what_trainer_trains(plain, fault_free):
     assert any(n.startswith("train.state.") for n in objects), sorted(objects)    # the optimizer state is anchored
 
 
-def _run_with_kills(namespace, tmp_path, specs, random_kills, max_delay_s, rng):
+def _run_with_kills(namespace, tmp_path, specs, random_kills, max_delay_s, rng, **overrides):
     """Rerun the job until it finishes: first killed at each protocol spec, then at random."""
     log = tmp_path / f"{namespace}.log"
     kills = 0
     for spec in specs:
-        assert _train(namespace, log, tmp_path / "out", fault=spec) == -9, f"fault point {spec} was not reached"
+        assert _train(namespace, log, tmp_path / "out", fault=spec, **overrides) == -9, f"{spec} was not reached"
         kills += 1
     left = random_kills
     while True:
-        pid = _start(namespace, log, tmp_path / "out")
+        pid = _start(namespace, log, tmp_path / "out", **overrides)
         if left > 0:
             time.sleep(rng.uniform(0, max_delay_s))
             try:
@@ -118,6 +118,28 @@ def test_killed_anywhere_ends_where_the_fault_free_job_does(fault_free, tmp_path
     by_step = {e["step"]: e for e in ref_logs}
     assert all(by_step[e["step"]] == e for e in logs)     # what was logged is what the fault-free job logged
     assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace="hf-kills")) == []
+
+
+def test_peft_lora_killed_ends_where_the_fault_free_job_does(host_daemon, tmp_path):
+    """peft's LoRA (adapters created in the scope, the base frozen and anchored): the same
+    parameters as plain ``Trainer``, and killed at protocol points and at random, the same end."""
+    pytest.importorskip("peft", reason="the LoRA case needs peft (the test extra)")
+    lora = dict(lora=True)
+    assert _train(None, tmp_path / "plain", tmp_path / "out", **lora) == 0
+    t0 = time.perf_counter()
+    assert _train("hf-lora-ref", tmp_path / "ref", tmp_path / "out", **lora) == 0
+    wall = time.perf_counter() - t0
+    ref = (tmp_path / "ref").read_text()
+    assert job.finished(ref) == job.finished((tmp_path / "plain").read_text())
+    assert len(set(job.steps(ref).values())) == job.STEPS
+    specs = ["mid_chunk@1:0", f"between_steps@{2}", "after_boundary@4", "after_update@6:0"]
+    log, kills = _run_with_kills("hf-lora", tmp_path, specs, random_kills=3, max_delay_s=wall,
+                                 rng=random.Random(11), **lora)
+    assert kills >= len(specs)
+    assert job.finished(log)[:2] == job.finished(ref)[:2]
+    objects = gpu_anchor.connect("cpu", namespace="hf-lora").objects()
+    assert any("lora_A" in n for n in objects) and any(n.startswith("train.state.") and "lora_B" in n for n in objects)
+    assert C.compare(gpu_anchor.connect("cpu", namespace="hf-lora-ref"), gpu_anchor.connect("cpu", namespace="hf-lora")) == []
 
 
 def test_a_rerun_after_the_last_step_trains_nothing(host_daemon, tmp_path):
