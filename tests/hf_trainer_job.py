@@ -75,11 +75,12 @@ def _log_callback(log_path: str, model):
 
 
 def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = None,
-        resume_from_checkpoint=None, lora: bool = False, **overrides) -> int:
+        resume_from_checkpoint=None, lora: bool = False, lend: int = 0, **overrides) -> int:
     """One worker: ``namespace`` None trains with plain ``transformers.Trainer``; else with
     ``AnchoredTrainer`` on the host daemon's ``namespace``.  ``fault``: a
     ``GPU_ANCHOR_TRAIN_FAULT`` spec (the step protocol kills this process there);
-    ``resume_from_checkpoint``: ``Trainer.train``'s; ``lora``: ``build_model``'s.  Warnings are
+    ``resume_from_checkpoint``: ``Trainer.train``'s; ``lora``: ``build_model``'s; ``lend``:
+    ``StepProtocolConfig.lend_grad_bytes`` (a line ``lent <bytes>`` at the end).  Warnings are
     appended to ``out_dir/warnings``."""
     from transformers import Trainer
     if fault:
@@ -92,7 +93,9 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
         from gpu_anchor.train import AnchoredTrainer
         with gpu_anchor.managed_scope(namespace=namespace):
             model = build_model(lora).to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
-        trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens())
+        from gpu_anchor.train import StepProtocolConfig
+        trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens(),
+                                  anchor_config=StepProtocolConfig(lend_grad_bytes=lend))
     trainer.add_callback(_log_callback(log_path, model))
     for cb in _extra_callbacks:
         trainer.add_callback(cb)
@@ -107,6 +110,8 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
     logs = [{k: e[k] for k in ("step", "loss", "grad_norm", "learning_rate", "epoch") if k in e}
             for e in trainer.state.log_history if "loss" in e]
     with open(log_path, "a") as f:
+        if lend:
+            f.write(f"lent {trainer.anchored.lender.stats['lent_bytes']}\n")
         f.write(f"logs {json.dumps(logs)}\n")
         f.write(f"done {trainer.state.global_step} {digest(model)}\n")
     return 0

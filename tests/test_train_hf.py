@@ -142,6 +142,20 @@ def test_peft_lora_killed_ends_where_the_fault_free_job_does(host_daemon, tmp_pa
     assert C.compare(gpu_anchor.connect("cpu", namespace="hf-lora-ref"), gpu_anchor.connect("cpu", namespace="hf-lora")) == []
 
 
+def test_gradient_lending_under_trainer(host_daemon, tmp_path, monkeypatch):
+    """``anchor_config=StepProtocolConfig(lend_grad_bytes=...)``: the forward's saved tensors go
+    into the gradient buffers between steps (AnchoredTrainer opens lending's window at each
+    step's end), and the parameters stay plain ``Trainer``'s, bit for bit."""
+    from gpu_anchor.train import grad_lending
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 1024)     # this model's activations are small
+    one = dict(gradient_accumulation_steps=1)
+    assert _train(None, tmp_path / "plain", tmp_path / "out", **one) == 0
+    assert _train("hf-lend", tmp_path / "lend", tmp_path / "out", lend=1 << 30, **one) == 0
+    log = (tmp_path / "lend").read_text()
+    assert job.finished(log) == job.finished((tmp_path / "plain").read_text())
+    assert int(next(line for line in log.splitlines() if line.startswith("lent ")).split()[1]) > 0
+
+
 def test_a_rerun_after_the_last_step_trains_nothing(host_daemon, tmp_path):
     """Killed after committing the last step, before ``train()`` returned: the rerun trains no
     step and ends where the fault-free job does.  Eight steps end inside the third epoch, where
