@@ -327,5 +327,10 @@ def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):
         AnchoredTrainer(model=model, args=job.arguments(str(tmp_path), lr_scheduler_type="reduce_lr_on_plateau",
                                                         eval_strategy="steps", eval_steps=3),
                         train_dataset=job.Tokens(), eval_dataset=job.Tokens())
+    from gpu_anchor.train.hf import _resume_is_wrong_here
+    five = list(range(5))                          # an epoch of 5 batches, two a step
+    assert "merged into the next epoch's first" in _resume_is_wrong_here("4.56.2", five, 2)
+    assert _resume_is_wrong_here("5.3.0", five, 2) is None and _resume_is_wrong_here("4.56.2", five, 1) is None
+    assert _resume_is_wrong_here("4.56.2", list(range(6)), 2) is None
     with pytest.raises(ValueError, match=r"model_init builds a new model"):
         AnchoredTrainer(model_init=job.build_model, args=job.arguments(str(tmp_path)), train_dataset=job.Tokens())

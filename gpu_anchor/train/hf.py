@@ -34,8 +34,9 @@ The contract:
 - **Refused, with the reason** (not silently run unanchored): an ``AnchoredOptimizer`` passed in
   (this class builds its own), ``model_init`` / hyper-parameter search, DeepSpeed and FSDP
   through accelerate, fp16 with a ``GradScaler`` (accelerate unscales only the optimizers it
-  wraps), ``reduce_lr_on_plateau`` (stepped with a metric, outside the optimizer step) and
-  ``auto_find_batch_size``.
+  wraps), ``reduce_lr_on_plateau`` (stepped with a metric, outside the optimizer step),
+  ``auto_find_batch_size``, and on transformers before 5.3 an epoch whose batches do not divide
+  by ``gradient_accumulation_steps`` (that Trainer resumes such an epoch wrongly).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ import warnings
 
 import numpy as np
 import torch
+import transformers
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
@@ -59,6 +61,24 @@ from .optimizer import AnchoredOptimizer
 
 LOOP_KEY = "hf_trainer"      # AnchoredOptimizer.loop_state[LOOP_KEY]: what the next worker resumes from
 STATE_FILE = "trainer_state.json"     # transformers' TRAINER_STATE_NAME
+
+
+def _resume_is_wrong_here(version: str, loader, accumulate: int) -> str | None:
+    """Why Trainer's resume would not continue where the killed run was, else None.  Before
+    transformers 5.3 the resumed epoch counts its steps from the skipped batches on, so an
+    epoch whose batches do not divide by the accumulation ends its last, shorter step without
+    a sync: it is merged into the next epoch's first (Trainer's own checkpoints resume the same
+    way; seen with 4.56.2)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) >= (5, 3) or accumulate <= 1 or not hasattr(loader, "__len__"):
+        return None
+    n = len(loader)
+    if n % accumulate == 0:
+        return None
+    return (f"transformers {version} resumes a position inside an epoch wrongly when the epoch's {n} batches do not "
+            f"divide by gradient_accumulation_steps={accumulate} (the epoch's last, shorter step is merged into "
+            "the next epoch's first; its own checkpoints resume the same way): use transformers >= 5.3, or a "
+            "batch count that divides")
 
 
 class _SteppedWithTheOptimizer:
@@ -225,7 +245,11 @@ class AnchoredTrainer(Trainer):
         inner = super().create_optimizer()
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"AnchoredTrainer: the optimizer is a {type(inner).__name__}, not a torch.optim.Optimizer")
-        self._planned_steps = self._max_steps()
+        loader = self.get_train_dataloader()
+        why = _resume_is_wrong_here(transformers.__version__, loader, self.args.gradient_accumulation_steps)
+        if why:
+            raise ValueError(f"AnchoredTrainer: {why}")
+        self._planned_steps = self._max_steps(loader)
         scheduler = super().create_scheduler(self._planned_steps, optimizer=inner)
         self._created_lr_scheduler = False      # Trainer drops a scheduler it made at each train(); this one stays
         self.anchored = AnchoredOptimizer(inner, model=self.model, schedulers=[scheduler],
@@ -233,9 +257,9 @@ class AnchoredTrainer(Trainer):
         self.optimizer = self.anchored
         self.lr_scheduler = self._scheduler_handle = _SteppedWithTheOptimizer(scheduler)
 
-    def _max_steps(self) -> int:
+    def _max_steps(self, loader) -> int:
         """The step count Trainer gives its scheduler (the last of ``set_initial_training_values``)."""
-        args, loader = self.args, self.get_train_dataloader()
+        args = self.args
         f = self.set_initial_training_values
         if "total_train_batch_size" in inspect.signature(f).parameters:      # transformers 4.x
             return f(args, loader, self._train_batch_size * args.gradient_accumulation_steps * args.world_size)[-1]
