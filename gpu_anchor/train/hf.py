@@ -23,7 +23,8 @@ The contract:
   Trainer sets a checkpoint's.  No model, optimizer, scheduler, scaler or RNG file is read: they
   are anchored or carried.  ``state.log_history`` is not carried (it grows with the run): after a
   restart it holds what was logged since, and the earlier entries are where ``report_to`` sent
-  them when they were logged.  The anchored state is newer than any checkpoint on disk, so a
+  them when they were logged.  A data collator that draws random numbers draws the first batch
+  after a restart before the RNG states are set (Trainer sets them after fetching it).  The anchored state is newer than any checkpoint on disk, so a
   ``resume_from_checkpoint`` given as well is not read (a warning says so); with no committed
   step (a new daemon after the old one was lost) Trainer reads that checkpoint as usual, into
   the anchored memory.
