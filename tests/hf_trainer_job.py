@@ -88,13 +88,13 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
     args = arguments(out_dir, **overrides)
     if namespace is None:
         model = build_model(lora).to(args.device)
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens())
     else:
         from gpu_anchor.train import AnchoredTrainer
         with gpu_anchor.managed_scope(namespace=namespace):
             model = build_model(lora).to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
         from gpu_anchor.train import StepProtocolConfig
-        trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens(),
+        trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
                                   anchor_config=StepProtocolConfig(lend_grad_bytes=lend))
     trainer.add_callback(_log_callback(log_path, model))
     for cb in _extra_callbacks:

@@ -169,6 +169,21 @@ def test_a_rerun_after_the_last_step_trains_nothing(host_daemon, tmp_path):
     assert C.compare(gpu_anchor.connect("cpu", namespace="hf-last-ref"), gpu_anchor.connect("cpu", namespace="hf-last")) == []
 
 
+def test_evaluation_and_the_best_model_across_a_restart(host_daemon, tmp_path):
+    """Evaluation every 3 steps, checkpoints with it and ``load_best_model_at_end``: killed after
+    step 5 (one evaluation and its best metric behind it), the rerun ends with the fault-free
+    run's best checkpoint and parameters."""
+    ev = dict(eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3, load_best_model_at_end=True,
+              metric_for_best_model="loss", greater_is_better=False)
+    assert _train("hf-eval-ref", tmp_path / "ref", tmp_path / "ref-out", **ev) == 0
+    assert _train("hf-eval", tmp_path / "log", tmp_path / "out", fault="between_steps@4", **ev) == -9
+    assert _train("hf-eval", tmp_path / "log", tmp_path / "out", **ev) == 0
+    assert _done(tmp_path / "log") == _done(tmp_path / "ref")
+    best = [json.load(open(p / "trainer_state.json"))["best_model_checkpoint"].rsplit("/", 1)[1]
+            for p in (tmp_path / "ref-out" / "checkpoint-9", tmp_path / "out" / "checkpoint-9")]
+    assert best[0] == best[1]
+
+
 def test_checkpoints_on_disk_and_the_daemon_state_lost(fault_free, tmp_path):
     """Trainer's own checkpoints every 3 steps; killed after step 5.  The rerun, asked to
     ``resume_from_checkpoint=True``, resumes from the anchored state (step 5, newer than
