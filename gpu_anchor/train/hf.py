@@ -5,6 +5,9 @@
     trainer = AnchoredTrainer(model=model, args=TrainingArguments(...), train_dataset=ds)
     trainer.train()      # a worker started again continues at the step the last one committed
 
+A trainer built on ``Trainer`` (TRL's ``SFTTrainer``, say) takes it as the first base:
+``class AnchoredSFTTrainer(AnchoredTrainer, SFTTrainer): pass``.
+
 The contract:
 
 - **The optimizer.**  The model's parameters are anchored (built in ``managed_scope``, or
