@@ -1,8 +1,9 @@
 """``AnchoredTrainer``: Hugging Face's ``transformers.Trainer`` on anchored state.
 
+    args = TrainingArguments(...)
     with gpu_anchor.managed_scope():
-        model = AutoModelForCausalLM.from_pretrained(name)
-    trainer = AnchoredTrainer(model=model, args=TrainingArguments(...), train_dataset=ds)
+        model = AutoModelForCausalLM.from_pretrained(name).to(args.device)   # where Trainer wants it
+    trainer = AnchoredTrainer(model=model, args=args, train_dataset=ds)
     trainer.train()      # a worker started again continues at the step the last one committed
 
 A trainer built on ``Trainer`` (TRL's ``SFTTrainer``, say) takes it as the first base:
