@@ -90,6 +90,15 @@ def host_daemon(socket_dir):
 
 
 @pytest.fixture
+def clean_daemons(socket_dir):
+    """This test's socket directory; every daemon found there afterwards (one a supervisor
+    started and left running, say) is stopped."""
+    yield socket_dir
+    for device, path in control.discover(socket_dir).items():
+        control.stop(device, path)
+
+
+@pytest.fixture
 def cuda_daemon(socket_dir):
     """A real daemon for cuda:0 (GPU tests only)."""
     yield from _daemon("cuda:0", socket_dir)

@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from gpu_anchor.client import control
 from gpu_anchor.client.gate import ENV as GATE_ENV, Gate
 from gpu_anchor.runtime import liveness
 
@@ -106,13 +105,6 @@ def _run(tmp_path, opts, env) -> subprocess.CompletedProcess:
            sys.executable, LINGER_JOB, "--steps", str(STEPS), "--out", "r.pt", "--step-sleep", "0.01"]
     return subprocess.run(cmd, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": ROOT, **env},
                           capture_output=True, text=True, timeout=240)
-
-
-@pytest.fixture
-def clean_daemons(socket_dir):
-    yield socket_dir
-    for device, path in control.discover(socket_dir).items():
-        control.stop(device, path)
 
 
 def _job(socket_dir: str) -> dict:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from gpu_anchor.client import control
@@ -36,13 +35,6 @@ def job(socket_dir, namespace="job-demo_train"):
 
 def result(path):
     return torch.load(path)
-
-
-@pytest.fixture
-def clean_daemons(socket_dir):
-    yield socket_dir
-    for device, path in control.discover(socket_dir).items():
-        control.stop(device, path)
 
 
 def test_shallow_kills_reattach_in_place(reference, clean_daemons, tmp_path):

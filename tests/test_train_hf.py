@@ -256,15 +256,7 @@ def _done(log) -> tuple[int, str]:
     return job.finished(log.read_text())[:2]
 
 
-@pytest.fixture
-def supervised_daemons(socket_dir):
-    from gpu_anchor.client import control
-    yield socket_dir
-    for device, path in control.discover(socket_dir).items():
-        control.stop(device, path)
-
-
-def test_under_the_supervisor_workers_and_the_daemon_killed(supervised_daemons, tmp_path):
+def test_under_the_supervisor_workers_and_the_daemon_killed(clean_daemons, tmp_path):
     """The user's command line: ``gpu-anchor run -- python job.py``.  Workers SIGKILLed twice
     (restarted in place), then in another run the daemon (its memory gone: restored from the
     supervisor's last checkpoint); both end where the fault-free run under the same supervisor
@@ -286,7 +278,7 @@ def test_under_the_supervisor_workers_and_the_daemon_killed(supervised_daemons, 
     assert _done(tmp_path / "daemon" / "log") == ref
 
 
-def test_under_the_supervisor_two_ranks_one_killed(supervised_daemons, tmp_path):
+def test_under_the_supervisor_two_ranks_one_killed(clean_daemons, tmp_path):
     """``gpu-anchor run --nproc-per-node 2``: Trainer's DDP over the two workers the supervisor
     starts; one rank SIGKILLed twice, the group restarted in place; each rank ends on the
     fault-free group's parameters."""
