@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_anchor.runtime.auto_prewarm import Recorder, decide, estimate_peak_bytes, run_auto_prewarm
-from test_launch_supervisor import clean_daemons, job  # noqa: F401
+from test_launch_supervisor import job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
+from test_launch_supervisor import job, result, run
 
 
 @pytest.mark.parametrize("modes", [["--restore-mode", "on_demand"],

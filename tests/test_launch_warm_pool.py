@@ -15,7 +15,7 @@ import pytest
 from gpu_anchor.runtime import Standby, wait_exit
 from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_migration import SERVE, _get, serve_process
-from test_launch_supervisor import clean_daemons, job, result, run  # noqa: F401
+from test_launch_supervisor import job, result, run
 
 
 # forked from pytest's process, which may run threads of earlier tests: these children run
