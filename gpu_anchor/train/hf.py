@@ -216,7 +216,9 @@ class AnchoredTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint != self._resume_dir:                 # so are the optimizer and the scheduler
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            super()._load_optimizer_and_scheduler(checkpoint)
+            if checkpoint is not None:     # Trainer loads the scheduler after the optimizer: commit it too
+                self.anchored._commit_loaded()
 
     def _load_scaler(self, checkpoint):
         if checkpoint != self._resume_dir:

@@ -21,7 +21,6 @@ what is anchored and bound is ``layout``'s.
 from __future__ import annotations
 
 import json
-import pickle
 import time
 import warnings
 import weakref
@@ -37,6 +36,7 @@ from .fsdp import local as _local
 from . import amp
 from .hparams import hparams as _hparams
 from .recovery import RecoveryMixin
+from .schedulers import Schedulers
 from .state_dict import StateDictMixin
 from .kinds import kind_of
 from . import protocol
@@ -68,7 +68,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
     ``client``: a ``gpu_anchor`` client for the parameters' device (default: connect).
     ``chunk_bytes``: undo bytes per chunk (default: both slots <= 2 % of the anchored state).
     ``schedulers``: LR schedulers built on ``optimizer``; they step inside ``step()``
-    and their state commits with it — do not call their ``step()`` yourself.
+    and their state commits with it — do not call their ``step()`` yourself (``schedulers``
+    says what is refused, and when).
     ``scaler``: a ``torch.amp.GradScaler`` for fp16 AMP: ``step()`` unscales (skipping the update
     on inf/NaN, all ranks alike) and updates it; its state commits with the step.  Use
     ``scaler.scale(loss).backward(); opt.step()``, never ``scaler.step`` / ``unscale_`` / ``update``.
@@ -96,7 +97,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             raise ValueError("wrap the optimizer before its first step (its state must start anchored)")
         self.optimizer = optimizer
         self.kind = kind_of(optimizer)
-        self.schedulers = list(schedulers)
+        self.schedulers = Schedulers(schedulers, optimizer)
         self.scaler = amp.check(scaler)
         self.track_rng = track_rng
         self.prefix = prefix
@@ -207,6 +208,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             if resuming and (meta is None or json.loads(self._meta()) != meta):
                 self._commit({key(prefix, "meta"): self._meta()})
             self._grads.zero()
+        self.schedulers.mark()
         _holders[holder_key] = self
 
     # ------------------------------------------------------------------ public
@@ -255,6 +257,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         if closure is not None:
             raise ValueError("AnchoredOptimizer.step does not take a closure")
         self.completed_steps    # raises if not attached yet
+        self.schedulers.check()
         st = self._state
         faults.hit("before_boundary", st.step)
         with torch.no_grad():
@@ -342,12 +345,11 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
 
     def _finish(self, mask, counts, carry) -> None:
         self.optimizer._opt_called = True   # the step did happen (schedulers warn otherwise)
-        for sch in self.schedulers:
-            sch.step()
+        self.schedulers.step()
         new_counts = [c + (1 if m else 0) for c, m in zip(counts, mask)]
         committed = json.dumps({"counts": new_counts,
                                 "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
-        sched = pickle.dumps([sch.state_dict() for sch in self.schedulers])
+        sched = self.schedulers.state()
         new = self._state.finish()
         p = self.prefix
         # STEP_KEY in the same commit: the supervisor's contract (docs/supervisor.md) — crash-loop

@@ -22,7 +22,6 @@ fault-free run.
 from __future__ import annotations
 
 import json
-import pickle
 
 from . import distributed, protocol
 from .hparams import set_hparams as _set_hparams
@@ -37,8 +36,7 @@ class RecoveryMixin:
             self._counts = committed["counts"]
             for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
                 _set_hparams(g, hp)
-            for sch, sd in zip(self.schedulers, pickle.loads(vals[key(p, "sched")])):
-                sch.load_state_dict(sd)
+            self.schedulers.load(vals[key(p, "sched")])
         st = self._state
         device = self.progress == "device"
         cursor = None     # device mode: where the device left the in-flight step (None: never began)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 
 import torch
 
@@ -25,7 +24,8 @@ class StateDictMixin:
         """Load a torch ``state_dict`` (e.g. from a checkpoint) into the anchored state.
 
         Only between steps.  Commits the step counts and hyper-parameters so that a
-        restart keeps them; ``completed_steps`` is not changed.
+        restart keeps them, with the schedulers' state (load theirs first); ``completed_steps``
+        is not changed.
         """
         if self._state.in_flight:
             raise RuntimeError("load_state_dict during an optimizer step")
@@ -42,7 +42,12 @@ class StateDictMixin:
                     self._counts[q.index] = int(any(k in st for k in q.states))
                 self.optimizer.state[q.p] = q.states
             self._wait()
+        self._commit_loaded()
+
+    def _commit_loaded(self) -> None:
+        """Commit what a load set between steps (step counts, hyper-parameters, the schedulers'
+        state), so that a restart keeps it; the schedulers' position becomes the one ``step()`` expects."""
         committed = json.dumps({"counts": self._counts,
                                 "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
-        self._commit({key(self.prefix, "committed"): committed,
-                      key(self.prefix, "sched"): pickle.dumps([sch.state_dict() for sch in self.schedulers])})
+        self._commit({key(self.prefix, "committed"): committed, key(self.prefix, "sched"): self.schedulers.state()})
+        self.schedulers.mark()
