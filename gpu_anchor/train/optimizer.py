@@ -46,7 +46,7 @@ from gpu_anchor.journal_keys import STEP_KEY
 from . import step_hooks
 from .grads import GradientBuffers
 from .grad_lending import GradientLender
-from . import fused_adam, layout
+from . import fused_adam, hf_accelerate, layout
 
 def _open_scope():
     """The managed_scope open in this thread, if that package is present."""
@@ -240,6 +240,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         """
         if self.completed_steps is not None and self._state.in_flight:
             raise RuntimeError("zero_grad during an optimizer step")
+        if hf_accelerate.defers_step():     # the gradients accumulate on
+            return
         faults.hit("between_steps", self._state.step - 1)   # "after step s committed"
         with torch.no_grad():
             self._grads.zero(cleared=set_to_none)
@@ -252,11 +254,17 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         returns once the step is enqueued: the device stream records its own progress, and
         the step's journal commit lands with the next step's (or at ``flush()``, on the
         first step of a worker and when a checkpoint is due).  A kill at any instant after
-        ``step()`` returns still resumes after this step.
+        ``step()`` returns still resumes after this step.  Inside accelerate's ``accumulate()``,
+        on a micro-batch that ends no accumulation, it does nothing (``hf_accelerate``).
         """
         if closure is not None:
             raise ValueError("AnchoredOptimizer.step does not take a closure")
         self.completed_steps    # raises if not attached yet
+        if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
+            return
+        why = hf_accelerate.refusal(self.scaler, self.device)
+        if why:
+            raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
         st = self._state
         faults.hit("before_boundary", st.step)

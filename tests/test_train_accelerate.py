@@ -1,0 +1,76 @@
+"""``AnchoredOptimizer`` in a loop written for Hugging Face accelerate (``tests/accelerate_job.py``):
+gradient accumulation through ``accelerator.accumulate()``, against accelerate's own loop,
+fault-free and SIGKILLed at protocol points (``gpu_anchor/train/hf_accelerate.py``)."""
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="the test extra installs accelerate")
+pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+from gpu_anchor.train import hf_accelerate  # noqa: E402
+
+JOB = os.path.join(os.path.dirname(__file__), "accelerate_job.py")
+
+
+def _run(mode, namespace="-", fault=None):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env.pop("GPU_ANCHOR_TRAIN_FAULT", None)
+    if fault:
+        env["GPU_ANCHOR_TRAIN_FAULT"] = fault
+    return subprocess.run([sys.executable, JOB, mode, namespace], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain() -> tuple:
+    """accelerate's own loop: one line per optimizer step (step, parameters' digest, rate)."""
+    out = _run("plain")
+    assert out.returncode == 0, out.stderr
+    return tuple(out.stdout.splitlines())
+
+
+def test_fault_free_it_is_accelerates_own_loop_bit_for_bit(host_daemon):
+    anchored = _run("anchored", "acc-clean")
+    assert anchored.returncode == 0, anchored.stderr
+    plain = _plain()
+    assert len(plain) == 8            # 4 steps an epoch, the last of one micro-batch; 2 epochs
+    assert tuple(anchored.stdout.splitlines()) == plain
+
+
+@pytest.mark.parametrize("fault", [
+    "before_boundary@2",     # mid-epoch: the rerun skips 6 micro-batches into the epoch
+    "mid_chunk@4:0",         # the rerun finishes step 5, then starts 3 micro-batches into epoch 1
+    "between_steps@3",       # after the epoch's last (one micro-batch) step
+    "after_commit@5:0",
+])
+def test_killed_it_ends_where_accelerates_own_loop_does(host_daemon, fault):
+    killed = _run("anchored", "acc-killed", fault)
+    assert killed.returncode == -9, killed.stderr
+    again = _run("anchored", "acc-killed")
+    assert again.returncode == 0, again.stderr
+    lines = killed.stdout.splitlines() + again.stdout.splitlines()
+    plain = _plain()
+    # Every step a run printed is the fault-free step (a step finished by recovery or killed
+    # after its commit prints nothing), and the job ends where accelerate's loop does.
+    assert set(lines) <= set(plain), sorted(set(lines) - set(plain))
+    assert lines[-1] == plain[-1]
+    assert len(set(lines)) >= len(plain) - 1
+
+
+def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
+    from accelerate.state import AcceleratorState, DistributedType
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.DEEPSPEED,
+                                                          "_mixed_precision": "bf16"})
+    assert "DeepSpeed" in hf_accelerate.refusal(None, torch.device("cpu"))
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.MULTI_GPU,
+                                                          "_mixed_precision": "fp16"})
+    assert "scaler=accelerator.scaler" in hf_accelerate.refusal(None, torch.device("cuda"))
+    assert hf_accelerate.refusal(object(), torch.device("cuda")) is None
+    assert hf_accelerate.refusal(None, torch.device("cpu")) is None      # accelerate scales nothing on the CPU
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})
+    assert hf_accelerate.refusal(None, torch.device("cuda")) is None
