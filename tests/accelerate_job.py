@@ -3,32 +3,38 @@ model, optimizer and shuffled data loader, gradient accumulation with ``accumula
 ``accelerator.backward`` and ``accelerator.clip_grad_norm_``, a transformers LR schedule.
 
 ``python accelerate_job.py plain|anchored NAMESPACE`` prints one ``step N DIGEST LR`` line
-per optimizer step (the parameters' bytes hashed, the rate that step used).  ``plain`` is
-accelerate's own loop with a prepared ``AdamW`` and scheduler; ``anchored`` differs in the
-lines a user changes: the model and optimizer built in ``managed_scope``, the scheduler given
-to ``AnchoredOptimizer`` (not prepared, never stepped by the loop), and the loop starting at
-``opt.completed_steps``.
+per optimizer step (the parameters' bytes hashed, the rate that step used) and ``end DIGEST``; ``rank_run`` is
+one DDP rank of it under ``ddp_campaign.run_group``.  ``plain`` is accelerate's own loop with
+a prepared ``AdamW`` and scheduler (its step counts times the processes, as accelerate's
+examples write it: a prepared scheduler steps once per process per step); ``anchored`` differs
+in the lines a user changes: the model and optimizer built in ``managed_scope``, the scheduler
+given to ``AnchoredOptimizer`` with one rank's step counts (not prepared, never stepped by the
+loop), and the loop starting at ``opt.completed_steps``.
 """
 import hashlib
 import math
+import os
 import sys
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from transformers import Qwen3Config, Qwen3ForCausalLM, get_scheduler
 
-ACCUM, BATCH, SAMPLES, EPOCHS = 3, 2, 20, 2        # 10 micro-batches an epoch: steps end at 3, 6, 9, 10
-STEPS_PER_EPOCH = math.ceil(SAMPLES // BATCH / ACCUM)
-STEPS = STEPS_PER_EPOCH * EPOCHS
+ACCUM, BATCH, SAMPLES, EPOCHS, WARMUP = 3, 2, 20, 2, 2     # one process: 10 micro-batches an epoch,
+                                                          # steps end at 3, 6, 9, 10; two: at 3, 5
 
 
-def build():
+def steps_per_epoch(world: int) -> int:
+    return math.ceil(math.ceil(SAMPLES / BATCH / world) / ACCUM)
+
+
+def build(schedule_steps: int, warmup: int, device):
     config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_dropout=0.1)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(device)     # where prepare() would put it (a move copies)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = get_scheduler("cosine", inner, num_warmup_steps=2, num_training_steps=STEPS)
+    sched = get_scheduler("cosine", inner, num_warmup_steps=warmup, num_training_steps=schedule_steps)
     return model, inner, sched
 
 
@@ -39,27 +45,32 @@ def digest(model) -> str:
     return h.hexdigest()[:16]
 
 
-def main(mode: str, namespace: str) -> None:
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM,
+def main(mode: str, namespace: str, out=sys.stdout) -> None:
+    # Several CPU processes: accelerate places each one's model on cpu:0, and torch copies a
+    # CPU tensor moved there, out of anchored memory (AnchoredOptimizer's step says so).
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, device_placement=not several,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     rows = torch.randint(0, 128, (SAMPLES, 16), generator=torch.Generator().manual_seed(1))
     # The loader's own generator: a new iterator draws its seed from it, not from torch's global
     # RNG, which a restarted worker has just set to where the dropout of the next step starts.
     loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(2))
+    world = accelerator.num_processes
+    per_epoch = steps_per_epoch(world)
     if mode == "plain":
-        model, opt, sched = build()
+        model, opt, sched = build(per_epoch * EPOCHS * world, WARMUP * world, accelerator.device)
         model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
         start = 0
     else:
         import gpu_anchor
         from gpu_anchor.train import AnchoredOptimizer
         with gpu_anchor.managed_scope(namespace=namespace, require=True):
-            model, inner, sched = build()
+            model, inner, sched = build(per_epoch * EPOCHS, WARMUP, accelerator.device)
             opt = AnchoredOptimizer(inner, model=model, schedulers=[sched])
         model, opt, loader = accelerator.prepare(model, opt, loader)
         start = opt.completed_steps
     step = start
-    first_epoch, done = divmod(start, STEPS_PER_EPOCH)
+    first_epoch, done = divmod(start, per_epoch)
     for epoch in range(first_epoch, EPOCHS):
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, done * ACCUM) if epoch == first_epoch and done else loader
@@ -76,7 +87,27 @@ def main(mode: str, namespace: str) -> None:
                 opt.zero_grad()
             if accelerator.sync_gradients:
                 step += 1
-                print(f"step {step} {digest(model)} {lr!r}", flush=True)
+                print(f"step {step} {digest(model)} {lr!r}", file=out, flush=True)
+    print(f"end {digest(model)}", file=out, flush=True)
+
+
+def rank_run(rank, world, store, namespace, cfg, log_path, fault, device, plain, width, parallel) -> None:
+    """One DDP rank under ``ddp_campaign.run_group`` (its ``target``): gloo over ``store``, then
+    the loop as ``accelerate launch``'s worker would run it, its lines appended to ``log_path``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    if fault:
+        os.environ["GPU_ANCHOR_TRAIN_FAULT"] = fault
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    AcceleratorState._reset_state(True)     # forked: not the parent's one-process state
+    with open(log_path, "a") as out:
+        main("plain" if plain else "anchored", namespace, out)
+    dist.barrier()       # no rank leaves while its peer may need it
 
 
 if __name__ == "__main__":

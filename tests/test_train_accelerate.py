@@ -38,7 +38,7 @@ def test_fault_free_it_is_accelerates_own_loop_bit_for_bit(host_daemon):
     anchored = _run("anchored", "acc-clean")
     assert anchored.returncode == 0, anchored.stderr
     plain = _plain()
-    assert len(plain) == 8            # 4 steps an epoch, the last of one micro-batch; 2 epochs
+    assert len(plain) == 9            # 4 steps an epoch, the last of one micro-batch; 2 epochs; the end
     assert tuple(anchored.stdout.splitlines()) == plain
 
 
@@ -74,3 +74,32 @@ def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
     assert hf_accelerate.refusal(None, torch.device("cpu")) is None      # accelerate scales nothing on the CPU
     monkeypatch.setattr(AcceleratorState, "_shared_state", {})
     assert hf_accelerate.refusal(None, torch.device("cuda")) is None
+
+
+def _lines(log: str) -> list:
+    return [l for l in log.splitlines() if l.startswith(("step ", "end "))]
+
+
+def test_two_ranks_killed_end_where_accelerates_own_group_does(host_daemon, tmp_path):
+    """``accelerate launch`` with two processes (gloo, DDP from ``prepare``): accelerate's own
+    loop, whose prepared scheduler steps twice a step, against the anchored loop with the
+    scheduler given in one rank's steps; then ranks killed at protocol points, the group
+    started again each time, torchrun-style."""
+    from gpu_anchor.testing import campaign as C
+    from gpu_anchor.testing import ddp_campaign as D
+    sys.path.insert(0, os.path.dirname(JOB))
+    import accelerate_job as job
+    logs = {}
+    for name, kwargs in [("plain", {"plain": True}), ("clean", {}),
+                         ("killed", {"faults_seq": [(0, "before_boundary@1"), (1, "mid_chunk@2:0"),
+                                                    [(0, "after_update@3:0"), (1, "after_update@3:0")]]})]:
+        (tmp_path / name).mkdir()
+        res = D.run_group(f"acc-ddp-{name}", C.CampaignConfig(), str(tmp_path / name), target=job.rank_run, **kwargs)
+        logs[name] = [_lines(log) for log in res["logs"]]
+    steps = job.steps_per_epoch(2) * job.EPOCHS
+    for r in range(2):
+        assert len(logs["plain"][r]) == steps + 1 and len({l.split()[2] for l in logs["plain"][r][:-1]}) == steps
+        assert logs["clean"][r] == logs["plain"][r]
+        assert set(logs["killed"][r]) <= set(logs["plain"][r])
+        assert logs["killed"][r][-1] == logs["plain"][r][-1]
+    assert logs["plain"][0] == logs["plain"][1]          # DDP: every rank holds the same parameters

@@ -64,7 +64,10 @@ class GradientBuffers:
                     f"parameter {q.name!r} no longer lies in the anchored memory the optimizer updates: its "
                     "tensor was replaced after AnchoredOptimizer was built (a .to()/.cuda(), or a framework "
                     "placing the model on its device, copies it), so the step would update memory the model no "
-                    "longer reads. Move the model before building the optimizer, inside the scope.")
+                    "longer reads. Move the model before building the optimizer, inside the scope"
+                    + (f"; on the CPU a move to {_local(q.p).device} copies even a model already there: turn the "
+                       "framework's placement off (accelerate: Accelerator(device_placement=False))"
+                       if _local(q.p).device.type == "cpu" and _local(q.p).device.index is not None else "") + ".")
             g = q.p.grad
             if g is None:
                 q.p.grad = q.gview
