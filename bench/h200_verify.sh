@@ -4,8 +4,9 @@
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_verify.sh
 # - the training GPU tests: gradient lending (the lend_plan / lend_hooks refactor, the compile
 #   fix, the empty-plan warning), the gradient buffers (the check on parameters replaced after
-#   the optimizer was built sits on every step's boundary), the fused Adam kernel, and
-#   AnchoredTrainer's GPU test (Hugging Face Trainer; written without a GPU);
+#   the optimizer was built sits on every step's boundary), the fused Adam kernel,
+#   AnchoredTrainer's GPU test (Hugging Face Trainer; written without a GPU) and the accelerate
+#   loop's (stop 49);
 # - the 1B Llama's 10-kill campaigns, with and without lending (they write
 #   train_gpu_faults{,_lend}.json under $OUT: name them anew before storing them).
 # Each part's output goes to $OUT/<part>.log; the exit codes are printed.
@@ -20,7 +21,8 @@ part() {   # name, timeout (s), command...
   echo "== $name rc=$? after $(( $(date +%s) - t0 )) s"
   tail -n 3 "$OUT/$name.log"
 }
-part gpu_tests 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_train_hf.py \
-  tests/test_train_grad_lending.py tests/test_train_grads.py tests/test_train_fused_adam.py
-part campaigns_1b 330 env OUT="$OUT" python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_train_gpu.py \
-  -k "ten_kills or every_chunk"
+part gpu_tests 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_train_hf.py \
+  tests/test_train_accelerate.py tests/test_train_grad_lending.py tests/test_train_grads.py \
+  tests/test_train_fused_adam.py
+part campaigns_1b ${CAMPAIGN_S:-280} env OUT="$OUT" python -m pytest -q -s -m gpu -p no:cacheprovider \
+  tests/test_train_gpu.py -k "ten_kills or every_chunk"

@@ -2,7 +2,7 @@
 model, optimizer and shuffled data loader, gradient accumulation with ``accumulate()``,
 ``accelerator.backward`` and ``accelerator.clip_grad_norm_``, a transformers LR schedule.
 
-``python accelerate_job.py plain|anchored NAMESPACE`` prints one ``step N DIGEST LR`` line
+``python accelerate_job.py plain|anchored NAMESPACE`` (``ACC_JOB_CUDA=1``: on the GPU) prints one ``step N DIGEST LR`` line
 per optimizer step (the parameters' bytes hashed, the rate that step used) and ``end DIGEST``; ``rank_run`` is
 one DDP rank of it under ``ddp_campaign.run_group``.  ``plain`` is accelerate's own loop with
 a prepared ``AdamW`` and scheduler (its step counts times the processes, as accelerate's
@@ -41,7 +41,7 @@ def build(schedule_steps: int, warmup: int, device):
 def digest(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -49,7 +49,11 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
     # Several CPU processes: accelerate places each one's model on cpu:0, and torch copies a
     # CPU tensor moved there, out of anchored memory (AnchoredOptimizer's step says so).
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, device_placement=not several,
+    cuda = os.environ.get("ACC_JOB_CUDA") == "1"      # this process's GPU, torch's deterministic algorithms
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    accelerator = Accelerator(cpu=not cuda, gradient_accumulation_steps=ACCUM, device_placement=cuda or not several,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     rows = torch.randint(0, 128, (SAMPLES, 16), generator=torch.Generator().manual_seed(1))
     # The loader's own generator: a new iterator draws its seed from it, not from torch's global

@@ -17,8 +17,8 @@ from gpu_anchor.train import hf_accelerate  # noqa: E402
 JOB = os.path.join(os.path.dirname(__file__), "accelerate_job.py")
 
 
-def _run(mode, namespace="-", fault=None):
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+def _run(mode, namespace="-", fault=None, cuda=False):
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "ACC_JOB_CUDA": "1" if cuda else "0"}
     env.pop("GPU_ANCHOR_TRAIN_FAULT", None)
     if fault:
         env["GPU_ANCHOR_TRAIN_FAULT"] = fault
@@ -60,6 +60,29 @@ def test_killed_it_ends_where_accelerates_own_loop_does(host_daemon, fault):
     assert set(lines) <= set(plain), sorted(set(lines) - set(plain))
     assert lines[-1] == plain[-1]
     assert len(set(lines)) >= len(plain) - 1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_killed_it_ends_where_accelerates_own_loop_does(cuda_daemon):
+    """On one GPU (device progress, the fused Adam kernel where Triton is), each worker a new
+    interpreter with torch's deterministic algorithms: accelerate's own loop and the anchored
+    one step for step, and the job killed at three protocol points ends where it does."""
+    plain = _run("plain", cuda=True)
+    assert plain.returncode == 0, plain.stderr
+    plain = plain.stdout.splitlines()
+    clean = _run("anchored", "acc-gpu-clean", cuda=True)
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stdout.splitlines() == plain
+    lines = []
+    for fault in ("before_boundary@2", "mid_chunk@4:0", "between_steps@6"):
+        killed = _run("anchored", "acc-gpu-killed", fault, cuda=True)
+        assert killed.returncode == -9, killed.stderr
+        lines += killed.stdout.splitlines()
+    again = _run("anchored", "acc-gpu-killed", cuda=True)
+    assert again.returncode == 0, again.stderr
+    lines += again.stdout.splitlines()
+    assert set(lines) <= set(plain), sorted(set(lines) - set(plain))
+    assert lines[-1] == plain[-1]
 
 
 def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
