@@ -15,13 +15,16 @@ import hashlib
 import math
 import os
 import sys
+import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from transformers import Qwen3Config, Qwen3ForCausalLM, get_scheduler
 
-ACCUM, BATCH, SAMPLES, EPOCHS, WARMUP = 3, 2, 20, 2, 2     # one process: 10 micro-batches an epoch,
-                                                          # steps end at 3, 6, 9, 10; two: at 3, 5
+ACCUM, BATCH, SAMPLES, WARMUP = 3, 2, 20, 2     # one process: 10 micro-batches an epoch, steps
+                                                # end at 3, 6, 9, 10; two: at 3, 5
+EPOCHS = int(os.environ.get("ACC_JOB_EPOCHS", "2"))
+STEP_SLEEP = float(os.environ.get("ACC_JOB_SLEEP", "0"))     # a longer step, for a supervisor's chaos kills
 
 
 def steps_per_epoch(world: int) -> int:
@@ -92,6 +95,7 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
             if accelerator.sync_gradients:
                 step += 1
                 print(f"step {step} {digest(model)} {lr!r}", file=out, flush=True)
+                time.sleep(STEP_SLEEP)
     print(f"end {digest(model)}", file=out, flush=True)
 
 
@@ -115,4 +119,12 @@ def rank_run(rank, world, store, namespace, cfg, log_path, fault, device, plain,
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    # python accelerate_job.py MODE [NAMESPACE]: without NAMESPACE, the one a supervisor gives
+    # (`gpu-anchor run [--nproc-per-node N] -- python accelerate_job.py anchored`); ACC_JOB_LOG:
+    # the lines go to that file (LOG.rank<r> with several ranks), else to stdout.
+    namespace = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
+    log = os.environ.get("ACC_JOB_LOG")
+    if log and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log += f".rank{os.environ['RANK']}"
+    with open(log, "a") if log else open(os.dup(1), "w") as out:
+        main(sys.argv[1], namespace, out)

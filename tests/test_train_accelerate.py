@@ -126,3 +126,34 @@ def test_two_ranks_killed_end_where_accelerates_own_group_does(host_daemon, tmp_
         assert set(logs["killed"][r]) <= set(logs["plain"][r])
         assert logs["killed"][r][-1] == logs["plain"][r][-1]
     assert logs["plain"][0] == logs["plain"][1]          # DDP: every rank holds the same parameters
+
+
+def _supervised(cwd, opts, namespace, epochs=30):
+    """``gpu-anchor run [opts] -- python accelerate_job.py anchored``: the job record's restarts."""
+    import json
+    cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--namespace", namespace,
+           *opts, "--", sys.executable, JOB, "anchored"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "ACC_JOB_LOG": str(cwd / "log"), "ACC_JOB_EPOCHS": str(epochs),
+           "ACC_JOB_SLEEP": "0.03", "ACC_JOB_CUDA": "0"}
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    with open(os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "jobs", namespace + ".json")) as f:
+        return json.load(f)["restarts"]
+
+
+def test_under_the_supervisor_two_ranks_one_killed(clean_daemons, tmp_path):
+    """``gpu-anchor run --nproc-per-node 2`` in place of ``accelerate launch``: accelerate joins
+    the group from the supervisor's torchrun variables; one rank SIGKILLed twice, the group
+    restarted in place; each rank ends on the fault-free group's parameters."""
+    two = ["--nproc-per-node", "2"]
+    for d in ("ref", "kills"):
+        (tmp_path / d).mkdir()
+    assert _supervised(tmp_path / "ref", two, "acc-np2-ref") == []
+    ref = [_lines((tmp_path / "ref" / f"log.rank{r}").read_text()) for r in range(2)]
+    assert ref[0] == ref[1] and len(ref[0]) == 2 * 30 + 1          # replicas; 2 steps an epoch, the end
+    restarts = _supervised(tmp_path / "kills", [*two, "--chaos-kills", "2", "--chaos-kill-every", "0.7",
+                                                "--chaos-seed", "3"], "acc-np2")
+    assert [(r["action"], r["kind"]) for r in restarts] == [("restart", "shallow")] * 2
+    for r in range(2):
+        lines = _lines((tmp_path / "kills" / f"log.rank{r}").read_text())
+        assert set(lines) <= set(ref[r]) and lines[-1] == ref[r][-1]
