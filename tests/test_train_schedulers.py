@@ -185,3 +185,29 @@ def test_killed_the_schedule_resumes_where_the_fault_free_run_is(host_daemon, tm
     assert merged == lrs(clean.stdout) and len(merged) == STEPS
     digest = lambda out: [l for l in out.splitlines() if l.startswith("digest")]
     assert digest(again.stdout) == digest(clean.stdout)
+
+
+def test_a_plain_trainer_handed_the_optimizer_and_its_scheduler_is_told_to_use_anchored_trainer(host_daemon, tmp_path):
+    """``Trainer(optimizers=(anchored, scheduler))`` steps the scheduler itself after each step:
+    before, silently twice a step (and no resume); now its second step is refused, naming the fix."""
+    from transformers import Trainer, TrainingArguments
+    model = _model("sched-trainer")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = transformers.get_linear_schedule_with_warmup(inner, 2, STEPS)
+    opt = AnchoredOptimizer(inner, model=model, schedulers=[sched])
+
+    class Regression(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return {"loss": self.net(x).square().mean()}
+
+    data = [{"x": torch.randn(8, generator=torch.Generator().manual_seed(i))} for i in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=Regression(model), args=args, train_dataset=data, optimizers=(opt, sched))
+    with pytest.raises(RuntimeError, match="use gpu_anchor.train.AnchoredTrainer"):
+        trainer.train()
+    assert opt.completed_steps == 1

@@ -77,7 +77,9 @@ class Schedulers:
                         "and its state commits with that step. Remove the job's own scheduler.step() "
                         "call (stepped twice, the schedule runs ahead, and a restarted worker would not "
                         "match). A schedule in epochs is written in optimizer steps "
-                        "(LambdaLR(inner, lambda s: f(s // steps_per_epoch))). This step did not begin.")
+                        "(LambdaLR(inner, lambda s: f(s // steps_per_epoch))); with transformers.Trainer, "
+                        "which steps its scheduler itself, use gpu_anchor.train.AnchoredTrainer. "
+                        "This step did not begin.")
         marked = getattr(self._optimizer.step, "_wrapped_by_lr_sched", False)
         if marked and not self.items and self._looked_up is not self._optimizer.step:
             self._looked_up = self._optimizer.step
