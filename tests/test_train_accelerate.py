@@ -90,6 +90,9 @@ def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
     monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.DEEPSPEED,
                                                           "_mixed_precision": "bf16"})
     assert "DeepSpeed" in hf_accelerate.refusal(None, torch.device("cpu"))
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.FSDP,
+                                                          "_mixed_precision": "bf16"})
+    assert "fully_shard" in hf_accelerate.refusal(None, torch.device("cuda"))
     monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.MULTI_GPU,
                                                           "_mixed_precision": "fp16"})
     assert "scaler=accelerator.scaler" in hf_accelerate.refusal(None, torch.device("cuda"))

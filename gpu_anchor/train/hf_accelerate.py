@@ -8,8 +8,9 @@ without accelerate pays one dictionary lookup a step):
 * inside ``accelerator.accumulate(model)``, on a micro-batch that does not end an accumulation
   (``accelerator.sync_gradients`` false), ``step()`` and ``zero_grad()`` do nothing, exactly as
   accelerate's wrapper skips them; the gradients keep accumulating in anchored memory;
-* refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer)
-  and fp16 on a GPU without ``scaler=accelerator.scaler`` (``accelerator.backward`` scales the
+* refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer),
+  accelerate's FSDP plugin (it shards the model after the optimizer was built; ``fully_shard``
+  then ``anchor_fsdp`` is the supported way) and fp16 on a GPU without ``scaler=accelerator.scaler`` (``accelerator.backward`` scales the
   loss there, and the step would apply the scaled gradients).
 
 Not done here: accelerate steps a *prepared* LR scheduler once per process per optimizer
@@ -42,6 +43,10 @@ def refusal(scaler, device) -> str | None:
     if kind.endswith("DEEPSPEED"):
         return ("accelerate runs DeepSpeed here, whose engine owns the optimizer step; "
                 "AnchoredOptimizer does not run under it")
+    if kind.endswith("FSDP"):
+        return ("accelerate's FSDP plugin shards the model in prepare(), after the optimizer was built "
+                "over its parameters; shard it yourself first (torch's fully_shard, then "
+                "gpu_anchor.train.fsdp.anchor_fsdp, then AnchoredOptimizer: FSDP2 is supported that way)")
     if state.get("_mixed_precision") == "fp16" and scaler is None and device.type == "cuda":
         return ("accelerate's fp16 scales the loss in accelerator.backward(), and AnchoredOptimizer "
                 "would step on the scaled gradients: pass AnchoredOptimizer(..., scaler=accelerator.scaler), "
