@@ -80,3 +80,31 @@ def test_amp_kills_at_phases_and_random(host_daemon, tmp_path):
         assert done == ref_done, ns
         assert C.compare(ref_client, gpu_anchor.connect("cpu", namespace=ns)) == [], ns
     assert kills >= len(specs) + 20
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_scalers_own_step_or_unscale_is_refused_before_the_step(host_daemon, given):
+    """torch's AMP recipe (``scaler.step(opt); scaler.update()``) on an ``AnchoredOptimizer``
+    would skip inf steps behind the loop's back and keep the scale outside the commit (not
+    given) or unscale twice (given): refused, naming the fix, with nothing changed."""
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    client = gpu_anchor.connect("cpu", namespace=f"amp-misuse-{given}")
+    model = C.build_model(0)
+    anchor_module(model, client)
+    scaler = C.make_scaler()
+    opt = AnchoredOptimizer(C.build_optimizer(model, CFG), model=model, client=client,
+                            scaler=scaler if given else None)
+    x, y = C.batch(0, 0)
+    scaler.scale(C.forward_loss(model, x, y, amp=True)).backward()
+    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"scaler=scaler\), keep scaler.scale"):
+        scaler.step(opt)
+    assert opt.completed_steps == 0
+    bits = lambda t: t.detach().contiguous().view(torch.uint8)      # noqa: E731 (the gradients may hold inf)
+    assert all(torch.equal(bits(p), bits(a)) and torch.equal(bits(p.grad), bits(g))
+               for p, (a, g) in zip(model.parameters(), before))
+    if given:
+        scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match="unscale_"):
+            opt.step()
+        assert opt.completed_steps == 0

@@ -26,6 +26,29 @@ def check(scaler):
     return scaler if scaler.is_enabled() else None
 
 
+def misuse(opt, scaler) -> str | None:
+    """Why the scaler's own ``step`` / ``unscale_`` reached this step, or None.
+
+    ``AnchoredOptimizer`` declares ``_step_supports_amp_scaling``, so ``GradScaler.step(opt)``
+    hands it ``grad_scale`` / ``found_inf`` (having changed no gradient) instead of unscaling
+    and maybe skipping the step: either would leave ``completed_steps`` behind the loop on an
+    inf step, the scale outside the commit, or (with ``scaler=``) the gradients unscaled twice.
+    """
+    driven = opt.__dict__.pop("grad_scale", None) is not None
+    driven = opt.__dict__.pop("found_inf", None) is not None or driven
+    if driven:
+        return ("torch.amp.GradScaler.step(opt) called this step. Give the scaler to the optimizer, "
+                "AnchoredOptimizer(..., scaler=scaler), keep scaler.scale(loss).backward(), and call "
+                "opt.step() instead of scaler.step(opt) and scaler.update(): the step unscales, skips "
+                "an inf/NaN update and updates the scale itself, committed with the step")
+    if scaler is not None and id(opt) in scaler._per_optimizer_states \
+            and scaler._per_optimizer_states[id(opt)]["stage"] is not torch.amp.grad_scaler.OptState.READY:
+        scaler._per_optimizer_states.pop(id(opt))
+        return ("scaler.unscale_(opt) was called before this step, which unscales the gradients "
+                "itself: do not call unscale_ (gradient clipping with fp16 is not supported)")
+    return None
+
+
 def unscale(scaler, grads: list[torch.Tensor], device: torch.device, all_ranks: bool) -> bool:
     """Unscale ``grads`` in place and update ``scaler``; True if inf/NaN (on any rank) means skip."""
     if scaler._scale is None:

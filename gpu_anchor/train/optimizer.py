@@ -81,6 +81,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
     ``config``: the same four settings as one ``StepProtocolConfig`` (then those keywords are not read).
     """
 
+    _step_supports_amp_scaling = True     # GradScaler.step(opt) then reaches step() untouched: amp.misuse
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None,
                  client=None, prefix: str = "train", chunk_bytes: int | None = None,
                  schedulers=(), track_rng: bool = True, progress: str | None = None, scaler=None,
@@ -262,7 +264,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self.completed_steps    # raises if not attached yet
         if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
             return
-        why = hf_accelerate.refusal(self.scaler, self.device)
+        why = amp.misuse(self, self.scaler) or hf_accelerate.refusal(self.scaler, self.device)
         if why:
             raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
