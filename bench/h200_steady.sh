@@ -32,6 +32,8 @@ one() {   # name, then train_overhead's arguments
 ALL=--lend-grad-bytes=2471628800
 for i in 1 2 3; do one train_overhead_short_lendall_steady_$i --rounds 5 --batch 4 --seq 1024 $ALL; done
 one train_overhead_short_steady_nolend --rounds 5 --batch 4 --seq 1024
-for i in 1 2; do one train_overhead_lendall_steady_$i --rounds 3 $ALL; done
-one train_overhead_short_lendall_steady_long --rounds 10 --batch 4 --seq 1024 $ALL
+if [ -z "${STEADY_SHORT_ONLY:-}" ]; then     # STEADY_SHORT_ONLY=1: 4 x 1 024 only (a shorter call)
+  for i in 1 2; do one train_overhead_lendall_steady_$i --rounds 3 $ALL; done
+  one train_overhead_short_lendall_steady_long --rounds 10 --batch 4 --seq 1024 $ALL
+fi
 one train_overhead_short_lendall_hostfwd --rounds 2 --batch 4 --seq 1024 $ALL --host-forward 10

@@ -60,7 +60,7 @@ def arguments(out_dir: str, **overrides):
 def digest(model) -> str:
     h = hashlib.sha1()
     for _, p in sorted(model.named_parameters()):
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
