@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks the training code owes since stop 47's last device call (2026-12-04), in one
-# H200 call (<= 10 min), before any benchmark:
+# The training code's GPU checks, in one H200 call (<= 10 min), before any benchmark (first run
+# 2026-12-05, stop 49):
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_verify.sh
 # - the training GPU tests: gradient lending (the lend_plan / lend_hooks refactor, the compile
 #   fix, the empty-plan warning), the gradient buffers (the check on parameters replaced after
