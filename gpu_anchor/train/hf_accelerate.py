@@ -3,15 +3,16 @@
 ``accelerator.prepare(model, opt, loader)`` hands an ``AnchoredOptimizer`` back as it is (it
 prepares ``torch.optim.Optimizer`` instances only), so what accelerate's own optimizer wrapper
 would do is done here, read from accelerate's process-wide state (nothing is imported: a job
-without accelerate pays one dictionary lookup a step):
+without accelerate pays two ``sys.modules`` lookups a step):
 
 * inside ``accelerator.accumulate(model)``, on a micro-batch that does not end an accumulation
   (``accelerator.sync_gradients`` false), ``step()`` and ``zero_grad()`` do nothing, exactly as
   accelerate's wrapper skips them; the gradients keep accumulating in anchored memory;
 * refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer),
   accelerate's FSDP plugin (it shards the model after the optimizer was built; ``fully_shard``
-  then ``anchor_fsdp`` is the supported way) and fp16 on a GPU without ``scaler=accelerator.scaler`` (``accelerator.backward`` scales the
-  loss there, and the step would apply the scaled gradients).
+  then ``anchor_fsdp`` is the supported way) and fp16 on a GPU without
+  ``scaler=accelerator.scaler`` (``accelerator.backward`` scales the loss there, and the step
+  would apply the scaled gradients).
 
 Not done here: accelerate steps a *prepared* LR scheduler once per process per optimizer
 step, and ``accelerator.clip_grad_norm_`` unscales only the optimizers it prepared. Give the

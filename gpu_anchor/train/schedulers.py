@@ -105,7 +105,7 @@ class Schedulers:
         """At the end of the step, before its commit: one step of each, in order."""
         for sch in self.items:
             sch.step()
-        self._positions = [_position(s) for s in self.items]
+        self.mark()
 
     # ------------------------------------------------------------------ what commits
     def state(self) -> bytes:
