@@ -2,8 +2,10 @@
 model, optimizer and shuffled data loader, gradient accumulation with ``accumulate()``,
 ``accelerator.backward`` and ``accelerator.clip_grad_norm_``, a transformers LR schedule.
 
-``python accelerate_job.py plain|anchored NAMESPACE`` (``ACC_JOB_CUDA=1``: on the GPU) prints one ``step N DIGEST LR`` line
-per optimizer step (the parameters' bytes hashed, the rate that step used) and ``end DIGEST``; ``rank_run`` is
+``python accelerate_job.py plain|anchored NAMESPACE`` (``ACC_JOB_CUDA=1``: on the GPU; ``ACC_JOB_FP16=1`` as
+well: accelerate's fp16, its scaler given to ``AnchoredOptimizer``, starting at a scale that overflows) prints one
+``step N DIGEST LR`` line per optimizer step (the parameters' bytes hashed, the rate that step used; with fp16
+the scale after it too) and ``end DIGEST``; ``rank_run`` is
 one DDP rank of it under ``ddp_campaign.run_group``.  ``plain`` is accelerate's own loop with
 a prepared ``AdamW`` and scheduler (its step counts times the processes, as accelerate's
 examples write it: a prepared scheduler steps once per process per step); ``anchored`` differs
@@ -19,6 +21,7 @@ import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradScalerKwargs
 from transformers import Qwen3Config, Qwen3ForCausalLM, get_scheduler
 
 ACCUM, BATCH, SAMPLES, WARMUP = 3, 2, 20, 2     # one process: 10 micro-batches an epoch, steps
@@ -56,7 +59,12 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
     if cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    fp16 = cuda and os.environ.get("ACC_JOB_FP16") == "1"
+    # fp16: a first scale that overflows, backing off fast and growing after every good step,
+    # so that skipped and applied steps mix
+    scaling = [GradScalerKwargs(init_scale=2.0 ** 24, backoff_factor=2.0 ** -4, growth_interval=1)] if fp16 else []
     accelerator = Accelerator(cpu=not cuda, gradient_accumulation_steps=ACCUM, device_placement=cuda or not several,
+                              mixed_precision="fp16" if fp16 else "no", kwargs_handlers=scaling,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     rows = torch.randint(0, 128, (SAMPLES, 16), generator=torch.Generator().manual_seed(1))
     # The loader's own generator: a new iterator draws its seed from it, not from torch's global
@@ -73,7 +81,7 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
         from gpu_anchor.train import AnchoredOptimizer
         with gpu_anchor.managed_scope(namespace=namespace, require=True):
             model, inner, sched = build(per_epoch * EPOCHS, WARMUP, accelerator.device)
-            opt = AnchoredOptimizer(inner, model=model, schedulers=[sched])
+            opt = AnchoredOptimizer(inner, model=model, schedulers=[sched], scaler=accelerator.scaler)
         model, opt, loader = accelerator.prepare(model, opt, loader)
         start = opt.completed_steps
     step = start
@@ -94,7 +102,8 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
                 opt.zero_grad()
             if accelerator.sync_gradients:
                 step += 1
-                print(f"step {step} {digest(model)} {lr!r}", file=out, flush=True)
+                scale = f" {accelerator.scaler.get_scale()!r}" if fp16 else ""
+                print(f"step {step} {digest(model)} {lr!r}{scale}", file=out, flush=True)
                 time.sleep(STEP_SLEEP)
     print(f"end {digest(model)}", file=out, flush=True)
 

@@ -165,7 +165,8 @@ if __name__ == "__main__":
     # a worker of `gpu-anchor run -- python hf_trainer_job.py LOG OUT STEPS STEP_SLEEP`, in the
     # namespace the supervisor gives the job (LOG.rank<r> and OUT.rank<r> with several ranks)
     # HF_JOB_CUDA=1: on this process's GPU, with torch's deterministic algorithms (a kill test
-    # compares bits); HF_JOB_PLAIN=1: plain transformers.Trainer; GPU_ANCHOR_TRAIN_FAULT: a kill.
+    # compares bits); HF_JOB_PLAIN=1: plain transformers.Trainer; HF_JOB_FP16=1 (with HF_JOB_CUDA):
+    # fp16=True; GPU_ANCHOR_TRAIN_FAULT: a kill.
     import sys
     _extra_callbacks.append(_pace(float(sys.argv[4])))
     rank = f".rank{os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -175,4 +176,5 @@ if __name__ == "__main__":
         torch.use_deterministic_algorithms(True)
     namespace = None if os.environ.get("HF_JOB_PLAIN") == "1" else os.environ.get("GPU_ANCHOR_NAMESPACE", "default")
     sys.exit(run(namespace, sys.argv[1] + rank, sys.argv[2] + rank, os.environ.get("GPU_ANCHOR_TRAIN_FAULT"),
-                 max_steps=int(sys.argv[3]), **({"use_cpu": False} if cuda else {})))
+                 max_steps=int(sys.argv[3]), **({"use_cpu": False} if cuda else {}),
+                 **({"fp16": True} if cuda and os.environ.get("HF_JOB_FP16") == "1" else {})))

@@ -17,8 +17,8 @@ from gpu_anchor.train import hf_accelerate  # noqa: E402
 JOB = os.path.join(os.path.dirname(__file__), "accelerate_job.py")
 
 
-def _run(mode, namespace="-", fault=None, cuda=False):
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "ACC_JOB_CUDA": "1" if cuda else "0"}
+def _run(mode, namespace="-", fault=None, cuda=False, fp16=False):
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "ACC_JOB_CUDA": "1" if cuda else "0", "ACC_JOB_FP16": "1" if fp16 else "0"}
     env.pop("GPU_ANCHOR_TRAIN_FAULT", None)
     if fault:
         env["GPU_ANCHOR_TRAIN_FAULT"] = fault
@@ -85,6 +85,35 @@ def test_on_a_gpu_killed_it_ends_where_accelerates_own_loop_does(cuda_daemon):
     assert lines[-1] == plain[-1]
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_in_fp16_with_clipping_killed_it_ends_where_accelerates_own_loop_does(cuda_daemon):
+    """accelerate's fp16 with ``accelerator.clip_grad_norm_`` and the scaler given as
+    ``scaler=accelerator.scaler``: the clip unscales the anchored gradients (the optimizer
+    joined the Accelerator's), the step takes that unscale's inf flag, and a skipped step does
+    not step the schedule, as accelerate's wrapped scheduler does not.  Fault-free, step for
+    step accelerate's own loop (parameters, rate, scale), skipped and applied steps mixed;
+    killed at three protocol points, the job ends where it does."""
+    plain = _run("plain", cuda=True, fp16=True)
+    assert plain.returncode == 0, plain.stderr
+    plain = plain.stdout.splitlines()
+    scales = [float(l.split()[4]) for l in plain[:-1]]
+    assert any(b < a for a, b in zip([2.0 ** 24] + scales, scales)), scales     # a step skipped (the scale backed off)
+    assert any(b > a for a, b in zip([2.0 ** 24] + scales, scales)), scales     # and one applied (it grew)
+    clean = _run("anchored", "acc-fp16-clean", cuda=True, fp16=True)
+    assert clean.returncode == 0, clean.stderr
+    assert clean.stdout.splitlines() == plain
+    lines = []
+    for fault in ("before_boundary@2", "mid_chunk@4:0", "between_steps@6"):
+        killed = _run("anchored", "acc-fp16-killed", fault, cuda=True, fp16=True)
+        assert killed.returncode == -9, killed.stderr
+        lines += killed.stdout.splitlines()
+    again = _run("anchored", "acc-fp16-killed", cuda=True, fp16=True)
+    assert again.returncode == 0, again.stderr
+    lines += again.stdout.splitlines()
+    assert set(lines) <= set(plain), sorted(set(lines) - set(plain))
+    assert lines[-1] == plain[-1]
+
+
 def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
     from accelerate.state import AcceleratorState, DistributedType
     monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.DEEPSPEED,
@@ -96,10 +125,39 @@ def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
     monkeypatch.setattr(AcceleratorState, "_shared_state", {"distributed_type": DistributedType.MULTI_GPU,
                                                           "_mixed_precision": "fp16"})
     assert "scaler=accelerator.scaler" in hf_accelerate.refusal(None, torch.device("cuda"))
-    assert hf_accelerate.refusal(object(), torch.device("cuda")) is None
+    # a scaler that is not the Accelerator's: backward() scaled the loss with another one
+    assert "not accelerator.scaler" in hf_accelerate.refusal(object(), torch.device("cuda"))
+    assert hf_accelerate.refusal(object(), torch.device("cuda"), joined=object()) is None
     assert hf_accelerate.refusal(None, torch.device("cpu")) is None      # accelerate scales nothing on the CPU
     monkeypatch.setattr(AcceleratorState, "_shared_state", {})
     assert hf_accelerate.refusal(None, torch.device("cuda")) is None
+
+
+def test_joins_the_accelerator_whose_scaler_it_is_given(host_daemon, monkeypatch):
+    """``join``'s contract on the CPU, where accelerate scales nothing (its fp16 state set by
+    hand; the GPU test above runs the real thing): the optimizer joins the Accelerator whose
+    scaler it was given, once; ``optimizer_step_was_skipped`` reads it; another scaler joins none."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import gpu_anchor
+    from gpu_anchor.testing import campaign as C
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = C.make_scaler()
+    monkeypatch.setitem(AcceleratorState._shared_state, "_mixed_precision", "fp16")
+    client = gpu_anchor.connect("cpu", namespace="acc-join")
+    model = C.build_model(0)
+    anchor_module(model, client)
+    opt = AnchoredOptimizer(C.build_optimizer(model, C.CampaignConfig()), model=model, client=client,
+                            scaler=accelerator.scaler)
+    assert accelerator._optimizers == [opt] and hf_accelerate.join(opt, accelerator.scaler) is accelerator
+    assert accelerator._optimizers == [opt]
+    assert accelerator.optimizer_step_was_skipped is False
+    opt.step_was_skipped = True
+    assert accelerator.optimizer_step_was_skipped is True
+    assert hf_accelerate.join(opt, C.make_scaler()) is None
+    assert hf_accelerate.join(opt, None) is None
 
 
 def _lines(log: str) -> list:

@@ -295,29 +295,33 @@ def test_under_the_supervisor_two_ranks_one_killed(clean_daemons, tmp_path):
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_killed_at_protocol_points(cuda_daemon, tmp_path):
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_on_a_gpu_killed_at_protocol_points(cuda_daemon, tmp_path, fp16):
     """On one GPU (device progress, the fused Adam kernel), each worker a new interpreter, with
     torch's deterministic algorithms: plain ``Trainer`` and ``AnchoredTrainer`` end on the same
-    parameters, and the job killed at four protocol points ends where the fault-free one does."""
+    parameters and log history, and the job killed at four protocol points ends where the
+    fault-free one does.  ``fp16``: ``fp16=True`` with Trainer's clipping (``max_grad_norm``),
+    accelerate's GradScaler and clip driving the anchored step (``hf_accelerate.join``)."""
     pytest.importorskip("triton", reason="the GPU path under test is the fused Triton kernel")
 
     def worker(name, namespace, fault=None, plain=False):
         env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(job.__file__)), "HF_JOB_CUDA": "1",
-               "GPU_ANCHOR_NAMESPACE": namespace, "HF_JOB_PLAIN": "1" if plain else "0"}
+               "GPU_ANCHOR_NAMESPACE": namespace, "HF_JOB_PLAIN": "1" if plain else "0",
+               "HF_JOB_FP16": "1" if fp16 else "0"}
         env.pop("GPU_ANCHOR_TRAIN_FAULT", None)
         if fault:
             env["GPU_ANCHOR_TRAIN_FAULT"] = fault
         return subprocess.run([sys.executable, job.__file__, str(tmp_path / name), str(tmp_path / "out"), "20", "0"],
                               env=env, timeout=300).returncode
     assert worker("plain", "-", plain=True) == 0
-    assert worker("ref", "hf-gpu-ref") == 0
+    assert worker("ref", f"hf-gpu-ref-{fp16}") == 0
     assert _done(tmp_path / "ref") == _done(tmp_path / "plain")
     for spec in ("before_boundary@2", "mid_chunk@5:0", "after_update@9:0", "between_steps@14"):
-        assert worker("kills", "hf-gpu-kills", fault=spec) == -signal.SIGKILL, spec
-    assert worker("kills", "hf-gpu-kills") == 0
+        assert worker("kills", f"hf-gpu-kills-{fp16}", fault=spec) == -signal.SIGKILL, spec
+    assert worker("kills", f"hf-gpu-kills-{fp16}") == 0
     assert _done(tmp_path / "kills") == _done(tmp_path / "ref")
-    assert C.compare(gpu_anchor.connect("cuda:0", namespace="hf-gpu-ref"),
-                     gpu_anchor.connect("cuda:0", namespace="hf-gpu-kills")) == []
+    assert C.compare(gpu_anchor.connect("cuda:0", namespace=f"hf-gpu-ref-{fp16}"),
+                     gpu_anchor.connect("cuda:0", namespace=f"hf-gpu-kills-{fp16}")) == []
 
 
 def test_refuses_what_it_cannot_anchor(host_daemon, tmp_path):

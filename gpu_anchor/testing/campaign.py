@@ -41,6 +41,8 @@ class CampaignConfig:
     progress: str = "journal"       # journal | device (where the per-chunk cursor lives)
     scope: bool = False             # build model + optimizer inside gpu_anchor.managed_scope
     amp: bool = False               # GradScaler (``make_scaler``); the log carries the scale too
+    clip: float = 0.0               # clip the gradients' norm to this before each step (AMP: after
+                                    # ``scaler.unscale_(opt)``, torch's recipe); 0: no clipping
     device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
                                     # forking process must not have initialised CUDA)
     lend_grad_bytes: int = 0        # StepProtocolConfig.lend_grad_bytes (the log then says what the last worker lent in all)
@@ -104,6 +106,14 @@ def forward_loss(model, x, y, amp: bool) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
+def clip(model, opt, scaler, max_norm: float) -> None:
+    """The campaign loop's clipping (none if ``max_norm`` is 0), as torch's AMP recipe writes it."""
+    if max_norm:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def _log(fd: int, step: int, loss: torch.Tensor, scaler=None) -> None:
     extra = f" {scaler.get_scale():.6e}" if scaler is not None else ""
     os.write(fd, f"{step} {struct.unpack('<I', struct.pack('<f', loss.item()))[0]:08x}{extra}\n".encode())
@@ -143,6 +153,7 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
             (scaler.scale(loss) if scaler is not None else loss).backward()
             opt.loop_state["samples"] = opt.loop_state.get("samples", 0) + BATCH
             _log(fd, step, loss, scaler)
+            clip(model, opt, scaler, cfg.clip)
             opt.step()
             opt.zero_grad()
         os.write(fd, f"done {opt.loop_state.get('samples', 0)} {opt.completed_steps}\n".encode())

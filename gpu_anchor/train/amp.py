@@ -26,40 +26,52 @@ def check(scaler):
     return scaler if scaler.is_enabled() else None
 
 
-def misuse(opt, scaler) -> str | None:
-    """Why the scaler's own ``step`` / ``unscale_`` reached this step, or None.
+def misuse(opt) -> str | None:
+    """Why ``GradScaler.step(opt)`` reached this step, or None.
 
     ``AnchoredOptimizer`` declares ``_step_supports_amp_scaling``, so ``GradScaler.step(opt)``
     hands it ``grad_scale`` / ``found_inf`` (having changed no gradient) instead of unscaling
     and maybe skipping the step: either would leave ``completed_steps`` behind the loop on an
-    inf step, the scale outside the commit, or (with ``scaler=``) the gradients unscaled twice.
+    inf step, or the scale outside the commit.
     """
     driven = opt.__dict__.pop("grad_scale", None) is not None
     driven = opt.__dict__.pop("found_inf", None) is not None or driven
     if driven:
         return ("torch.amp.GradScaler.step(opt) called this step. Give the scaler to the optimizer, "
-                "AnchoredOptimizer(..., scaler=scaler), keep scaler.scale(loss).backward(), and call "
-                "opt.step() instead of scaler.step(opt) and scaler.update(): the step unscales, skips "
-                "an inf/NaN update and updates the scale itself, committed with the step")
-    if scaler is not None and id(opt) in scaler._per_optimizer_states \
-            and scaler._per_optimizer_states[id(opt)]["stage"] is not torch.amp.grad_scaler.OptState.READY:
-        scaler._per_optimizer_states.pop(id(opt))
-        return ("scaler.unscale_(opt) was called before this step, which unscales the gradients "
-                "itself: do not call unscale_ (gradient clipping with fp16 is not supported)")
+                "AnchoredOptimizer(..., scaler=scaler), keep scaler.scale(loss).backward() (and "
+                "scaler.unscale_(opt) before clipping), and call opt.step() instead of scaler.step(opt) "
+                "and scaler.update(): the step skips an inf/NaN update and updates the scale itself, "
+                "committed with the step")
     return None
 
 
-def unscale(scaler, grads: list[torch.Tensor], device: torch.device, all_ranks: bool) -> bool:
-    """Unscale ``grads`` in place and update ``scaler``; True if inf/NaN (on any rank) means skip."""
+def unscaled_by_loop(scaler, opt) -> torch.Tensor | None:
+    """The inf/NaN flag of this iteration's ``scaler.unscale_(opt)`` (the loop unscaled the
+    gradients itself, to clip them), or None if it did not; either way the scaler forgets the
+    iteration, as ``GradScaler.update`` does."""
+    st = scaler._per_optimizer_states.pop(id(opt), None)
+    if st is None or st["stage"] is not torch.amp.grad_scaler.OptState.UNSCALED:
+        return None
+    flags = list(st["found_inf_per_device"].values())
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+
+
+def unscale(scaler, grads: list[torch.Tensor], device: torch.device, all_ranks: bool,
+            found: torch.Tensor | None = None) -> bool:
+    """Unscale ``grads`` in place and update ``scaler``; True if inf/NaN (on any rank) means skip.
+    ``found``: the loop unscaled them already (``unscaled_by_loop``), this is its inf/NaN flag."""
     if scaler._scale is None:
         scaler._lazy_init_scale_growth_tracker(device)
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    inv = scaler._scale.double().reciprocal().float()
-    by_dtype: dict = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for gs in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
+    if found is None:
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = scaler._scale.double().reciprocal().float()
+        by_dtype: dict = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
+    else:
+        found = found.reshape(1).to(device=device, dtype=torch.float32)
     if all_ranks:
         # FSDP2 shards differ per rank; DDP's are equal — either way all ranks must skip alike
         import torch.distributed as dist

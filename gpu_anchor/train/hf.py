@@ -38,8 +38,7 @@ The contract:
   build it there, inside the scope (a parameter outside anchored memory is refused, naming it).
 - **Refused, with the reason** (not silently run unanchored): an ``AnchoredOptimizer`` passed in
   (this class builds its own), ``model_init`` / hyper-parameter search, DeepSpeed and FSDP
-  through accelerate, fp16 with a ``GradScaler`` (accelerate unscales only the optimizers it
-  wraps), ``reduce_lr_on_plateau`` (stepped with a metric, outside the optimizer step),
+  through accelerate, ``reduce_lr_on_plateau`` (stepped with a metric, outside the optimizer step),
   ``auto_find_batch_size``, and on transformers before 5.3 an epoch whose batches do not divide
   by ``gradient_accumulation_steps`` (that Trainer resumes such an epoch wrongly).
 """
@@ -157,9 +156,6 @@ class AnchoredTrainer(Trainer):
             return "model_init builds a new model for each run; build the model once, in managed_scope"
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return "DeepSpeed and FSDP through accelerate own the optimizer state; they are not anchored"
-        if a.fp16:
-            return ("fp16 mixed precision needs a GradScaler that accelerate drives only for the optimizers it wraps; "
-                    "use bf16=True, or a loop of your own with AnchoredOptimizer(..., scaler=)")
         if str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type)) == "reduce_lr_on_plateau":
             return "reduce_lr_on_plateau steps with a metric after evaluation, outside the optimizer step"
         if a.auto_find_batch_size:
@@ -259,8 +255,10 @@ class AnchoredTrainer(Trainer):
         self._planned_steps = self._max_steps(loader)
         scheduler = super().create_scheduler(self._planned_steps, optimizer=inner)
         self._created_lr_scheduler = False      # Trainer drops a scheduler it made at each train(); this one stays
+        # fp16: the step unscales with accelerate's scaler (or its clip_grad_norm_ did) and joins
+        # the Accelerator's optimizers, so that optimizer_step_was_skipped reads it (hf_accelerate)
         self.anchored = AnchoredOptimizer(inner, model=self.model, schedulers=[scheduler],
-                                          config=self.anchor_config)
+                                          scaler=self.accelerator.scaler, config=self.anchor_config)
         self.optimizer = self.anchored
         self.lr_scheduler = self._scheduler_handle = _SteppedWithTheOptimizer(scheduler)
 

@@ -8,19 +8,26 @@ without accelerate pays two ``sys.modules`` lookups a step):
 * inside ``accelerator.accumulate(model)``, on a micro-batch that does not end an accumulation
   (``accelerator.sync_gradients`` false), ``step()`` and ``zero_grad()`` do nothing, exactly as
   accelerate's wrapper skips them; the gradients keep accumulating in anchored memory;
+* with fp16, ``AnchoredOptimizer(..., scaler=accelerator.scaler)`` joins that Accelerator's
+  optimizers (``join``), as ``prepare`` would have put its wrapper there: its
+  ``clip_grad_norm_`` (``unscale_gradients()``) then unscales the anchored gradients before it
+  clips them, ``optimizer_step_was_skipped`` reads ``step_was_skipped``, and ``save_state`` /
+  ``load_state`` save and load the optimizer.  Joined, a step the scaler skips does not step the
+  given LR schedulers, as accelerate's scheduler wrapper (and Trainer) skip theirs;
 * refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer),
   accelerate's FSDP plugin (it shards the model after the optimizer was built; ``fully_shard``
-  then ``anchor_fsdp`` is the supported way) and fp16 on a GPU without
-  ``scaler=accelerator.scaler`` (``accelerator.backward`` scales the loss there, and the step
-  would apply the scaled gradients).
+  then ``anchor_fsdp`` is the supported way), fp16 on a GPU without ``scaler=accelerator.scaler``
+  (``accelerator.backward`` scales the loss there, and the step would apply the scaled
+  gradients), and a scaler of its own (``backward`` scales with accelerate's).
 
 Not done here: accelerate steps a *prepared* LR scheduler once per process per optimizer
-step, and ``accelerator.clip_grad_norm_`` unscales only the optimizers it prepared. Give the
-scheduler to ``AnchoredOptimizer(schedulers=[...])`` instead of to ``prepare`` (it then steps
-once per optimizer step), and clip in bf16 or fp32.
+step. Give the scheduler to ``AnchoredOptimizer(schedulers=[...])`` instead of to ``prepare``
+(it then steps once per optimizer step).  Without fp16 the optimizer joins nothing, so
+``save_state`` does not save it (the anchored state does not need it).
 """
 from __future__ import annotations
 
+import gc
 import sys
 
 
@@ -35,8 +42,29 @@ def defers_step() -> bool:
     return not _shared("accelerate.state", "GradientState").get("sync_gradients", True)
 
 
-def refusal(scaler, device) -> str | None:
-    """Why this accelerate configuration cannot run an anchored step on ``device``, or None."""
+def join(opt, scaler):
+    """With accelerate's fp16, add ``opt`` to the optimizers of the Accelerator whose scaler is
+    ``scaler`` and return that Accelerator; None (and nothing done) otherwise.  Finding it walks
+    the collector's objects once (about 0.1 s), only when a scaler is given under accelerate."""
+    if scaler is None or _shared("accelerate.state", "AcceleratorState").get("_mixed_precision") != "fp16":
+        return None
+    cls = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+    if cls is None:
+        return None
+    for obj in gc.get_objects():
+        if issubclass(type(obj), cls) and obj.scaler is scaler:      # type(): no __class__ property read
+            prepared = getattr(obj, "_optimizers", None)
+            if not isinstance(prepared, list):
+                return None          # an accelerate whose Accelerator keeps them otherwise: refused at step()
+            if not any(o is opt for o in prepared):
+                prepared.append(opt)
+            return obj
+    return None
+
+
+def refusal(scaler, device, joined=None) -> str | None:
+    """Why this accelerate configuration cannot run an anchored step on ``device``, or None;
+    ``joined``: the Accelerator ``join`` found for the optimizer's scaler."""
     state = _shared("accelerate.state", "AcceleratorState")
     if not state:
         return None
@@ -48,8 +76,14 @@ def refusal(scaler, device) -> str | None:
         return ("accelerate's FSDP plugin shards the model in prepare(), after the optimizer was built "
                 "over its parameters; shard it yourself first (torch's fully_shard, then "
                 "gpu_anchor.train.fsdp.anchor_fsdp, then AnchoredOptimizer: FSDP2 is supported that way)")
-    if state.get("_mixed_precision") == "fp16" and scaler is None and device.type == "cuda":
-        return ("accelerate's fp16 scales the loss in accelerator.backward(), and AnchoredOptimizer "
-                "would step on the scaled gradients: pass AnchoredOptimizer(..., scaler=accelerator.scaler), "
-                "or train in bf16")
+    if state.get("_mixed_precision") == "fp16" and device.type == "cuda":
+        if scaler is None:
+            return ("accelerate's fp16 scales the loss in accelerator.backward(), and AnchoredOptimizer "
+                    "would step on the scaled gradients: pass AnchoredOptimizer(..., scaler=accelerator.scaler), "
+                    "or train in bf16")
+        if joined is None:
+            return ("the scaler given to AnchoredOptimizer is not accelerator.scaler (the one "
+                    "accelerator.backward() scales the loss with), or the Accelerator keeps its optimizers "
+                    "where this version cannot add one: pass AnchoredOptimizer(..., scaler=accelerator.scaler), "
+                    "built after the Accelerator")
     return None

@@ -72,7 +72,10 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
     says what is refused, and when).
     ``scaler``: a ``torch.amp.GradScaler`` for fp16 AMP: ``step()`` unscales (skipping the update
     on inf/NaN, all ranks alike) and updates it; its state commits with the step.  Use
-    ``scaler.scale(loss).backward(); opt.step()``, never ``scaler.step`` / ``unscale_`` / ``update``.
+    ``scaler.scale(loss).backward(); opt.step()`` (with ``scaler.unscale_(opt)`` before clipping,
+    as torch's recipe has it), never ``scaler.step`` / ``update``; ``step_was_skipped`` says
+    whether the last step's update was empty.  With accelerate's fp16 pass ``accelerator.scaler``:
+    ``accelerator.clip_grad_norm_`` then unscales this optimizer too (``hf_accelerate``).
     ``track_rng``: journal torch's CPU (and this device's CUDA) RNG state at each step.
     ``progress``: where the per-chunk cursor lives — ``"journal"`` (one journal commit
     and one device wait per chunk) or ``"device"`` (an anchored int64 written by the
@@ -101,6 +104,10 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self.kind = kind_of(optimizer)
         self.schedulers = Schedulers(schedulers, optimizer)
         self.scaler = amp.check(scaler)
+        self.step_was_skipped = False       # the last step's update was empty: the scaler found inf/NaN
+        self._schedulers_step = True        # the step in flight steps the schedulers (boundary record)
+        # with accelerate's fp16, its Accelerator unscales this optimizer's gradients before clipping
+        self._accelerator = hf_accelerate.join(self, self.scaler)
         self.track_rng = track_rng
         self.prefix = prefix
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
@@ -264,7 +271,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self.completed_steps    # raises if not attached yet
         if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
             return
-        why = amp.misuse(self, self.scaler) or hf_accelerate.refusal(self.scaler, self.device)
+        why = amp.misuse(self) or hf_accelerate.refusal(self.scaler, self.device, self._accelerator)
         if why:
             raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
@@ -285,8 +292,11 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             # Device mode: no wait — the device word, not this commit, marks the gradients
             # final.  The previous step's pending commit rides along (device past it first).
             puts, landed = self._dev.take_pending() if device else ({}, None)
+            # accelerate (and Trainer) do not step the LR schedule on a step the scaler skipped
+            self._schedulers_step = not (self.step_was_skipped and self._accelerator is not None)
             boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask), "counts": counts,
-                                   "hparams": hps, **self._undo_record(plan)}).encode()
+                                   "hparams": hps, **self._undo_record(plan),
+                                   **({} if self._schedulers_step else {"schedulers_step": False})}).encode()
             new = st.begin(len(self._chunks), device_progress=device)
             puts.update({key(self.prefix, "state"): new.encode(), key(self.prefix, "boundary"): boundary,
                          key(self.prefix, "carry_inflight"): carry})
@@ -355,7 +365,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
 
     def _finish(self, mask, counts, carry) -> None:
         self.optimizer._opt_called = True   # the step did happen (schedulers warn otherwise)
-        self.schedulers.step()
+        if self._schedulers_step:
+            self.schedulers.step()
         new_counts = [c + (1 if m else 0) for c, m in zip(counts, mask)]
         committed = json.dumps({"counts": new_counts,
                                 "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
@@ -465,10 +476,10 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         """The gradient-finalization boundary (``grads.GradientBuffers.finalize``), then the
         GradScaler's unscale: an inf/NaN masks every parameter out, as ``GradScaler.step`` skips."""
         mask = self._grads.finalize()
-        if self.scaler is not None and amp.unscale(self.scaler, [q.grad for q, m in zip(self._params, mask) if m],
-                                                   self.device, self._world > 1):
-            mask = [False] * len(mask)
-        return mask
+        self.step_was_skipped = self.scaler is not None and amp.unscale(
+            self.scaler, [q.grad for q, m in zip(self._params, mask) if m], self.device, self._world > 1,
+            found=amp.unscaled_by_loop(self.scaler, self))
+        return [False] * len(mask) if self.step_was_skipped else mask
 
     def _capture_carry(self) -> bytes:
         return carry_mod.capture(self.loop_state, self.device if self.track_rng else None, self.scaler)

@@ -66,6 +66,7 @@ class RecoveryMixin:
             for g, hp in zip(self.optimizer.param_groups, b["hparams"]):
                 _set_hparams(g, hp)
             carry = vals[key(p, "carry_inflight")]
+            self._schedulers_step = b.get("schedulers_step", True)
             fused = b.get("undo") == "ring"        # how this step saves its chunks (boundary)
             if b.get("undo") not in ("ring", "copy", None) or (fused and b.get("undo_block") != self._fused_block()):
                 raise RuntimeError(f"the step in flight was saved by another version's fused update "
