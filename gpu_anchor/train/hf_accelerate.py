@@ -11,9 +11,9 @@ without accelerate pays two ``sys.modules`` lookups a step):
 * with fp16, ``AnchoredOptimizer(..., scaler=accelerator.scaler)`` joins that Accelerator's
   optimizers (``join``), as ``prepare`` would have put its wrapper there: its
   ``clip_grad_norm_`` (``unscale_gradients()``) then unscales the anchored gradients before it
-  clips them, ``optimizer_step_was_skipped`` reads ``step_was_skipped``, and ``save_state`` /
-  ``load_state`` save and load the optimizer.  Joined, a step the scaler skips does not step the
-  given LR schedulers, as accelerate's scheduler wrapper (and Trainer) skip theirs;
+  clips them, and ``optimizer_step_was_skipped`` reads ``step_was_skipped``.  Joined, a step
+  the scaler skips does not step the given LR schedulers, as accelerate's scheduler wrapper (and
+  Trainer) skip theirs;
 * refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer),
   accelerate's FSDP plugin (it shards the model after the optimizer was built; ``fully_shard``
   then ``anchor_fsdp`` is the supported way), fp16 on a GPU without ``scaler=accelerator.scaler``
@@ -22,8 +22,9 @@ without accelerate pays two ``sys.modules`` lookups a step):
 
 Not done here: accelerate steps a *prepared* LR scheduler once per process per optimizer
 step. Give the scheduler to ``AnchoredOptimizer(schedulers=[...])`` instead of to ``prepare``
-(it then steps once per optimizer step).  Without fp16 the optimizer joins nothing, so
-``save_state`` does not save it (the anchored state does not need it).
+(it then steps once per optimizer step).  ``accelerator.save_state`` / ``load_state`` are not a
+way to checkpoint an anchored job (``gpu-anchor run`` checkpoints it): without fp16 they do not
+see the optimizer, joined they see it but not the schedulers given to it.
 """
 from __future__ import annotations
 
