@@ -132,25 +132,28 @@ def test_anchor_fsdp_refuses_an_unsharded_model(host_daemon):
         anchor_fsdp(C.build_model(1), gpu_anchor.connect("cpu", namespace="x"))
 
 
-def test_fsdp_with_gradscaler(host_daemon, tmp_path):
-    """fp16 autocast + GradScaler on FSDP2: the inf/NaN flag is agreed over the ranks, the
-    scale resumes with the step; kills give the fault-free run, which gives plain FSDP2 +
-    ``GradScaler.step``."""
-    cfg = C.CampaignConfig(steps=8, amp=True)
+@pytest.mark.parametrize("parallel,clip", [("fsdp", 0.0), ("fsdp", 0.05), ("ddp", 0.05)])
+def test_gradscaler_over_ranks(host_daemon, tmp_path, parallel, clip):
+    """fp16 autocast + GradScaler on FSDP2 and DDP: the inf/NaN flag is agreed over the ranks,
+    the scale resumes with the step; kills give the fault-free run, which gives plain torch +
+    ``GradScaler.step``.  ``clip``: each rank's loop calls ``scaler.unscale_(opt)`` and clips
+    (over FSDP2's shards, the norm all-reduced) before the step."""
+    cfg = C.CampaignConfig(steps=8, amp=True, clip=clip)
+    tag = f"{parallel[0]}a{'c' if clip else ''}"
     runs = {}
-    for name, kw in [("fa-ref", {}), ("fa-plain", {"plain": True}),
-                     ("fa-k", {"faults_seq": [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "before_boundary@4"),
-                                              (0, "after_commit@5:1")]})]:
+    for name, kw in [(f"{tag}-ref", {}), (f"{tag}-plain", {"plain": True}),
+                     (f"{tag}-k", {"faults_seq": [(1, "mid_chunk@1:1"), (0, "after_update@2:0"),
+                                                  (1, "before_boundary@4"), (0, "after_commit@5:1")]})]:
         d = tmp_path / name
         d.mkdir()
-        runs[name] = D.run_group(name, cfg, str(d), parallel="fsdp", **kw)
+        runs[name] = D.run_group(name, cfg, str(d), parallel=parallel, **kw)
     for r in range(2):
-        ref = C.trajectory(runs["fa-ref"]["logs"][r])[0]
-        assert ref == C.trajectory(runs["fa-plain"]["logs"][r])[0] == C.trajectory(runs["fa-k"]["logs"][r])[0]
+        ref = C.trajectory(runs[f"{tag}-ref"]["logs"][r])[0]
+        assert ref == C.trajectory(runs[f"{tag}-plain"]["logs"][r])[0] == C.trajectory(runs[f"{tag}-k"]["logs"][r])[0]
         assert len({v.split()[1] for v in ref.values()}) >= 3          # the scale moved
-        assert C.compare(gpu_anchor.connect("cpu", namespace=f"fa-ref/rank{r}"),
-                         gpu_anchor.connect("cpu", namespace=f"fa-k/rank{r}")) == []
-    assert runs["fa-k"]["kills"] == 4
+        assert C.compare(gpu_anchor.connect("cpu", namespace=f"{tag}-ref/rank{r}"),
+                         gpu_anchor.connect("cpu", namespace=f"{tag}-k/rank{r}")) == []
+    assert runs[f"{tag}-k"]["kills"] == 4
 
 
 def test_device_progress_mode_one_rank_killed(fsdp_reference, tmp_path):

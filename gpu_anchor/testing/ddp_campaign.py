@@ -79,6 +79,7 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.Campaig
         loss = C.forward_loss(ddp, x.to(dev), y.to(dev), cfg.amp)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         C._log(fd, step, loss, scaler)
+        C.clip(model, opt, scaler, cfg.clip)
         if plain and scaler is not None:
             scaler.step(opt)
             scaler.update()
