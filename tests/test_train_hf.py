@@ -315,6 +315,8 @@ def test_on_a_gpu_killed_at_protocol_points(cuda_daemon, tmp_path, fp16):
                               env=env, timeout=300).returncode
     assert worker("plain", "-", plain=True) == 0
     assert worker("ref", f"hf-gpu-ref-{fp16}") == 0
+    logs = [job.finished((tmp_path / name).read_text())[2] for name in ("ref", "plain")]
+    assert logs[0] == logs[1]          # first: losses, norms and rates say where they part
     assert _done(tmp_path / "ref") == _done(tmp_path / "plain")
     for spec in ("before_boundary@2", "mid_chunk@5:0", "after_update@9:0", "between_steps@14"):
         assert worker("kills", f"hf-gpu-kills-{fp16}", fault=spec) == -signal.SIGKILL, spec

@@ -12,8 +12,8 @@ without accelerate pays two ``sys.modules`` lookups a step):
   optimizers (``join``), as ``prepare`` would have put its wrapper there: its
   ``clip_grad_norm_`` (``unscale_gradients()``) then unscales the anchored gradients before it
   clips them, and ``optimizer_step_was_skipped`` reads ``step_was_skipped``.  Joined, a step
-  the scaler skips does not step the given LR schedulers, as accelerate's scheduler wrapper (and
-  Trainer) skip theirs;
+  the scaler skips steps the given LR schedulers exactly when accelerate's scheduler wrapper (and
+  Trainer) would step theirs (``skips_schedulers``);
 * refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer),
   accelerate's FSDP plugin (it shards the model after the optimizer was built; ``fully_shard``
   then ``anchor_fsdp`` is the supported way), fp16 on a GPU without ``scaler=accelerator.scaler``
@@ -61,6 +61,16 @@ def join(opt, scaler):
                 prepared.append(opt)
             return obj
     return None
+
+
+def skips_schedulers(inner) -> bool:
+    """Whether accelerate holds a prepared scheduler back on a step its scaler skipped, for the
+    torch optimizer ``inner``.  Its wrapper calls a step skipped when ``GradScaler.step`` did not
+    call the optimizer's; an optimizer that takes the scaler's inf flag itself (fused Adam, AdamW,
+    SGD: torch's ``_step_supports_amp_scaling``) is always called, so accelerate, and Trainer
+    after it, step the schedule on every step with those (read in accelerate 1.16's
+    ``AcceleratedOptimizer.step``; seen on the H200 as Trainer's default fused AdamW)."""
+    return not getattr(inner, "_step_supports_amp_scaling", False)
 
 
 def refusal(scaler, device, joined=None) -> str | None:

@@ -292,8 +292,9 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
             # Device mode: no wait — the device word, not this commit, marks the gradients
             # final.  The previous step's pending commit rides along (device past it first).
             puts, landed = self._dev.take_pending() if device else ({}, None)
-            # accelerate (and Trainer) do not step the LR schedule on a step the scaler skipped
-            self._schedulers_step = not (self.step_was_skipped and self._accelerator is not None)
+            # on a step the scaler skipped, joined to accelerate, step the schedules as it would
+            self._schedulers_step = not (self.step_was_skipped and self._accelerator is not None
+                                         and hf_accelerate.skips_schedulers(self.optimizer))
             boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask), "counts": counts,
                                    "hparams": hps, **self._undo_record(plan),
                                    **({} if self._schedulers_step else {"schedulers_step": False})}).encode()
