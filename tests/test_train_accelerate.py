@@ -136,7 +136,9 @@ def test_refused_where_accelerate_owns_the_step_or_scales_the_loss(monkeypatch):
 def test_joins_the_accelerator_whose_scaler_it_is_given(host_daemon, monkeypatch):
     """``join``'s contract on the CPU, where accelerate scales nothing (its fp16 state set by
     hand; the GPU test above runs the real thing): the optimizer joins the Accelerator whose
-    scaler it was given, once; ``optimizer_step_was_skipped`` reads it; another scaler joins none."""
+    scaler it was given, once; ``optimizer_step_was_skipped`` reads it; another scaler joins none;
+    dropped by ``free_memory()`` (which left Trainer's clip on scaled gradients on the H200), the
+    next step is refused by name and the optimizer joins again."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -158,6 +160,13 @@ def test_joins_the_accelerator_whose_scaler_it_is_given(host_daemon, monkeypatch
     assert accelerator.optimizer_step_was_skipped is True
     assert hf_accelerate.join(opt, C.make_scaler()) is None
     assert hf_accelerate.join(opt, None) is None
+    cuda = torch.device("cuda")        # the check's fp16 branch: accelerate scales only there
+    assert hf_accelerate.refusal(accelerator.scaler, cuda, accelerator, opt) is None
+    accelerator.free_memory()          # as Trainer's train() begins: its clip would not unscale opt
+    assert "free_memory() (or clear()) dropped AnchoredOptimizer" in \
+        hf_accelerate.refusal(accelerator.scaler, cuda, accelerator, opt)
+    assert accelerator._optimizers == [opt]      # joined again
+    assert hf_accelerate.refusal(accelerator.scaler, cuda, accelerator, opt) is None
 
 
 def _lines(log: str) -> list:

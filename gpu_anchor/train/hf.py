@@ -59,7 +59,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from . import layout
+from . import hf_accelerate, layout
 from .config import StepProtocolConfig
 from .optimizer import AnchoredOptimizer
 
@@ -193,6 +193,10 @@ class AnchoredTrainer(Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._scheduler_handle is not None:
+            if self.anchored._accelerator is not None:
+                # fp16: train() began with accelerator.free_memory(), which dropped the optimizer
+                # from those its clip unscales; Trainer makes the scheduler after that
+                hf_accelerate.rejoin(self.anchored, self.anchored._accelerator)
             self.lr_scheduler = self._scheduler_handle
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)

@@ -54,13 +54,21 @@ def join(opt, scaler):
         return None
     for obj in gc.get_objects():
         if issubclass(type(obj), cls) and obj.scaler is scaler:      # type(): no __class__ property read
-            prepared = getattr(obj, "_optimizers", None)
-            if not isinstance(prepared, list):
-                return None          # an accelerate whose Accelerator keeps them otherwise: refused at step()
-            if not any(o is opt for o in prepared):
-                prepared.append(opt)
-            return obj
+            # an accelerate whose Accelerator keeps them otherwise: refused at step()
+            return obj if rejoin(opt, obj) else None
     return None
+
+
+def rejoin(opt, accelerator) -> bool:
+    """Put ``opt`` back among ``accelerator``'s optimizers if it is not there (its
+    ``free_memory()``, which Trainer calls as each ``train()`` starts, empties them); False if
+    this accelerate keeps them where this cannot add one."""
+    prepared = getattr(accelerator, "_optimizers", None)
+    if not isinstance(prepared, list):
+        return False
+    if not any(o is opt for o in prepared):
+        prepared.append(opt)
+    return True
 
 
 def skips_schedulers(inner) -> bool:
@@ -73,9 +81,10 @@ def skips_schedulers(inner) -> bool:
     return not getattr(inner, "_step_supports_amp_scaling", False)
 
 
-def refusal(scaler, device, joined=None) -> str | None:
+def refusal(scaler, device, joined=None, opt=None) -> str | None:
     """Why this accelerate configuration cannot run an anchored step on ``device``, or None;
-    ``joined``: the Accelerator ``join`` found for the optimizer's scaler."""
+    ``joined``: the Accelerator ``join`` found for the optimizer's scaler; ``opt``: the optimizer,
+    which must still be among its optimizers (else its clip did not unscale it)."""
     state = _shared("accelerate.state", "AcceleratorState")
     if not state:
         return None
@@ -97,4 +106,10 @@ def refusal(scaler, device, joined=None) -> str | None:
                     "accelerator.backward() scales the loss with), or the Accelerator keeps its optimizers "
                     "where this version cannot add one: pass AnchoredOptimizer(..., scaler=accelerator.scaler), "
                     "built after the Accelerator")
+        if opt is not None and not any(o is opt for o in getattr(joined, "_optimizers", ())):
+            rejoin(opt, joined)
+            return ("accelerator.free_memory() (or clear()) dropped AnchoredOptimizer from the Accelerator's "
+                    "optimizers since the last step, so a clip_grad_norm_ this iteration clipped its gradients "
+                    "still scaled; it has joined again: run the iteration again (nothing was stepped), or build "
+                    "the optimizer after free_memory()")
     return None

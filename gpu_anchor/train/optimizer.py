@@ -271,7 +271,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self.completed_steps    # raises if not attached yet
         if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
             return
-        why = amp.misuse(self) or hf_accelerate.refusal(self.scaler, self.device, self._accelerator)
+        why = amp.misuse(self) or hf_accelerate.refusal(self.scaler, self.device, self._accelerator, self)
         if why:
             raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
