@@ -29,7 +29,6 @@ import torch
 
 from . import carry as carry_mod
 from . import chunking, distributed, faults
-from .chunk_exec import ChunkExecutor
 from .config import StepProtocolConfig
 from .device_progress import DeviceProgress
 from .fsdp import local as _local
@@ -38,6 +37,7 @@ from .hparams import hparams as _hparams
 from .recovery import RecoveryMixin
 from .schedulers import Schedulers
 from .state_dict import StateDictMixin
+from .undo import UndoMixin
 from .kinds import kind_of
 from . import protocol
 from .protocol import StepState, key
@@ -62,7 +62,7 @@ def _open_scope():
 _holders: "weakref.WeakValueDictionary[tuple, AnchoredOptimizer]" = weakref.WeakValueDictionary()
 
 
-class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
+class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
     """Wraps ``optimizer`` (Adam, AdamW or SGD; foreach/fused as configured).
 
     ``client``: a ``gpu_anchor`` client for the parameters' device (default: connect).
@@ -391,87 +391,6 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin):
         self._wait()
         self._commit(puts, deletes=[key(p, "boundary"), key(p, "carry_inflight")])
         step_hooks.step_committed(new.step, self.client)  # the supervisor's checkpoints, recovery timing
-
-    # ------------------------------------------------------------------ pieces
-    def _apply(self, i, mask, counts, steps, hps) -> None:
-        self._exec.apply(i, mask, counts, steps, hps)
-
-    def _step_tensors(self, mask, counts, hps):
-        return self._exec.step_tensors(counts, hps)
-
-    def _copy_to_undo(self, i) -> None:
-        self._exec.copy_to_undo(i)
-
-    def _copy_from_undo(self, i) -> None:
-        self._exec.copy_from_undo(i)
-        self._wait()
-
-    def _scribble(self, i) -> None:
-        self._exec.scribble(i)
-        self._wait()
-
-    def _half(self, i, groups) -> int:
-        """Fault injection: the block at which a fused chunk's launches stop (half of the first's)."""
-        return max(1, self._exec.fused._table(i, tuple(groups[0][2]))[2] // 2)
-
-    # ------------------------------------------------------------------ undo slots
-    def _slot_bytes(self, boundary: bytes | None) -> int:
-        """The undo slots' size.  A step in flight keeps those it was saved in (its boundary
-        records their size; a record without one is a chunk's image).  Otherwise: where steps
-        are expected fused, the ring alone (a chunk's launches, one per parameter group and
-        dtype it spans), else a chunk's image; a copy step grows them (``_grow_undo``)."""
-        if self._state.in_flight:
-            return json.loads(boundary).get("undo_slot_bytes", self._copy_slot_bytes) \
-                if boundary is not None else self._copy_slot_bytes
-        if self.fused_reason is not None:
-            return self._copy_slot_bytes
-        launches = max(len({(self._params[s.param].group, self._params[s.param].local.dtype) for s in c})
-                       for c in self._chunks)
-        return min(self._copy_slot_bytes, fused_adam.ring_slot_bytes(launches, self.device))
-
-    def _use_undo(self, undo) -> None:
-        self._undo = undo       # held: an anchored object is freed once its tensor is collected
-        self.undo_bytes = 2 * undo[0].numel()
-        self._exec = ChunkExecutor(self._params, self._chunks, self._elem_sizes, undo, self.kind, self._tags)
-
-    def _grow_undo(self) -> None:
-        """This step saves by copies and the undo slots hold the fused ring alone: replace them
-        by slots of a chunk's image, before the boundary.  The last step lands first (while it
-        is in flight a kill reads its ring), so no step names the slots being replaced."""
-        self.flush()
-        self._wait()
-        self._use_undo(layout.rebind_undo(self.client, self.prefix, self._copy_slot_bytes))
-
-    # ------------------------------------------------------------------ fused update
-    def _fused_reason(self, tagged: bool) -> str | None:
-        if not self.config.fused_update:
-            return "off (StepProtocolConfig.fused_update=False)"
-        if self.progress != "device":
-            return "progress='journal' saves each chunk before its cursor commit"
-        if not tagged:
-            return "not Adam/AdamW on CUDA"
-        from .fused_adam import unavailable_reason
-        return unavailable_reason(self.device)
-
-    def _fused_plan(self, mask, counts, hps, finishing: bool = False):
-        """This step's fused launches per chunk, or None: it saves by copies.  ``finishing``: a
-        step begun fused, finished by the kernel even where the switch is now off."""
-        if self.fused_reason is not None and not (finishing and self._exec.fused is not None
-                                                  and fused_adam.unavailable_reason(self.device) is None):
-            return None
-        plan = self._exec.fused_step(mask, counts, hps)
-        self.stats["fused_steps" if plan is not None else "copy_steps"] += 1
-        return plan
-
-    @staticmethod
-    def _fused_block() -> int:
-        from .fused_adam import BLOCK
-        return BLOCK
-
-    def _undo_record(self, plan) -> dict:
-        slots = {"undo_slot_bytes": self.undo_bytes // 2}
-        return {"undo": "ring", "undo_block": self._fused_block(), **slots} if plan is not None \
-            else {"undo": "copy", **slots}
 
     def _finalize_grads(self) -> list[bool]:
         """The gradient-finalization boundary (``grads.GradientBuffers.finalize``), then the
