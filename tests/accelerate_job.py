@@ -6,7 +6,12 @@ model, optimizer and shuffled data loader, gradient accumulation with ``accumula
 well: accelerate's fp16, its scaler given to ``AnchoredOptimizer``, starting at a scale that overflows) prints one
 ``step N DIGEST LR`` line per optimizer step (the parameters' bytes hashed, the rate that step used; with fp16
 the scale after it too) and ``end DIGEST``; ``rank_run`` is
-one DDP rank of it under ``ddp_campaign.run_group``.  ``plain`` is accelerate's own loop with
+one DDP rank of it under ``ddp_campaign.run_group``.  ``ACC_JOB_CKPT=DIR``: ``accelerator.save_state``
+every other step, to ``DIR/step_N``, as accelerate's examples checkpoint; ``ACC_JOB_RESUME=DIR/step_N``
+as well: ``accelerator.load_state`` of it first, as those examples resume (the anchored loop only when
+``opt.completed_steps`` is 0: a fresh daemon, its state lost), then the loop goes on from the step the
+checkpoint holds (``plain``: read from the folder's name, as the examples do; ``anchored``:
+``opt.completed_steps``, which the load set).  ``ACC_JOB_KILL_AFTER_LOAD=1``: SIGKILLed right after that load.  ``plain`` is accelerate's own loop with
 a prepared ``AdamW`` and scheduler (its step counts times the processes, as accelerate's
 examples write it: a prepared scheduler steps once per process per step); ``anchored`` differs
 in the lines a user changes: the model and optimizer built in ``managed_scope``, the scheduler
@@ -16,6 +21,7 @@ loop), and the loop starting at ``opt.completed_steps``.
 import hashlib
 import math
 import os
+import signal
 import sys
 import time
 
@@ -72,10 +78,14 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
     loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(2))
     world = accelerator.num_processes
     per_epoch = steps_per_epoch(world)
+    ckpt, resume = os.environ.get("ACC_JOB_CKPT"), os.environ.get("ACC_JOB_RESUME")
     if mode == "plain":
         model, opt, sched = build(per_epoch * EPOCHS * world, WARMUP * world, accelerator.device)
         model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
         start = 0
+        if resume:
+            accelerator.load_state(resume)
+            start = int(os.path.basename(resume).replace("step_", ""))
     else:
         import gpu_anchor
         from gpu_anchor.train import AnchoredOptimizer
@@ -83,6 +93,10 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
             model, inner, sched = build(per_epoch * EPOCHS, WARMUP, accelerator.device)
             opt = AnchoredOptimizer(inner, model=model, schedulers=[sched], scaler=accelerator.scaler)
         model, opt, loader = accelerator.prepare(model, opt, loader)
+        if resume and opt.completed_steps == 0:
+            accelerator.load_state(resume)
+            if os.environ.get("ACC_JOB_KILL_AFTER_LOAD") == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
         start = opt.completed_steps
     step = start
     first_epoch, done = divmod(start, per_epoch)
@@ -104,6 +118,8 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
                 step += 1
                 scale = f" {accelerator.scaler.get_scale()!r}" if fp16 else ""
                 print(f"step {step} {digest(model)} {lr!r}{scale}", file=out, flush=True)
+                if ckpt and step % 2 == 0:
+                    accelerator.save_state(os.path.join(ckpt, f"step_{step}"))
                 time.sleep(STEP_SLEEP)
     print(f"end {digest(model)}", file=out, flush=True)
 

@@ -17,9 +17,11 @@ from gpu_anchor.train import hf_accelerate  # noqa: E402
 JOB = os.path.join(os.path.dirname(__file__), "accelerate_job.py")
 
 
-def _run(mode, namespace="-", fault=None, cuda=False, fp16=False):
+def _run(mode, namespace="-", fault=None, cuda=False, fp16=False, **job_env):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "ACC_JOB_CUDA": "1" if cuda else "0", "ACC_JOB_FP16": "1" if fp16 else "0"}
-    env.pop("GPU_ANCHOR_TRAIN_FAULT", None)
+    for k in ("GPU_ANCHOR_TRAIN_FAULT", "ACC_JOB_CKPT", "ACC_JOB_RESUME", "ACC_JOB_KILL_AFTER_LOAD"):
+        env.pop(k, None)
+    env.update({f"ACC_JOB_{k.upper()}": str(v) for k, v in job_env.items()})
     if fault:
         env["GPU_ANCHOR_TRAIN_FAULT"] = fault
     return subprocess.run([sys.executable, JOB, mode, namespace], env=env, capture_output=True, text=True,
@@ -60,6 +62,46 @@ def test_killed_it_ends_where_accelerates_own_loop_does(host_daemon, fault):
     assert set(lines) <= set(plain), sorted(set(lines) - set(plain))
     assert lines[-1] == plain[-1]
     assert len(set(lines)) >= len(plain) - 1
+
+
+def test_save_state_and_load_state_checkpoint_it_as_they_do_accelerates_own_loop(host_daemon, tmp_path):
+    """``accelerator.save_state`` every other step, then the daemon's state lost (a fresh
+    namespace) and the job resumed with ``accelerator.load_state`` as accelerate's examples do:
+    the anchored job's checkpoint holds its optimizer, schedule and step count (before, it held
+    the model and RNG only, silently), and the resumed job goes on as accelerate's own loop
+    resumed from its own checkpoint does, bit for bit.  SIGKILLed right after the load (not yet
+    durable: the rerun loads again), inside and after the first step that follows it (durable:
+    the rerun goes on from the anchored state), it ends there too."""
+    plain = _plain()
+    mine = _run("plain", ckpt=tmp_path / "plain")
+    assert mine.returncode == 0, mine.stderr
+    assert tuple(mine.stdout.splitlines()) == plain            # saving changes nothing
+    resumed = _run("plain", ckpt=tmp_path / "plain-again", resume=tmp_path / "plain" / "step_4")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.splitlines() == list(plain[4:])      # accelerate's own resume is exact here
+
+    saved = _run("anchored", "acc-ckpt", ckpt=tmp_path / "anchored")
+    assert saved.returncode == 0, saved.stderr
+    assert tuple(saved.stdout.splitlines()) == plain
+    sd = torch.load(tmp_path / "anchored" / "step_4" / "optimizer.bin", weights_only=True)
+    assert sd["gpu_anchor"]["completed_steps"] == 4 and sd["gpu_anchor"]["schedulers"][0]["last_epoch"] == 4
+    assert sd["state"] and all("exp_avg" in st for st in sd["state"].values())
+
+    checkpoint = tmp_path / "anchored" / "step_4"
+    lost = _run("anchored", "acc-ckpt-lost", ckpt=tmp_path / "lost", resume=checkpoint)
+    assert lost.returncode == 0, lost.stderr
+    assert lost.stdout.splitlines() == list(plain[4:])
+
+    lines = []
+    for fault, kill_after_load in [(None, 1), ("mid_chunk@0:0", 0), ("after_commit@1:0", 0), (None, 0)]:
+        run = _run("anchored", "acc-ckpt-killed", fault, ckpt=tmp_path / "killed", resume=checkpoint,
+                   kill_after_load=kill_after_load)
+        assert run.returncode == (0 if fault is None and not kill_after_load else -9), run.stderr
+        lines += run.stdout.splitlines()
+    # the protocol's step numbers count from the load (0 is the checkpoint's step 5); every
+    # step printed is the fault-free one, and the job ends where it does
+    assert set(lines) <= set(plain[4:]), sorted(set(lines) - set(plain))
+    assert lines[-1] == plain[-1] and len(set(lines)) >= len(plain) - 4 - 2
 
 
 @pytest.mark.gpu
@@ -167,6 +209,44 @@ def test_joins_the_accelerator_whose_scaler_it_is_given(host_daemon, monkeypatch
         hf_accelerate.refusal(accelerator.scaler, cuda, accelerator, opt)
     assert accelerator._optimizers == [opt]      # joined again
     assert hf_accelerate.refusal(accelerator.scaler, cuda, accelerator, opt) is None
+
+
+def test_joins_the_accelerator_that_prepared_its_model(host_daemon):
+    """Without fp16: the only Accelerator alive at construction, or, with several, the one
+    whose ``prepare`` got the model (looked up at the first step); after ``free_memory()`` the
+    next step puts it back (so that ``save_state`` sees it)."""
+    from accelerate import Accelerator
+
+    import gpu_anchor
+    from gpu_anchor.testing import campaign as C
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+
+    def build(ns):
+        client = gpu_anchor.connect("cpu", namespace=ns)
+        model = C.build_model(0)
+        anchor_module(model, client)
+        return model, AnchoredOptimizer(C.build_optimizer(model, C.CampaignConfig()), model=model, client=client)
+
+    def step(model, opt):
+        x, y = C.batch(0, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    import gc
+    gc.collect()             # the other tests' Accelerators
+    only = Accelerator(cpu=True)
+    model, opt = build("acc-join-only")
+    assert only._optimizers == [opt]
+    other = Accelerator(cpu=True)
+    model2, opt2 = build("acc-join-two")
+    assert other._optimizers == [] and only._optimizers == [opt]          # two alive: not yet known
+    model2, opt2 = other.prepare(model2, opt2)
+    step(model2, opt2)
+    assert other._optimizers == [opt2] and only._optimizers == [opt]
+    other.free_memory()
+    step(model2, opt2)
+    assert other._optimizers == [opt2]
 
 
 def _lines(log: str) -> list:

@@ -1,4 +1,9 @@
 """AnchoredOptimizer against plain PyTorch, in one process with a real host daemon."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -260,3 +265,85 @@ def test_protocol_settings_are_one_record(host_daemon):
     lin(torch.ones(2, 4)).sum().backward()
     opt.step()
     assert opt.completed_steps == 1
+
+
+ATTACH = textwrap.dedent('''
+    import sys, torch, gpu_anchor
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    from gpu_anchor.testing import campaign as C
+    cfg = C.CampaignConfig(optimizer="adamw", flavour="single")
+    client = gpu_anchor.connect("cpu", namespace=sys.argv[1])
+    model = C.build_model(cfg.seed)
+    anchor_module(model, client)
+    inner = C.build_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
+    opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=4096, schedulers=[sched])
+    print(opt.completed_steps, "train/committed" in client.journal.get_many(prefix="train/"), sched.last_epoch)
+''')
+
+
+def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tmp_path):
+    """``torch.save(opt.state_dict())`` then, with the daemon's state lost (a fresh namespace),
+    ``load_state_dict(torch.load(..., weights_only=True))``: the step count and the schedule come
+    back with the tensors, and the next steps are the uninterrupted run's, bit for bit, also after
+    going back to the checkpoint two steps later.  In a namespace with no step yet a restarted
+    worker starts afresh (and the job loads again: ``test_train_accelerate``'s kills); a torch
+    optimizer loads the same file; bad entries of ours are refused, nothing changed."""
+    cfg = C.CampaignConfig(optimizer="adamw", flavour="single")
+    client, (ref, ropt, rsched), (model, opt) = _pair("sd-whole-a", cfg)
+
+    def train(m, o, steps, s=None):
+        for step in steps:
+            x, y = C.batch(step, cfg.seed)
+            torch.manual_seed(step)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            if s is not None:
+                s.step()
+            o.zero_grad()
+    train(ref, ropt, range(3), rsched)
+    train(model, opt, range(3))
+    sd = opt.state_dict()
+    assert sd["gpu_anchor"]["completed_steps"] == 3
+    torch.save({"model": model.state_dict(), "opt": sd}, tmp_path / "ckpt.pt")
+    train(ref, ropt, range(3, 6), rsched)
+
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    plain = C.build_optimizer(C.build_model(cfg.seed), cfg)
+    plain.load_state_dict(ckpt["opt"])       # a torch optimizer ignores our entry
+    assert plain.state_dict()["param_groups"][0]["lr"] == ckpt["opt"]["param_groups"][0]["lr"]
+
+    _, _, (model2, opt2) = _pair("sd-whole-b", cfg)
+    sched2 = opt2.schedulers.items[0]
+    model2.load_state_dict(ckpt["model"])
+    before = [t.clone() for q in opt2._params for t in q.states.values()]
+    for bad, match in [({"completed_steps": -1, "schedulers": [{}]}, "not a step count"),
+                       ({"completed_steps": True, "schedulers": [{}]}, "not a step count"),
+                       ({"completed_steps": 3, "schedulers": []}, "holds 0 scheduler state"),
+                       ([3], "not the dict")]:
+        with pytest.raises(ValueError, match=match):
+            opt2.load_state_dict({**ckpt["opt"], "gpu_anchor": bad})
+    assert opt2.completed_steps == 0 and sched2.last_epoch == 0
+    assert all(torch.equal(a, t) for a, t in zip(before, (t for q in opt2._params for t in q.states.values())))
+
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.completed_steps == 3 and sched2.last_epoch == 3
+    # the journal, what a restarted worker reads: a namespace with no step yet starts afresh
+    # (the job loads again); once it has one, the loaded count is the job's
+    assert training_state("cpu", "sd-whole-b")["completed_steps"] == 0
+    worker = subprocess.run([sys.executable, "-c", ATTACH, "sd-whole-b"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert worker.returncode == 0, worker.stderr
+    assert worker.stdout.split() == ["0", "False", "0"]      # afresh: the load's records are gone, schedule at 0
+    model2.load_state_dict(ckpt["model"])        # so the job loads again (the worker zeroed the states)
+    opt2.load_state_dict(ckpt["opt"])
+    train(model2, opt2, range(3, 5))
+    assert opt2.completed_steps == 5 and training_state("cpu", "sd-whole-b")["completed_steps"] == 5
+    model2.load_state_dict(ckpt["model"])        # back to step 3 in a namespace with steps
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.completed_steps == 3 and training_state("cpu", "sd-whole-b")["completed_steps"] == 3
+    train(model2, opt2, range(3, 4))
+    train(model2, opt2, range(4, 6))
+    for a, b in zip(ref.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert opt2.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]

@@ -116,8 +116,10 @@ def test_a_sequential_schedule_steps_inside_and_a_child_stepped_by_the_loop_is_r
 
 
 def test_a_checkpoint_load_commits_the_schedulers_loaded_before_it(host_daemon):
-    """Load the scheduler, then the optimizer (whose load commits both): the next step runs and
-    a restarted worker gets the loaded schedule.  The other order is refused at the next step."""
+    """A torch optimizer's ``state_dict`` (no schedulers in it): load the scheduler, then the
+    optimizer (whose load commits both): the next step runs and a restarted worker gets the
+    loaded schedule.  The other order is refused at the next step.  Our own ``state_dict``
+    carries the schedulers' state, so its load sets them whatever was loaded before."""
     model = _model("sched-load")
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = transformers.get_linear_schedule_with_warmup(inner, 3, STEPS)
@@ -127,7 +129,9 @@ def test_a_checkpoint_load_commits_the_schedulers_loaded_before_it(host_daemon):
     for _ in range(5):
         ref_inner.step()
         ref.step()
-    saved_sched, saved_opt = ref.state_dict(), opt.state_dict()
+    ours = opt.state_dict()
+    assert ours["gpu_anchor"] == {"completed_steps": 0, "schedulers": [sched.state_dict()]}
+    saved_sched, saved_opt = ref.state_dict(), {k: v for k, v in ours.items() if k != "gpu_anchor"}
 
     sched.load_state_dict(saved_sched)
     opt.load_state_dict(saved_opt)
@@ -141,6 +145,11 @@ def test_a_checkpoint_load_commits_the_schedulers_loaded_before_it(host_daemon):
     _loss(model, 1).backward()
     with pytest.raises(RuntimeError, match="was stepped outside"):
         opt.step()
+
+    opt.load_state_dict(ours)                  # ours: the schedule it was saved with, committed
+    assert sched.last_epoch == 0
+    opt.step()
+    assert sched.last_epoch == 1
 
 
 JOB = textwrap.dedent("""

@@ -194,8 +194,8 @@ class AnchoredTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self._scheduler_handle is not None:
             if self.anchored._accelerator is not None:
-                # fp16: train() began with accelerator.free_memory(), which dropped the optimizer
-                # from those its clip unscales; Trainer makes the scheduler after that
+                # train() began with accelerator.free_memory(), which dropped the optimizer from
+                # those its clip unscales in fp16; Trainer makes the scheduler after that
                 hf_accelerate.rejoin(self.anchored, self.anchored._accelerator)
             self.lr_scheduler = self._scheduler_handle
             return self.lr_scheduler
@@ -259,10 +259,13 @@ class AnchoredTrainer(Trainer):
         self._planned_steps = self._max_steps(loader)
         scheduler = super().create_scheduler(self._planned_steps, optimizer=inner)
         self._created_lr_scheduler = False      # Trainer drops a scheduler it made at each train(); this one stays
-        # fp16: the step unscales with accelerate's scaler (or its clip_grad_norm_ did) and joins
+        # fp16: the step unscales with accelerate's scaler (or its clip_grad_norm_ did).  It joins
         # the Accelerator's optimizers, so that optimizer_step_was_skipped reads it (hf_accelerate)
         self.anchored = AnchoredOptimizer(inner, model=self.model, schedulers=[scheduler],
                                           scaler=self.accelerator.scaler, config=self.anchor_config)
+        if self.anchored._accelerator is None and hf_accelerate.rejoin(self.anchored, self.accelerator):
+            self.anchored._accelerator = self.accelerator     # not found by the optimizer: Trainer's is this one
+        self.anchored._accelerator_looked = True
         self.optimizer = self.anchored
         self.lr_scheduler = self._scheduler_handle = _SteppedWithTheOptimizer(scheduler)
 

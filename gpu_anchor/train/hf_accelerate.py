@@ -8,12 +8,14 @@ without accelerate pays two ``sys.modules`` lookups a step):
 * inside ``accelerator.accumulate(model)``, on a micro-batch that does not end an accumulation
   (``accelerator.sync_gradients`` false), ``step()`` and ``zero_grad()`` do nothing, exactly as
   accelerate's wrapper skips them; the gradients keep accumulating in anchored memory;
-* with fp16, ``AnchoredOptimizer(..., scaler=accelerator.scaler)`` joins that Accelerator's
-  optimizers (``join``), as ``prepare`` would have put its wrapper there: its
-  ``clip_grad_norm_`` (``unscale_gradients()``) then unscales the anchored gradients before it
-  clips them, and ``optimizer_step_was_skipped`` reads ``step_was_skipped``.  Joined, a step
+* the optimizer joins the Accelerator's optimizers (``join``), as ``prepare`` would have put its
+  wrapper there, so that what accelerate does with its prepared optimizers reaches it:
+  ``save_state`` / ``load_state`` save and load its ``state_dict`` (which carries the given LR
+  schedulers and the step count: ``state_dict``); with fp16 (``scaler=accelerator.scaler``),
+  ``clip_grad_norm_`` (``unscale_gradients()``) unscales the anchored gradients before it clips
+  them, and ``optimizer_step_was_skipped`` reads ``step_was_skipped``.  Joined in fp16, a step
   the scaler skips steps the given LR schedulers exactly when accelerate's scheduler wrapper (and
-  Trainer) would step theirs (``skips_schedulers``);
+  Trainer) would step theirs (``holds_back_schedulers``);
 * refused, with the reason, before a step begins: DeepSpeed (its engine owns the optimizer),
   accelerate's FSDP plugin (it shards the model after the optimizer was built; ``fully_shard``
   then ``anchor_fsdp`` is the supported way), fp16 on a GPU without ``scaler=accelerator.scaler``
@@ -22,9 +24,7 @@ without accelerate pays two ``sys.modules`` lookups a step):
 
 Not done here: accelerate steps a *prepared* LR scheduler once per process per optimizer
 step. Give the scheduler to ``AnchoredOptimizer(schedulers=[...])`` instead of to ``prepare``
-(it then steps once per optimizer step).  ``accelerator.save_state`` / ``load_state`` are not a
-way to checkpoint an anchored job (``gpu-anchor run`` checkpoints it): without fp16 they do not
-see the optimizer, joined they see it but not the schedulers given to it.
+(it then steps once per optimizer step, and ``save_state`` saves it inside the optimizer's state).
 """
 from __future__ import annotations
 
@@ -43,20 +43,29 @@ def defers_step() -> bool:
     return not _shared("accelerate.state", "GradientState").get("sync_gradients", True)
 
 
-def join(opt, scaler):
-    """With accelerate's fp16, add ``opt`` to the optimizers of the Accelerator whose scaler is
-    ``scaler`` and return that Accelerator; None (and nothing done) otherwise.  Finding it walks
-    the collector's objects once (about 0.1 s), only when a scaler is given under accelerate."""
-    if scaler is None or _shared("accelerate.state", "AcceleratorState").get("_mixed_precision") != "fp16":
-        return None
+def join(opt, scaler, params=()):
+    """Add ``opt`` to the optimizers of the Accelerator it trains under and return that
+    Accelerator; None (and nothing done) when accelerate is not in use or none is found.  Which
+    one: with accelerate's fp16, the one whose scaler is ``scaler`` (only that one: its clip must
+    unscale ``opt``), none without a scaler; else the only one alive, or, with several, the one that prepared a model
+    holding ``params[0]`` (known once ``prepare`` ran: the first step looks again).  Finding it
+    walks the collector's objects (about 0.1 s), only under accelerate."""
+    state = _shared("accelerate.state", "AcceleratorState")
     cls = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
-    if cls is None:
+    if not state or cls is None:
         return None
-    for obj in gc.get_objects():
-        if issubclass(type(obj), cls) and obj.scaler is scaler:      # type(): no __class__ property read
-            # an accelerate whose Accelerator keeps them otherwise: refused at step()
-            return obj if rejoin(opt, obj) else None
-    return None
+    live = [o for o in gc.get_objects() if issubclass(type(o), cls)]     # type(): no __class__ property read
+    if state.get("_mixed_precision") == "fp16":      # without its scaler: refused at step() on a GPU
+        live = [a for a in live if scaler is not None and a.scaler is scaler]
+    elif len(live) > 1:
+        live = [a for a in live if params and _prepared_a_model_with(a, params[0])]
+    # an accelerate whose Accelerator keeps its optimizers otherwise: refused at step() in fp16
+    return live[0] if len(live) == 1 and rejoin(opt, live[0]) else None
+
+
+def _prepared_a_model_with(accelerator, param) -> bool:
+    return any(any(p is param for p in m.parameters()) for m in getattr(accelerator, "_models", ())
+               if callable(getattr(m, "parameters", None)))
 
 
 def rejoin(opt, accelerator) -> bool:
@@ -71,14 +80,30 @@ def rejoin(opt, accelerator) -> bool:
     return True
 
 
-def skips_schedulers(inner) -> bool:
-    """Whether accelerate holds a prepared scheduler back on a step its scaler skipped, for the
-    torch optimizer ``inner``.  Its wrapper calls a step skipped when ``GradScaler.step`` did not
-    call the optimizer's; an optimizer that takes the scaler's inf flag itself (fused Adam, AdamW,
-    SGD: torch's ``_step_supports_amp_scaling``) is always called, so accelerate, and Trainer
-    after it, step the schedule on every step with those (read in accelerate 1.16's
-    ``AcceleratedOptimizer.step``; seen on the H200 as Trainer's default fused AdamW)."""
-    return not getattr(inner, "_step_supports_amp_scaling", False)
+def holds_back_schedulers(accelerator, scaler, inner) -> bool:
+    """Whether accelerate, joined through its fp16 ``scaler``, holds a prepared scheduler back on
+    a step its scaler skipped, for the torch optimizer ``inner``.  Its wrapper calls a step
+    skipped when ``GradScaler.step`` did not call the optimizer's; an optimizer that takes the
+    scaler's inf flag itself (fused Adam, AdamW, SGD: torch's ``_step_supports_amp_scaling``) is
+    always called, so accelerate, and Trainer after it, step the schedule on every step with
+    those (read in accelerate 1.16's ``AcceleratedOptimizer.step``; seen on the H200 as Trainer's
+    default fused AdamW).  A scaler of the loop's own is torch's recipe: the schedule steps."""
+    return (accelerator is not None and scaler is not None and accelerator.scaler is scaler
+            and not getattr(inner, "_step_supports_amp_scaling", False))
+
+
+def before_step(opt) -> str | None:
+    """At the start of ``opt.step()``: why accelerate's configuration refuses the step, or None.
+    The first step looks for the Accelerator again if none was found at construction (``prepare``
+    has run now), and a step puts the optimizer back among its optimizers after a
+    ``free_memory()`` (in fp16 that step is refused: ``refusal``)."""
+    if not opt._accelerator_looked:
+        opt._accelerator_looked = True
+        opt._accelerator = join(opt, opt.scaler, [q.p for q in opt._params[:1]])
+    why = refusal(opt.scaler, opt.device, opt._accelerator, opt)
+    if why is None and opt._accelerator is not None:
+        rejoin(opt, opt._accelerator)
+    return why
 
 
 def refusal(scaler, device, joined=None, opt=None) -> str | None:

@@ -106,8 +106,11 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         self.scaler = amp.check(scaler)
         self.step_was_skipped = False       # the last step's update was empty: the scaler found inf/NaN
         self._schedulers_step = True        # the step in flight steps the schedulers (boundary record)
-        # with accelerate's fp16, its Accelerator unscales this optimizer's gradients before clipping
+        # under accelerate, its Accelerator saves this optimizer and, in fp16, unscales its gradients
         self._accelerator = hf_accelerate.join(self, self.scaler)
+        self._accelerator_looked = self._accelerator is not None     # else the first step looks again
+        # completed_steps = the journal's step + this; a loaded state_dict moves it (``state_dict``)
+        self._step_offset = 0
         self.track_rng = track_rng
         self.prefix = prefix
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
@@ -208,8 +211,12 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
                 states = [t for q in self._params for t in q.states.values()]
                 if states:
                     torch._foreach_zero_(states)
+                # a namespace with no step starts afresh: what a load committed before (the
+                # states were zeroed above) is not this worker's (state_dict.py)
+                stale = [key(prefix, k) for k in ("committed", "sched", "carry") if key(prefix, k) in vals]
                 self._commit({key(prefix, "state"): StepState(0, "idle", 0, -1, len(self._chunks)).encode(),
-                              key(prefix, "meta"): self._meta()})
+                              key(prefix, "meta"): self._meta()}, deletes=stale)
+                vals = {k: v for k, v in vals.items() if k not in stale}
             if resuming or self._world > 1:
                 # With several ranks every rank joins the agreement, a fresh one too: a peer
                 # killed after its first boundary commit resumes, and its all-gather needs us.
@@ -226,7 +233,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         """Optimizer steps committed; the training loop continues at this iteration."""
         if self._state is None:
             raise RuntimeError("AnchoredOptimizer built inside managed_scope attaches when the scope exits")
-        return self._state.step
+        return self._state.step + self._step_offset
 
     @property
     def param_groups(self):
@@ -271,7 +278,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         self.completed_steps    # raises if not attached yet
         if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
             return
-        why = amp.misuse(self) or hf_accelerate.refusal(self.scaler, self.device, self._accelerator, self)
+        why = amp.misuse(self) or hf_accelerate.before_step(self)
         if why:
             raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
@@ -293,8 +300,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
             # final.  The previous step's pending commit rides along (device past it first).
             puts, landed = self._dev.take_pending() if device else ({}, None)
             # on a step the scaler skipped, joined to accelerate, step the schedules as it would
-            self._schedulers_step = not (self.step_was_skipped and self._accelerator is not None
-                                         and hf_accelerate.skips_schedulers(self.optimizer))
+            self._schedulers_step = not (self.step_was_skipped and hf_accelerate.holds_back_schedulers(
+                self._accelerator, self.scaler, self.optimizer))
             boundary = json.dumps({"mask": "".join("1" if m else "0" for m in mask), "counts": counts,
                                    "hparams": hps, **self._undo_record(plan),
                                    **({} if self._schedulers_step else {"schedulers_step": False})}).encode()
@@ -369,8 +376,8 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         if self._schedulers_step:
             self.schedulers.step()
         new_counts = [c + (1 if m else 0) for c, m in zip(counts, mask)]
-        committed = json.dumps({"counts": new_counts,
-                                "hparams": [_hparams(g) for g in self.optimizer.param_groups]}).encode()
+        committed = json.dumps({"counts": new_counts, "hparams": [_hparams(g) for g in self.optimizer.param_groups],
+                                **self._offset_record()}).encode()
         sched = self.schedulers.state()
         new = self._state.finish()
         p = self.prefix

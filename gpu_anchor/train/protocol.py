@@ -9,7 +9,8 @@ The journal of the namespace holds, under ``<prefix>/``:
              the per-parameter step counts before the step, the carried loop state).
 ``committed`` what the last committed step leaves behind for the next iteration
              (per-parameter step counts, hyper-parameters after scheduler steps, scheduler
-             state, carried RNG / loop state).
+             state, carried RNG / loop state, ``step_offset``: what a loaded ``state_dict``
+             adds to ``s`` for ``completed_steps``; the protocol's own numbers are ``s``).
 
 The undo buffer has two slots; chunk ``i`` is saved in slot ``i % 2``.  Invariant, at
 every instant, for the durable journal state ``(phase, cursor=c, undo=u)``:
@@ -148,11 +149,20 @@ def describe(values: dict[str, bytes], prefix: str = "train") -> dict:
     except (ValueError, KeyError, TypeError) as e:
         return {"present": True, "consistent": False, "error": str(e), "completed_steps": None}
     ok = not st.in_flight or key(prefix, "boundary") in values
+    # a loaded state_dict's (state_dict.py); with no step, the next worker starts afresh
+    offset = _offset(values.get(key(prefix, "committed"))) if st.step or st.in_flight else 0
     return {"present": True, "consistent": ok, "phase": st.phase,
-            "completed_steps": st.step + (1 if st.in_flight else 0) if ok else st.step,
+            "completed_steps": offset + (st.step + (1 if st.in_flight else 0) if ok else st.step),
             "committed_steps": st.step,
             "in_flight_step": st.step if st.in_flight else None,
             "cursor": st.cursor if st.in_flight else None, "chunks": st.chunks}
+
+
+def _offset(raw: bytes | None) -> int:
+    try:
+        return int(json.loads(raw).get("step_offset", 0)) if raw else 0
+    except (ValueError, TypeError, AttributeError):
+        return 0
 
 
 # ---------------------------------------------------------------------- device progress word

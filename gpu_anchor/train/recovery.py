@@ -3,7 +3,8 @@
 ``_resume(vals)`` runs in the constructor (or when ``managed_scope`` binds) once the anchored
 objects are bound, with the journal's values under the optimizer's prefix:
 
-- the last committed step's step counts, hyper-parameters and scheduler states are restored;
+- the last committed step's step counts, hyper-parameters, scheduler states and step offset
+  (``state_dict``) are restored;
 - a step in flight is discarded when no device got past its boundary (device progress, the
   word never published), else finished: the chunk at the cursor (the word's, or in fused
   steps the last tagged chunk's) is rolled back (its undo slot; in fused steps the blocks
@@ -34,6 +35,7 @@ class RecoveryMixin:
         if key(p, "committed") in vals:
             committed = json.loads(vals[key(p, "committed")])
             self._counts = committed["counts"]
+            self._step_offset = committed.get("step_offset", 0)
             for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
                 _set_hparams(g, hp)
             self.schedulers.load(vals[key(p, "sched")])
