@@ -126,6 +126,67 @@ def test_shards_and_gradients_live_in_anchored_memory(host_daemon, tmp_path):
     assert C._wait(pid) == 0
 
 
+def _dcp_worker(rank, store, ckpt):
+    """One of two FSDP2 ranks: 3 steps, ``dcp.save`` of ``model.state_dict()`` and
+    ``opt.state_dict()``; then, as after a daemon's state is lost, a new model and optimizer in
+    fresh namespaces, ``dcp.load`` into their state dicts and ``load_state_dict``: the step count,
+    the schedule and every shard come back, and two more steps match the first optimizer's."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from gpu_anchor.train import AnchoredOptimizer
+    from gpu_anchor.train.fsdp import anchor_fsdp, local
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+
+    def build(ns):
+        client = gpu_anchor.connect("cpu", namespace=f"{ns}/rank{rank}")
+        model = C.build_model(1)
+        D.shard(model, torch.device("cpu"), 2)
+        anchor_fsdp(model, client)
+        inner = C.build_optimizer(model, C.CampaignConfig())
+        return model, AnchoredOptimizer(inner, model=model, client=client,
+                                        schedulers=[torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)])
+
+    def steps(model, opt, at):
+        for step in at:
+            x, y = C.batch(step, rank)
+            torch.manual_seed(step * 2 + rank)      # the model's dropout
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    model, opt = build("dcp-a")
+    steps(model, opt, range(3))
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+    model2, opt2 = build("dcp-b")
+    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    assert opt2.completed_steps == 3 and opt2.schedulers.items[0].last_epoch == 3
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    steps(model, opt, range(3, 5))
+    steps(model2, opt2, range(3, 5))
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(local(a), local(b))
+    for q, q2 in zip(opt._params, opt2._params):
+        assert all(torch.equal(q.states[k], q2.states[k]) for k in q.states)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_dcp_save_and_load_of_its_state_dict_restore_the_job(host_daemon, tmp_path):
+    """``torch.distributed.checkpoint`` as FSDP2 jobs checkpoint (``dcp.save`` / ``dcp.load``
+    of the model's and the optimizer's state dicts, DTensors over the anchored shards) on two
+    ranks, restored into fresh namespaces (``_dcp_worker``)."""
+    C.prewarm(C.CampaignConfig())
+    pids = [C._child(_dcp_worker, r, str(tmp_path / "store"), str(tmp_path / "ckpt")) for r in range(2)]
+    assert [C._wait(pid) for pid in pids] == [0, 0]
+
+
 def test_anchor_fsdp_refuses_an_unsharded_model(host_daemon):
     from gpu_anchor.train.fsdp import anchor_fsdp
     with pytest.raises(ValueError, match="fully_shard"):
