@@ -11,7 +11,9 @@ every other step, to ``DIR/step_N``, as accelerate's examples checkpoint; ``ACC_
 as well: ``accelerator.load_state`` of it first, as those examples resume (the anchored loop only when
 ``opt.completed_steps`` is 0: a fresh daemon, its state lost), then the loop goes on from the step the
 checkpoint holds (``plain``: read from the folder's name, as the examples do; ``anchored``:
-``opt.completed_steps``, which the load set).  ``ACC_JOB_KILL_AFTER_LOAD=1``: SIGKILLed right after that load.  ``plain`` is accelerate's own loop with
+``opt.completed_steps``, which the load set).  ``ACC_JOB_KILL_AFTER_LOAD=1``: SIGKILLed right after that load.
+The anchored loop also resumes from a checkpoint of accelerate's own loop (a job moving to
+gpu-anchor): it adds the step count and the scheduler's state to its optimizer's state by hand.  ``plain`` is accelerate's own loop with
 a prepared ``AdamW`` and scheduler (its step counts times the processes, as accelerate's
 examples write it: a prepared scheduler steps once per process per step); ``anchored`` differs
 in the lines a user changes: the model and optimizer built in ``managed_scope``, the scheduler
@@ -95,6 +97,13 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
         model, opt, loader = accelerator.prepare(model, opt, loader)
         if resume and opt.completed_steps == 0:
             accelerator.load_state(resume)
+            if not os.path.exists(os.path.join(resume, "scheduler.bin")):
+                pass          # written by an anchored job: its optimizer's state carries the rest
+            else:             # written by accelerate's own loop: add what the anchored state_dict carries
+                sd = opt.state_dict()
+                sd["gpu_anchor"] = {"completed_steps": int(os.path.basename(resume).replace("step_", "")),
+                                    "schedulers": [torch.load(os.path.join(resume, "scheduler.bin"), weights_only=True)]}
+                opt.load_state_dict(sd)
             if os.environ.get("ACC_JOB_KILL_AFTER_LOAD") == "1":
                 os.kill(os.getpid(), signal.SIGKILL)
         start = opt.completed_steps

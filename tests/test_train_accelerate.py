@@ -92,6 +92,10 @@ def test_save_state_and_load_state_checkpoint_it_as_they_do_accelerates_own_loop
     assert lost.returncode == 0, lost.stderr
     assert lost.stdout.splitlines() == list(plain[4:])
 
+    moved = _run("anchored", "acc-ckpt-moved", ckpt=tmp_path / "moved", resume=tmp_path / "plain" / "step_4")
+    assert moved.returncode == 0, moved.stderr          # from accelerate's own loop's checkpoint
+    assert moved.stdout.splitlines() == list(plain[4:])
+
     lines = []
     for fault, kill_after_load in [(None, 1), ("mid_chunk@0:0", 0), ("after_commit@1:0", 0), (None, 0)]:
         run = _run("anchored", "acc-ckpt-killed", fault, ckpt=tmp_path / "killed", resume=checkpoint,
