@@ -12,7 +12,8 @@ as well: ``accelerator.load_state`` of it first, as those examples resume (the a
 ``opt.completed_steps`` is 0: a fresh daemon, its state lost), then the loop goes on from the step the
 checkpoint holds (``plain``: read from the folder's name, as the examples do; ``anchored``:
 ``opt.completed_steps``, which the load set).  ``ACC_JOB_KILL_AFTER_LOAD=1``: SIGKILLed right after that load.
-The anchored loop also resumes from a checkpoint of accelerate's own loop (a job moving to
+``ACC_JOB_KILL_DAEMON_AT=N`` with ``ACC_JOB_DAEMON_PID``: that daemon SIGKILLed right after the
+step-N checkpoint.  The anchored loop also resumes from a checkpoint of accelerate's own loop (a job moving to
 gpu-anchor): it adds the step count and the scheduler's state to its optimizer's state by hand.  ``plain`` is accelerate's own loop with
 a prepared ``AdamW`` and scheduler (its step counts times the processes, as accelerate's
 examples write it: a prepared scheduler steps once per process per step); ``anchored`` differs
@@ -129,6 +130,8 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
                 print(f"step {step} {digest(model)} {lr!r}{scale}", file=out, flush=True)
                 if ckpt and step % 2 == 0:
                     accelerator.save_state(os.path.join(ckpt, f"step_{step}"))
+                    if step == int(os.environ.get("ACC_JOB_KILL_DAEMON_AT", "-1")):     # the daemon dies
+                        os.kill(int(os.environ["ACC_JOB_DAEMON_PID"]), signal.SIGKILL)
                 time.sleep(STEP_SLEEP)
     print(f"end {digest(model)}", file=out, flush=True)
 

@@ -19,7 +19,8 @@ JOB = os.path.join(os.path.dirname(__file__), "accelerate_job.py")
 
 def _run(mode, namespace="-", fault=None, cuda=False, fp16=False, **job_env):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "ACC_JOB_CUDA": "1" if cuda else "0", "ACC_JOB_FP16": "1" if fp16 else "0"}
-    for k in ("GPU_ANCHOR_TRAIN_FAULT", "ACC_JOB_CKPT", "ACC_JOB_RESUME", "ACC_JOB_KILL_AFTER_LOAD"):
+    for k in ("GPU_ANCHOR_TRAIN_FAULT", "ACC_JOB_CKPT", "ACC_JOB_RESUME", "ACC_JOB_KILL_AFTER_LOAD",
+              "ACC_JOB_KILL_DAEMON_AT", "ACC_JOB_DAEMON_PID"):
         env.pop(k, None)
     env.update({f"ACC_JOB_{k.upper()}": str(v) for k, v in job_env.items()})
     if fault:
@@ -106,6 +107,28 @@ def test_save_state_and_load_state_checkpoint_it_as_they_do_accelerates_own_loop
     # step printed is the fault-free one, and the job ends where it does
     assert set(lines) <= set(plain[4:]), sorted(set(lines) - set(plain))
     assert lines[-1] == plain[-1] and len(set(lines)) >= len(plain) - 4 - 2
+
+
+def test_the_daemon_killed_it_resumes_from_accelerates_checkpoint(host_daemon, tmp_path):
+    """The daemon SIGKILLed right after the job's step-6 ``save_state``: the job fails at its
+    next request; a new daemon is started, the job rerun in the same namespace with
+    ``load_state`` of that checkpoint, as accelerate's examples resume, and it ends where
+    accelerate's own loop does, its steps 7 and 8 bit for bit."""
+    from gpu_anchor.client import control
+    path, daemon = host_daemon
+    plain = _plain()
+    died = _run("anchored", "acc-daemon", ckpt=tmp_path / "ckpt", kill_daemon_at=6, daemon_pid=daemon.pid)
+    assert died.returncode not in (0, -9), died.stderr
+    assert "DaemonUnavailable: lost the gpu-anchor daemon" in died.stderr      # named, not a hang
+    assert died.stdout.splitlines() == list(plain[:6])
+    assert daemon.wait(timeout=30) == -9
+    control.start("cpu", path)
+    try:
+        again = _run("anchored", "acc-daemon", ckpt=tmp_path / "ckpt", resume=tmp_path / "ckpt" / "step_6")
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.splitlines() == list(plain[6:])
+    finally:
+        control.stop("cpu", path)
 
 
 @pytest.mark.gpu
