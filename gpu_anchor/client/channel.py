@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import socket
 import threading
 import time
 
-from gpu_anchor import errors, protocol
+from gpu_anchor import errors, fdwait, protocol
 from gpu_anchor.paths import daemon_alive, default_socket, normalize_device
 
 # Pauses between connect attempts: doubling from the first to the last, with jitter so that
@@ -105,7 +104,7 @@ class Channel:
         Never blocks; only for a connection with no request in flight."""
         with self._lock:
             try:
-                if not select.select([self._sock], [], [], 0)[0]:
+                if not fdwait.readable([self._sock], 0):
                     return False
                 return self._sock.recv(1, socket.MSG_PEEK) == b""
             except OSError:

@@ -21,13 +21,14 @@ import functools
 import operator
 import os
 import threading
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from gpu_anchor import protocol
+from gpu_anchor import fdwait, protocol
 from gpu_anchor.dtypes import check_dtype, check_shape
 from gpu_anchor.errors import BadRequest
 from gpu_anchor.paths import normalize_device
@@ -107,6 +108,17 @@ def _info(d: dict) -> ObjectInfo:
     return ObjectInfo(d["name"], d["dtype"], tuple(d["shape"]), d["nbytes"], d["generation"])
 
 
+@functools.lru_cache(maxsize=None)
+def _host_descriptors() -> None:
+    """The host backend keeps one descriptor per segment mapped here (a CUDA segment's is closed
+    once imported): raise this process's soft limit once, and say so if it cannot be."""
+    why = fdwait.raise_descriptor_limit()
+    if why:
+        warnings.warn(f"gpu_anchor: {why}; the host backend holds one descriptor per anchored object, "
+                      "so a process over that many objects fails to bind more (raise `ulimit -n`)",
+                      RuntimeWarning, stacklevel=3)
+
+
 class Client:
     def __init__(self, device: str = "cpu", namespace: str = "default", socket_path: str | None = None) -> None:
         self.device = normalize_device(device)
@@ -116,6 +128,7 @@ class Client:
         if hello.get("device") != self.device:
             raise RuntimeError(f"{self._channel.path} serves {hello.get('device')}, not {self.device}")
         if self.device == "cpu":
+            _host_descriptors()
             self._mapper = mapping.HostMapper()
         else:
             self._mapper = mapping.CudaMapper(int(self.device.split(":")[1]), hello.get("uuid"))

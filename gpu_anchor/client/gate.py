@@ -27,9 +27,10 @@ from __future__ import annotations
 import array
 import fcntl
 import os
-import select
 import sys
 import termios
+
+from gpu_anchor import fdwait
 
 ENV = "GPU_ANCHOR_START_GATE"
 
@@ -46,7 +47,7 @@ def wait_open() -> None:
         _refused(f"its start gate {path} is gone")
     try:
         while True:
-            select.select([fd], [], [])
+            fdwait.readable([fd])
             if _pending(fd):
                 break
             # readable with nothing to read: end of file, every writer gone without opening

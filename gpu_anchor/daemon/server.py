@@ -23,7 +23,6 @@ import errno
 import fcntl
 import logging
 import os
-import resource
 import secrets
 import selectors
 import signal
@@ -32,7 +31,7 @@ import struct
 import time
 from collections import deque
 
-from gpu_anchor import protocol
+from gpu_anchor import fdwait, protocol
 from gpu_anchor.errors import BadRequest
 from gpu_anchor.paths import ensure_private_dir, lock_path, process_identity
 
@@ -389,13 +388,9 @@ class Daemon(Operations):
 
 def _raise_descriptor_limit() -> None:
     """Every connection and every segment holds a descriptor: take the hard limit (bounded)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError) as e:
-            log.warning("descriptor limit stays at %d: %s", soft, e)
+    why = fdwait.raise_descriptor_limit()
+    if why:
+        log.warning("%s", why)
 
 
 def run(device: str, socket_path: str) -> None:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
 import time
 
-from gpu_anchor import runtime
+from gpu_anchor import fdwait, runtime
 
 log = logging.getLogger("gpu_anchor.serve")
 GIB = 1 << 30
@@ -177,7 +176,7 @@ class StandbyKeeper:
         try:
             for p in pids:
                 pidfds.append(os.pidfd_open(p))
-            ready = select.select([life, self.writers_r, *pidfds], [], [], timeout)[0]
+            ready = fdwait.readable([life, self.writers_r, *pidfds], timeout)
         finally:
             for fd in pidfds:
                 os.close(fd)

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import time
+
+from gpu_anchor import fdwait
 
 from .fork import fork
 
@@ -57,7 +58,7 @@ class Standby:
 
     def ready(self, timeout: float = 0.0) -> bool:
         """True once the child finished ``prepare`` (``info`` holds what it reported)."""
-        if self.info is None and select.select([self._ready_r], [], [], timeout)[0]:
+        if self.info is None and fdwait.readable([self._ready_r], timeout):
             data = os.read(self._ready_r, 1 << 16)
             self.info = json.loads(data) if data else {"failed": "the standby died while preparing"}
         return self.info is not None and "failed" not in self.info
@@ -135,7 +136,7 @@ def wait_any(pids, timeout: float) -> tuple[int, int] | None:
                 break
     if fds and len(fds) == len(pids):
         try:
-            select.select(fds, [], [], timeout)
+            fdwait.readable(fds, timeout)
         finally:
             for fd in fds:
                 os.close(fd)

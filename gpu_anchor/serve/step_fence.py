@@ -31,9 +31,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import select
 import time
 
+from gpu_anchor import fdwait
 from gpu_anchor.runtime import liveness
 
 PAGE = 4096
@@ -148,7 +148,7 @@ class StepFence:
             while True:
                 if self.quiet():
                     return "fence"
-                if select.select([pidfd], [], [], poll_s)[0]:
+                if fdwait.readable([pidfd], poll_s):
                     return "exit"
                 if time.monotonic() > deadline:
                     launched, done = self.state()

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import socket
 import time
+
+from gpu_anchor import fdwait
 
 from . import wire
 from .engine import Engine, EngineConfig
@@ -189,7 +190,7 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
     load_sent, last_load = 0.0, None
     while True:
         timeout = 0.0 if eng.has_work() else (0.01 if mg is not None else 0.5)
-        r, _, _ = select.select([sock], [], [], timeout)
+        r = fdwait.readable([sock], timeout)
         if r:
             data = sock.recv(1 << 20)
             if not data:
