@@ -4,7 +4,6 @@ before the old process has exited and the supervisor decided to restart in place
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 import pytest
 import torch
 
+from gpu_anchor import fdwait
 from gpu_anchor.client.gate import ENV as GATE_ENV, Gate
 from gpu_anchor.runtime import liveness
 
@@ -28,7 +28,7 @@ def _child(code: str, env: dict) -> subprocess.Popen:
 
 
 def _line(p: subprocess.Popen, timeout: float) -> str:
-    if not select.select([p.stdout], [], [], timeout)[0]:
+    if not fdwait.readable([p.stdout], timeout):
         return ""
     return p.stdout.readline().strip()
 

@@ -5,7 +5,7 @@
                           └─ serve ──┼─ launch (supervisor: run, torchrun, serve)
     runtime (process runtime) ──────┘   checkpoint (a library launch uses)
 
-Shared modules (protocol, paths, errors, dtypes, journal_keys, cuda_driver) sit below all of
+Shared modules (protocol, paths, errors, dtypes, journal_keys, cuda_driver, fdwait) sit below all of
 them.  Each rule names what a package must not import; an allowed exception is a named,
 documented interface: ``python -m gpu_anchor.serve`` starts the supervisor (serving is given
 the checkpoint library's migration by whoever starts the engine:
@@ -93,7 +93,7 @@ def test_runtime_and_shared_modules_import_no_torch_at_load():
     """The process runtime and the shared modules load without torch (the supervisor of a
     non-torch job, the daemon and the fork server's parent never pay for it)."""
     files = list((ROOT / "runtime").rglob("*.py")) + [ROOT / n for n in ("journal_keys.py", "paths.py",
-                                                                         "protocol.py", "errors.py")]
+                                                                         "protocol.py", "errors.py", "fdwait.py")]
     files += [ROOT / "checkpoint" / "format.py", ROOT / "checkpoint" / "settings.py", ROOT / "train" / "step_hooks.py"]
     bad = [f"{f.relative_to(ROOT)}:{line}" for f in files for line, mod, top in imports(f)
            if top and (mod == "torch" or mod.startswith("torch."))]

@@ -347,3 +347,28 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
     for a, b in zip(ref.parameters(), model2.parameters()):
         assert torch.equal(a, b)
     assert opt2.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+
+
+def test_a_dropped_optimizer_leaves_nothing_mapped(host_daemon):
+    """The parameters' gradient hooks hold the optimizer's buffers weakly: autograd keeps hooks
+    where the collector cannot see them, so a strong reference kept the parameters, gradients and
+    optimizer state mapped (one descriptor each on the host backend) after the job dropped them."""
+    import gc
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    gc.collect()
+    before = fds()
+    for i in range(2):
+        client = gpu_anchor.connect("cpu", namespace=f"dropped-{i}")
+        model = C.build_model(0)
+        anchor_module(model, client)
+        opt = AnchoredOptimizer(C.build_optimizer(model, C.CampaignConfig()), model=model, client=client)
+        x, y = C.batch(0, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert fds() > before + 10
+        del client, model, opt, x, y
+        gc.collect()
+        assert fds() <= before + 1, fds() - before       # the connection's socket may linger until collected

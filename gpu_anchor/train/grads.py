@@ -24,6 +24,8 @@ the last ``zero`` — the step skips the others, as torch skips ``grad is None``
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .fsdp import local as _local
@@ -35,6 +37,7 @@ class GradientBuffers:
             raise ValueError("gradient lending needs the fresh gradients of one process")
         self.params, self.fresh, self.lender = params, fresh, lender
         self.cleared = [True] * len(params)
+        assert all(q is params[q.index] for q in params)
         self.hooks = [q.p.register_post_accumulate_grad_hook(self._hook(q)) for q in params if q.p.requires_grad]
 
     def zero(self, cleared: bool = True) -> None:
@@ -81,12 +84,22 @@ class GradientBuffers:
         return mask
 
     def _hook(self, q):
+        # Weak: a parameter's hooks live in autograd's C++ state, which the collector does not
+        # see, so a hook holding these buffers (or the parameter) would keep the parameters,
+        # gradients and optimizer state mapped, descriptors included, after the optimizer is gone.
+        ref, i = weakref.ref(self), q.index
+
         def hook(p):
-            self.cleared[q.index] = False
-            g = p.grad
-            if self.fresh and g is not None and g.data_ptr() != q.grad.data_ptr():
-                if self.lender is not None:
-                    self.lender.arrived(q)
-                q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
-                p.grad = q.gview
+            buffers = ref()
+            if buffers is not None:
+                buffers._arrived(buffers.params[i], p)
         return hook
+
+    def _arrived(self, q, p) -> None:
+        self.cleared[q.index] = False
+        g = p.grad
+        if self.fresh and g is not None and g.data_ptr() != q.grad.data_ptr():
+            if self.lender is not None:
+                self.lender.arrived(q)
+            q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
+            p.grad = q.gview
