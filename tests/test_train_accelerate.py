@@ -305,6 +305,34 @@ def test_two_ranks_killed_end_where_accelerates_own_group_does(host_daemon, tmp_
     assert logs["plain"][0] == logs["plain"][1]          # DDP: every rank holds the same parameters
 
 
+def test_two_ranks_resume_from_save_state_as_accelerates_own_group_does(host_daemon, tmp_path, monkeypatch):
+    """Two processes (gloo, DDP from ``prepare``): accelerate's own group and the anchored one
+    each ``save_state`` every other step; each group resumed from its step-2 checkpoint (the
+    anchored one in fresh namespaces: its daemon state lost) prints its steps 3-4 and end, and
+    the anchored group's are accelerate's group's, bit for bit on both ranks."""
+    from gpu_anchor.testing import campaign as C
+    from gpu_anchor.testing import ddp_campaign as D
+    sys.path.insert(0, os.path.dirname(JOB))
+    import accelerate_job as job
+    logs = {}
+    for name, plain, ckpt, resume in [("plain", True, "p", None), ("plain-again", True, "p2", "p/step_2"),
+                                      ("anchored", False, "a", None), ("anchored-again", False, "a2", "a/step_2")]:
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv("ACC_JOB_CKPT", str(tmp_path / ckpt))
+        if resume:
+            monkeypatch.setenv("ACC_JOB_RESUME", str(tmp_path / resume))
+        else:
+            monkeypatch.delenv("ACC_JOB_RESUME", raising=False)
+        res = D.run_group(f"acc-ddp-ckpt-{name}", C.CampaignConfig(), str(tmp_path / name), target=job.rank_run,
+                          plain=plain)
+        logs[name] = [_lines(log) for log in res["logs"]]
+    assert job.steps_per_epoch(2) * job.EPOCHS == 4
+    for r in range(2):
+        assert len(logs["plain"][r]) == 5 and logs["anchored"][r] == logs["plain"][r]
+        assert logs["plain-again"][r] == logs["plain"][r][2:]      # accelerate's own resume is exact here
+        assert logs["anchored-again"][r] == logs["plain"][r][2:]
+
+
 def _supervised(cwd, opts, namespace, epochs=30):
     """``gpu-anchor run [opts] -- python accelerate_job.py anchored``: the job record's restarts."""
     import json
