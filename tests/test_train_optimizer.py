@@ -323,6 +323,10 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
                        ([3], "not the dict")]:
         with pytest.raises(ValueError, match=match):
             opt2.load_state_dict({**ckpt["opt"], "gpu_anchor": bad})
+    wrong = {**ckpt["opt"], "state": {**ckpt["opt"]["state"], 3: {**ckpt["opt"]["state"][3],
+                                                                   "exp_avg_sq": torch.zeros(7)}}}
+    with pytest.raises(ValueError, match=r"\['state'\]\[3\]\['exp_avg_sq'\] has shape \(7,\).*another model"):
+        opt2.load_state_dict(wrong)       # torch checks groups, not shapes: this would stop half way
     assert opt2.completed_steps == 0 and sched2.last_epoch == 0
     assert all(torch.equal(a, t) for a, t in zip(before, (t for q in opt2._params for t in q.states.values())))
 

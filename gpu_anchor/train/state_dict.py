@@ -59,6 +59,7 @@ class StateDictMixin:
         if extra is not None:
             self._check_extra(extra)
             state_dict = {k: v for k, v in state_dict.items() if k != EXTRA}
+        self._check_shapes(state_dict)
         self.flush()     # a pending step commit must not land over what this commits
         self.optimizer.load_state_dict(state_dict)     # torch casts into fresh tensors ...
         with torch.no_grad():
@@ -77,6 +78,25 @@ class StateDictMixin:
                 sch.load_state_dict(sd)
             self._step_offset = int(extra["completed_steps"]) - self._state.step
         self._commit_loaded()
+
+    def _check_shapes(self, state_dict) -> None:
+        """Each state tensor fits the anchored one it is copied into (torch checks the groups,
+        not the state's shapes: a mismatch would fail half way through the copies)."""
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            return          # torch's load names what is missing
+        order = {pid: j for j, pid in enumerate(pid for g in groups if isinstance(g, dict) for pid in g.get("params", ()))}
+        for pid, st in state.items():
+            j = order.get(pid)
+            if j is None or j >= len(self._params) or not isinstance(st, dict):
+                continue    # torch's load ignores or refuses it
+            q = self._params[j]
+            for k, t in q.states.items():
+                v = st.get(k)
+                if isinstance(v, torch.Tensor) and tuple(local(v).shape) != tuple(t.shape):
+                    raise ValueError(f"state_dict['state'][{pid!r}][{k!r}] has shape {tuple(local(v).shape)}, and the "
+                                     f"anchored {k} of {q.name!r} {tuple(t.shape)}: the checkpoint is another model's "
+                                     "(or another sharding's); nothing was loaded")
 
     def _check_extra(self, extra) -> None:
         where = f"state_dict[{EXTRA!r}]"
