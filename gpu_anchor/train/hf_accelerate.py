@@ -46,10 +46,11 @@ def defers_step() -> bool:
 def join(opt, scaler, params=()):
     """Add ``opt`` to the optimizers of the Accelerator it trains under and return that
     Accelerator; None (and nothing done) when accelerate is not in use or none is found.  Which
-    one: with accelerate's fp16, the one whose scaler is ``scaler`` (only that one: its clip must
-    unscale ``opt``), none without a scaler; else the only one alive, or, with several, the one that prepared a model
-    holding ``params[0]`` (known once ``prepare`` ran: the first step looks again).  Finding it
-    walks the collector's objects (about 0.1 s), only under accelerate."""
+    one: with accelerate's fp16, the one whose scaler is ``scaler`` (only that one: its clip
+    must unscale ``opt``), none without a scaler; else the only one alive, or, with several,
+    the one that prepared a model holding ``params[0]`` (known once ``prepare`` ran: the first
+    step looks again).  Finding it walks the collector's objects (about 0.1 s), only under
+    accelerate."""
     state = _shared("accelerate.state", "AcceleratorState")
     cls = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
     if not state or cls is None:
