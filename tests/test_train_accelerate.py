@@ -315,8 +315,11 @@ def test_two_ranks_resume_from_save_state_as_accelerates_own_group_does(host_dae
     sys.path.insert(0, os.path.dirname(JOB))
     import accelerate_job as job
     logs = {}
-    for name, plain, ckpt, resume in [("plain", True, "p", None), ("plain-again", True, "p2", "p/step_2"),
-                                      ("anchored", False, "a", None), ("anchored-again", False, "a2", "a/step_2")]:
+    split = [[(0, "before_boundary@0"), (1, "after_boundary@0")]]     # the first step after the load
+    for name, plain, ckpt, resume, faults in [("plain", True, "p", None, ()), ("plain-again", True, "p2", "p/step_2", ()),
+                                              ("anchored", False, "a", None, ()),
+                                              ("anchored-again", False, "a2", "a/step_2", ()),
+                                              ("anchored-split", False, "a3", "a/step_2", split)]:
         (tmp_path / name).mkdir()
         monkeypatch.setenv("ACC_JOB_CKPT", str(tmp_path / ckpt))
         if resume:
@@ -324,13 +327,15 @@ def test_two_ranks_resume_from_save_state_as_accelerates_own_group_does(host_dae
         else:
             monkeypatch.delenv("ACC_JOB_RESUME", raising=False)
         res = D.run_group(f"acc-ddp-ckpt-{name}", C.CampaignConfig(), str(tmp_path / name), target=job.rank_run,
-                          plain=plain)
+                          plain=plain, faults_seq=faults)
+        assert res["kills"] == len(faults)
         logs[name] = [_lines(log) for log in res["logs"]]
     assert job.steps_per_epoch(2) * job.EPOCHS == 4
     for r in range(2):
         assert len(logs["plain"][r]) == 5 and logs["anchored"][r] == logs["plain"][r]
         assert logs["plain-again"][r] == logs["plain"][r][2:]      # accelerate's own resume is exact here
         assert logs["anchored-again"][r] == logs["plain"][r][2:]
+        assert logs["anchored-split"][r] == logs["plain"][r][2:]
 
 
 def _supervised(cwd, opts, namespace, epochs=30):

@@ -208,9 +208,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
 
         with torch.no_grad():
             if not resuming:
-                states = [t for q in self._params for t in q.states.values()]
-                if states:
-                    torch._foreach_zero_(states)
+                self._zero_states()
                 # a namespace with no step starts afresh: what a load committed before (the
                 # states were zeroed above) is not this worker's (state_dict.py)
                 stale = [key(prefix, k) for k in ("committed", "sched", "carry") if key(prefix, k) in vals]
@@ -407,6 +405,11 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
             self.scaler, [q.grad for q, m in zip(self._params, mask) if m], self.device, self._world > 1,
             found=amp.unscaled_by_loop(self.scaler, self))
         return [False] * len(mask) if self.step_was_skipped else mask
+
+    def _zero_states(self) -> None:
+        states = [t for q in self._params for t in q.states.values()]
+        if states:
+            torch._foreach_zero_(states)
 
     def _capture_carry(self) -> bytes:
         return carry_mod.capture(self.loop_state, self.device if self.track_rng else None, self.scaler)

@@ -13,6 +13,8 @@ objects are bound, with the journal's values under the optimizer's prefix:
   blocks of chunk ``cursor`` not written yet);
 - with several ranks the ranks agree first (``distributed.decide`` / ``decide_device``), so
   every rank discards or every rank finishes;
+- a step 0 discarded drops what a load committed before it (``state_dict``): a peer that never
+  reached that boundary started afresh, and every rank must stand where it does;
 - the carried loop / RNG state of the last step (committed or just finished) is restored.
 
 A kill during recovery is recovered the same way: rolling back and redoing a chunk writes
@@ -32,13 +34,6 @@ from .protocol import key
 class RecoveryMixin:
     def _resume(self, vals: dict) -> None:
         p = self.prefix
-        if key(p, "committed") in vals:
-            committed = json.loads(vals[key(p, "committed")])
-            self._counts = committed["counts"]
-            self._step_offset = committed.get("step_offset", 0)
-            for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
-                _set_hparams(g, hp)
-            self.schedulers.load(vals[key(p, "sched")])
         st = self._state
         device = self.progress == "device"
         cursor = None     # device mode: where the device left the in-flight step (None: never began)
@@ -57,10 +52,26 @@ class RecoveryMixin:
             action = "none"
         else:
             action = "discard" if device and cursor is None else "finish"
+        stale = []
+        if action == "discard" and st.step == 0:
+            # The first step after a load into a fresh namespace (state_dict.py), and a peer that
+            # never reached its boundary started afresh, dropping that load's records: drop ours
+            # too, so that every rank stands at step 0 and the job loads again on each.
+            stale = [key(p, k) for k in ("committed", "sched", "carry") if key(p, k) in vals]
+            vals = {k: v for k, v in vals.items() if k not in stale}
+            if stale:
+                self._zero_states()
+        if key(p, "committed") in vals:
+            committed = json.loads(vals[key(p, "committed")])
+            self._counts = committed["counts"]
+            self._step_offset = committed.get("step_offset", 0)
+            for g, hp in zip(self.optimizer.param_groups, committed["hparams"]):
+                _set_hparams(g, hp)
+            self.schedulers.load(vals[key(p, "sched")])
         if action == "discard":
             # No device (of any rank) got past the boundary: no chunk was written.
             new = self._state.discard()
-            self._commit({key(p, "state"): new.encode()})
+            self._commit({key(p, "state"): new.encode()}, deletes=stale)
             self._state = new
         elif action == "finish":
             b = json.loads(vals[key(p, "boundary")])

@@ -11,9 +11,11 @@ hyper-parameters, the schedulers' state, the step count): the anchored tensors a
 in place, so the journal must describe them.  ``completed_steps`` is kept as an offset over the
 journal's own step (``step_offset``), which the protocol's numbers (device word, fused tags, the
 supervisor's step key) never see.  A worker killed during or right after a load into a namespace
-with no step yet starts it afresh (``completed_steps`` 0), so a script that loads its checkpoint
-when ``completed_steps == 0`` loads it again, RNG states included (accelerate and Trainer set
-those after the optimizer's load).  Into a namespace with steps, a load is not atomic (the
+with no step yet starts it afresh (``completed_steps`` 0), and so does one whose first step after
+the load is discarded (``recovery``: with several ranks, a peer that never reached its boundary
+started afresh), so a script that loads its checkpoint when ``completed_steps == 0`` loads it
+again on every rank, RNG states included (accelerate and Trainer set those after the
+optimizer's load).  Into a namespace with steps, a load is not atomic (the
 model's weights are loaded by other code, before it): a worker killed during it resumes with
 what had been loaded; load again.
 """
