@@ -73,9 +73,33 @@ def _status_of(device: str, path: str | None) -> dict:
         st = ch.request({"op": "status"})[0]
         st.pop("ok", None), st.pop("nfds", None)
         st["socket"] = ch.path
+        for name, ns in st.get("namespaces", {}).items():
+            ns["training"] = _training_of(ch, name, ns.get("journal_keys", []))
         return st
     finally:
         ch.close()
+
+
+def _training_of(ch: Channel, namespace: str, keys: list) -> dict:
+    """Where each training protocol in ``namespace`` stands (a prefix with ``state`` and
+    ``meta`` keys: ``AnchoredOptimizer``'s), as its next worker would resume."""
+    from gpu_anchor import protocol as wire
+    from gpu_anchor.train.protocol import describe      # torch-free
+    out = {}
+    for prefix in sorted({k[: -len("/state")] for k in keys if k.endswith("/state")} &
+                         {k[: -len("/meta")] for k in keys if k.endswith("/meta")}):
+        reply, blob, _ = ch.request({"op": "journal_get", "prefix": prefix + "/", "namespace": namespace})
+        out[prefix] = describe(wire.unpack_blobs(reply["values"], blob), prefix)
+    return out
+
+
+def _training_line(prefix: str, t: dict) -> str:
+    if not t.get("consistent"):
+        return f"    training ({prefix!r}): inconsistent state ({t.get('error', 'a step in flight without its redo log')})"
+    if t.get("in_flight_step") is None:
+        return f"    training ({prefix!r}): {t['completed_steps']} step(s) completed"
+    return (f"    training ({prefix!r}): {t['completed_steps'] - 1} step(s) completed and one in flight (chunk "
+            f"{t['cursor']} of {t['chunks']}), which the next worker finishes from its redo log")
 
 
 def cmd_status(args) -> int:
@@ -113,6 +137,8 @@ def cmd_status(args) -> int:
                 print(f"    {o['name']:<60} {o['dtype']:>9} {str(tuple(o['shape'])):<22} {_human(o['nbytes'])}")
             if len(objs) > args.limit:
                 print(f"    ... {len(objs) - args.limit} more (--limit N)")
+            for prefix, t in ns.get("training", {}).items():
+                print(_training_line(prefix, t))
             if ns["journal_keys"]:
                 keys = ns["journal_keys"]
                 print(f"    journal keys: {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}")

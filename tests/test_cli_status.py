@@ -113,3 +113,32 @@ def test_status_lists_live_jobs_and_finished_ones_with_all(socket_dir):
         assert "job 'stale-job': running (supervisor gone)" in _cli("status", "--all").stdout
     finally:
         _cli("stop", check=False)   # the daemons the supervisors started
+
+
+STEPPER = """
+import sys, torch, gpu_anchor
+from gpu_anchor.train import AnchoredOptimizer
+with gpu_anchor.managed_scope(namespace="stepping", require=True):
+    model = torch.nn.Linear(4, 4)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model)
+for _ in range(int(sys.argv[1])):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_status_says_where_training_stands(host_daemon):
+    """Per namespace, each training protocol's position as its next worker would resume
+    (``training_state``), killed inside a step too."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ran = subprocess.run([sys.executable, "-c", STEPPER, "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "training ('train'): 3 step(s) completed" in _cli("status").stdout
+    killed = subprocess.run([sys.executable, "-c", STEPPER, "5"], env={**env, "GPU_ANCHOR_TRAIN_FAULT": "after_boundary@4"},
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    out = _cli("status").stdout
+    assert "training ('train'): 4 step(s) completed and one in flight (chunk 0 of 1)" in out, out
+    doc = json.loads(_cli("status", "--json").stdout)
+    assert doc["daemons"][0]["namespaces"]["stepping"]["training"]["train"]["completed_steps"] == 5
