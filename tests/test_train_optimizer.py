@@ -376,3 +376,22 @@ def test_a_dropped_optimizer_leaves_nothing_mapped(host_daemon):
         del client, model, opt, x, y
         gc.collect()
         assert fds() <= before + 1, fds() - before       # the connection's socket may linger until collected
+
+
+def test_a_group_added_to_the_wrapped_optimizer_is_refused_by_name(host_daemon):
+    """``add_param_group`` on the wrapped optimizer after it was anchored: its parameters would
+    never be updated (the step updates those anchored at construction), so the step is refused
+    before it begins."""
+    client = gpu_anchor.connect("cpu", namespace="added-group")
+    model = C.build_model(0)
+    anchor_module(model, client)
+    inner = C.build_optimizer(model, C.CampaignConfig())
+    opt = AnchoredOptimizer(inner, model=model, client=client)
+    head = torch.nn.Linear(4, 4)
+    inner.add_param_group({"params": list(head.parameters())})
+    x, y = C.batch(0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"now holds 10 parameter\(s\) in 3 group\(s\), and 8 were anchored"):
+        opt.step()
+    assert opt.completed_steps == 0 and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -55,6 +55,19 @@ def collect(optimizer: torch.optim.Optimizer, model) -> tuple[list[AnchoredParam
     return params, devices.pop()
 
 
+def groups_changed(params: list[AnchoredParam], optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the wrapped optimizer's groups no longer hold the parameters anchored at construction
+    (``add_param_group`` on it, a group's list edited), or None.  The step updates the anchored
+    ones only, so a parameter added later would never be updated, silently."""
+    now = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(now) == len(params) and all(a is q.p for a, q in zip(now, params)):
+        return None
+    return (f"the optimizer AnchoredOptimizer wraps now holds {len(now)} parameter(s) in {len(optimizer.param_groups)} "
+            f"group(s), and {len(params)} were anchored when it was built (add_param_group, or a group's list "
+            "changed): a parameter added since would never be updated. Build the optimizer with every group "
+            "(trainable or not: a frozen parameter gets no update), in a new namespace or prefix")
+
+
 def outside_anchored(named) -> list[str]:
     """The names of the ``(name, tensor)`` pairs whose tensor is not in anchored memory."""
     from gpu_anchor.client.client import anchored_name

@@ -276,7 +276,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         self.completed_steps    # raises if not attached yet
         if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
             return
-        why = amp.misuse(self) or hf_accelerate.before_step(self)
+        why = amp.misuse(self) or layout.groups_changed(self._params, self.optimizer) or hf_accelerate.before_step(self)
         if why:
             raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
