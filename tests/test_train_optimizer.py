@@ -356,7 +356,9 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
 def test_a_dropped_optimizer_leaves_nothing_mapped(host_daemon):
     """The parameters' gradient hooks hold the optimizer's buffers weakly: autograd keeps hooks
     where the collector cannot see them, so a strong reference kept the parameters, gradients and
-    optimizer state mapped (one descriptor each on the host backend) after the job dropped them."""
+    optimizer state mapped (one descriptor each on the host backend) after the job dropped them.
+    Freed, they are gone from the daemon too, and the journal's step count then refuses a new
+    optimizer in that namespace, saying why."""
     import gc
 
     def fds():
@@ -376,6 +378,12 @@ def test_a_dropped_optimizer_leaves_nothing_mapped(host_daemon):
         del client, model, opt, x, y
         gc.collect()
         assert fds() <= before + 1, fds() - before       # the connection's socket may linger until collected
+    # the daemon freed them, and the journal still counts the step: a new optimizer there is refused
+    client = gpu_anchor.connect("cpu", namespace="dropped-0")
+    model = C.build_model(0)
+    anchor_module(model, client)
+    with pytest.raises(RuntimeError, match=r"says 1 steps were committed.*as `del opt` does.*gpu-anchor drop dropped-0"):
+        AnchoredOptimizer(C.build_optimizer(model, C.CampaignConfig()), model=model, client=client)
 
 
 def test_a_group_added_to_the_wrapped_optimizer_is_refused_by_name(host_daemon):

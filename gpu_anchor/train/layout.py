@@ -133,8 +133,12 @@ def bind_state(client, prefix: str, params: list[AnchoredParam], keys_of: list, 
     bound = client.bind(specs)
     lost = [b.name for b in bound if b.status == "created"]
     if committed_steps is not None and lost:
-        raise RuntimeError(f"the journal says {committed_steps} steps were committed but the anchored "
-                           f"optimizer state is gone ({lost[:3]}...): restore from a checkpoint")
+        ns = getattr(client, "namespace", "?")
+        raise RuntimeError(f"the journal of namespace {ns!r} says {committed_steps} steps were committed but the "
+                           f"anchored optimizer state is gone ({lost[:3]}...): its objects were freed (a live "
+                           "process dropped every tensor over them, as `del opt` does; `gpu-anchor drop`; or the "
+                           "daemon lost its memory): restore from a checkpoint, or start over in a fresh namespace "
+                           f"(`gpu-anchor drop {ns}`)")
     tag_spec = []
     if fused_adam.tagged(device, kind):     # the fused update's per-block undo tags, a row per slot
         nblocks = fused_adam.FusedAdam.max_blocks([[s.stop - s.start for s in c] for c in chunks])
