@@ -55,17 +55,29 @@ def collect(optimizer: torch.optim.Optimizer, model) -> tuple[list[AnchoredParam
     return params, devices.pop()
 
 
-def groups_changed(params: list[AnchoredParam], optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the wrapped optimizer's groups no longer hold the parameters anchored at construction
-    (``add_param_group`` on it, a group's list edited), or None.  The step updates the anchored
-    ones only, so a parameter added later would never be updated, silently."""
-    now = [p for g in optimizer.param_groups for p in g["params"]]
-    if len(now) == len(params) and all(a is q.p for a, q in zip(now, params)):
+def group_lists(optimizer: torch.optim.Optimizer) -> list:
+    """What a step compares the wrapped optimizer's groups by, cheaply (0.5 us for 300
+    parameters): each group's list and its length."""
+    return [(id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
+
+
+def groups_changed(opt) -> str | None:
+    """At the start of ``opt.step()``: why the wrapped optimizer's groups no longer hold the
+    parameters anchored at construction (``add_param_group`` on it, a group's list edited), or
+    None.  The step updates the anchored ones only, so a parameter added later would never be
+    updated, silently.  Each parameter is compared only when ``group_lists`` changed."""
+    lists = group_lists(opt.optimizer)
+    if lists == opt._group_lists:
         return None
-    return (f"the optimizer AnchoredOptimizer wraps now holds {len(now)} parameter(s) in {len(optimizer.param_groups)} "
-            f"group(s), and {len(params)} were anchored when it was built (add_param_group, or a group's list "
-            "changed): a parameter added since would never be updated. Build the optimizer with every group "
-            "(trainable or not: a frozen parameter gets no update), in a new namespace or prefix")
+    now = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    if len(now) == len(opt._params) and all(a is q.p for a, q in zip(now, opt._params)):
+        opt._group_lists = lists          # new list objects, the same parameters
+        return None
+    return (f"the optimizer AnchoredOptimizer wraps now holds {len(now)} parameter(s) in "
+            f"{len(opt.optimizer.param_groups)} group(s), and {len(opt._params)} were anchored when it was built "
+            "(add_param_group, or a group's list changed): a parameter added since would never be updated. "
+            "Build the optimizer with every group (trainable or not: a frozen parameter gets no update), in a "
+            "new namespace or prefix")
 
 
 def outside_anchored(named) -> list[str]:

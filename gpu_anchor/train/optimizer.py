@@ -189,6 +189,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
             in_flight=self._state.in_flight, committed_steps=self._state.step if resuming else None)
         for q in self._params:
             optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
+        self._group_lists = layout.group_lists(optimizer)     # groups_changed compares with it
         self._use_undo(undo)
         if self.progress == "device":
             self._dev = DeviceProgress(self._word, self.device, self._copy_to_undo, self.stats)
@@ -276,7 +277,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         self.completed_steps    # raises if not attached yet
         if hf_accelerate.defers_step():     # inside accelerate's accumulate(), as its own wrapper does
             return
-        why = amp.misuse(self) or layout.groups_changed(self._params, self.optimizer) or hf_accelerate.before_step(self)
+        why = amp.misuse(self) or layout.groups_changed(self) or hf_accelerate.before_step(self)
         if why:
             raise RuntimeError(f"AnchoredOptimizer: {why}. This step did not begin.")
         self.schedulers.check()
