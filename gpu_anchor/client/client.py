@@ -114,8 +114,8 @@ def _host_descriptors() -> None:
     once imported): raise this process's soft limit once, and say so if it cannot be."""
     why = fdwait.raise_descriptor_limit()
     if why:
-        warnings.warn(f"gpu_anchor: {why}; the host backend holds one descriptor per anchored object, "
-                      "so a process over that many objects fails to bind more (raise `ulimit -n`)",
+        warnings.warn(f"gpu_anchor: {why}; the host backend holds one descriptor per segment (measured: about "
+                      "one per anchored object), so a process over that many fails to bind more (raise `ulimit -n`)",
                       RuntimeWarning, stacklevel=3)
 
 
