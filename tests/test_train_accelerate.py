@@ -241,7 +241,8 @@ def test_joins_the_accelerator_whose_scaler_it_is_given(host_daemon, monkeypatch
 def test_joins_the_accelerator_that_prepared_its_model(host_daemon):
     """Without fp16: the only Accelerator alive at construction, or, with several, the one
     whose ``prepare`` got the model (looked up at the first step); after ``free_memory()`` the
-    next step puts it back (so that ``save_state`` sees it)."""
+    next step puts it back (so that ``save_state`` sees it).  None of several: a warning says
+    ``save_state`` will not save it."""
     from accelerate import Accelerator
 
     import gpu_anchor
@@ -274,6 +275,10 @@ def test_joins_the_accelerator_that_prepared_its_model(host_daemon):
     other.free_memory()
     step(model2, opt2)
     assert other._optimizers == [opt2]
+    model3, opt3 = build("acc-join-none")          # two alive, and neither prepared this model
+    with pytest.warns(RuntimeWarning, match="found no Accelerator that prepared its model among the 2 alive"):
+        step(model3, opt3)
+    assert opt3 not in only._optimizers and opt3 not in other._optimizers
 
 
 def _lines(log: str) -> list:

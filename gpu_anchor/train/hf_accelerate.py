@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 
 
 def _shared(module: str, cls: str) -> dict:
@@ -52,16 +53,20 @@ def join(opt, scaler, params=()):
     step looks again).  Finding it walks the collector's objects (about 0.1 s), only under
     accelerate."""
     state = _shared("accelerate.state", "AcceleratorState")
-    cls = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
-    if not state or cls is None:
+    live = _alive() if state else []
+    if not live:
         return None
-    live = [o for o in gc.get_objects() if issubclass(type(o), cls)]     # type(): no __class__ property read
     if state.get("_mixed_precision") == "fp16":      # without its scaler: refused at step() on a GPU
         live = [a for a in live if scaler is not None and a.scaler is scaler]
     elif len(live) > 1:
         live = [a for a in live if params and _prepared_a_model_with(a, params[0])]
     # an accelerate whose Accelerator keeps its optimizers otherwise: refused at step() in fp16
     return live[0] if len(live) == 1 and rejoin(opt, live[0]) else None
+
+
+def _alive() -> list:
+    cls = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+    return [o for o in gc.get_objects() if issubclass(type(o), cls)] if cls is not None else []   # type(): no property read
 
 
 def _prepared_a_model_with(accelerator, param) -> bool:
@@ -101,6 +106,12 @@ def before_step(opt) -> str | None:
     if not opt._accelerator_looked:
         opt._accelerator_looked = True
         opt._accelerator = join(opt, opt.scaler, [q.p for q in opt._params[:1]])
+        state = _shared("accelerate.state", "AcceleratorState")
+        if opt._accelerator is None and state and state.get("_mixed_precision") != "fp16" and _alive():
+            warnings.warn("gpu_anchor: AnchoredOptimizer found no Accelerator that prepared its model among the "
+                          f"{len(_alive())} alive, so none has it among its optimizers: accelerator.save_state() "
+                          "will not save it. Prepare the model with the Accelerator that checkpoints the job",
+                          RuntimeWarning, stacklevel=4)
     why = refusal(opt.scaler, opt.device, opt._accelerator, opt)
     if why is None and opt._accelerator is not None:
         rejoin(opt, opt._accelerator)
