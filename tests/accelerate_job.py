@@ -102,7 +102,7 @@ def main(mode: str, namespace: str, out=sys.stdout) -> None:
                 pass          # written by an anchored job: its optimizer's state carries the rest
             else:             # written by accelerate's own loop: add what the anchored state_dict carries
                 sd = opt.state_dict()
-                sd["gpu_anchor"] = {"completed_steps": int(os.path.basename(resume).replace("step_", "")),
+                sd["param_groups"][0]["gpu_anchor"] = {"completed_steps": int(os.path.basename(resume).replace("step_", "")),
                                     "schedulers": [torch.load(os.path.join(resume, "scheduler.bin"), weights_only=True)]}
                 opt.load_state_dict(sd)
             if os.environ.get("ACC_JOB_KILL_AFTER_LOAD") == "1":

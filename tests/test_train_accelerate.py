@@ -85,7 +85,8 @@ def test_save_state_and_load_state_checkpoint_it_as_they_do_accelerates_own_loop
     assert saved.returncode == 0, saved.stderr
     assert tuple(saved.stdout.splitlines()) == plain
     sd = torch.load(tmp_path / "anchored" / "step_4" / "optimizer.bin", weights_only=True)
-    assert sd["gpu_anchor"]["completed_steps"] == 4 and sd["gpu_anchor"]["schedulers"][0]["last_epoch"] == 4
+    ours = sd["param_groups"][0]["gpu_anchor"]
+    assert ours["completed_steps"] == 4 and ours["schedulers"][0]["last_epoch"] == 4
     assert sd["state"] and all("exp_avg" in st for st in sd["state"].values())
 
     checkpoint = tmp_path / "anchored" / "step_4"

@@ -126,11 +126,13 @@ def test_shards_and_gradients_live_in_anchored_memory(host_daemon, tmp_path):
     assert C._wait(pid) == 0
 
 
-def _dcp_worker(rank, store, ckpt):
-    """One of two FSDP2 ranks: 3 steps, ``dcp.save`` of ``model.state_dict()`` and
-    ``opt.state_dict()``; then, as after a daemon's state is lost, a new model and optimizer in
-    fresh namespaces, ``dcp.load`` into their state dicts and ``load_state_dict``: the step count,
-    the schedule and every shard come back, and two more steps match the first optimizer's."""
+def _dcp_worker(rank, store, ckpt, helpers):
+    """One of two FSDP2 ranks: 3 steps, ``dcp.save``; then, as after a daemon's state is lost, a
+    new model and optimizer in fresh namespaces, ``dcp.load``: the step count, the schedule and
+    every shard come back, and two more steps match the first optimizer's.  ``helpers``: saved
+    and loaded as PyTorch's DCP tutorial writes it (a ``Stateful`` calling ``get_state_dict`` /
+    ``set_state_dict``), flattened as torchtitan saves; else ``model.state_dict()`` and
+    ``opt.state_dict()`` themselves, loaded with ``load_state_dict``."""
     import os
 
     import torch.distributed as dist
@@ -158,14 +160,20 @@ def _dcp_worker(rank, store, ckpt):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-    model, opt = build("dcp-a")
+    model, opt = build(f"dcp-a{helpers}")
     steps(model, opt, range(3))
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
-    model2, opt2 = build("dcp-b")
-    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt)
-    model2.load_state_dict(sd["model"])
-    opt2.load_state_dict(sd["optim"])
+    if helpers:
+        from test_train_checkpoints import AppState
+        dcp.save({"app": AppState(model, opt, flatten=True)}, checkpoint_id=ckpt)
+        model2, opt2 = build(f"dcp-b{helpers}")
+        dcp.load({"app": AppState(model2, opt2, flatten=True)}, checkpoint_id=ckpt)
+    else:
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+        model2, opt2 = build(f"dcp-b{helpers}")
+        sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(sd, checkpoint_id=ckpt)
+        model2.load_state_dict(sd["model"])
+        opt2.load_state_dict(sd["optim"])
     assert opt2.completed_steps == 3 and opt2.schedulers.items[0].last_epoch == 3
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     steps(model, opt, range(3, 5))
@@ -178,12 +186,14 @@ def _dcp_worker(rank, store, ckpt):
     dist.destroy_process_group()
 
 
-def test_dcp_save_and_load_of_its_state_dict_restore_the_job(host_daemon, tmp_path):
+@pytest.mark.parametrize("helpers", [False, True], ids=["state_dicts", "tutorial_helpers"])
+def test_dcp_save_and_load_of_its_state_dict_restore_the_job(host_daemon, tmp_path, helpers):
     """``torch.distributed.checkpoint`` as FSDP2 jobs checkpoint (``dcp.save`` / ``dcp.load``
-    of the model's and the optimizer's state dicts, DTensors over the anchored shards) on two
-    ranks, restored into fresh namespaces (``_dcp_worker``)."""
+    of the model's and the optimizer's state dicts, DTensors over the anchored shards, or through
+    DCP's ``get_state_dict`` / ``set_state_dict``) on two ranks, restored into fresh namespaces
+    (``_dcp_worker``)."""
     C.prewarm(C.CampaignConfig())
-    pids = [C._child(_dcp_worker, r, str(tmp_path / "store"), str(tmp_path / "ckpt")) for r in range(2)]
+    pids = [C._child(_dcp_worker, r, str(tmp_path / "store"), str(tmp_path / "ckpt"), helpers) for r in range(2)]
     assert [C._wait(pid) for pid in pids] == [0, 0]
 
 

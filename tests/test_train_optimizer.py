@@ -304,13 +304,13 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
     train(ref, ropt, range(3), rsched)
     train(model, opt, range(3))
     sd = opt.state_dict()
-    assert sd["gpu_anchor"]["completed_steps"] == 3
+    assert sd["param_groups"][0]["gpu_anchor"]["completed_steps"] == 3
     torch.save({"model": model.state_dict(), "opt": sd}, tmp_path / "ckpt.pt")
     train(ref, ropt, range(3, 6), rsched)
 
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     plain = C.build_optimizer(C.build_model(cfg.seed), cfg)
-    plain.load_state_dict(ckpt["opt"])       # a torch optimizer ignores our entry
+    plain.load_state_dict(ckpt["opt"])       # a torch optimizer keeps our entry as an unused group key
     assert plain.state_dict()["param_groups"][0]["lr"] == ckpt["opt"]["param_groups"][0]["lr"]
 
     _, _, (model2, opt2) = _pair("sd-whole-b", cfg)
@@ -322,7 +322,8 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
                        ({"completed_steps": 3, "schedulers": []}, "holds 0 scheduler state"),
                        ([3], "not the dict")]:
         with pytest.raises(ValueError, match=match):
-            opt2.load_state_dict({**ckpt["opt"], "gpu_anchor": bad})
+            groups = [{**ckpt["opt"]["param_groups"][0], "gpu_anchor": bad}, *ckpt["opt"]["param_groups"][1:]]
+            opt2.load_state_dict({**ckpt["opt"], "param_groups": groups})
     wrong = {**ckpt["opt"], "state": {**ckpt["opt"]["state"], 3: {**ckpt["opt"]["state"][3],
                                                                    "exp_avg_sq": torch.zeros(7)}}}
     with pytest.raises(ValueError, match=r"\['state'\]\[3\]\['exp_avg_sq'\] has shape \(7,\).*another model"):

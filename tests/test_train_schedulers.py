@@ -130,8 +130,9 @@ def test_a_checkpoint_load_commits_the_schedulers_loaded_before_it(host_daemon):
         ref_inner.step()
         ref.step()
     ours = opt.state_dict()
-    assert ours["gpu_anchor"] == {"completed_steps": 0, "schedulers": [sched.state_dict()]}
-    saved_sched, saved_opt = ref.state_dict(), {k: v for k, v in ours.items() if k != "gpu_anchor"}
+    assert ours["param_groups"][0]["gpu_anchor"] == {"completed_steps": 0, "schedulers": [sched.state_dict()]}
+    saved_sched = ref.state_dict()
+    saved_opt = {**ours, "param_groups": [{k: v for k, v in g.items() if k != "gpu_anchor"} for g in ours["param_groups"]]}
 
     sched.load_state_dict(saved_sched)
     opt.load_state_dict(saved_opt)

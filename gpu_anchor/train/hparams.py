@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-_HP_SKIP = ("params",)
+EXTRA = "gpu_anchor"      # our key in the first param group (``state_dict``): not a hyper-parameter
+_HP_SKIP = ("params", EXTRA)
 
 
 def hparams(group: dict) -> dict:

@@ -111,6 +111,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         self._accelerator_looked = self._accelerator is not None     # else the first step looks again
         # completed_steps = the journal's step + this; a loaded state_dict moves it (``state_dict``)
         self._step_offset = 0
+        self._loading = None                # our entry of a state_dict being loaded (``state_dict``)
         self.track_rng = track_rng
         self.prefix = prefix
         self.loop_state: dict = {}          # user's JSON/pickle-able loop data, carried with each step
@@ -188,8 +189,9 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
             client, prefix, self._params, keys_of, self._chunks, slot_bytes, self.kind, self.device,
             in_flight=self._state.in_flight, committed_steps=self._state.step if resuming else None)
         for q in self._params:
-            optimizer.state[q.p] = q.states   # state_dict()/inspection see the anchored tensors
+            optimizer.state[q.p] = q.states   # the wrapped optimizer's state is the anchored tensors
         self._group_lists = layout.group_lists(optimizer)     # groups_changed compares with it
+        self._hook_state_dicts()
         self._use_undo(undo)
         if self.progress == "device":
             self._dev = DeviceProgress(self._word, self.device, self._copy_to_undo, self.stats)
