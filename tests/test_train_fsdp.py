@@ -129,10 +129,12 @@ def test_shards_and_gradients_live_in_anchored_memory(host_daemon, tmp_path):
 def _dcp_worker(rank, store, ckpt, helpers):
     """One of two FSDP2 ranks: 3 steps, ``dcp.save``; then, as after a daemon's state is lost, a
     new model and optimizer in fresh namespaces, ``dcp.load``: the step count, the schedule and
-    every shard come back, and two more steps match the first optimizer's.  ``helpers``: saved
-    and loaded as PyTorch's DCP tutorial writes it (a ``Stateful`` calling ``get_state_dict`` /
-    ``set_state_dict``), flattened as torchtitan saves; else ``model.state_dict()`` and
-    ``opt.state_dict()`` themselves, loaded with ``load_state_dict``."""
+    every shard come back, and two more steps match the first optimizer's.  ``helpers``:
+    ``"tutorial"``, saved and loaded as PyTorch's DCP tutorial writes it (a ``Stateful`` calling
+    ``get_state_dict`` / ``set_state_dict``), flattened as torchtitan saves; ``"full"``, one
+    consolidated file (``full_state_dict`` and ``cpu_offload``, ``torch.save`` on rank 0, read by
+    every rank); else ``model.state_dict()`` and ``opt.state_dict()``
+    themselves with ``dcp.save`` / ``dcp.load``, loaded with ``load_state_dict``."""
     import os
 
     import torch.distributed as dist
@@ -162,7 +164,17 @@ def _dcp_worker(rank, store, ckpt, helpers):
             opt.zero_grad()
     model, opt = build(f"dcp-a{helpers}")
     steps(model, opt, range(3))
-    if helpers:
+    if helpers == "full":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"model": msd, "optim": osd}, ckpt)
+        dist.barrier()
+        model2, opt2 = build(f"dcp-b{helpers}")
+        sd = torch.load(ckpt, weights_only=True)     # each rank keeps its part
+        set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+    elif helpers:
         from test_train_checkpoints import AppState
         dcp.save({"app": AppState(model, opt, flatten=True)}, checkpoint_id=ckpt)
         model2, opt2 = build(f"dcp-b{helpers}")
@@ -186,12 +198,12 @@ def _dcp_worker(rank, store, ckpt, helpers):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("helpers", [False, True], ids=["state_dicts", "tutorial_helpers"])
+@pytest.mark.parametrize("helpers", ["", "tutorial", "full"], ids=["state_dicts", "tutorial_helpers", "full_state_dict"])
 def test_dcp_save_and_load_of_its_state_dict_restore_the_job(host_daemon, tmp_path, helpers):
     """``torch.distributed.checkpoint`` as FSDP2 jobs checkpoint (``dcp.save`` / ``dcp.load``
     of the model's and the optimizer's state dicts, DTensors over the anchored shards, or through
-    DCP's ``get_state_dict`` / ``set_state_dict``) on two ranks, restored into fresh namespaces
-    (``_dcp_worker``)."""
+    DCP's ``get_state_dict`` / ``set_state_dict``, or one consolidated ``full_state_dict`` file)
+    on two ranks, restored into fresh namespaces (``_dcp_worker``)."""
     C.prewarm(C.CampaignConfig())
     pids = [C._child(_dcp_worker, r, str(tmp_path / "store"), str(tmp_path / "ckpt"), helpers) for r in range(2)]
     assert [C._wait(pid) for pid in pids] == [0, 0]
