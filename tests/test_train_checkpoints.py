@@ -175,3 +175,24 @@ def test_a_job_leaving_gpu_anchor_resumes_from_its_checkpoint_in_plain_pytorch(h
     assert all(torch.equal(p, refs[name]) for name, p in plain.named_parameters())
     assert all(torch.equal(popt.state[p][k], ropt.state[refs[name]][k]) for name, p in plain.named_parameters()
                for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_dcp_async_save_while_the_job_trains_on(host_daemon, tmp_path):
+    """``dcp.async_save`` of the tutorial's ``AppState`` after step 3, two more steps while it
+    writes: the checkpoint is step 3's (staged when it was called), and restored into a fresh
+    namespace it continues as plain PyTorch does from step 3."""
+    ref, ropt, rsched = _plain()
+    model, opt = _anchored("async-a")
+    _train(ref, ropt, range(3), rsched)
+    _train(model, opt, range(3))
+    pending = dcp.async_save({"app": AppState(model, opt, False)}, checkpoint_id=str(tmp_path / "ckpt"))
+    _train(model, opt, range(3, 5))
+    pending.result()
+
+    model2, opt2 = _anchored("async-b")
+    dcp.load({"app": AppState(model2, opt2, False)}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert opt2.completed_steps == 3
+    _train(ref, ropt, range(3, 5), rsched)
+    _train(model2, opt2, range(3, 5))
+    _same(model2, opt2, ref, ropt)
+    _same(model, opt, ref, ropt)

@@ -388,15 +388,18 @@ def test_a_dropped_optimizer_leaves_nothing_mapped(host_daemon):
 
 
 def test_a_group_added_to_the_wrapped_optimizer_is_refused_by_name(host_daemon):
-    """``add_param_group`` on the wrapped optimizer after it was anchored: its parameters would
-    never be updated (the step updates those anchored at construction), so the step is refused
-    before it begins."""
+    """``add_param_group`` after the optimizer was anchored: its parameters would never be updated
+    (the step updates those anchored at construction).  On the AnchoredOptimizer it is refused at
+    once; on the wrapped optimizer, the step is refused before it begins."""
     client = gpu_anchor.connect("cpu", namespace="added-group")
     model = C.build_model(0)
     anchor_module(model, client)
     inner = C.build_optimizer(model, C.CampaignConfig())
     opt = AnchoredOptimizer(inner, model=model, client=client)
     head = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="takes no group later.*Build the wrapped optimizer with every group"):
+        opt.add_param_group({"params": list(head.parameters())})
+    assert len(inner.param_groups) == 2
     inner.add_param_group({"params": list(head.parameters())})
     x, y = C.batch(0, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()

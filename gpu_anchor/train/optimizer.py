@@ -240,6 +240,13 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
     def param_groups(self):
         return self.optimizer.param_groups
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused: the state of every parameter is anchored when the optimizer is built."""
+        raise TypeError("AnchoredOptimizer anchors the state of every parameter when it is built, so it takes no "
+                        "group later (a parameter added then would never be updated). Build the wrapped optimizer "
+                        "with every group (trainable or not: a frozen parameter gets no update), in a new namespace "
+                        "or prefix")
+
     @property
     def num_chunks(self) -> int:
         return len(self._chunks)
