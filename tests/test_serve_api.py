@@ -1,7 +1,7 @@
 """The vLLM-compatible surface of ``gpu-anchor serve``, through the stock ``openai`` client and
 plain HTTP against a real server on the CPU: every invalid field is a 400 naming it, an unknown
 model a 404, the API key a 401; ``stream_options``; ``logprobs`` / ``top_logprobs`` checked
-against transformers' own forward pass; ``echo``; ``/metrics`` read with Prometheus' parser;
+against transformers' own forward pass; penalties against transformers' ``generate`` and forward; ``echo``; ``/metrics`` read with Prometheus' parser;
 the loading progress and the ready line; and the options (``--tensor-parallel-size``,
 ``--max-batched-tokens`` alias, KV sizing from ``--gpu-memory-utilization``, ``--chat-template``).
 """
@@ -123,9 +123,10 @@ BAD = [
     (CH, dict(M, top_logprobs=2), "top_logprobs"),
     (CH, dict(M, logprobs=True, top_logprobs=21), "top_logprobs"),
     (CH, dict(M, logprobs=3), "logprobs"),
-    (C, dict(P, presence_penalty=0.5), "presence_penalty"),
-    (C, dict(P, frequency_penalty=1), "frequency_penalty"),
-    (C, dict(P, repetition_penalty=1.2), "repetition_penalty"),
+    (C, dict(P, presence_penalty=2.5), "presence_penalty"),
+    (CH, dict(M, frequency_penalty="1"), "frequency_penalty"),
+    (C, dict(P, repetition_penalty=0), "repetition_penalty"),
+    (C, dict(P, min_p=0.1), "min_p"),
     (C, dict(P, logit_bias={"5": 10}), "logit_bias"),
     (C, dict(P, suffix="end"), "suffix"),
     (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
@@ -278,6 +279,53 @@ def test_logprobs_match_transformers(srv):
         [e.logprob for e in content]
     # no logprobs asked: none given
     assert c.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].logprobs is None
+
+
+def _hf_greedy(model_dir, prompt_ids, n, presence=0.0, frequency=0.0):
+    """Greedy decoding with transformers' forward and OpenAI's definition of the two penalties
+    (over the generated tokens: logit -= presence * (count > 0) + frequency * count)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = m(torch.tensor([prompt_ids + out])).logits[0, -1]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).double()
+            logits = logits - frequency * counts - presence * (counts > 0).double()
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_penalties_match_transformers(srv):
+    """``repetition_penalty`` (an extra field, as with vLLM) against transformers' own
+    ``generate(repetition_penalty=...)``, and ``presence_penalty`` / ``frequency_penalty`` (the
+    openai client's parameters) against a greedy loop over transformers' forward with OpenAI's
+    definition; each changes the tokens, streamed or not.  Refused with a 400 before."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    ids = Codec(model, 384).encode("The quick brown fox jumps")
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+    def tokens(r):
+        return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+    plain = tokens(c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, logprobs=0,
+                                        extra_body=extra))
+    rep = tokens(c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, logprobs=0,
+                                      extra_body=dict(extra, repetition_penalty=1.5)))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert rep == want and rep != plain
+    pen = tokens(c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, logprobs=0,
+                                      presence_penalty=0.7, frequency_penalty=0.9, extra_body=extra))
+    assert pen == _hf_greedy(model, ids, 12, presence=0.7, frequency=0.9) and pen != plain
+    streamed = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stream=True, logprobs=0,
+                                    presence_penalty=0.7, frequency_penalty=0.9, extra_body=extra)
+    assert [int(t.split(":")[1]) for ch in streamed if ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.tokens] == pen
 
 
 def test_echo(srv):

@@ -115,6 +115,20 @@ def test_async_equals_sync(model, mode):
     assert engines[False].step_counts["async"] == 0
 
 
+def test_penalized_requests_run_synchronously_and_equal_sync(model):
+    """A penalty's logits depend on the previous step's token, which a step launched ahead does
+    not have on the host: while a penalized request runs, steps are synchronous, and the tokens
+    are the synchronous engine's; a penalty alone never runs ahead."""
+    reqs, joins = _scenario(model)
+    p, sp = reqs["r3"]
+    reqs["r3"] = (p, SamplingParams(**dict(sp.to_dict(), frequency_penalty=0.8, repetition_penalty=1.2)))
+    res = {a: drive(_engine(model, a), reqs, joins) for a in (False, True)}
+    assert res[True] == res[False]
+    eng = _engine(model, True)
+    out, _ = drive(eng, {"r3": reqs["r3"]})
+    assert eng.step_counts["async"] == 0 and out["r3"] == res[False][0]["r3"]
+
+
 def test_async_equals_sync_with_preemption(model):
     """A cache too small for every stream: decodes preempt (synchronously); deterministic
     kernels, so a preempted request's recomputed KV equals what its decodes wrote."""

@@ -110,8 +110,9 @@ def gpu_server(tmp_path, socket_dir):
 
 
 def _jobs(n=6, tokens=220):
-    """Chat and completions, greedy and seeded sampling; every third asks for log-probabilities
-    with token ids, so its tokens are compared id by id (the others as text and usage)."""
+    """Chat and completions, greedy and seeded sampling, three with penalties; every third asks
+    for log-probabilities with token ids, so its tokens are compared id by id (the others as text
+    and usage)."""
     words = "fox dog engine block cache hello world numbers journal daemon".split()
     jobs = []
     for i in range(n):
@@ -125,6 +126,10 @@ def _jobs(n=6, tokens=220):
         if i % 3 == 0:
             j.update({"logprobs": True, "top_logprobs": 1} if i % 2 else {"logprobs": 1})
             j["extra_body"] = dict(j["extra_body"], return_tokens_as_token_ids=True)
+        if i in (1, 3):         # penalties count the tokens so far: a recomputed request must too
+            j.update(frequency_penalty=0.4) if i == 1 else j.update(presence_penalty=0.6)
+        elif i == 4:
+            j["extra_body"] = dict(j["extra_body"], repetition_penalty=1.3)
         jobs.append(j)
     return jobs
 

@@ -132,8 +132,11 @@ def _requests(n_greedy, n_sampled, max_tokens):
     prompts = _prompts(n_greedy + n_sampled, seed=5, lo=5, hi=50)
     reqs = {}
     for i, p in enumerate(prompts):
-        sp = (SamplingParams(max_tokens=max_tokens, ignore_eos=True) if i < n_greedy else
-              SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1000 + i, ignore_eos=True))
+        # one greedy and one sampled request with penalties: their logits depend on every token so far
+        pen = ({"repetition_penalty": 1.3, "frequency_penalty": 0.4} if i == 1 else
+               {"presence_penalty": 0.6} if i == n_greedy + 1 else {})
+        sp = (SamplingParams(max_tokens=max_tokens, ignore_eos=True, **pen) if i < n_greedy else
+              SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1000 + i, ignore_eos=True, **pen))
         reqs[f"r{i}"] = (p, sp)
     return reqs
 

@@ -88,6 +88,40 @@ def test_rows_are_independent_of_the_batch_around_them():
     assert S.sample(x[:1], MIXED[:1], idx[:1])[0] == together[0] == x[0].argmax().item()
 
 
+def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list, out: list) -> torch.Tensor:
+    """vLLM's penalties for one row, token by token."""
+    x = row.clone()
+    for t in set(prompt) | set(out):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(out):
+        x[t] = x[t] - p.frequency_penalty * out.count(t) - p.presence_penalty
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_penalties_per_row_and_independent_of_the_batch(dtype):
+    """``apply_penalties`` equals the per-token definition on each penalized row (and leaves the
+    others' logits as they were); a row's result, and so its draw, is the same alone or in a batch."""
+    rng = torch.Generator().manual_seed(5)
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.4),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3, temperature=0.9, seed=3),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=2.0, top_k=9, seed=4)]
+    prompts = [torch.randint(0, V, (n,), generator=rng).tolist() for n in (5, 9, 3, 12)]
+    outs = [torch.randint(0, 20, (n,), generator=rng).tolist() for n in (4, 0, 7, 11)]
+    x = _logits(len(params), seed=6).to(dtype)
+    y = S.apply_penalties(x, params, prompts, outs)
+    assert y.dtype == torch.promote_types(dtype, torch.float32) and x.dtype == dtype
+    assert torch.equal(y[0], x[0].to(y.dtype))
+    for b in range(1, len(params)):
+        assert torch.allclose(y[b], _penalized_reference(x[b].to(y.dtype), params[b], prompts[b], outs[b]),
+                              rtol=0, atol=1e-12 if y.dtype == torch.float64 else 1e-6)
+        alone = S.apply_penalties(x[b:b + 1], params[b:b + 1], prompts[b:b + 1], outs[b:b + 1])
+        assert torch.equal(alone[0], y[b])
+    idx = [len(o) for o in outs]
+    assert S.sample(y, params, idx) == [S.sample(y[b:b + 1], [p], [i])[0] for b, (p, i) in enumerate(zip(params, idx))]
+    assert S.apply_penalties(x, [SamplingParams()] * len(params), prompts, outs) is x
+
+
 def test_a_draw_is_the_inverse_cdf_of_the_kept_distribution_at_the_counter_uniform():
     x = _logits(len(MIXED), seed=2)
     for step in range(5):
@@ -275,3 +309,15 @@ def test_gpu_sampled_draws_repeat_and_do_not_depend_on_the_batch():
         for _ in range(3):
             assert S.sample(x, params, idx) == ref
         assert [S.sample(x[b:b + 1], [params[b]], [idx[b]])[0] for b in range(0, B, 7)] == ref[::7]
+
+
+@pytest.mark.parametrize("bad,match", [({"presence_penalty": 2.5}, "presence_penalty must be in"),
+                                       ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+                                       ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+                                       ({"top_p": 0}, "top_p must be in"), ({"temperature": -1}, "temperature must")])
+def test_sampling_params_refuse_out_of_range_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+    p = SamplingParams(repetition_penalty=1.2)
+    assert SamplingParams.from_dict(p.to_dict()) == p and p.penalized
+    assert "repetition_penalty" not in SamplingParams().to_dict()     # a journal record without penalties is as before

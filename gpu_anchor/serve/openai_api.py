@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (``n`` > 1, beam search, penalties, prompt log-probabilities, tools, ...) is an
+does not (``n`` > 1, beam search, ``min_p``, prompt log-probabilities, tools, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -112,9 +112,6 @@ _NEUTRAL = {
     "best_of": ((1,), "best_of > 1 is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
-    "presence_penalty": ((0, 0.0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported (only 0)"),
-    "repetition_penalty": ((1, 1.0), "repetition_penalty is not supported (only 1)"),
     "min_p": ((0, 0.0), "min_p is not supported (only 0)"),
     "min_tokens": ((0,), "min_tokens is not supported (only 0)"),
     "logit_bias": (({},), "logit_bias is not supported"),
@@ -147,7 +144,7 @@ def _neutral(name: str, v) -> None:
 
 # ------------------------------------------------------------------ requests
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-           "ignore_eos", "max_tokens", "logprobs", "skip_special_tokens", "include_stop_str_in_output",
+           "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output",
            "return_tokens_as_token_ids", "add_special_tokens"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
@@ -195,6 +192,11 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
     s["stop_token_ids"] = [] if g("stop_token_ids") is None else _ids("stop_token_ids", g("stop_token_ids"),
                                                                         1 << 62)
     s["ignore_eos"] = False if g("ignore_eos") is None else _bool("ignore_eos", g("ignore_eos"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        if g(name) is not None:
+            s[name] = _num(name, g(name), -2.0, 2.0)
+    if g("repetition_penalty") is not None:
+        s["repetition_penalty"] = _num("repetition_penalty", g("repetition_penalty"), 0.0, 100.0, lo_open=True)
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
         if g(name) is not None:                     # max_completion_tokens wins (OpenAI's newer name)
             r.max_tokens = _int(name, g(name), 1)

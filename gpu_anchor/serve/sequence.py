@@ -37,6 +37,12 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: the chosen token's and the k most likely ones'
     logprobs: int | None = None
+    # OpenAI's, over the tokens generated so far: logit -= presence * (count > 0) + frequency * count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (and transformers'), over the prompt's and the generated tokens: a positive logit is
+    # divided by it, a negative one multiplied
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if int(self.max_tokens) < 1:
@@ -49,6 +55,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < float(self.repetition_penalty) <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -61,10 +74,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Its logits depend on the tokens so far (a penalty is set)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def to_dict(self) -> dict:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs}
+                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
+                **({"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                    "repetition_penalty": self.repetition_penalty} if self.penalized else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
