@@ -289,18 +289,8 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
     going back to the checkpoint two steps later.  In a namespace with no step yet a restarted
     worker starts afresh (and the job loads again: ``test_train_accelerate``'s kills); a torch
     optimizer loads the same file; bad entries of ours are refused, nothing changed."""
-    cfg = C.CampaignConfig(optimizer="adamw", flavour="single")
+    from test_train_checkpoints import CFG as cfg, _train as train     # the same loop and configuration
     client, (ref, ropt, rsched), (model, opt) = _pair("sd-whole-a", cfg)
-
-    def train(m, o, steps, s=None):
-        for step in steps:
-            x, y = C.batch(step, cfg.seed)
-            torch.manual_seed(step)
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            o.step()
-            if s is not None:
-                s.step()
-            o.zero_grad()
     train(ref, ropt, range(3), rsched)
     train(model, opt, range(3))
     sd = opt.state_dict()
