@@ -126,8 +126,12 @@ BAD = [
     (C, dict(P, presence_penalty=2.5), "presence_penalty"),
     (CH, dict(M, frequency_penalty="1"), "frequency_penalty"),
     (C, dict(P, repetition_penalty=0), "repetition_penalty"),
-    (C, dict(P, min_p=0.1), "min_p"),
-    (C, dict(P, logit_bias={"5": 10}), "logit_bias"),
+    (C, dict(P, min_p=1.5), "min_p"),
+    (C, dict(P, min_tokens=-1), "min_tokens"),
+    (C, dict(P, logit_bias={"hello": 10}), "logit_bias"),
+    (C, dict(P, logit_bias={"5": 101}), "logit_bias"),
+    (CH, dict(M, logit_bias={"100000": 1}), "logit_bias"),
+    (C, dict(P, logit_bias=[5, 10]), "logit_bias"),
     (C, dict(P, suffix="end"), "suffix"),
     (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (CH, dict(M, response_format={"type": "json_object"}), "response_format"),
@@ -281,16 +285,21 @@ def test_logprobs_match_transformers(srv):
     assert c.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].logprobs is None
 
 
-def _hf_greedy(model_dir, prompt_ids, n, presence=0.0, frequency=0.0):
-    """Greedy decoding with transformers' forward and OpenAI's definition of the two penalties
-    (over the generated tokens: logit -= presence * (count > 0) + frequency * count)."""
+def _hf_greedy(model_dir, prompt_ids, n, presence=0.0, frequency=0.0, bias=None, min_tokens=0, stop=()):
+    """Greedy decoding with transformers' forward and OpenAI's definitions: ``bias`` added to
+    the logits, then the two penalties over the generated tokens (logit -= presence * (count > 0)
+    + frequency * count); ``stop`` ids end it, and cannot be drawn before ``min_tokens``."""
     import torch
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     out = []
     with torch.no_grad():
-        for _ in range(n):
+        while len(out) < n and not (out and out[-1] in stop):
             logits = m(torch.tensor([prompt_ids + out])).logits[0, -1]
+            if len(out) < min_tokens:
+                logits[list(stop)] = float("-inf")
+            for t, v in (bias or {}).items():
+                logits[t] += v
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).double()
             logits = logits - frequency * counts - presence * (counts > 0).double()
             out.append(int(logits.argmax()))
@@ -326,6 +335,46 @@ def test_penalties_match_transformers(srv):
                                     presence_penalty=0.7, frequency_penalty=0.9, extra_body=extra)
     assert [int(t.split(":")[1]) for ch in streamed if ch.choices[0].logprobs
             for t in ch.choices[0].logprobs.tokens] == pen
+
+
+def test_logit_bias_min_tokens_and_min_p(srv):
+    """``logit_bias`` (the openai client's parameter: a ban and a push) and ``min_tokens`` (a stop
+    token the plain run draws early is held off until then) against the greedy loop over
+    transformers' forward, and a stop string held off as vLLM does; ``min_p`` sampled with a seed draws the same tokens twice.  Each was
+    refused with a 400 before."""
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    ids = Codec(model, 384).encode("The quick brown fox jumps")
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+    def run(**kw):
+        r = c.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=kw.pop("temperature", 0),
+                                 logprobs=0, **kw)
+        return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens], r.choices[0].finish_reason
+    plain, _ = run(extra_body=extra)
+    bias = {plain[0]: -100, plain[3]: 4.5}
+    biased, _ = run(logit_bias={str(t): v for t, v in bias.items()}, extra_body=extra)
+    assert biased == _hf_greedy(model, ids, 10, bias=bias) and biased[0] != plain[0]
+    k = next(k for k in range(1, 10) if plain[k] not in plain[:k])
+    stopped, why = run(extra_body=dict(extra, stop_token_ids=[plain[k]]))
+    assert stopped == plain[:k + 1] and why == "stop"
+    held, _ = run(extra_body=dict(extra, stop_token_ids=[plain[k]], min_tokens=k + 3))
+    assert held == _hf_greedy(model, ids, 10, min_tokens=k + 3, stop=(plain[k],)) and len(held) >= k + 3
+    assert plain[k] not in held[:k + 2]
+    # a stop string counts once it ends past the first min_tokens tokens' text (vLLM's rule)
+    codec = Codec(model, 384)
+    text = codec.decode(plain)
+    j = next(j for j in range(1, 9) if codec.decode(plain[:j + 1]).strip() != codec.decode(plain[:j]).strip())
+    stop = codec.decode(plain[:j + 1])[len(codec.decode(plain[:j])):]
+    early = c.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, stop=[stop], extra_body=extra)
+    assert early.choices[0].text == text[:text.find(stop)] and early.choices[0].finish_reason == "stop"
+    late = c.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, stop=[stop],
+                                extra_body=dict(extra, min_tokens=j + 2))
+    floor = len(codec.decode(plain[:j + 2]))
+    at = text.find(stop, max(0, floor - len(stop) + 1))
+    assert late.choices[0].text == (text[:at] if at >= 0 else text) and len(late.choices[0].text) > len(early.choices[0].text)
+    sampled = [run(temperature=1.5, seed=4, extra_body=dict(extra, min_p=0.3))[0] for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 10
 
 
 def test_echo(srv):

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from gpu_anchor.serve import logit_adjust as LA
 from gpu_anchor.serve import sampling as S
 from gpu_anchor.serve.sequence import SamplingParams
 from test_serve_attention import INTERP as INTERP_SETUP
@@ -28,8 +29,11 @@ def _logits(B, seed=0, V=V):
 def _reference(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The kept set and its renormalised distribution, from a stable sort (the definition)."""
     x = row.double() / p.temperature
-    order = sorted(range(len(x)), key=lambda i: (-x[i].item(), i))
     probs = torch.softmax(x, -1)
+    if p.min_p:                                 # vLLM's min-p first; top-k and top-p see what it leaves
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        probs = torch.softmax(x, -1)
+    order = sorted(range(len(x)), key=lambda i: (-x[i].item(), i))
     keep, mass = torch.zeros(len(x), dtype=torch.bool), 0.0
     for r, i in enumerate(order):
         if (p.top_k and r >= p.top_k) or (r > 0 and mass >= p.top_p):
@@ -73,7 +77,9 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_index():
 
 MIXED = [SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, top_k=5, seed=2),
          SamplingParams(temperature=0.7, top_p=0.6, seed=3), SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=4),
-         SamplingParams(temperature=0.5, top_k=1, seed=5), SamplingParams(temperature=2.0, top_k=500, seed=6)]
+         SamplingParams(temperature=0.5, top_k=1, seed=5), SamplingParams(temperature=2.0, top_k=500, seed=6),
+         SamplingParams(temperature=1.5, min_p=0.2, seed=7), SamplingParams(temperature=1.2, min_p=0.1, top_p=0.8, seed=8),
+         SamplingParams(min_p=0.5)]
 
 
 def test_rows_are_independent_of_the_batch_around_them():
@@ -88,9 +94,14 @@ def test_rows_are_independent_of_the_batch_around_them():
     assert S.sample(x[:1], MIXED[:1], idx[:1])[0] == together[0] == x[0].argmax().item()
 
 
-def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list, out: list) -> torch.Tensor:
-    """vLLM's penalties for one row, token by token."""
+def _adjusted_reference(row: torch.Tensor, p: SamplingParams, prompt: list, out: list, eos: list) -> torch.Tensor:
+    """``logit_adjust``'s definition for one row, token by token (vLLM v1's order)."""
     x = row.clone()
+    if len(out) < p.min_tokens:
+        for t in list(p.stop_token_ids) + ([] if p.ignore_eos else eos):
+            x[t] = float("-inf")
+    for t, v in p.logit_bias:
+        x[t] = x[t] + v
     for t in set(prompt) | set(out):
         x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
     for t in set(out):
@@ -99,27 +110,33 @@ def _penalized_reference(row: torch.Tensor, p: SamplingParams, prompt: list, out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_penalties_per_row_and_independent_of_the_batch(dtype):
-    """``apply_penalties`` equals the per-token definition on each penalized row (and leaves the
+def test_logit_adjustments_per_row_and_independent_of_the_batch(dtype):
+    """``adjust_logits`` equals the per-token definition on each row that adjusts (and leaves the
     others' logits as they were); a row's result, and so its draw, is the same alone or in a batch."""
     rng = torch.Generator().manual_seed(5)
+    eos = [7]
     params = [SamplingParams(), SamplingParams(repetition_penalty=1.4),
               SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3, temperature=0.9, seed=3),
-              SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=2.0, top_k=9, seed=4)]
-    prompts = [torch.randint(0, V, (n,), generator=rng).tolist() for n in (5, 9, 3, 12)]
-    outs = [torch.randint(0, 20, (n,), generator=rng).tolist() for n in (4, 0, 7, 11)]
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=2.0, top_k=9, seed=4),
+              SamplingParams(logit_bias={3: 5.0, 50: -100}, min_tokens=9, stop_token_ids=(11, 12), temperature=0.7,
+                             seed=5),
+              SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=(4,)),
+              SamplingParams(min_tokens=3, logit_bias={7: 100}, repetition_penalty=1.1)]
+    prompts = [torch.randint(0, V, (n,), generator=rng).tolist() for n in (5, 9, 3, 12, 4, 6, 2)]
+    outs = [torch.randint(0, 20, (n,), generator=rng).tolist() for n in (4, 0, 7, 11, 8, 2, 1)]
     x = _logits(len(params), seed=6).to(dtype)
-    y = S.apply_penalties(x, params, prompts, outs)
+    idx = [len(o) for o in outs]
+    y = LA.adjust_logits(x, params, prompts, outs, idx, eos)
     assert y.dtype == torch.promote_types(dtype, torch.float32) and x.dtype == dtype
     assert torch.equal(y[0], x[0].to(y.dtype))
+    assert y[4, 11] == y[4, 12] == y[4, 7] == y[6, 7] == float("-inf") and y[5, 4] > float("-inf")   # row 5: 2 made
     for b in range(1, len(params)):
-        assert torch.allclose(y[b], _penalized_reference(x[b].to(y.dtype), params[b], prompts[b], outs[b]),
-                              rtol=0, atol=1e-12 if y.dtype == torch.float64 else 1e-6)
-        alone = S.apply_penalties(x[b:b + 1], params[b:b + 1], prompts[b:b + 1], outs[b:b + 1])
+        want = _adjusted_reference(x[b].to(y.dtype), params[b], prompts[b], outs[b], eos)
+        assert torch.allclose(y[b], want, rtol=0, atol=1e-12 if y.dtype == torch.float64 else 1e-5), b
+        alone = LA.adjust_logits(x[b:b + 1], params[b:b + 1], prompts[b:b + 1], outs[b:b + 1], idx[b:b + 1], eos)
         assert torch.equal(alone[0], y[b])
-    idx = [len(o) for o in outs]
     assert S.sample(y, params, idx) == [S.sample(y[b:b + 1], [p], [i])[0] for b, (p, i) in enumerate(zip(params, idx))]
-    assert S.apply_penalties(x, [SamplingParams()] * len(params), prompts, outs) is x
+    assert LA.adjust_logits(x, [SamplingParams()] * len(params), prompts, outs, idx, eos) is x
 
 
 def test_a_draw_is_the_inverse_cdf_of_the_kept_distribution_at_the_counter_uniform():
@@ -139,7 +156,8 @@ def test_a_draw_is_the_inverse_cdf_of_the_kept_distribution_at_the_counter_unifo
             assert out[b] == expect or abs(cdf[out[b]] - u) < 1e-5 or abs(cdf[expect] - u) < 1e-5
 
 
-@pytest.mark.parametrize("p", MIXED[1:], ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("p", [p for p in MIXED if not p.greedy],
+                         ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 def test_empirical_distribution_matches_the_reference(p):
     x = _logits(1, seed=3, V=12)
     n = 4000
@@ -312,6 +330,10 @@ def test_gpu_sampled_draws_repeat_and_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("bad,match", [({"presence_penalty": 2.5}, "presence_penalty must be in"),
+                                       ({"min_p": 1.5}, "min_p must be in"),
+                                       ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
+                                       ({"logit_bias": {3: 200}}, "logit_bias: token 3"),
+                                       ({"logit_bias": {-1: 2}}, "logit_bias: token -1"),
                                        ({"frequency_penalty": -3}, "frequency_penalty must be in"),
                                        ({"repetition_penalty": 0}, "repetition_penalty must be in"),
                                        ({"top_p": 0}, "top_p must be in"), ({"temperature": -1}, "temperature must")])

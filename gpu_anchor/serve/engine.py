@@ -36,7 +36,8 @@ from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
 from .model_runner import Model, load_config
 from .requests import Requests
-from .sampling import apply_penalties, sample_ids, token_logprobs
+from .logit_adjust import adjust_logits
+from .sampling import sample_ids, token_logprobs
 from .scheduler import Scheduler, Work
 from .sequence import SamplingParams, Sequence
 from .state import NotAttachable, bind_state
@@ -129,7 +130,7 @@ class Engine(Requests):
 
     def _warm_outside_graphs(self) -> None:
         """What a step runs outside its decode graph — the head (a cuBLAS call per batch size)
-        and sampling (greedy, random, penalties, log-probabilities) — once on scratch rows, so that a hot
+        and sampling (greedy, random, logit adjustments, log-probabilities) — once on scratch rows, so that a hot
         standby's first step after the take-over loads no kernel (it took ~20 ms on the H200)."""
         if self.device.type != "cuda":
             return
@@ -142,8 +143,9 @@ class Engine(Requests):
                 logits = self.model.head(h[:n])
                 draw(logits, [SamplingParams(max_tokens=2)] * n, [0] * n)
             draw(logits, [rnd if i % 2 else SamplingParams(max_tokens=2) for i in range(n)], [0] * n)
-            pen = [SamplingParams(max_tokens=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)]
-            draw(apply_penalties(logits[:1], pen, [[0, 1]], [[1, 2]]), pen, [0])
+            adj = [SamplingParams(max_tokens=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                                  min_tokens=1, logit_bias={1: 1.0}, min_p=0.1, temperature=0.8, seed=1)]
+            draw(adjust_logits(logits[:1], adj, [[0, 1]], [[1, 2]], [0], [0]), adj, [0])
             token_logprobs(logits[:2], [0, 1], [0, 2])
         torch.cuda.synchronize(self.device)
 
@@ -371,9 +373,10 @@ class Engine(Requests):
             draw = batch_invariant.sample_ids if self.cfg.deterministic else sample_ids
             params = [w.seq.params for w in la.sw]
             # the output index each row's token takes: its position + 1 - the prompt's length
-            la.ids = draw(apply_penalties(logits, params, [w.seq.prompt_ids for w in la.sw],
-                                          [w.seq.output_ids for w in la.sw]),
-                          params, [w.start + w.n - len(w.seq.prompt_ids) for w in la.sw])
+            index = [w.start + w.n - len(w.seq.prompt_ids) for w in la.sw]
+            la.ids = draw(adjust_logits(logits, params, [w.seq.prompt_ids for w in la.sw],
+                                        [w.seq.output_ids for w in la.sw], index, self.scheduler.eos_token_ids),
+                          params, index)
             if any(p.logprobs is not None for p in params):
                 la.logits = logits            # the model's distribution, as vLLM reports it by default
             if self.run_ahead is not None:

@@ -270,9 +270,12 @@ class Frontend:
         if r.resyncing:
             r.changed.set()
             return
-        if r.stop:
+        least = r.q.sampling.get("min_tokens", 0)
+        if r.stop and len(r.out) >= least:
             text = self.codec.decode(r.out, r.q.skip_special_tokens)
-            hits = [(text.find(s), s) for s in r.stop if s in text]
+            # as vLLM: a stop string counts once it ends past the text of the first min_tokens tokens
+            floor = len(self.codec.decode(r.out[:least], r.q.skip_special_tokens)) if least else 0
+            hits = [(at, s) for s in r.stop for at in [text.find(s, max(0, floor - len(s) + 1))] if at >= 0]
             if hits:
                 at, s = min(hits)
                 r.text = text[:at + len(s)] if r.q.include_stop_str else text[:at]

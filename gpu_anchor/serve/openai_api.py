@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (``n`` > 1, beam search, ``min_p``, prompt log-probabilities, tools, ...) is an
+does not (``n`` > 1, beam search, prompt log-probabilities, tools, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -112,9 +112,6 @@ _NEUTRAL = {
     "best_of": ((1,), "best_of > 1 is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
-    "min_p": ((0, 0.0), "min_p is not supported (only 0)"),
-    "min_tokens": ((0,), "min_tokens is not supported (only 0)"),
-    "logit_bias": (({},), "logit_bias is not supported"),
     "suffix": (("",), "suffix is not supported"),
     "prompt_logprobs": ((), "prompt log-probabilities are not computed by this server"),
     "tools": (([],), "tools / function calling are not supported"),
@@ -144,7 +141,8 @@ def _neutral(name: str, v) -> None:
 
 # ------------------------------------------------------------------ requests
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-           "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output",
+           "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_p", "min_tokens", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
            "return_tokens_as_token_ids", "add_special_tokens"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
@@ -197,6 +195,12 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
             s[name] = _num(name, g(name), -2.0, 2.0)
     if g("repetition_penalty") is not None:
         s["repetition_penalty"] = _num("repetition_penalty", g("repetition_penalty"), 0.0, 100.0, lo_open=True)
+    if g("min_p") is not None:
+        s["min_p"] = _num("min_p", g("min_p"), 0.0, 1.0)
+    if g("min_tokens") is not None:
+        s["min_tokens"] = _int("min_tokens", g("min_tokens"), 0)
+    if g("logit_bias") is not None:
+        s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
         if g(name) is not None:                     # max_completion_tokens wins (OpenAI's newer name)
             r.max_tokens = _int(name, g(name), 1)
@@ -242,6 +246,19 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
             raise bad("echo", "echo with logprobs needs prompt log-probabilities, which this server does not "
                               "compute; use echo or logprobs")
     return r
+
+
+def _logit_bias(v, vocab_size: int) -> list[list]:
+    """OpenAI's ``{"token id": bias}``, biases in [-100, 100]."""
+    out = []
+    for k, b in _object("logit_bias", v).items():
+        t = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else None
+        if t is None or not 0 <= t < vocab_size:
+            raise bad("logit_bias", f"key {k!r} is not a token id of this model (0 to {vocab_size - 1})")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {b!r}")
+        out.append([t, float(b)])
+    return out
 
 
 def _prompt(p, vocab_size: int) -> str | list[int]:

@@ -19,7 +19,7 @@ class Requests:
         after them).  Returns events if it is already complete."""
         if params.seed is None and not params.greedy:
             params.seed = random.getrandbits(62)
-        self._check_ids(list(prompt_ids) + list(output_ids))
+        self._check_ids(list(prompt_ids) + list(output_ids) + [t for t, _ in params.logit_bias])
         seq = Sequence(rid, [int(t) for t in prompt_ids], params, output_ids=[int(t) for t in output_ids],
                        arrival=self._arrivals)
         reason = self.scheduler.stop_reason(seq) if seq.output_ids else None

@@ -76,6 +76,8 @@ class Routes:
             raise bad("max_completion_tokens" if q.chat and q.max_tokens is not None else "max_tokens",
                       f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                       f"{self.fe.max_model_len}")
+        if q.sampling.get("min_tokens", 0) > max_tokens:
+            raise bad("min_tokens", f"{q.sampling['min_tokens']} is more than max_tokens ({max_tokens})")
         params = dict(q.sampling, max_tokens=max_tokens, logprobs=q.logprobs)
         if params["temperature"] > 0 and params["seed"] is None:
             params["seed"] = random.getrandbits(62)   # fixed now: a replay after a crash draws the same tokens

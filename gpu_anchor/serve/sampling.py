@@ -1,4 +1,4 @@
-"""Token sampling on the device: penalties, greedy, temperature, top-k, top-p, with a counter-based RNG.
+"""Token sampling on the device: greedy, temperature, min-p, top-k, top-p, with a counter-based RNG.
 
 The uniform number that picks output token ``i`` of a request is a pure function of
 ``(seed, i)`` (``uniform``): an integer hash computed with tensor ops, so the CPU and the GPU
@@ -10,8 +10,10 @@ One step's work is a few batched kernels over ``[B, V]``, no per-row Python, no 
 until the chosen ids are read:
 
 - every row: ``argmax`` (greedy rows keep it; ties go to the lowest index);
-- when some row samples: softmax of ``logits / T``; for rows with top-k (and no top-p) one
-  ``topk`` of the batch's largest k gives each row's k-th value, and the tokens above it plus
+- when some row samples: softmax of ``logits / T``; with ``min_p``, the tokens less likely than
+  ``min_p`` x the row's most likely one dropped and the softmax taken again; for rows with
+  top-k (and no top-p) one ``topk`` of the batch's largest k gives each row's k-th value, and
+  the tokens above it plus
   the lowest-indexed ties make the k kept; top-p (with or without top-k) keeps what a stable
   sort (ties rank by index) keeps, the mass taken in probability order — on CUDA found without
   sorting, by bisections over the probabilities' values (``_top_p_mask_cuda``), elsewhere by
@@ -256,51 +258,6 @@ if triton is not None:
             tl.store(KEEP + row * V + i, keep, mask=m)
 
 
-# ------------------------------------------------------------------ penalties
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list) -> torch.Tensor:
-    """The logits the penalized rows are drawn from (float32 or wider; the others' unchanged, exactly):
-    vLLM's order and definitions.  For row ``b`` with ``n_t`` the count of token ``t`` in
-    ``outputs[b]`` (the tokens generated so far) and ``seen_t`` whether ``t`` is in
-    ``prompts[b]`` or ``outputs[b]``: where ``seen_t``, a positive logit is divided by
-    ``repetition_penalty`` and any other multiplied by it; then
-    ``logit -= frequency_penalty * n_t + presence_penalty * (n_t > 0)``.  Row-wise elementwise
-    arithmetic on exact integer counts, so a row's result depends on that row alone, as ``sample``
-    needs.  Returns ``logits`` itself when no row is penalized."""
-    rows = [b for b, p in enumerate(params) if p.penalized]
-    if not rows:
-        return logits
-    dev, V = logits.device, logits.shape[-1]
-    # float32 at least (float64 logits stay float64); a copy: a CUDA graph's output is not ours to write
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
-    R = len(rows)
-    out_len = max(1, max(len(outputs[b]) for b in rows))
-    out = torch.full((R, out_len), V, dtype=torch.long)     # padding: column V, cut off below
-    for r, b in enumerate(rows):
-        out[r, :len(outputs[b])] = torch.tensor(outputs[b], dtype=torch.long)
-    out = to_device(out, dev)
-    counts = torch.zeros(R, V + 1, dtype=torch.int32, device=dev)
-    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
-    counts = counts[:, :V]
-    f = to_device(torch.tensor([(params[b].repetition_penalty, params[b].frequency_penalty,
-                                 params[b].presence_penalty) for b in rows], dtype=x.dtype), dev)
-    idx = to_device(torch.tensor(rows, dtype=torch.long), dev)
-    y = x.index_select(0, idx)
-    if any(params[b].repetition_penalty != 1.0 for b in rows):
-        seen = counts > 0
-        p_len = max(len(prompts[b]) for b in rows)
-        pr = torch.full((R, p_len), V, dtype=torch.long)
-        for r, b in enumerate(rows):
-            pr[r, :len(prompts[b])] = torch.tensor(prompts[b], dtype=torch.long)
-        in_prompt = torch.zeros(R, V + 1, dtype=torch.bool, device=dev)
-        in_prompt.scatter_(1, to_device(pr, dev), True)
-        seen |= in_prompt[:, :V]
-        rep = f[:, 0:1]
-        y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
-    y = y - f[:, 1:2] * counts.to(x.dtype) - f[:, 2:3] * (counts > 0).to(x.dtype)
-    x.index_copy_(0, idx, y)
-    return x
-
-
 # ------------------------------------------------------------------ sampling
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
     """``logits`` [B, V]; ``indices[b]`` is the output index the row's token will take."""
@@ -313,8 +270,8 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
     if all(p.greedy for p in params):
         return greedy
     dev, (B, V) = logits.device, logits.shape
-    # one host -> device copy of the rows' parameters: (temperature, top_p) and (top_k, seed halves, index)
-    fl = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32)
+    # one host -> device copy of the rows' parameters: (temperature, top_p, min_p) and (top_k, seed halves, index)
+    fl = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params], dtype=torch.float32)
     it = torch.tensor([(p.top_k if 0 < p.top_k < V else V, *_split(p.seed or 0), i)
                        for p, i in zip(params, indices)], dtype=torch.long)
     fl, it = to_device(fl, dev), to_device(it, dev)
@@ -322,6 +279,10 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], indices: list
     top_k = it[:, 0]
     x = logits.float() / torch.where(sampled, fl[:, 0], 1.0)[:, None]     # greedy rows: any finite scale
     probs = torch.softmax(x, dim=-1)
+    if any(p.min_p > 0 and not p.greedy for p in params):
+        # vLLM's min-p, before top-k and top-p, which then see the distribution it leaves
+        x = x.masked_fill(probs < fl[:, 2:3] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
     keep = None
     kmax = max((p.top_k for p in params if 0 < p.top_k < V and p.top_p >= 1.0), default=0)
     if kmax:

@@ -130,7 +130,8 @@ class Scheduler:
     def stop_reason(self, seq: Sequence) -> str | None:
         """Why ``seq`` is complete with its last output token, or None."""
         tok, p = seq.output_ids[-1], seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        if len(seq.output_ids) >= p.min_tokens and (tok in p.stop_token_ids or
+                                                     (not p.ignore_eos and tok in self.eos_token_ids)):
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

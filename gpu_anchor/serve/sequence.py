@@ -23,6 +23,10 @@ class Status(enum.Enum):
 MAX_LOGPROBS = 20     # the most top log-probabilities a request may ask for per token (as vLLM's default)
 
 
+_LATER = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+          "min_tokens": 0, "logit_bias": ()}
+
+
 @dataclass
 class SamplingParams:
     """``temperature == 0`` is greedy.  ``seed`` drives a counter-based RNG: the random
@@ -43,6 +47,12 @@ class SamplingParams:
     # vLLM's (and transformers'), over the prompt's and the generated tokens: a positive logit is
     # divided by it, a negative one multiplied
     repetition_penalty: float = 1.0
+    # after temperature, tokens less likely than min_p x the most likely one are dropped
+    min_p: float = 0.0
+    # the request cannot end (stop token ids, EOS) before this many tokens
+    min_tokens: int = 0
+    # ((token id, bias added to its logit), ...): a dict {id: bias} (ids as ints or strings) is taken too
+    logit_bias: tuple = ()
 
     def __post_init__(self) -> None:
         if int(self.max_tokens) < 1:
@@ -60,6 +70,16 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < float(self.repetition_penalty) <= 100.0:
             raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= int(self.min_tokens) <= int(self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        self.logit_bias = tuple(sorted((int(t), float(v)) for t, v in pairs))
+        bad = next(((t, v) for t, v in self.logit_bias if t < 0 or not -100.0 <= v <= 100.0), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token {bad[0]} -> {bad[1]}: ids are >= 0, biases in [-100, 100]")
+        self.min_p, self.min_tokens = float(self.min_p), int(self.min_tokens)
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
         self.repetition_penalty = float(self.repetition_penalty)
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
@@ -80,11 +100,13 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def to_dict(self) -> dict:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-                "ignore_eos": self.ignore_eos, "logprobs": self.logprobs,
-                **({"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                    "repetition_penalty": self.repetition_penalty} if self.penalized else {})}
+        d = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+             "top_k": self.top_k, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+             "ignore_eos": self.ignore_eos, "logprobs": self.logprobs}
+        # the later fields only when set: a request record without them is what it was before them
+        d.update((k, [list(x) for x in v] if k == "logit_bias" else v)
+                 for k, v in ((k, getattr(self, k)) for k in _LATER) if v != _LATER[k])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
