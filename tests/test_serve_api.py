@@ -102,7 +102,8 @@ BAD = [
     (C, dict(P, max_tokens="ten"), "max_tokens"),
     (C, dict(P, max_tokens=10_000), "max_tokens"),
     (CH, dict(M, max_completion_tokens=True), "max_completion_tokens"),
-    (C, dict(P, n=2), "n"),
+    (C, dict(P, n=0), "n"),
+    (CH, dict(M, n=129), "n"),
     (C, dict(P, best_of=3), "best_of"),
     (C, dict(P, top_p=0), "top_p"),
     (C, dict(P, top_p=1.5), "top_p"),
@@ -174,8 +175,9 @@ def test_bad_bodies_and_the_openai_client(srv):
         c.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature="hot")
     assert "temperature" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
-    assert "n=1" in str(e.value)
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                  extra_body={"use_beam_search": True})
+    assert "beam search" in str(e.value)
 
 
 def test_unknown_model_is_404(srv):
@@ -375,6 +377,37 @@ def test_logit_bias_min_tokens_and_min_p(srv):
     assert late.choices[0].text == (text[:at] if at >= 0 else text) and len(late.choices[0].text) > len(early.choices[0].text)
     sampled = [run(temperature=1.5, seed=4, extra_body=dict(extra, min_p=0.3))[0] for _ in range(2)]
     assert sampled[0] == sampled[1] and len(sampled[0]) == 10
+
+
+def test_n_choices(srv):
+    """``n`` choices (refused with a 400 before): choice i is the request seeded ``seed + i``,
+    so each equals the one-choice request with that seed, streamed or not, and greedy choices are
+    alike; usage counts the prompt once and every choice's tokens."""
+    c = client(srv["base"])
+    extra = {"ignore_eos": True}
+    msgs = [{"role": "user", "content": "fox dog"}]
+    many = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.9, seed=21, n=3,
+                                     extra_body=extra)
+    one = [c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.9, seed=21 + i,
+                                     extra_body=extra) for i in range(3)]
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in many.choices] == [o.choices[0].message.content for o in one]
+    assert len({ch.message.content for ch in many.choices}) > 1
+    assert many.usage.prompt_tokens == one[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(o.usage.completion_tokens for o in one) == 24
+    chunks = list(c.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0.8, seed=5, n=2,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=extra))
+    text = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        for choice in ch.choices:
+            text[choice.index] += choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert sum(ch.choices[0].finish_reason == "length" for ch in chunks[:-1]) == 2
+    for i in (0, 1):
+        assert text[i] == c.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0.8,
+                                               seed=5 + i, extra_body=extra).choices[0].text
+    greedy = c.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0, n=2, extra_body=extra)
+    assert greedy.choices[0].text == greedy.choices[1].text
 
 
 def test_echo(srv):

@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (``n`` > 1, beam search, prompt log-probabilities, tools, ...) is an
+does not (beam search, prompt log-probabilities, tools, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .sequence import MAX_LOGPROBS
 
+MAX_N = 128      # choices per request (each is a sequence of its own in the engine)
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
           503: "ServiceUnavailableError"}
 
@@ -46,6 +47,7 @@ class Request:
     prompt: str | list[int] | None = None          # completions: text or token ids
     messages: list[dict] | None = None             # chat
     max_tokens: int | None = None                  # None: up to the context length
+    n: int = 1                                     # choices: one engine request each
     sampling: dict = field(default_factory=dict)   # SamplingParams fields but max_tokens and seed's default
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -108,7 +110,6 @@ def _ids(name: str, v, vocab_size: int) -> list[int]:
 
 # Fields vLLM has that this server accepts only at their neutral value (None always passes).
 _NEUTRAL = {
-    "n": ((1,), "only n=1 is supported: send one request per sample"),
     "best_of": ((1,), "best_of > 1 is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
@@ -142,7 +143,7 @@ def _neutral(name: str, v) -> None:
 # ------------------------------------------------------------------ requests
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
            "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "min_p", "min_tokens", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
+           "min_p", "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
            "return_tokens_as_token_ids", "add_special_tokens"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
@@ -201,6 +202,8 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
         s["min_tokens"] = _int("min_tokens", g("min_tokens"), 0)
     if g("logit_bias") is not None:
         s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
+    if g("n") is not None:
+        r.n = _int("n", g("n"), 1, MAX_N)
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
         if g(name) is not None:                     # max_completion_tokens wins (OpenAI's newer name)
             r.max_tokens = _int(name, g(name), 1)
@@ -344,43 +347,54 @@ def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
     return completion_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids, offset)
 
 
-def reply(codec, r) -> dict:
-    """The JSON body of a finished, non-streamed request."""
-    q, lp = r.q, _logprobs(codec, r, 0, len(r.out), 0)
-    if q.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": _text(codec, r)}, "logprobs": lp,
-                  "finish_reason": r.finish}
-    else:
-        choice = {"index": 0, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r), "logprobs": lp,
-                  "finish_reason": r.finish}
-    return {"id": r.rid, "object": "chat.completion" if q.chat else "text_completion", "created": int(time.time()),
-            "model": q.model, "choices": [choice], "usage": usage(len(r.prompt), len(r.out))}
+def reply(codec, rs: list) -> dict:
+    """The JSON body of a finished, non-streamed request: choice ``i`` from ``rs[i]``."""
+    q, choices = rs[0].q, []
+    for i, r in enumerate(rs):
+        lp = _logprobs(codec, r, 0, len(r.out), 0)
+        if q.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": _text(codec, r)}, "logprobs": lp,
+                            "finish_reason": r.finish})
+        else:
+            choices.append({"index": i, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r),
+                            "logprobs": lp, "finish_reason": r.finish})
+    return {"id": rs[0].rid, "object": "chat.completion" if q.chat else "text_completion",
+            "created": int(time.time()), "model": q.model, "choices": choices,
+            "usage": usage(len(rs[0].prompt), sum(len(r.out) for r in rs))}
 
 
-async def stream(request, codec, r):
-    """Serve ``r`` as server-sent events: one chunk per batch of tokens from the engine (text
-    held back while a stop string or a UTF-8 character may still be forming), then the usage
-    chunk if asked, then ``[DONE]``."""
+async def stream(request, codec, rs: list):
+    """Serve ``rs`` (the request's choices) as server-sent events: per choice, one chunk per
+    batch of its tokens from the engine (text held back while a stop string or a UTF-8
+    character may still be forming), the choices' chunks interleaved as they come; then the
+    usage chunk if asked, then ``[DONE]``."""
+    import asyncio
+
     from aiohttp import web
-    q = r.q
+    q = rs[0].q
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    head = {"id": r.rid, "object": "chat.completion.chunk" if q.chat else "text_completion",
+    head = {"id": rs[0].rid, "object": "chat.completion.chunk" if q.chat else "text_completion",
             "created": int(time.time()), "model": q.model}
 
+    one_at_a_time = asyncio.Lock()         # the choices' writers take turns: whole events
+
     async def write(obj: dict) -> None:
-        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        async with one_at_a_time:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
     try:
-        await _events(codec, r, head, write)
+        await asyncio.gather(*(_events(codec, r, head, write, i) for i, r in enumerate(rs)))
+        if q.include_usage and not any(r.error for r in rs):
+            await write(dict(head, choices=[], usage=usage(len(rs[0].prompt), sum(len(r.out) for r in rs))))
         await resp.write(b"data: [DONE]\n\n")
     except ConnectionResetError:      # the client went away; the caller aborts the request
         pass
     return resp
 
 
-async def _events(codec, r, head: dict, write) -> None:
-    """The chunks of ``stream``, written as the request progresses."""
+async def _events(codec, r, head: dict, write, index: int = 0) -> None:
+    """The chunks of ``stream`` for choice ``index`` (``r``), written as it progresses."""
     q = r.q
     sent = ""                     # text sent so far
     n_sent = 0                    # tokens covered by the chunks sent so far
@@ -388,7 +402,7 @@ async def _events(codec, r, head: dict, write) -> None:
     hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
 
     if q.echo:                    # the prompt first, as vLLM streams it
-        await write(dict(head, choices=[{"index": 0, "text": _echo(codec, r), "logprobs": None,
+        await write(dict(head, choices=[{"index": index, "text": _echo(codec, r), "logprobs": None,
                                          "finish_reason": None}]))
     while True:
         r.changed.clear()
@@ -414,16 +428,14 @@ async def _events(codec, r, head: dict, write) -> None:
                 d = {"content": delta} if delta else {}
                 if n_sent == 0:
                     d = {"role": "assistant", **d}
-                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": fin}
+                choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": fin}
             else:
-                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": fin}
+                choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": fin}
             chunk = dict(head, choices=[choice])
             if q.continuous_usage:
                 chunk["usage"] = usage(len(r.prompt), n)
             n_sent = n
             await write(chunk)
         if done:
-            if q.include_usage:
-                await write(dict(head, choices=[], usage=usage(len(r.prompt), len(r.out))))
             break
         await r.changed.wait()

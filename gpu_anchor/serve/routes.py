@@ -93,18 +93,23 @@ class Routes:
         if self.fe.failed:
             raise ApiError(503, self.fe.failed)
         ids = self._prompt_ids(q)
-        r = self.fe.submit(ids, self._params(q, len(ids)), q)
+        params = self._params(q, len(ids))
+        # choice i: a request of its own, seeded seed + i (greedy choices are alike, as in vLLM)
+        rs = [self.fe.submit(ids, dict(params, seed=None if params["seed"] is None else params["seed"] + i), q)
+              for i in range(q.n)]
         try:
             if q.stream:
-                return await api.stream(request, self.fe.codec, r)
-            while r.finish is None:
-                r.changed.clear()
-                await r.changed.wait()
-            if r.error:
-                raise ApiError(r.error_status, r.error)
-            return web.json_response(api.reply(self.fe.codec, r))
+                return await api.stream(request, self.fe.codec, rs)
+            for r in rs:
+                while r.finish is None:
+                    r.changed.clear()
+                    await r.changed.wait()
+                if r.error:
+                    raise ApiError(r.error_status, r.error)
+            return web.json_response(api.reply(self.fe.codec, rs))
         finally:
-            self.fe.drop(r)
+            for r in rs:
+                self.fe.drop(r)
 
     async def migrate(self, request):
         """``POST /admin/migrate {"device", "socket"?}``: move the live engine there (see
