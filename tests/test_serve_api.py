@@ -139,7 +139,9 @@ BAD = [
     (C, dict(P, guided_json={"type": "object"}), "guided_json"),
     (C, dict(P, foo=1), "foo"),
     (CH, dict(M, echo=True), "echo"),                       # a completions field, unknown to chat
-    (C, dict(P, prompt=["one", "two"]), "prompt"),
+    (C, dict(P, prompt=["one", 5]), "prompt"),
+    (C, dict(P, prompt=["one", []]), "prompt"),
+    (C, dict(P, prompt=["x"] * 257), "prompt"),
     (C, dict(P, prompt=[1, 2, 99999]), "prompt"),
     (C, dict(P, prompt={"text": "x"}), "prompt"),
     (C, dict(P, prompt=""), "prompt"),
@@ -408,6 +410,34 @@ def test_n_choices(srv):
                                                seed=5 + i, extra_body=extra).choices[0].text
     greedy = c.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0, n=2, extra_body=extra)
     assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_batched_prompts(srv):
+    """A completions request with a batch of prompts (text and token ids; refused with a 400
+    before): choice ``k * n + i`` is prompt k's choice i, each equal to that prompt's request
+    alone, streamed or not, echo included; usage counts each prompt once."""
+    from gpu_anchor.serve.tokenizer import Codec
+    c, codec = client(srv["base"]), Codec(srv["model"], 384)
+    prompts = ["fox dog", codec.encode("hello world numbers"), "the journal"]
+    extra = {"ignore_eos": True}
+    batch = c.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0.7, seed=3, n=2, echo=True,
+                                 extra_body=extra)
+    assert [ch.index for ch in batch.choices] == list(range(6))
+    alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0.7, seed=3, n=2, echo=True,
+                                  extra_body=extra) for p in prompts]
+    assert [ch.text for ch in batch.choices] == [ch.text for a in alone for ch in a.choices]
+    assert batch.choices[0].text.startswith("fox dog") and batch.choices[4].text.startswith("the journal")
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 30
+    chunks = list(c.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0.7, seed=3, n=2,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=extra))
+    text = dict.fromkeys(range(6), "")
+    for ch in chunks[:-1]:
+        text[ch.choices[0].index] += ch.choices[0].text
+    assert [text[k] for k in range(6)] == [c.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0.7,
+                                                                 seed=3 + i, extra_body=extra).choices[0].text
+                                           for p in prompts for i in range(2)]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
 
 
 def test_echo(srv):

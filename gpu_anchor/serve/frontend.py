@@ -52,6 +52,7 @@ log = logging.getLogger("gpu_anchor.serve.frontend")
 class Req:
     def __init__(self, rid, prompt, params, q: api.Request):
         self.rid, self.prompt, self.params, self.q = rid, prompt, params, q
+        self.prompt_text: str | None = None    # the prompt as the client sent it, when as text (echo)
         self.stop = q.stop
         self.out: list[int] = []
         self.lps: list = []              # (logprob, top) per output token, when q.logprobs is not None

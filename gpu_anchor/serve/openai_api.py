@@ -8,7 +8,7 @@ default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 
 Replies (``reply``, ``stream``) are built from the frontend's request record ``r``: its
-checked request ``r.q``, the prompt ids ``r.prompt``, the tokens ``r.out`` (with ``r.lps``,
+checked request ``r.q``, the prompt ids ``r.prompt`` (and its text ``r.prompt_text``, if given as text), the tokens ``r.out`` (with ``r.lps``,
 their log-probabilities, when asked), ``r.finish`` / ``r.error`` / ``r.text`` (the text cut
 at a stop string) and ``r.changed`` (set when any of them changed).
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from .sequence import MAX_LOGPROBS
 
 MAX_N = 128      # choices per request (each is a sequence of its own in the engine)
+MAX_BATCH = 256  # prompts per completions request
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
           503: "ServiceUnavailableError"}
 
@@ -44,7 +45,7 @@ class Request:
     """A checked completion or chat request."""
     chat: bool
     model: str
-    prompt: str | list[int] | None = None          # completions: text or token ids
+    prompts: list | None = None                    # completions: each text or token ids (a batch: several)
     messages: list[dict] | None = None             # chat
     max_tokens: int | None = None                  # None: up to the context length
     n: int = 1                                     # choices: one engine request each
@@ -180,7 +181,7 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
     if chat:
         r.messages = _messages(g("messages"))
     else:
-        r.prompt = _prompt(g("prompt"), vocab_size)
+        r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling
     s = r.sampling
     s["temperature"] = 1.0 if g("temperature") is None else _num("temperature", g("temperature"), 0.0, 100.0)
@@ -264,16 +265,22 @@ def _logit_bias(v, vocab_size: int) -> list[list]:
     return out
 
 
-def _prompt(p, vocab_size: int) -> str | list[int]:
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]                                    # a batch of one
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p and all(_is_int(t) for t in p):
-        return _ids("prompt", p, vocab_size)
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise bad("prompt", "batched prompts are not supported: send one request per prompt")
-    raise bad("prompt", "must be a string or a non-empty list of token ids")
+def _prompts(p, vocab_size: int) -> list:
+    """A prompt (text, or token ids) or a batch of them (a list of texts or of token-id lists)."""
+    if isinstance(p, str) or isinstance(p, list) and p and all(_is_int(t) for t in p):
+        p = [p]
+    if not isinstance(p, list) or not p or len(p) > MAX_BATCH:
+        raise bad("prompt", f"must be a string, a non-empty list of token ids, or a batch of 1 to {MAX_BATCH} of them")
+    out = []
+    for k, x in enumerate(p):
+        where = "prompt" if len(p) == 1 else f"prompt[{k}]"
+        if isinstance(x, str):
+            out.append(x)
+        elif isinstance(x, list) and x and all(_is_int(t) for t in x):
+            out.append(_ids(where, x, vocab_size))
+        else:
+            raise bad("prompt", f"{where} must be a string or a non-empty list of token ids")
+    return out
 
 
 def _messages(msgs) -> list[dict]:
@@ -335,7 +342,7 @@ def _text(codec, r) -> str:
 
 
 def _echo(codec, r) -> str:
-    return r.q.prompt if isinstance(r.q.prompt, str) else codec.decode(r.prompt, r.q.skip_special_tokens)
+    return r.prompt_text if r.prompt_text is not None else codec.decode(r.prompt, r.q.skip_special_tokens)
 
 
 def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
@@ -347,8 +354,14 @@ def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
     return completion_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids, offset)
 
 
-def reply(codec, rs: list) -> dict:
-    """The JSON body of a finished, non-streamed request: choice ``i`` from ``rs[i]``."""
+def _usage(rs: list, n: int) -> dict:
+    """Every prompt once (``rs`` holds ``n`` choices per prompt), every choice's tokens."""
+    return usage(sum(len(r.prompt) for r in rs[::n]), sum(len(r.out) for r in rs))
+
+
+def reply(codec, rs: list, n: int = 1) -> dict:
+    """The JSON body of a finished, non-streamed request: choice ``i`` from ``rs[i]`` (prompt
+    ``i // n``'s choice ``i % n``, as vLLM numbers them)."""
     q, choices = rs[0].q, []
     for i, r in enumerate(rs):
         lp = _logprobs(codec, r, 0, len(r.out), 0)
@@ -360,10 +373,10 @@ def reply(codec, rs: list) -> dict:
                             "logprobs": lp, "finish_reason": r.finish})
     return {"id": rs[0].rid, "object": "chat.completion" if q.chat else "text_completion",
             "created": int(time.time()), "model": q.model, "choices": choices,
-            "usage": usage(len(rs[0].prompt), sum(len(r.out) for r in rs))}
+            "usage": _usage(rs, n)}
 
 
-async def stream(request, codec, rs: list):
+async def stream(request, codec, rs: list, n: int = 1):
     """Serve ``rs`` (the request's choices) as server-sent events: per choice, one chunk per
     batch of its tokens from the engine (text held back while a stop string or a UTF-8
     character may still be forming), the choices' chunks interleaved as they come; then the
@@ -386,7 +399,7 @@ async def stream(request, codec, rs: list):
     try:
         await asyncio.gather(*(_events(codec, r, head, write, i) for i, r in enumerate(rs)))
         if q.include_usage and not any(r.error for r in rs):
-            await write(dict(head, choices=[], usage=usage(len(rs[0].prompt), sum(len(r.out) for r in rs))))
+            await write(dict(head, choices=[], usage=_usage(rs, n)))
         await resp.write(b"data: [DONE]\n\n")
     except ConnectionResetError:      # the client went away; the caller aborts the request
         pass

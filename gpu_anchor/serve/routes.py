@@ -54,7 +54,8 @@ class Routes:
     async def chat(self, request):
         return await self._serve(request, chat=True)
 
-    def _prompt_ids(self, q: api.Request) -> list[int]:
+    def _prompt_ids(self, q: api.Request, prompt=None) -> list[int]:
+        """The token ids of the chat's messages, or of ``prompt`` (one of a completion's)."""
         if q.chat:
             try:
                 text = self.fe.codec.chat(q.messages, q.add_generation_prompt, **q.template_kwargs)
@@ -63,7 +64,7 @@ class Routes:
             ids, where = self.fe.codec.encode(text, q.add_special_tokens), "messages"
         else:
             where = "prompt"
-            ids = self.fe.codec.encode(q.prompt, q.add_special_tokens) if isinstance(q.prompt, str) else q.prompt
+            ids = self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt
         if not ids:
             raise bad(where, "encodes to no tokens")
         if len(ids) >= self.fe.max_model_len:
@@ -92,21 +93,26 @@ class Routes:
         q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size)
         if self.fe.failed:
             raise ApiError(503, self.fe.failed)
-        ids = self._prompt_ids(q)
-        params = self._params(q, len(ids))
-        # choice i: a request of its own, seeded seed + i (greedy choices are alike, as in vLLM)
-        rs = [self.fe.submit(ids, dict(params, seed=None if params["seed"] is None else params["seed"] + i), q)
-              for i in range(q.n)]
+        # every prompt checked before any is submitted: a bad one fails the request whole
+        prompts = [(None, self._prompt_ids(q))] if q.chat else [(p, self._prompt_ids(q, p)) for p in q.prompts]
+        todo = [(text, ids, self._params(q, len(ids))) for text, ids in prompts]
+        rs = []
+        for text, ids, params in todo:
+            # choice i: a request of its own, seeded seed + i (greedy choices are alike, as in vLLM)
+            for i in range(q.n):
+                r = self.fe.submit(ids, dict(params, seed=None if params["seed"] is None else params["seed"] + i), q)
+                r.prompt_text = text if isinstance(text, str) else None
+                rs.append(r)
         try:
             if q.stream:
-                return await api.stream(request, self.fe.codec, rs)
+                return await api.stream(request, self.fe.codec, rs, q.n)
             for r in rs:
                 while r.finish is None:
                     r.changed.clear()
                     await r.changed.wait()
                 if r.error:
                     raise ApiError(r.error_status, r.error)
-            return web.json_response(api.reply(self.fe.codec, rs))
+            return web.json_response(api.reply(self.fe.codec, rs, q.n))
         finally:
             for r in rs:
                 self.fe.drop(r)
