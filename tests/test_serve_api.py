@@ -142,6 +142,7 @@ BAD = [
     (C, dict(P, prompt=["one", 5]), "prompt"),
     (C, dict(P, prompt=["one", []]), "prompt"),
     (C, dict(P, prompt=["x"] * 257), "prompt"),
+    (C, dict(P, prompt=["x"] * 9, n=128), "n"),
     (C, dict(P, prompt=[1, 2, 99999]), "prompt"),
     (C, dict(P, prompt={"text": "x"}), "prompt"),
     (C, dict(P, prompt=""), "prompt"),

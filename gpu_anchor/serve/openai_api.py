@@ -22,6 +22,7 @@ from .sequence import MAX_LOGPROBS
 
 MAX_N = 128      # choices per request (each is a sequence of its own in the engine)
 MAX_BATCH = 256  # prompts per completions request
+MAX_CHOICES = 1024   # prompts x n: the sequences one request may start
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
           503: "ServiceUnavailableError"}
 
@@ -205,6 +206,8 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
         s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
     if g("n") is not None:
         r.n = _int("n", g("n"), 1, MAX_N)
+    if not chat and len(r.prompts) * r.n > MAX_CHOICES:
+        raise bad("n", f"{len(r.prompts)} prompt(s) x n={r.n} is more than {MAX_CHOICES} sequences in one request")
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
         if g(name) is not None:                     # max_completion_tokens wins (OpenAI's newer name)
             r.max_tokens = _int(name, g(name), 1)
