@@ -1,7 +1,7 @@
 """The vLLM-compatible surface of ``gpu-anchor serve``, through the stock ``openai`` client and
 plain HTTP against a real server on the CPU: every invalid field is a 400 naming it, an unknown
 model a 404, the API key a 401; ``stream_options``; ``logprobs`` / ``top_logprobs`` checked
-against transformers' own forward pass; penalties against transformers' ``generate`` and forward; ``echo``; ``/metrics`` read with Prometheus' parser;
+against transformers' own forward pass; penalties against transformers' ``generate`` and forward; ``echo``; ``/tokenize`` and ``/detokenize``; ``/metrics`` read with Prometheus' parser;
 the loading progress and the ready line; and the options (``--tensor-parallel-size``,
 ``--max-batched-tokens`` alias, KV sizing from ``--gpu-memory-utilization``, ``--chat-template``).
 """
@@ -439,6 +439,28 @@ def test_batched_prompts(srv):
                                                                  seed=3 + i, extra_body=extra).choices[0].text
                                            for p in prompts for i in range(2)]
     assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
+def test_tokenize_and_detokenize(srv):
+    """vLLM's ``/tokenize`` (a prompt, or chat messages through the server's template: the count a
+    chat completion's usage reports) and ``/detokenize``; bad bodies are a 400 naming the field."""
+    from gpu_anchor.serve.tokenizer import Codec
+    base, codec = srv["base"], Codec(srv["model"], 384)
+    status, got = post(base, "/tokenize", {"model": MODEL, "prompt": "hello world", "return_token_strs": True})
+    want = codec.encode("hello world", True)
+    assert status == 200 and got == {"count": len(want), "max_model_len": 256, "tokens": want,
+                                     "token_strs": [codec.token_text(t) for t in want]}
+    msgs = [{"role": "user", "content": "fox dog"}]
+    status, chat = post(base, "/tokenize", {"messages": msgs})
+    used = client(base).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert status == 200 and chat["count"] == used and chat["token_strs"] is None
+    assert post(base, "/detokenize", {"model": MODEL, "tokens": want}) == (200, {"prompt": codec.decode(want, False)})
+    for path, body, field in [("/tokenize", {"prompt": "x", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"text": "x"}, "text"),
+                              ("/detokenize", {"tokens": [1, 99999]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")]:
+        status, err = post(base, path, body)
+        assert status == 400 and err["error"]["param"] == field, (path, body, err)
+    assert post(base, "/tokenize", {"model": "gpt-4", "prompt": "x"})[0] == 404
 
 
 def test_echo(srv):

@@ -152,29 +152,67 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_gen
                    "chat_template_kwargs"}
 
 
-def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
-    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+def _model(body: dict, served: list[str]) -> str:
+    model = body.get("model")
+    if model is None:
+        return served[0]
+    if not isinstance(model, str):
+        raise bad("model", f"must be a string, got {model!r}")
+    if model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    return model
+
+
+def _known(body, fields) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    known = _CHAT if chat else _COMPLETION
     for k in body:
-        if k not in known:
+        if k not in fields:
             raise bad(k, "unknown field (this server refuses fields it would otherwise ignore)")
+    return body
+
+
+def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
+    """vLLM's ``/tokenize`` body: a ``prompt`` (text) or chat ``messages``; and whether it asks
+    for ``token_strs``."""
+    g = _known(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                      "chat_template_kwargs", "return_token_strs"}).get
+    chat = g("messages") is not None
+    if chat == (g("prompt") is not None):
+        raise bad("prompt", "give a prompt (text) or messages, one of them")
+    r = Request(chat=chat, model=_model(body, served), add_special_tokens=not chat)
+    if chat:
+        r.messages = _messages(g("messages"))
+        if g("add_generation_prompt") is not None:
+            r.add_generation_prompt = _bool("add_generation_prompt", g("add_generation_prompt"))
+        if g("chat_template_kwargs") is not None:
+            r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
+    elif isinstance(g("prompt"), str):
+        r.prompts = [g("prompt")]
+    else:
+        raise bad("prompt", "must be a string")
+    if g("add_special_tokens") is not None:
+        r.add_special_tokens = _bool("add_special_tokens", g("add_special_tokens"))
+    return r, g("return_token_strs") is not None and _bool("return_token_strs", g("return_token_strs"))
+
+
+def parse_detokenize(body, served: list[str], vocab_size: int) -> list[int]:
+    """vLLM's ``/detokenize`` body: the ``tokens`` to turn into text."""
+    _model(_known(body, {"model", "tokens"}), served)
+    return _ids("tokens", body.get("tokens"), vocab_size)
+
+
+def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
+    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    _known(body, _CHAT if chat else _COMPLETION)
     for k in _NEUTRAL:
         if k in body:
             _neutral(k, body[k])
     for k, t in _METADATA.items():
         if body.get(k) is not None and not isinstance(body[k], t):
             raise bad(k, f"must be a {t.__name__}")
-    model = body.get("model")
-    if model is None:
-        model = served[0]
-    elif not isinstance(model, str):
-        raise bad("model", f"must be a string, got {model!r}")
-    elif model not in served:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
     # chat: the template writes the special tokens (vLLM's defaults)
-    r = Request(chat=chat, model=model, add_special_tokens=not chat)
+    r = Request(chat=chat, model=_model(body, served), add_special_tokens=not chat)
     g = body.get
     for name, attr in _FLAGS.items():
         if g(name) is not None:                     # unknown to this endpoint: refused above

@@ -54,17 +54,19 @@ class Routes:
     async def chat(self, request):
         return await self._serve(request, chat=True)
 
-    def _prompt_ids(self, q: api.Request, prompt=None) -> list[int]:
+    def _encode(self, q: api.Request, prompt=None) -> list[int]:
         """The token ids of the chat's messages, or of ``prompt`` (one of a completion's)."""
         if q.chat:
             try:
                 text = self.fe.codec.chat(q.messages, q.add_generation_prompt, **q.template_kwargs)
             except TemplateError as e:
                 raise bad("messages", str(e)) from None
-            ids, where = self.fe.codec.encode(text, q.add_special_tokens), "messages"
-        else:
-            where = "prompt"
-            ids = self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt
+            return self.fe.codec.encode(text, q.add_special_tokens)
+        return self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt
+
+    def _prompt_ids(self, q: api.Request, prompt=None) -> list[int]:
+        """``_encode``, checked: some tokens, fewer than the context length."""
+        ids, where = self._encode(q, prompt), "messages" if q.chat else "prompt"
         if not ids:
             raise bad(where, "encodes to no tokens")
         if len(ids) >= self.fe.max_model_len:
@@ -116,6 +118,19 @@ class Routes:
         finally:
             for r in rs:
                 self.fe.drop(r)
+
+    async def tokenize(self, request):
+        """vLLM's ``POST /tokenize``: the token ids a completion's ``prompt`` or a chat's
+        ``messages`` (through the chat template) would be, without generating."""
+        q, strs = api.parse_tokenize(await self._body(request), [self.fe.model_name])
+        ids = self._encode(q, None if q.chat else q.prompts[0])
+        return web.json_response({"count": len(ids), "max_model_len": self.fe.max_model_len, "tokens": ids,
+                                  "token_strs": [self.fe.codec.token_text(t) for t in ids] if strs else None})
+
+    async def detokenize(self, request):
+        """vLLM's ``POST /detokenize``: ``tokens`` as text (special tokens kept)."""
+        ids = api.parse_detokenize(await self._body(request), [self.fe.model_name], self.fe.vocab_size)
+        return web.json_response({"prompt": self.fe.codec.decode(ids, skip_special_tokens=False)})
 
     async def migrate(self, request):
         """``POST /admin/migrate {"device", "socket"?}``: move the live engine there (see
@@ -176,6 +191,8 @@ def make_app(fe) -> web.Application:
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{name}", routes.model)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics_page)
     app.router.add_post("/admin/migrate", routes.migrate)
