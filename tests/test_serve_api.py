@@ -118,7 +118,6 @@ BAD = [
     (C, dict(P, stream=True, stream_options={"nope": True}), "stream_options.nope"),
     (C, dict(P, logprobs=50), "logprobs"),
     (C, dict(P, logprobs=True), "logprobs"),
-    (C, dict(P, echo=True, logprobs=1), "echo"),
     (C, dict(P, echo="yes"), "echo"),
     (C, dict(P, prompt_logprobs=1), "prompt_logprobs"),
     (CH, dict(M, top_logprobs=2), "top_logprobs"),
@@ -461,6 +460,56 @@ def test_tokenize_and_detokenize(srv):
         status, err = post(base, path, body)
         assert status == 400 and err["error"]["param"] == field, (path, body, err)
     assert post(base, "/tokenize", {"model": "gpt-4", "prompt": "x"})[0] == 404
+
+
+def _hf_prompt_logprobs(model_dir, ids):
+    """log-softmax of transformers' forward over ``ids``: row p is the distribution of token p + 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    with torch.no_grad():
+        return torch.log_softmax(m(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(srv):
+    """``echo`` with ``logprobs`` (refused with a 400 before), as lm-evaluation-harness scores a
+    continuation: the prompt's tokens come with their log-probabilities (the first with none)
+    and top ones, equal to transformers' forward, over a prompt longer than a step (prefilled in
+    chunks); then the output's, their text offsets running on; the same streamed."""
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    codec = Codec(model, 384)
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
+    ids = codec.encode(prompt, True)
+    assert len(ids) > 32                             # the server's --max-num-batched-tokens
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    got = [int(t.split(":")[1]) for t in lp.tokens]
+    assert got[:len(ids)] == ids and len(got) == len(ids) + 3 and r.choices[0].text.startswith(prompt)
+    ref = _hf_prompt_logprobs(model, got)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for k in range(1, len(got)):
+        assert abs(lp.token_logprobs[k] - ref[k - 1, got[k]].item()) < 1e-4, k
+        top = sorted(lp.top_logprobs[k].items(), key=lambda kv: -kv[1])
+        assert [int(t.split(":")[1]) for t, _ in top] == ref[k - 1].topk(2).indices.tolist()
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(got))]
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                       stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in
+                zip(ch.choices[0].logprobs.tokens, ch.choices[0].logprobs.token_logprobs,
+                    ch.choices[0].logprobs.text_offset)]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    # lm-evaluation-harness's loglikelihood request: one token generated, the continuation scored
+    context, continuation = "fox dog", " engine block"
+    r = c.completions.create(model=MODEL, prompt=context + continuation, max_tokens=1, temperature=0, logprobs=1,
+                             echo=True, seed=1234)
+    n = len(codec.encode(context + continuation, True)) - len(codec.encode(context, True))
+    ref = _hf_prompt_logprobs(model, codec.encode(context + continuation, True))
+    whole = codec.encode(context + continuation, True)
+    want = sum(ref[k - 1, whole[k]].item() for k in range(len(whole) - n, len(whole)))
+    assert abs(sum(r.choices[0].logprobs.token_logprobs[len(whole) - n:len(whole)]) - want) < 1e-4
 
 
 def test_echo(srv):

@@ -85,6 +85,9 @@ class Client:
         if fin:
             self.done[rid] = fin
 
+    def prompt_logprobs(self, held):
+        pass
+
     def pending(self, restored):
         return [rid for rid in self.requests if rid not in self.done and rid not in restored]
 
@@ -99,7 +102,8 @@ def _incarnation(cfg, client, conn):
         msgs += [("ev", e) for e in eng.add_request(rid, prompt, SamplingParams(**params.to_dict()), client.out[rid])]
     conn.send(msgs)
     while eng.has_work():
-        conn.send([("ev", e) for e in eng.step()])
+        events = eng.step()
+        conn.send([("plp", eng.take_prompt_logprobs(events))] + [("ev", e) for e in events])
     conn.send([("exit", None)])
 
 
@@ -122,6 +126,8 @@ def _run(cfg, client, fault=None):
         for kind, x in batch:
             if kind == "ev":
                 client.apply(*x)
+            elif kind == "plp":
+                client.prompt_logprobs(x)
             elif kind == "hello":
                 notes += x[1]
     p.join()
@@ -166,6 +172,93 @@ def test_sigkill_campaign_matches_fault_free(models, host_daemon):
         assert [client.out[f"w{wave}-{rid}"] for rid in reqs] == [ref.out[rid] for rid in reqs]
         wave += 1
     assert all(kills.values()), kills                  # every phase was hit
+
+
+class PromptLogprobClient(Client):
+    """``Client``, keeping the prompt log-probabilities that come with a first token; a first
+    token without them (a replay, a restore in mid-prefill) is not taken, and the request is
+    not done until it comes with them: as the frontend, which then re-adds the request from
+    the start (``readd(from_start=True)``, tested below); here the next incarnation adds it
+    afresh."""
+
+    def __init__(self, requests):
+        super().__init__(requests)
+        self.plps = {}
+        self.refused = 0          # first tokens that came without them
+
+    def prompt_logprobs(self, held):
+        for rid, lps in held:
+            self.plps.setdefault(rid, lps)
+
+    def apply(self, rid, i, ids, fin):
+        if self.requests[rid][1].prompt_logprobs is not None and rid not in self.plps:
+            self.refused += i == 0 and bool(ids)
+            return                              # not taken: the request starts over
+        super().apply(rid, i, ids, fin)
+
+
+def test_prompt_logprobs_whole_after_sigkills_at_every_phase(models, host_daemon):
+    """Prompt log-probabilities gathered over a chunked prefill reach the client whole, or the
+    request starts over: SIGKILLed at every phase of the first steps (mid-prefill among them),
+    each request ends with the fault-free run's tokens and prompt log-probabilities, exactly, and
+    those equal transformers' forward (to float32's log-softmax)."""
+    from transformers import AutoModelForCausalLM
+    sock = host_daemon[0]
+    base = EngineConfig(model=models["qwen3"], dtype="float64", block_size=4, num_blocks=300, max_batched_tokens=13,
+                        max_num_seqs=8, socket=sock, namespace="plp", cpu_threads=1)
+    prompts = _prompts(5, seed=8, lo=20, hi=45)
+    reqs = {f"p{i}": (p, SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=2 if i % 2 == 0 else None,
+                                         temperature=0.7 if i == 2 else 0.0, seed=5))
+            for i, p in enumerate(prompts)}
+    ref = PromptLogprobClient(reqs)
+    assert _run(EngineConfig(**dict(base.__dict__, namespace="plp-reference")), ref)[0] == 0
+    assert sorted(ref.plps) == ["p0", "p2", "p4"] and len(ref.done) == 5
+    hf = AutoModelForCausalLM.from_pretrained(models["qwen3"], dtype=torch.float64)
+    for rid in ref.plps:
+        p = reqs[rid][0]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([p])).logits[0], dim=-1)
+        assert len(ref.plps[rid]) == len(p) - 1
+        assert max(abs(ref.plps[rid][k - 1][0] - lp[k - 1, p[k]].item()) for k in range(1, len(p))) < 1e-5
+    kills = refused = 0
+    for step in range(4):
+        for phase in PHASES:
+            client = PromptLogprobClient(reqs)
+            fault = (step, phase)
+            while len(client.done) < len(reqs):
+                code, _ = _run(EngineConfig(**dict(base.__dict__, namespace=f"plp-{step}-{phase}")), client, fault)
+                kills += code == -9
+                assert code in (0, -9)
+                fault = None
+            assert client.out == ref.out and client.plps == ref.plps and client.mismatch == 0, (step, phase)
+            refused += client.refused
+    assert kills >= 4 * len(PHASES) - 4, kills
+    assert refused > 0            # some first tokens came replayed or after a restore in mid-prefill
+
+
+def test_readd_from_start_sends_the_prompt_logprobs_again(models):
+    """The frontend's way back when a first token came without the prompt's log-probabilities:
+    ``readd(..., [], from_start=True)`` computes the whole prompt again, and the first token
+    comes again (the same one) with them, equal to the first time's."""
+    eng = Engine(EngineConfig(model=models["llama"], anchor=False, block_size=4, num_blocks=100, max_batched_tokens=7))
+    prompt = _prompts(1, seed=9, lo=20, hi=20)[0]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    eng.add_request("r", prompt, sp)
+    first = None
+    while first is None:
+        events = eng.step()
+        held = eng.take_prompt_logprobs(events)
+        if any(i == 0 and ids for _, i, ids, _ in events):
+            first = ([ids[0] for _, i, ids, _ in events if i == 0][0], held)
+    assert first[1] and first[1][0][0] == "r" and len(first[1][0][1]) == len(prompt) - 1
+    assert eng.readd("r", prompt, SamplingParams(**sp.to_dict()), [], from_start=True) == []
+    again = None
+    while again is None:
+        events = eng.step()
+        held = eng.take_prompt_logprobs(events)
+        if any(i == 0 and ids for _, i, ids, _ in events):
+            again = ([ids[0] for _, i, ids, _ in events if i == 0][0], held)
+    assert again == first
 
 
 def _kv_lost_midway(model, sock, namespace, reqs, lost):

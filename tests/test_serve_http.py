@@ -223,8 +223,8 @@ def test_streams_survive_engine_sigkills(server):
 
 def _two_kill_jobs():
     """Chat and completions, greedy and seeded sampling, two with two choices; the first four ask
-    for log-probabilities with token ids (so their tokens are compared id by id), the others
-    are compared as text."""
+    for log-probabilities with token ids (so their tokens are compared id by id), and the fifth
+    with echo for the prompt's too; the others are compared as text."""
     jobs = []
     for i in range(8):
         j = {"max_tokens": 90 + 5 * i, "stream": True, "stream_options": {"include_usage": True},
@@ -243,6 +243,9 @@ def _two_kill_jobs():
             j["extra_body"] = dict(j["extra_body"], return_tokens_as_token_ids=True)
         if i in (6, 7):
             j["n"] = 2            # two choices: two engine requests, each resumed after a kill
+        if i == 4:                # the prompt scored too (lm-evaluation-harness's way)
+            j.update(echo=True, logprobs=1)
+            j["extra_body"] = dict(j["extra_body"], return_tokens_as_token_ids=True)
         jobs.append(j)
     return jobs
 
@@ -295,7 +298,8 @@ class _Stream:
                     pairs = [(e.token, e.logprob) for e in lp.content] if chat else zip(lp.tokens, lp.token_logprobs)
                     for tok, v in pairs:
                         got.ids.append(int(tok.split(":")[1]))
-                        got.lps.append(v)
+                        if v is not None:         # echo: the prompt's first token has none
+                            got.lps.append(v)
                 if x.finish_reason:
                     got.finish = x.finish_reason
                 self.chunks += 1

@@ -358,7 +358,7 @@ def test_self_kills_at_every_phase_on_either_rank(serve):
     and phase (between steps, mid-prefill, mid-decode, before and after rank 0's commit)."""
     base = serve(*CPU64, "--tensor-parallel-size", "2", "--fault-plan", f"7:2:{KILLS}")
     # without ignore_eos (the in-process reference stops at EOS as the server does)
-    jobs = [{k: v for k, v in j.items() if k != "extra_body"} for j in _two_kill_jobs()[4:]]
+    jobs = [{k: v for k, v in j.items() if k not in ("extra_body", "echo", "logprobs")} for j in _two_kill_jobs()[4:]]
     jobs += [dict(j, max_tokens=40) for j in jobs]
     ref = _reference(serve.model, jobs)
     c = _client(base)

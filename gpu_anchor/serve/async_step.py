@@ -55,6 +55,7 @@ class Launched:
     sw: list[Work] = field(default_factory=list)     # the rows sampled, in the order of ``ids``
     ids: torch.Tensor | None = None                  # their sampled ids, on the device
     logits: torch.Tensor | None = None               # kept only when some row asks for log-probabilities
+    plp: tuple | None = None     # (logits of prompt positions, [(work item, first position, count)])
     done: object = None          # a CUDA event after the forward, for a step with no row sampled
     host: torch.Tensor | None = None                 # pinned copy of ``ids`` ...
     ready: object = None                             # ... complete once this event has

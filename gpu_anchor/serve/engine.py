@@ -181,6 +181,8 @@ class Engine(Requests):
         self.restored: list[Sequence] = []
         # log-probabilities of sampled tokens not yet published: rid -> {output index: (lp, top)}
         self._logprobs: dict[str, dict[int, tuple]] = {}
+        # prompt log-probabilities, sent with the first token: rid -> (prompt length, {position: (lp, top)})
+        self._prompt_lps: dict[str, tuple[int, dict]] = {}
         why = st.kv_problem() if journal is not None else ""
         if self.tp is not None:     # every rank's answer, before anything is decided
             t4 = time.perf_counter()
@@ -353,9 +355,10 @@ class Engine(Requests):
         # The step fence marks only the launch of the kernels that write the KV (the graph's
         # replay; the eager forward), not the inputs' preparation: an engine killed in between
         # leaves the marker short, and its successor then waits for its exit (~0.1 s on an H200).
-        logits = self._decode_graph(work, index, ahead_ids)
+        logits, plp = self._decode_graph(work, index, ahead_ids), None
         if logits is None:
             plan = step_plan.eager_plan(work, self.cfg.block_size, index, prefill, known=ahead_ids is None)
+            parts = step_plan.prompt_rows(plan, work)
             if self.tp is not None:
                 self.tp.send(plan)
             ids, meta, rows = step_inputs(plan, self.device)
@@ -367,8 +370,12 @@ class Engine(Requests):
             self._t_mark = clock()
             st["forward"] += self._t_mark - t2
             self.step_counts["eager"] += 1
+            if parts:             # the prompt positions' rows come after the sampled ones
+                n = sum(w.sample for w in work)
+                logits, plp = logits[:n], (logits[n:], parts)
         self.step_counts["sync" if ahead_ids is None else "async"] += 1
-        la = Launched(work, list(preempted), prefill, sw=[w for w in work if w.sample], ahead=ahead_ids is not None)
+        la = Launched(work, list(preempted), prefill, sw=[w for w in work if w.sample], ahead=ahead_ids is not None,
+                      plp=plp)
         if la.sw:
             draw = batch_invariant.sample_ids if self.cfg.deterministic else sample_ids
             params = [w.seq.params for w in la.sw]
@@ -412,6 +419,8 @@ class Engine(Requests):
                                      [w.seq.params.logprobs for _, w in want])
                 for (_, w), lp in zip(want, lps):
                     self._logprobs.setdefault(w.seq.rid, {})[len(w.seq.output_ids)] = lp
+        if la is not None and la.plp is not None:
+            self._hold_prompt_logprobs(la, live)
         t4 = clock()
         st["sample"] += t4 - t3
         grown, finished = self.scheduler.finish_step(work, sampled)

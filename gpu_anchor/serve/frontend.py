@@ -56,6 +56,7 @@ class Req:
         self.stop = q.stop
         self.out: list[int] = []
         self.lps: list = []              # (logprob, top) per output token, when q.logprobs is not None
+        self.plps: list | None = None    # (logprob, top) per prompt token from the second, when asked
         self.finish: str | None = None
         self.error: str | None = None
         self.error_status = 400          # 503 when the server gave up on the request, not the request's fault
@@ -98,10 +99,11 @@ class Frontend:
     def _add_msg(self, r: Req) -> dict:
         return {"t": "add", "rid": r.rid, "prompt": r.prompt, "params": r.params, "out": r.out}
 
-    def _resync(self, r: Req) -> None:
-        """Make the engine continue ``r`` from the tokens its client has (it recomputes the KV)."""
+    def _resync(self, r: Req, from_start: bool = False) -> None:
+        """Make the engine continue ``r`` from the tokens its client has (it recomputes the KV;
+        ``from_start``: all of it, for the prompt log-probabilities)."""
         r.resyncing = True
-        self.send(dict(self._add_msg(r), t="readd"))
+        self.send(dict(self._add_msg(r), t="readd", from_start=from_start))
         self.last_timings["resyncs"] = self.last_timings.get("resyncs", 0) + 1
 
     async def on_engine(self, reader, writer) -> None:
@@ -168,6 +170,10 @@ class Frontend:
                     lps: dict = {}
                     for rid, k, lp, top in msg.get("lp", ()):
                         lps.setdefault(rid, {})[k] = (lp, top)
+                    for rid, plps in msg.get("plp", ()):
+                        r = self.reqs.get(rid)
+                        if r is not None and r.plps is None and not r.resyncing:
+                            r.plps = [tuple(x) for x in plps]
                     for rid, i, ids, fin in msg["ev"]:
                         self._apply(rid, i, ids, fin, lps.get(rid))
                 elif t == "load":
@@ -256,6 +262,12 @@ class Frontend:
         for j in range(have, len(ids)):
             k, t = i + j, ids[j]
             if k == len(r.out):
+                if k == 0 and r.params.get("prompt_logprobs") is not None and r.plps is None:
+                    # replayed from the journal, or restored in mid-prefill: the prompt again
+                    log.info("request %s: its first token came without the prompt's log-probabilities; the "
+                             "engine computes the prompt again", rid)
+                    self._resync(r, from_start=True)
+                    break
                 if r.q.logprobs is not None:
                     lp = (lps or {}).get(k)
                     if lp is None:     # replayed from the journal, which keeps no log-probabilities

@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (beam search, prompt log-probabilities, tools, ...) is an
+does not (beam search, ``prompt_logprobs`` outside ``echo``, tools, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -116,7 +116,7 @@ _NEUTRAL = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
     "suffix": (("",), "suffix is not supported"),
-    "prompt_logprobs": ((), "prompt log-probabilities are not computed by this server"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported: ask for echo=true with logprobs (completions)"),
     "tools": (([],), "tools / function calling are not supported"),
     "functions": (([],), "tools / function calling are not supported"),
     "tool_choice": (("none",), "tools / function calling are not supported"),
@@ -287,9 +287,8 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
             if isinstance(lp, bool):
                 raise bad("logprobs", "must be an integer (how many top log-probabilities per token) or null")
             r.logprobs = _int("logprobs", lp, 0, MAX_LOGPROBS)
-        if r.echo and r.logprobs is not None:
-            raise bad("echo", "echo with logprobs needs prompt log-probabilities, which this server does not "
-                              "compute; use echo or logprobs")
+        if r.echo and r.logprobs is not None:     # as vLLM: the prompt's log-probabilities too
+            s["prompt_logprobs"] = r.logprobs
     return r
 
 
@@ -395,6 +394,24 @@ def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
     return completion_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids, offset)
 
 
+def _prompt_logprobs(codec, r) -> dict:
+    """With ``echo``, the completions ``logprobs`` object of the prompt, as vLLM gives it: its
+    first token has none (``None``), each other token its log-probability and top ones."""
+    out = completion_logprobs(codec, r.prompt[1:], r.plps or [], r.q.tokens_as_ids,
+                              len(token_text(codec, r.prompt[0], r.q.tokens_as_ids)))
+    first = token_text(codec, r.prompt[0], r.q.tokens_as_ids)
+    return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def _prompt_text_len(lp: dict) -> int:
+    return lp["text_offset"][-1] + len(lp["tokens"][-1])
+
+
 def _usage(rs: list, n: int) -> dict:
     """Every prompt once (``rs`` holds ``n`` choices per prompt), every choice's tokens."""
     return usage(sum(len(r.prompt) for r in rs[::n]), sum(len(r.out) for r in rs))
@@ -406,6 +423,9 @@ def reply(codec, rs: list, n: int = 1) -> dict:
     q, choices = rs[0].q, []
     for i, r in enumerate(rs):
         lp = _logprobs(codec, r, 0, len(r.out), 0)
+        if lp is not None and q.echo:
+            head = _prompt_logprobs(codec, r)
+            lp = _joined(head, _logprobs(codec, r, 0, len(r.out), _prompt_text_len(head)))
         if q.chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": _text(codec, r)}, "logprobs": lp,
                             "finish_reason": r.finish})
@@ -456,7 +476,15 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
     hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
 
     if q.echo:                    # the prompt first, as vLLM streams it
-        await write(dict(head, choices=[{"index": index, "text": _echo(codec, r), "logprobs": None,
+        lp = None
+        if q.logprobs is not None:    # its log-probabilities come with the first token
+            while r.plps is None and r.finish is None:
+                r.changed.clear()
+                await r.changed.wait()
+            if not r.error:
+                lp = _prompt_logprobs(codec, r)
+                offset = _prompt_text_len(lp)
+        await write(dict(head, choices=[{"index": index, "text": _echo(codec, r), "logprobs": lp,
                                          "finish_reason": None}]))
     while True:
         r.changed.clear()

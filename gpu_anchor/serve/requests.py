@@ -4,12 +4,16 @@ is held (a part of ``engine.Engine``, which mixes this in).
 Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``,
 ``mc`` (the model config), ``_arrivals``, ``_added`` (sequences the next commit records),
 ``_gone`` (rids it deletes), ``_urgent`` (the next step lands its commit at once),
-``_logprobs`` (log-probabilities of tokens not yet published).
+``_logprobs`` (log-probabilities of tokens not yet published), ``_prompt_lps`` (prompt
+log-probabilities, gathered chunk by chunk and sent with the first token, whole or not at all:
+a first token without them, a replay or after a restore in mid-prefill, makes the frontend
+re-add the request ``from_start``).
 """
 from __future__ import annotations
 
 import random
 
+from .sampling import token_logprobs
 from .sequence import SamplingParams, Sequence, Status
 
 
@@ -27,6 +31,8 @@ class Requests:
             return [(rid, len(seq.output_ids), [], reason)]
         self.scheduler.add(seq)
         self._added.append(seq)
+        if params.prompt_logprobs is not None and not seq.output_ids:
+            self._prompt_lps[rid] = (len(seq.prompt_ids), {})
         self._urgent |= bool(seq.output_ids)     # a request resumed after a recovery
         self._arrivals += 1
         return []
@@ -39,23 +45,27 @@ class Requests:
         if bad is not None:
             raise ValueError(f"token id {bad} outside the vocabulary (size {v})")
 
-    def readd(self, rid: str, prompt_ids, params: SamplingParams, output_ids) -> list[tuple]:
+    def readd(self, rid: str, prompt_ids, params: SamplingParams, output_ids, from_start: bool = False) -> list[tuple]:
         """Replace a request's history with the tokens the client actually received (after a
         replay disagreed with them, or brought a token without the log-probabilities its
         request wants).  A running request keeps the KV of the history both share and
         recomputes only from where they part (``_rewind``): the usual case, one undelivered
         token replayed from the journal, costs one decode step.  Otherwise its KV is dropped
-        and recomputed."""
+        and recomputed.  ``from_start``: the whole prompt is computed again (its log-probabilities
+        did not reach the client)."""
         self.commits.drop_unpublished(rid)
         self._logprobs.pop(rid, None)
+        self._prompt_lps.pop(rid, None)
         seq = self.scheduler.seqs.get(rid)
         if seq is not None and seq.status is Status.RUNNING and seq.prompt_ids == [int(t) for t in prompt_ids]:
-            return self._rewind(seq, [int(t) for t in output_ids])
+            if params.prompt_logprobs is not None and not output_ids:
+                self._prompt_lps[rid] = (len(seq.prompt_ids), {})
+            return self._rewind(seq, [int(t) for t in output_ids], from_start)
         if self.scheduler.abort(rid) is not None:
             self.committer.forget(rid)
         return self.add_request(rid, prompt_ids, params, output_ids)
 
-    def _rewind(self, seq: Sequence, out: list[int]) -> list[tuple]:
+    def _rewind(self, seq: Sequence, out: list[int], from_start: bool = False) -> list[tuple]:
         self._check_ids(out)
         common = 0
         for a, b in zip(seq.output_ids, out):
@@ -65,7 +75,7 @@ class Requests:
         p = len(seq.prompt_ids)
         # KV at position i depends on tokens 0..i only: it stands while those are the same.
         # At least the last token is fed again, so the step samples the next one.
-        seq.num_computed = min(seq.num_computed, p + common, p + len(out) - 1)
+        seq.num_computed = 0 if from_start else min(seq.num_computed, p + common, p + len(out) - 1)
         # a new list: a snapshot in flight keeps the old one (its outputs are a prefix length)
         seq.output_ids = out
         if self.run_ahead is not None:
@@ -84,6 +94,7 @@ class Requests:
             self._gone.append(rid)
         self.commits.drop_unpublished(rid)
         self._logprobs.pop(rid, None)
+        self._prompt_lps.pop(rid, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -95,6 +106,37 @@ class Requests:
         return {"running": running, "waiting": len(self.scheduler.seqs) - running,
                 "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.preemptions}
+
+    def _hold_prompt_logprobs(self, la, live) -> None:
+        """The prompt log-probabilities of a completed step's prompt rows (``la.plp``), held per
+        request until its first token is published."""
+        logits, parts = la.plp
+        rows, chosen, ks, where, r0 = [], [], [], [], 0
+        for w, first, count in parts:
+            if la.current(w, live):
+                rows += range(r0, r0 + count)
+                chosen += w.seq.prompt_ids[first + 1:first + 1 + count]
+                ks += [w.seq.params.prompt_logprobs] * count
+                where.append((w.seq, first, count))
+            r0 += count
+        if not rows:
+            return
+        lps = iter(token_logprobs(logits[rows], chosen, ks))
+        for seq, first, count in where:
+            held = self._prompt_lps.setdefault(seq.rid, (len(seq.prompt_ids), {}))[1]
+            for p in range(first + 1, first + 1 + count):
+                held[p] = next(lps)
+
+    def take_prompt_logprobs(self, events) -> list[list]:
+        """For the requests whose first token is in ``events``: their prompt log-probabilities,
+        if every one is held, as ``[[rid, [[logprob, [[id, logprob], ...]], ...]], ...]`` (prompt
+        tokens 1..n-1).  Whatever is held for a request with a token in ``events`` is forgotten."""
+        out = []
+        for rid, i, ids, _ in events:
+            held = self._prompt_lps.pop(rid, None) if ids else None
+            if held is not None and i == 0 and len(held[1]) == held[0] - 1:
+                out.append([rid, [list(held[1][p]) for p in range(1, held[0])]])
+        return out
 
     def take_logprobs(self, events) -> list[list]:
         """The log-probabilities of the tokens in ``events`` (published ones), as

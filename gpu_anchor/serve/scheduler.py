@@ -23,6 +23,19 @@ class Work:
     sample: bool
 
 
+# Prompt positions whose logits one step computes for prompt log-probabilities, at most: each
+# is a [vocabulary] row of logits (and its float32 log-softmax), 1 024 x 152k x 4 B = 0.6 GB.
+PROMPT_LOGPROB_ROWS = 1024
+
+
+def prompt_logprob_rows(seq: Sequence, n: int) -> int:
+    """Of the ``n`` positions ``seq``'s next chunk computes, those whose logits give a prompt
+    token's log-probability (position p gives token p + 1's, for p + 1 in the prompt)."""
+    if seq.params.prompt_logprobs is None or seq.output_ids:
+        return 0
+    return max(0, min(seq.num_computed + n, len(seq.prompt_ids) - 1) - seq.num_computed)
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 64, max_batched_tokens: int = 2048,
                  max_model_len: int = 4096, eos_token_ids=()) -> None:
@@ -104,6 +117,7 @@ class Scheduler:
             return work
         # 2. prefill chunks: partly prefilled sequences first, then new admissions.
         n_running = sum(1 for s in self.seqs.values() if s.status is Status.RUNNING)
+        rows = PROMPT_LOGPROB_ROWS          # prompt positions whose logits this step may compute
         candidates = [s for s in self._ordered(Status.RUNNING) if s.rid not in scheduled]
         candidates += self._ordered(Status.WAITING)
         for seq in candidates:
@@ -114,6 +128,11 @@ class Scheduler:
             if seq.status is Status.WAITING and not self.blocks.can_grow([], seq.num_tokens + 1):
                 break            # admit only what fits whole: partial admissions thrash with preemption
             n = min(seq.num_tokens - seq.num_computed, budget)
+            wanted = prompt_logprob_rows(seq, n)
+            if wanted > rows:                  # chunk it so that its rows fit (each is a [V] row of logits)
+                n -= wanted - rows
+                if n < 1:
+                    continue
             if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 free_slots = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
                 n = min(n, free_slots - seq.num_computed)
@@ -123,6 +142,7 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 seq.status = Status.RUNNING
                 n_running += 1
+            rows -= prompt_logprob_rows(seq, n)
             work.append(Work(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
             budget -= n
         return work

@@ -24,7 +24,7 @@ MAX_LOGPROBS = 20     # the most top log-probabilities a request may ask for per
 
 
 _LATER = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-          "min_tokens": 0, "logit_bias": ()}
+          "min_tokens": 0, "logit_bias": (), "prompt_logprobs": None}
 
 
 @dataclass
@@ -53,6 +53,8 @@ class SamplingParams:
     min_tokens: int = 0
     # ((token id, bias added to its logit), ...): a dict {id: bias} (ids as ints or strings) is taken too
     logit_bias: tuple = ()
+    # None: none; k >= 0: each prompt token's log-probability (from the second on) and the k most likely
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if int(self.max_tokens) < 1:
@@ -63,8 +65,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.top_k) < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= int(v) <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+            setattr(self, name, None if v is None else int(v))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= float(getattr(self, name)) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -87,8 +92,6 @@ class SamplingParams:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if self.seed is not None:
             self.seed = int(self.seed)
-        if self.logprobs is not None:
-            self.logprobs = int(self.logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,22 @@ def decode_inputs(work, block_size: int, known: bool = True) -> tuple[list[int],
     return ids, pos, slots
 
 
+def prompt_rows(plan: dict, work) -> list[tuple]:
+    """Append to ``plan["rows"]`` (after the sampled ones) the tokens whose logits give prompt
+    log-probabilities — position p gives prompt token p + 1's, for sequences that ask for them
+    and have no output yet — and return ``[(work item, first position, count)]`` in that order."""
+    parts = []
+    for b, w in enumerate(work):
+        s = w.seq
+        if s.params.prompt_logprobs is None or s.output_ids:
+            continue
+        hi = min(w.start + w.n, len(s.prompt_ids) - 1)
+        if hi > w.start:
+            plan["rows"] += range(plan["q_starts"][b], plan["q_starts"][b] + hi - w.start)
+            parts.append((w, w.start, hi - w.start))
+    return parts
+
+
 def eager_plan(work, block_size: int, step: int, prefill: bool, known: bool = True) -> dict:
     """An eager step's plan: per token ``ids``, ``pos``, ``slots``, ``tseq`` (its row of the
     block tables); per sequence ``q_starts``, ``q_lens``, ``ctx`` (keys its last token sees),

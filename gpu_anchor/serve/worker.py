@@ -67,9 +67,11 @@ class _Progress:
 def _toks(eng, events) -> bytes:
     """A ``toks`` message, with the log-probabilities of its tokens for requests that asked."""
     msg = {"t": "toks", "ev": [list(e) for e in events]}
-    lp = eng.take_logprobs(events)
+    lp, plp = eng.take_logprobs(events), eng.take_prompt_logprobs(events)
     if lp:
         msg["lp"] = lp
+    if plp:
+        msg["plp"] = plp
     return wire.encode(msg)
 
 
@@ -206,7 +208,8 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                     except ValueError as e:
                         sock.sendall(wire.encode({"t": "err", "rid": msg["rid"], "msg": str(e)}))
                 elif msg["t"] == "readd":
-                    out += eng.readd(msg["rid"], msg["prompt"], SamplingParams.from_dict(msg["params"]), msg["out"])
+                    out += eng.readd(msg["rid"], msg["prompt"], SamplingParams.from_dict(msg["params"]), msg["out"],
+                                     msg.get("from_start", False))
                     if out:
                         sock.sendall(_toks(eng, out))
                         out = []
