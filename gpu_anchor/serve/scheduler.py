@@ -24,8 +24,9 @@ class Work:
 
 
 # Prompt positions whose logits one step computes for prompt log-probabilities, at most: each
-# is a [vocabulary] row of logits (and its float32 log-softmax), 1 024 x 152k x 4 B = 0.6 GB.
-PROMPT_LOGPROB_ROWS = 1024
+# is a float32 [vocabulary] row of logits, and so is its log-softmax: 512 x 152k x 4 B = 0.3 GB
+# each, within what the KV sizing reserves beyond its activation estimate.
+PROMPT_LOGPROB_ROWS = 512
 
 
 def prompt_logprob_rows(seq: Sequence, n: int) -> int:
