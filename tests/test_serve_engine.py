@@ -243,22 +243,20 @@ def test_readd_from_start_sends_the_prompt_logprobs_again(models):
     eng = Engine(EngineConfig(model=models["llama"], anchor=False, block_size=4, num_blocks=100, max_batched_tokens=7))
     prompt = _prompts(1, seed=9, lo=20, hi=20)[0]
     sp = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+
+    def first_token():
+        """Step until the first token: (it, what take_prompt_logprobs gave with it)."""
+        while True:
+            events = eng.step()
+            held = eng.take_prompt_logprobs(events)
+            firsts = [ids[0] for _, i, ids, _ in events if i == 0 and ids]
+            if firsts:
+                return firsts[0], held
     eng.add_request("r", prompt, sp)
-    first = None
-    while first is None:
-        events = eng.step()
-        held = eng.take_prompt_logprobs(events)
-        if any(i == 0 and ids for _, i, ids, _ in events):
-            first = ([ids[0] for _, i, ids, _ in events if i == 0][0], held)
+    first = first_token()
     assert first[1] and first[1][0][0] == "r" and len(first[1][0][1]) == len(prompt) - 1
     assert eng.readd("r", prompt, SamplingParams(**sp.to_dict()), [], from_start=True) == []
-    again = None
-    while again is None:
-        events = eng.step()
-        held = eng.take_prompt_logprobs(events)
-        if any(i == 0 and ids for _, i, ids, _ in events):
-            again = ([ids[0] for _, i, ids, _ in events if i == 0][0], held)
-    assert again == first
+    assert first_token() == first
 
 
 def _kv_lost_midway(model, sock, namespace, reqs, lost):
