@@ -1,7 +1,7 @@
 """The frontend's HTTP side: the OpenAI-compatible routes, ``/health``, ``/metrics`` and
 ``/admin/migrate`` over a ``frontend.Frontend`` (the engine side: open requests, the engine
 connection, replays).  A request is checked (``openai_api``), encoded, submitted to the
-frontend and answered as JSON or an SSE stream; every error leaves as OpenAI-shaped JSON."""
+frontend and answered as JSON or an SSE stream (``openai_replies``); every error leaves as OpenAI-shaped JSON."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +13,7 @@ import uuid
 from aiohttp import web
 
 from . import openai_api as api
+from . import openai_replies as replies
 from . import wire
 from .openai_api import ApiError, bad
 from .tokenizer import TemplateError
@@ -107,14 +108,14 @@ class Routes:
                 rs.append(r)
         try:
             if q.stream:
-                return await api.stream(request, self.fe.codec, rs, q.n)
+                return await replies.stream(request, self.fe.codec, rs, q.n)
             for r in rs:
                 while r.finish is None:
                     r.changed.clear()
                     await r.changed.wait()
                 if r.error:
                     raise ApiError(r.error_status, r.error)
-            return web.json_response(api.reply(self.fe.codec, rs, q.n))
+            return web.json_response(replies.reply(self.fe.codec, rs, q.n))
         finally:
             for r in rs:
                 self.fe.drop(r)

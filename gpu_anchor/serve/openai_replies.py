@@ -1,0 +1,190 @@
+"""The OpenAI / vLLM replies: JSON bodies (``reply``) and server-sent events (``stream``), torch-free.
+
+They are built from the frontend's request records ``r``, one per choice: its checked request
+``r.q`` (``openai_api``), the prompt ids ``r.prompt`` (and its text ``r.prompt_text``, if given
+as text), the tokens ``r.out`` (with ``r.lps``, their log-probabilities, when asked, and
+``r.plps``, the prompt's, with ``echo``), ``r.finish`` / ``r.error`` / ``r.text`` (the text cut at
+a stop string) and ``r.changed`` (set when any of them changed).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from .openai_api import ApiError
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def token_text(codec, tid: int, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids else codec.token_text(tid)
+
+
+def completion_logprobs(codec, ids: list[int], lps: list, as_ids: bool, offset: int) -> dict:
+    """The completions API's ``logprobs`` object for ``ids`` (``lps[k] = (logprob, [[id, lp], ...])``);
+    ``offset``: the text offset of the first token."""
+    tokens = [token_text(codec, t, as_ids) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{token_text(codec, i, as_ids): v for i, v in top} for _, top in lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(codec, ids: list[int], lps: list, as_ids: bool) -> dict:
+    """The chat API's ``logprobs`` object (``{"content": [...]}``) for ``ids``."""
+    def entry(tid, lp):
+        s = token_text(codec, tid, as_ids)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    return {"content": [dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top])
+                        for t, (lp, top) in zip(ids, lps)]}
+
+
+def _text(codec, r) -> str:
+    return r.text if r.text is not None else codec.decode(r.out, r.q.skip_special_tokens)
+
+
+def _echo(codec, r) -> str:
+    return r.prompt_text if r.prompt_text is not None else codec.decode(r.prompt, r.q.skip_special_tokens)
+
+
+def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
+    """The ``logprobs`` object of output tokens ``a..b-1`` (None if the request did not ask)."""
+    if r.q.logprobs is None:
+        return None
+    if r.q.chat:
+        return chat_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids)
+    return completion_logprobs(codec, r.out[a:b], r.lps[a:b], r.q.tokens_as_ids, offset)
+
+
+def _prompt_logprobs(codec, r) -> dict:
+    """With ``echo``, the completions ``logprobs`` object of the prompt, as vLLM gives it: its
+    first token has none (``None``), each other token its log-probability and top ones."""
+    out = completion_logprobs(codec, r.prompt[1:], r.plps or [], r.q.tokens_as_ids,
+                              len(token_text(codec, r.prompt[0], r.q.tokens_as_ids)))
+    first = token_text(codec, r.prompt[0], r.q.tokens_as_ids)
+    return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def _prompt_text_len(lp: dict) -> int:
+    return lp["text_offset"][-1] + len(lp["tokens"][-1])
+
+
+def _usage(rs: list, n: int) -> dict:
+    """Every prompt once (``rs`` holds ``n`` choices per prompt), every choice's tokens."""
+    return usage(sum(len(r.prompt) for r in rs[::n]), sum(len(r.out) for r in rs))
+
+
+def reply(codec, rs: list, n: int = 1) -> dict:
+    """The JSON body of a finished, non-streamed request: choice ``i`` from ``rs[i]`` (prompt
+    ``i // n``'s choice ``i % n``, as vLLM numbers them)."""
+    q, choices = rs[0].q, []
+    for i, r in enumerate(rs):
+        lp = _logprobs(codec, r, 0, len(r.out), 0)
+        if lp is not None and q.echo:
+            head = _prompt_logprobs(codec, r)
+            lp = _joined(head, _logprobs(codec, r, 0, len(r.out), _prompt_text_len(head)))
+        if q.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": _text(codec, r)}, "logprobs": lp,
+                            "finish_reason": r.finish})
+        else:
+            choices.append({"index": i, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r),
+                            "logprobs": lp, "finish_reason": r.finish})
+    return {"id": rs[0].rid, "object": "chat.completion" if q.chat else "text_completion",
+            "created": int(time.time()), "model": q.model, "choices": choices,
+            "usage": _usage(rs, n)}
+
+
+async def stream(request, codec, rs: list, n: int = 1):
+    """Serve ``rs`` (the request's choices) as server-sent events: per choice, one chunk per
+    batch of its tokens from the engine (text held back while a stop string or a UTF-8
+    character may still be forming), the choices' chunks interleaved as they come; then the
+    usage chunk if asked, then ``[DONE]``."""
+    import asyncio
+
+    from aiohttp import web
+    q = rs[0].q
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    head = {"id": rs[0].rid, "object": "chat.completion.chunk" if q.chat else "text_completion",
+            "created": int(time.time()), "model": q.model}
+
+    one_at_a_time = asyncio.Lock()         # the choices' writers take turns: whole events
+
+    async def write(obj: dict) -> None:
+        async with one_at_a_time:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    try:
+        await asyncio.gather(*(_events(codec, r, head, write, i) for i, r in enumerate(rs)))
+        if q.include_usage and not any(r.error for r in rs):
+            await write(dict(head, choices=[], usage=_usage(rs, n)))
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:      # the client went away; the caller aborts the request
+        pass
+    return resp
+
+
+async def _events(codec, r, head: dict, write, index: int = 0) -> None:
+    """The chunks of ``stream`` for choice ``index`` (``r``), written as it progresses."""
+    q = r.q
+    sent = ""                     # text sent so far
+    n_sent = 0                    # tokens covered by the chunks sent so far
+    offset = 0                    # text offset of the next token (completions' logprobs)
+    hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
+
+    if q.echo:                    # the prompt first, as vLLM streams it
+        lp = None
+        if q.logprobs is not None:    # its log-probabilities come with the first token
+            while r.plps is None and r.finish is None:
+                r.changed.clear()
+                await r.changed.wait()
+            if not r.error:
+                lp = _prompt_logprobs(codec, r)
+                offset = _prompt_text_len(lp)
+        await write(dict(head, choices=[{"index": index, "text": _echo(codec, r), "logprobs": lp,
+                                         "finish_reason": None}]))
+    while True:
+        r.changed.clear()
+        done = r.finish is not None
+        if r.error:
+            await write(ApiError(r.error_status, r.error).body())
+            break
+        if len(r.out) > n_sent or done:
+            n = len(r.out)
+            target = _text(codec, r)
+            if not done:
+                target = target[:len(target) - hold] if hold else target
+                target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
+            delta = target[len(sent):] if target.startswith(sent) else ""
+            # one chunk per token batch even when its text is held back or empty
+            # (special tokens, partial UTF-8): clients see progress token by token
+            sent += delta
+            lp = _logprobs(codec, r, n_sent, n, offset) if n > n_sent else None
+            if lp is not None and not q.chat:
+                offset += sum(len(t) for t in lp["tokens"])
+            fin = r.finish if done else None
+            if q.chat:
+                d = {"content": delta} if delta else {}
+                if n_sent == 0:
+                    d = {"role": "assistant", **d}
+                choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": fin}
+            else:
+                choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": fin}
+            chunk = dict(head, choices=[choice])
+            if q.continuous_usage:
+                chunk["usage"] = usage(len(r.prompt), n)
+            n_sent = n
+            await write(chunk)
+        if done:
+            break
+        await r.changed.wait()
