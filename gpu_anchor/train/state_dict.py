@@ -93,6 +93,8 @@ class StateDictMixin:
 
     @property
     def state(self) -> StateView:
+        if self._state is None:
+            raise RuntimeError("AnchoredOptimizer built inside managed_scope has its state when the scope exits")
         return StateView(self)
 
     def __iter__(self):
