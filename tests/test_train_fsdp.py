@@ -239,6 +239,28 @@ def test_gradscaler_over_ranks(host_daemon, tmp_path, parallel, clip):
     assert runs[f"{tag}-k"]["kills"] == 4
 
 
+def test_bf16_mixed_precision_policy_over_ranks(host_daemon, tmp_path):
+    """FSDP2 as torchtitan configures it by default, ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=float32)``: bf16 copies of the float32 anchored shards are gathered for the
+    forward and backward, gradients reduced in float32 into the anchored buffers.  The anchored
+    group gives plain torch's losses step for step and, SIGKILLed at protocol points on either
+    rank, the fault-free run's end state, bit for bit."""
+    cfg = C.CampaignConfig(steps=6)
+    runs = {}
+    for name, kw in [("mp-ref", {}), ("mp-plain", {"plain": True}),
+                     ("mp-k", {"faults_seq": [(1, "mid_chunk@1:1"), (0, "after_update@2:0"), (1, "before_boundary@3"),
+                                              (0, "after_commit@4:1")]})]:
+        d = tmp_path / name
+        d.mkdir()
+        runs[name] = D.run_group(name, cfg, str(d), parallel="fsdp-bf16", **kw)
+    for r in range(2):
+        ref = C.trajectory(runs["mp-ref"]["logs"][r])[0]
+        assert ref == C.trajectory(runs["mp-plain"]["logs"][r])[0] == C.trajectory(runs["mp-k"]["logs"][r])[0]
+        assert C.compare(gpu_anchor.connect("cpu", namespace=f"mp-ref/rank{r}"),
+                         gpu_anchor.connect("cpu", namespace=f"mp-k/rank{r}")) == []
+    assert runs["mp-k"]["kills"] == 4
+
+
 def test_device_progress_mode_one_rank_killed(fsdp_reference, tmp_path):
     """The device-progress protocol (the default on CUDA) on FSDP2 shards: same end state."""
     cfg, ref = fsdp_reference

@@ -30,8 +30,9 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.Campaig
                fault: str | None, device: str = "cpu", plain: bool = False, width: int = 0,
                parallel: str = "ddp") -> None:
     """One rank's life.  ``parallel``: ``"ddp"`` (replicas), ``"fsdp"`` (FSDP2 ``fully_shard``
-    per Linear plus the root, each rank anchoring its own shards with ``anchor_fsdp``) or
-    ``"fsdp:<shape>"`` (``fsdp_llama``'s transformer; ``width`` is then the sequence length)."""
+    per Linear plus the root, each rank anchoring its own shards with ``anchor_fsdp``),
+    ``"fsdp-bf16"`` (the same with bf16 mixed precision, ``shard``) or ``"fsdp:<shape>"``
+    (``fsdp_llama``'s transformer; ``width`` is then the sequence length)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if parallel.startswith("fsdp:"):
         from . import fsdp_llama
@@ -56,8 +57,9 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.Campaig
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model = C.build_model(cfg.seed, width).to(dev)
-    if parallel == "fsdp":
-        shard(model, dev, world)
+    fsdp = parallel in ("fsdp", "fsdp-bf16")
+    if fsdp:
+        shard(model, dev, world, bf16=parallel == "fsdp-bf16")
     inner = C.build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, C.warmup)
     scaler = C.make_scaler() if cfg.amp else None
@@ -65,14 +67,14 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.Campaig
         opt, start = inner, 0
     else:
         client = gpu_anchor.connect(device, namespace=namespace)
-        if parallel == "fsdp":
+        if fsdp:
             anchor_fsdp(model, client)
         else:
             anchor_module(model, client)
         opt = AnchoredOptimizer(inner, model=model, client=client, chunk_bytes=cfg.chunk_bytes, schedulers=[sched],
                                 progress=cfg.progress, scaler=scaler)
         start = opt.completed_steps
-    ddp = model if parallel == "fsdp" else DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ddp = model if fsdp else DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     for step in range(start, cfg.steps):
         x, y = C.batch(step * world + rank, cfg.seed)
@@ -101,16 +103,19 @@ def rank_train(rank: int, world: int, store: str, namespace: str, cfg: C.Campaig
         dist.destroy_process_group()
 
 
-def shard(model, dev, world: int) -> None:
-    """FSDP2 over all ranks: each Linear its own group, the rest (LayerNorm) with the root."""
+def shard(model, dev, world: int, bf16: bool = False) -> None:
+    """FSDP2 over all ranks: each Linear its own group, the rest (LayerNorm) with the root.
+    ``bf16``: torchtitan's default ``MixedPrecisionPolicy`` (parameters gathered in bf16 for
+    the forward and backward, gradients reduced in float32; the shards stay float32)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(dev.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def state_digest(model, opt) -> str:
