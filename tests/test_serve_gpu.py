@@ -104,3 +104,44 @@ def test_graph_engine_sigkill_restart_continues_identically(models, cuda_daemon)
                         cuda_graphs=True, graph_after_steps=0)
     kills = graph_campaign(base, _requests(5, 3, max_tokens=40), seed=21, n_kills=12, n_mid=3)
     assert kills["mid_decode"] >= 3 and sum(kills.values()) >= 8, kills
+
+
+def test_logit_adjustments_and_prompt_logprobs_on_cuda(models, cuda_daemon):
+    """The sampling fields added on 2026-12-05 on the device: ``adjust_logits`` (penalties,
+    ``logit_bias``, ``min_tokens``) gives the CPU's logits bit for bit (elementwise float32
+    arithmetic), greedy ``repetition_penalty`` transformers' ``generate`` on CUDA, and prompt
+    log-probabilities over a chunked prefill transformers' forward."""
+    from transformers import AutoModelForCausalLM
+    from gpu_anchor.serve.logit_adjust import adjust_logits
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 384, generator=g) * 3
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.4),
+              SamplingParams(logit_bias={5: 2.5, 7: -100}, min_tokens=4, stop_token_ids=(9,)), SamplingParams(),
+              SamplingParams(min_p=0.2, temperature=0.9, seed=1, repetition_penalty=0.7)]
+    prompts = [[1, 2, 3, 9], [4, 5], [6], [7, 7, 8]]
+    outs = [[3, 3, 10], [11], [], [8, 12, 12]]
+    idx = [3, 1, 0, 3]
+    assert torch.equal(adjust_logits(x.cuda(), params, prompts, outs, idx, [0]).cpu(),
+                       adjust_logits(x, params, prompts, outs, idx, [0]))
+    hf = AutoModelForCausalLM.from_pretrained(models["qwen3"]).cuda()
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, 380) for _ in range(90)]
+    want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, repetition_penalty=1.5,
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    eng = Engine(EngineConfig(model=models["qwen3"], device="cuda:0", dtype="float32", block_size=16, num_blocks=128,
+                              max_batched_tokens=40, socket=cuda_daemon[0], namespace="adjust"))
+    eng.add_request("rep", prompt, SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.5))
+    eng.add_request("plp", prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    out, held = {"rep": [], "plp": []}, []
+    while eng.has_work():
+        events = eng.step()
+        held += eng.take_prompt_logprobs(events)
+        for rid, i, ids, _ in events:
+            out[rid][i:i + len(ids)] = ids
+    agree = sum(a == b for a, b in zip(out["rep"], want)) / len(want)
+    assert agree >= 0.9 and out["rep"][:6] == want[:6], (out["rep"], want)    # TF32 in HF may flip a near-tie
+    (rid, lps), = held
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1).cpu()
+    assert rid == "plp" and len(lps) == len(prompt) - 1
+    assert max(abs(lps[k - 1][0] - ref[k - 1, prompt[k]].item()) for k in range(1, len(prompt))) < 2e-3
