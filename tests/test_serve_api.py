@@ -410,6 +410,15 @@ def test_n_choices(srv):
                                                seed=5 + i, extra_body=extra).choices[0].text
     greedy = c.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0, n=2, extra_body=extra)
     assert greedy.choices[0].text == greedy.choices[1].text
+    # stop strings cut each choice on its own, as they cut each one-choice request
+    texts = [o.choices[0].message.content for o in one]
+    stop = next(t[2:4] for t in texts if len(t) >= 4)
+    cut = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.9, seed=21, n=3, stop=[stop],
+                                    extra_body=extra)
+    assert [ch.message.content for ch in cut.choices] == [
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.9, seed=21 + i, stop=[stop],
+                                  extra_body=extra).choices[0].message.content for i in range(3)]
+    assert any(ch.finish_reason == "stop" for ch in cut.choices)
 
 
 def test_batched_prompts(srv):
