@@ -155,8 +155,9 @@ def test_a_plain_jobs_flattened_dcp_checkpoint_and_a_lossy_load_refused(host_dae
 
 def test_a_job_leaving_gpu_anchor_resumes_from_its_checkpoint_in_plain_pytorch(host_daemon, tmp_path):
     """``torch.save(opt.state_dict())`` of the anchored job, loaded by plain AdamW and its
-    scheduler (whose state is in our entry): plain PyTorch continues where it stopped, bit for bit
-    with the run that never used gpu-anchor; our entry stays an unused group key."""
+    scheduler (whose state is in our entry), the entry then deleted from the plain optimizer's
+    group: plain PyTorch continues where it stopped, bit for bit with the run that never used
+    gpu-anchor."""
     ref, ropt, rsched = _plain()
     model, opt = _anchored("leaving")
     _train(ref, ropt, range(3), rsched)
@@ -169,6 +170,8 @@ def test_a_job_leaving_gpu_anchor_resumes_from_its_checkpoint_in_plain_pytorch(h
     popt.load_state_dict(ckpt["optim"])
     psched.load_state_dict(ckpt["optim"]["param_groups"][0]["gpu_anchor"]["schedulers"][0])
     assert ckpt["optim"]["param_groups"][0]["gpu_anchor"]["completed_steps"] == 3
+    del popt.param_groups[0]["gpu_anchor"]          # as docs/training.md says: its checkpoints do not carry it
+    assert "gpu_anchor" not in popt.state_dict()["param_groups"][0]
     _train(ref, ropt, range(3, 5), rsched)
     _train(plain, popt, range(3, 5), psched)
     refs = dict(ref.named_parameters())
