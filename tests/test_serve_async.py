@@ -115,18 +115,25 @@ def test_async_equals_sync(model, mode):
     assert engines[False].step_counts["async"] == 0
 
 
-def test_penalized_requests_run_synchronously_and_equal_sync(model):
-    """A penalty's logits depend on the previous step's token, which a step launched ahead does
-    not have on the host: while a penalized request runs, steps are synchronous, and the tokens
-    are the synchronous engine's; a penalty alone never runs ahead."""
+def test_penalized_requests_run_ahead_and_equal_sync(model):
+    """A penalty's logits depend on the previous step's token, which a step launched ahead has
+    only on the device: it is counted from there.  Penalized requests (greedy and sampled) run
+    ahead, and their tokens are the synchronous engine's; the penalties change them."""
     reqs, joins = _scenario(model)
-    p, sp = reqs["r3"]
-    reqs["r3"] = (p, SamplingParams(**dict(sp.to_dict(), frequency_penalty=0.8, repetition_penalty=1.2)))
+    for rid, pen in (("r3", {"frequency_penalty": 0.8, "repetition_penalty": 1.2}), ("r5", {"presence_penalty": 1.5})):
+        p, sp = reqs[rid]
+        reqs[rid] = (p, SamplingParams(**dict(sp.to_dict(), **pen)))
     res = {a: drive(_engine(model, a), reqs, joins) for a in (False, True)}
     assert res[True] == res[False]
     eng = _engine(model, True)
-    out, _ = drive(eng, {"r3": reqs["r3"]})
-    assert eng.step_counts["async"] == 0 and out["r3"] == res[False][0]["r3"]
+    alone = {rid: reqs[rid] for rid in ("r3", "r5")}
+    out, _ = drive(eng, alone)
+    assert eng.step_counts["async"] > 2 * eng.step_counts["sync"], eng.step_counts
+    assert out == {rid: res[False][0][rid] for rid in alone}
+    plain = drive(_engine(model, True), {rid: (p, SamplingParams(**{k: v for k, v in sp.to_dict().items()
+                                                                     if not k.endswith("_penalty")}))
+                                         for rid, (p, sp) in alone.items()})[0]
+    assert all(plain[rid] != out[rid] for rid in alone)
 
 
 def test_async_equals_sync_with_preemption(model):

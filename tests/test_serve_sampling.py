@@ -137,6 +137,12 @@ def test_logit_adjustments_per_row_and_independent_of_the_batch(dtype):
         assert torch.equal(alone[0], y[b])
     assert S.sample(y, params, idx) == [S.sample(y[b:b + 1], [p], [i])[0] for b, (p, i) in enumerate(zip(params, idx))]
     assert LA.adjust_logits(x, [SamplingParams()] * len(params), prompts, outs, idx, eos) is x
+    # a step launched ahead: each row's last token still on the device, counted from there
+    some = [b for b in range(len(params)) if outs[b]]
+    ahead = LA.adjust_logits(x[some], [params[b] for b in some], [prompts[b] for b in some],
+                             [outs[b][:-1] for b in some], [idx[b] for b in some], eos,
+                             pending=torch.tensor([outs[b][-1] for b in some]))
+    assert torch.equal(ahead, y[some])
 
 
 def test_a_draw_is_the_inverse_cdf_of_the_kept_distribution_at_the_counter_uniform():

@@ -31,8 +31,8 @@ the read, as before) whenever running ahead is not simple to make right: the ste
 has rows that are not sampled (prefill chunks), a request waits for admission or any unfinished
 sequence is not in the step (a partial prefill, a preemption, a sequence the cache cannot hold),
 the blocks for the next slots are not free (the synchronous scheduler preempts), log-probabilities
-or penalties are asked for (the penalties count every token generated, the last one included), or
-tensor parallelism is on.
+are asked for, or tensor parallelism is on.  Penalties count every token generated, step N's
+included: the step launched ahead counts it from the device (``logit_adjust``, ``pending``).
 """
 from __future__ import annotations
 
@@ -118,8 +118,8 @@ class RunAhead:
             s = w.seq
             if not cur.current(w, live):
                 continue                                  # aborted or rewound since ``cur`` was launched
-            if s.params.logprobs is not None or s.params.penalized:
-                return None                               # needs cur's token on the host
+            if s.params.logprobs is not None:
+                return None
             # after ``cur`` (whose token is not appended yet) the sequence has w.start + w.n + 1 tokens
             if len(s.output_ids) + 1 >= s.params.max_tokens or w.start + w.n + 1 >= limit:
                 ending += 1                               # finishes at ``cur`` by length: no next row

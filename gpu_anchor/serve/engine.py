@@ -381,8 +381,10 @@ class Engine(Requests):
             params = [w.seq.params for w in la.sw]
             # the output index each row's token takes: its position + 1 - the prompt's length
             index = [w.start + w.n - len(w.seq.prompt_ids) for w in la.sw]
+            # ahead: each row's input token is its last generated one, not on the host yet (la.sw is work)
             la.ids = draw(adjust_logits(logits, params, [w.seq.prompt_ids for w in la.sw],
-                                        [w.seq.output_ids for w in la.sw], index, self.scheduler.eos_token_ids),
+                                        [w.seq.output_ids for w in la.sw], index, self.scheduler.eos_token_ids,
+                                        pending=ahead_ids),
                           params, index)
             if any(p.logprobs is not None for p in params):
                 la.logits = logits            # the model's distribution, as vLLM reports it by default

@@ -15,9 +15,9 @@ Every step is elementwise on the row (counts are exact integers), so a row's log
 that row alone, as ``sample`` needs for a draw that does not depend on the batch, and a
 recomputed step (after a crash) gets the same ones.  The arithmetic is in float32, or float64
 for float64 logits; rows that adjust nothing keep their logits bit for bit.  Only the
-penalties read the generated tokens themselves (``SamplingParams.penalized``): a step launched
-ahead of the host's read of the previous token (``async_step``) cannot compute them, so such
-rows run synchronously; ``min_tokens`` needs only ``i``, which is known ahead.
+penalties read the generated tokens themselves.  A step launched ahead of the host's read of
+the previous token (``async_step``) passes that token, still on the device, as ``pending``: it
+is counted with the host's; ``min_tokens`` needs only ``i``, which is known ahead.
 """
 from __future__ import annotations
 
@@ -41,10 +41,12 @@ def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list,
-                  indices: list[int], eos_ids=()) -> torch.Tensor:
+                  indices: list[int], eos_ids=(), pending: torch.Tensor | None = None) -> torch.Tensor:
     """The logits of ``params[b]``'s row ``b`` after steps 1-4 (the module's docstring);
     ``logits`` itself when no row adjusts anything (it is never written: a CUDA graph's output
-    buffer is not ours).  ``indices[b]``: the output index row ``b``'s token takes."""
+    buffer is not ours).  ``indices[b]``: the output index row ``b``'s token takes.
+    ``pending[b]`` (on the device): row ``b``'s last generated token, not yet in ``outputs[b]``
+    (a step launched ahead), or None."""
     rows = [b for b, p in enumerate(params) if adjusts(p)]
     if not rows:
         return logits
@@ -66,14 +68,17 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: l
                 bias[r, t] = v
         y = y + to_device(bias[:, :V], dev)
     if any(p.penalized for p in ps):
-        y = _penalize(y, ps, [prompts[b] for b in rows], [outputs[b] for b in rows])
+        y = _penalize(y, ps, [prompts[b] for b in rows], [outputs[b] for b in rows],
+                      None if pending is None else pending.index_select(0, idx))
     x.index_copy_(0, idx, y)
     return x
 
 
-def _penalize(y: torch.Tensor, ps: list[SamplingParams], prompts: list, outputs: list) -> torch.Tensor:
+def _penalize(y: torch.Tensor, ps: list[SamplingParams], prompts: list, outputs: list, pending) -> torch.Tensor:
     dev, (R, V) = y.device, y.shape
     out = to_device(_padded(outputs, V), dev)         # padding: column V, cut off below
+    if pending is not None:
+        out = torch.cat([out, pending.to(out.dtype)[:, None]], dim=1)
     counts = torch.zeros(R, V + 1, dtype=torch.int32, device=dev)
     counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
     counts = counts[:, :V]
