@@ -521,6 +521,31 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(srv):
     assert abs(sum(r.choices[0].logprobs.token_logprobs[len(whole) - n:len(whole)]) - want) < 1e-4
 
 
+def test_continue_final_message(srv):
+    """vLLM's ``continue_final_message`` (refused with a 400 before): the prompt is the chat
+    rendered up to the last message's content, as transformers' ``apply_chat_template(...,
+    continue_final_message=True)`` renders it, and the reply continues that message: the tokens
+    of a completion of that text.  Without ``add_generation_prompt=false`` it is a 400."""
+    from transformers import AutoTokenizer
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    msgs = [{"role": "user", "content": "fox dog"}, {"role": "assistant", "content": "The engine block"}]
+    want = AutoTokenizer.from_pretrained(model).apply_chat_template(msgs, chat_template=TEMPLATE, tokenize=False,
+                                                                     add_generation_prompt=False,
+                                                                     continue_final_message=True)
+    assert want.endswith("The engine block")
+    ids = Codec(model, 384).encode(want)
+    status, tok = post(srv["base"], "/tokenize", {"messages": msgs, "continue_final_message": True,
+                                                  "add_generation_prompt": False})
+    assert status == 200 and tok["tokens"] == ids
+    extra = {"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body=extra)
+    plain = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == plain.choices[0].text
+    status, err = post(srv["base"], CH, dict(M, messages=msgs, continue_final_message=True))
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+
+
 def test_echo(srv):
     c = client(srv["base"])
     kw = dict(model=MODEL, prompt="Hello world! How", max_tokens=5, temperature=0)

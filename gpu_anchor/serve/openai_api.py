@@ -55,6 +55,7 @@ class Request:
     tokens_as_ids: bool = False                    # return_tokens_as_token_ids (vLLM): "token_id:123"
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final: bool = False                   # continue_final_message (vLLM): continue the last message
     template_kwargs: dict = field(default_factory=dict)
 
 
@@ -116,7 +117,6 @@ _NEUTRAL = {
     "function_call": (("none",), "tools / function calling are not supported"),
     "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
     "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
-    "continue_final_message": ((False,), "continue_final_message is not supported"),
     "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens=true is supported"),
     "store": ((False,), "this server does not store completions"),
 }
@@ -124,6 +124,7 @@ _NEUTRAL = {
 _METADATA = {"user": str, "metadata": dict, "parallel_tool_calls": bool}
 # true/false fields -> Request attribute
 _FLAGS = {"stream": "stream", "echo": "echo", "add_generation_prompt": "add_generation_prompt",
+          "continue_final_message": "continue_final",
           "skip_special_tokens": "skip_special_tokens", "include_stop_str_in_output": "include_stop_str",
           "return_tokens_as_token_ids": "tokens_as_ids", "add_special_tokens": "add_special_tokens"}
 
@@ -142,6 +143,7 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k",
            "return_tokens_as_token_ids", "add_special_tokens"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                   "continue_final_message",
                    "chat_template_kwargs"}
 
 
@@ -169,7 +171,7 @@ def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
     """vLLM's ``/tokenize`` body: a ``prompt`` (text) or chat ``messages``; and whether it asks
     for ``token_strs``."""
     g = _known(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                      "chat_template_kwargs", "return_token_strs"}).get
+                      "continue_final_message", "chat_template_kwargs", "return_token_strs"}).get
     chat = g("messages") is not None
     if chat == (g("prompt") is not None):
         raise bad("prompt", "give a prompt (text) or messages, one of them")
@@ -178,6 +180,9 @@ def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
         r.messages = _messages(g("messages"))
         if g("add_generation_prompt") is not None:
             r.add_generation_prompt = _bool("add_generation_prompt", g("add_generation_prompt"))
+        if g("continue_final_message") is not None:
+            r.continue_final = _bool("continue_final_message", g("continue_final_message"))
+        _continuing(r)
         if g("chat_template_kwargs") is not None:
             r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
     elif isinstance(g("prompt"), str):
@@ -187,6 +192,12 @@ def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
     if g("add_special_tokens") is not None:
         r.add_special_tokens = _bool("add_special_tokens", g("add_special_tokens"))
     return r, g("return_token_strs") is not None and _bool("return_token_strs", g("return_token_strs"))
+
+
+def _continuing(r: Request) -> None:
+    if r.continue_final and r.add_generation_prompt:
+        raise bad("continue_final_message", "needs add_generation_prompt=false (the reply continues the last "
+                                            "message instead of starting a new one)")
 
 
 def parse_detokenize(body, served: list[str], vocab_size: int) -> list[int]:
@@ -212,6 +223,7 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
             setattr(r, attr, _bool(name, g(name)))
     if chat:
         r.messages = _messages(g("messages"))
+        _continuing(r)
     else:
         r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling

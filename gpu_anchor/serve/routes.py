@@ -59,7 +59,7 @@ class Routes:
         """The token ids of the chat's messages, or of ``prompt`` (one of a completion's)."""
         if q.chat:
             try:
-                text = self.fe.codec.chat(q.messages, q.add_generation_prompt, **q.template_kwargs)
+                text = self.fe.codec.chat(q.messages, q.add_generation_prompt, q.continue_final, **q.template_kwargs)
             except TemplateError as e:
                 raise bad("messages", str(e)) from None
             return self.fe.codec.encode(text, q.add_special_tokens)

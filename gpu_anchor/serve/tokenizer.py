@@ -78,8 +78,22 @@ class Codec:
         """One token as text, special tokens included (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.decode([tid], skip_special_tokens=False)
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render checked messages (``content``: a string or None) to the prompt text."""
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False,
+             **kwargs) -> str:
+        """Render checked messages (``content``: a string or None) to the prompt text.
+        ``continue_final``: the text ends with the last message's content, the rest of its turn
+        cut, so that the model continues that message (transformers' and vLLM's
+        ``continue_final_message``)."""
+        text = self._render(messages, add_generation_prompt, **kwargs)
+        if not continue_final:
+            return text
+        final = (messages[-1].get("content") or "").strip()
+        if not final or final not in text:
+            raise TemplateError("continue_final_message: the last message's content does not appear in the "
+                                "rendered chat (an empty message, or a template that rewrites it)")
+        return text[:text.rindex(final) + len(final)]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
         if self._compiled is not None:
             try:
                 return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
