@@ -546,6 +546,23 @@ def test_continue_final_message(srv):
     assert status == 400 and err["error"]["param"] == "continue_final_message"
 
 
+def test_truncate_prompt_tokens(srv):
+    """vLLM's ``truncate_prompt_tokens`` (refused with a 400 before): the prompt's last k tokens
+    are the request's prompt, for completions and chat alike."""
+    from gpu_anchor.serve.tokenizer import Codec
+    c, codec = client(srv["base"]), Codec(srv["model"], 384)
+    ids = codec.encode("the quick brown fox jumps over the lazy dog and the engine block", True)
+    extra = {"ignore_eos": True}
+    cut = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                               extra_body=dict(extra, truncate_prompt_tokens=4))
+    last = c.completions.create(model=MODEL, prompt=ids[-4:], max_tokens=5, temperature=0, extra_body=extra)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == last.choices[0].text
+    msgs = [{"role": "user", "content": "fox dog engine block"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    assert post(srv["base"], C, dict(P, truncate_prompt_tokens=0))[1]["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_echo(srv):
     c = client(srv["base"])
     kw = dict(model=MODEL, prompt="Hello world! How", max_tokens=5, temperature=0)

@@ -56,6 +56,7 @@ class Request:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final: bool = False                   # continue_final_message (vLLM): continue the last message
+    truncate: int | None = None                    # truncate_prompt_tokens (vLLM): keep the prompt's last k
     template_kwargs: dict = field(default_factory=dict)
 
 
@@ -116,7 +117,6 @@ _NEUTRAL = {
     "tool_choice": (("none",), "tools / function calling are not supported"),
     "function_call": (("none",), "tools / function calling are not supported"),
     "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
-    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
     "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens=true is supported"),
     "store": ((False,), "this server does not store completions"),
 }
@@ -140,7 +140,7 @@ def _neutral(name: str, v) -> None:
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
            "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_p", "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
-           "return_tokens_as_token_ids", "add_special_tokens"} | set(_NEUTRAL) | set(_METADATA)
+           "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                    "continue_final_message",
@@ -249,6 +249,8 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
         s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
     if g("n") is not None:
         r.n = _int("n", g("n"), 1, MAX_N)
+    if g("truncate_prompt_tokens") is not None:
+        r.truncate = _int("truncate_prompt_tokens", g("truncate_prompt_tokens"), 1)
     if not chat and len(r.prompts) * r.n > MAX_CHOICES:
         raise bad("n", f"{len(r.prompts)} prompt(s) x n={r.n} is more than {MAX_CHOICES} sequences in one request")
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):

@@ -66,8 +66,11 @@ class Routes:
         return self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt
 
     def _prompt_ids(self, q: api.Request, prompt=None) -> list[int]:
-        """``_encode``, checked: some tokens, fewer than the context length."""
+        """``_encode``, its last ``truncate_prompt_tokens`` if given, checked: some tokens, fewer
+        than the context length."""
         ids, where = self._encode(q, prompt), "messages" if q.chat else "prompt"
+        if q.truncate is not None:
+            ids = ids[-q.truncate:]
         if not ids:
             raise bad(where, "encodes to no tokens")
         if len(ids) >= self.fe.max_model_len:
