@@ -119,7 +119,10 @@ BAD = [
     (C, dict(P, logprobs=50), "logprobs"),
     (C, dict(P, logprobs=True), "logprobs"),
     (C, dict(P, echo="yes"), "echo"),
-    (C, dict(P, prompt_logprobs=1), "prompt_logprobs"),
+    (C, dict(P, prompt_logprobs=21), "prompt_logprobs"),
+    (C, dict(P, prompt_logprobs=-1), "prompt_logprobs"),
+    (CH, dict(M, prompt_logprobs=True), "prompt_logprobs"),
+    (C, dict(P, prompt_logprobs=1, stream=True), "prompt_logprobs"),
     (CH, dict(M, top_logprobs=2), "top_logprobs"),
     (CH, dict(M, logprobs=True, top_logprobs=21), "top_logprobs"),
     (CH, dict(M, logprobs=3), "logprobs"),
@@ -519,6 +522,63 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(srv):
     whole = codec.encode(context + continuation, True)
     want = sum(ref[k - 1, whole[k]].item() for k in range(len(whole) - n, len(whole)))
     assert abs(sum(r.choices[0].logprobs.token_logprobs[len(whole) - n:len(whole)]) - want) < 1e-4
+
+
+def _check_prompt_logprobs(got, ref, ids, k, codec):
+    """vLLM's ``prompt_logprobs`` list against transformers' log-softmax ``ref`` over ``ids``."""
+    assert got[0] is None and len(got) == len(ids)
+    for p in range(1, len(ids)):
+        row, entry = ref[p - 1], got[p]
+        mine = entry[str(ids[p])]
+        assert abs(mine["logprob"] - row[ids[p]].item()) < 1e-4, p
+        assert mine["rank"] == int((row >= row[ids[p]]).sum()) and mine["decoded_token"] == codec.token_text(ids[p])
+        top = row.topk(k)
+        assert list(entry)[0] == str(ids[p])          # the prompt's token first, as vLLM lists it
+        want = {str(i): r + 1 for r, i in enumerate(top.indices.tolist())}
+        assert {t: e["rank"] for t, e in entry.items() if t in want} == want
+        assert set(entry) == want.keys() | {str(ids[p])}
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(entry[str(t)]["logprob"] - v) < 1e-4
+
+
+def test_prompt_logprobs_as_vllm_gives_them(srv):
+    """vLLM's ``prompt_logprobs`` (refused with a 400 before): per choice on completions, once per
+    request on chat; each prompt token's log-probability, rank and text with the k most likely
+    tokens, equal to transformers' forward, over a prompt prefilled in chunks; beside ``echo``
+    with a different ``logprobs``; per prompt of a batch; 0 gives the prompt's tokens alone."""
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    codec = Codec(model, 384)
+    prompt = " ".join(["a stitch in time saves nine"] * 6)
+    ids = codec.encode(prompt, True)
+    assert len(ids) > 32                             # the server's --max-num-batched-tokens
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                             extra_body={"prompt_logprobs": 3}).to_dict()
+    ref = _hf_prompt_logprobs(model, ids)
+    _check_prompt_logprobs(r["choices"][0]["prompt_logprobs"], ref, ids, 3, codec)
+    assert r["choices"][0]["logprobs"] is None
+    # beside echo + logprobs=1: each keeps its own count
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                             extra_body={"prompt_logprobs": 4}).to_dict()
+    _check_prompt_logprobs(r["choices"][0]["prompt_logprobs"], ref, ids, 4, codec)
+    assert all(len(t) == 1 for t in r["choices"][0]["logprobs"]["top_logprobs"][1:])
+    # 0: the prompt's own tokens only
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0}).to_dict()
+    assert [list(e) for e in r["choices"][0]["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    # a batch with n = 2: every choice has its own prompt's
+    batch = ["the lazy dog", "over the hill and far away"]
+    r = c.completions.create(model=MODEL, prompt=batch, max_tokens=2, n=2, temperature=0.8, seed=5,
+                             extra_body={"prompt_logprobs": 2}).to_dict()
+    for i, ch in enumerate(r["choices"]):
+        b = codec.encode(batch[i // 2], True)
+        _check_prompt_logprobs(ch["prompt_logprobs"], _hf_prompt_logprobs(model, b), b, 2, codec)
+    # chat: one list, at the top of the reply
+    msgs = [{"role": "user", "content": "Hello world! How are you?"}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                  extra_body={"prompt_logprobs": 2}).to_dict()
+    chat_ids = codec.encode(Codec(model, 384, chat_template=TEMPLATE).chat(msgs))
+    _check_prompt_logprobs(r["prompt_logprobs"], _hf_prompt_logprobs(model, chat_ids), chat_ids, 2, codec)
+    assert "prompt_logprobs" not in r["choices"][0]
 
 
 def test_continue_final_message(srv):

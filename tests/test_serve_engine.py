@@ -220,6 +220,8 @@ def test_prompt_logprobs_whole_after_sigkills_at_every_phase(models, host_daemon
             lp = torch.log_softmax(hf(torch.tensor([p])).logits[0], dim=-1)
         assert len(ref.plps[rid]) == len(p) - 1
         assert max(abs(ref.plps[rid][k - 1][0] - lp[k - 1, p[k]].item()) for k in range(1, len(p))) < 1e-5
+        # vLLM's rank: 1 + the other tokens at least as likely
+        assert [e[2] for e in ref.plps[rid]] == [int((lp[k - 1] >= lp[k - 1, p[k]]).sum()) for k in range(1, len(p))]
     kills = refused = 0
     for step in range(4):
         for phase in PHASES:

@@ -56,7 +56,7 @@ class Req:
         self.stop = q.stop
         self.out: list[int] = []
         self.lps: list = []              # (logprob, top) per output token, when q.logprobs is not None
-        self.plps: list | None = None    # (logprob, top) per prompt token from the second, when asked
+        self.plps: list | None = None    # (logprob, top, rank) per prompt token from the second, when asked
         self.finish: str | None = None
         self.error: str | None = None
         self.error_status = 400          # 503 when the server gave up on the request, not the request's fault

@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (beam search, ``prompt_logprobs`` outside ``echo``, tools, ...) is an
+does not (beam search, tools, structured output, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -49,6 +49,7 @@ class Request:
     include_usage: bool = False                    # stream_options.include_usage: a last chunk with usage
     continuous_usage: bool = False                 # stream_options.continuous_usage_stats (vLLM): usage each chunk
     logprobs: int | None = None                    # None, or how many top log-probabilities per token
+    prompt_logprobs: int | None = None             # vLLM's: the prompt's log-probabilities, k top ones each
     echo: bool = False
     include_stop_str: bool = False
     skip_special_tokens: bool = True
@@ -111,7 +112,6 @@ _NEUTRAL = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
     "suffix": (("",), "suffix is not supported"),
-    "prompt_logprobs": ((), "prompt_logprobs is not supported: ask for echo=true with logprobs (completions)"),
     "tools": (([],), "tools / function calling are not supported"),
     "functions": (([],), "tools / function calling are not supported"),
     "tool_choice": (("none",), "tools / function calling are not supported"),
@@ -140,7 +140,7 @@ def _neutral(name: str, v) -> None:
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
            "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_p", "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
-           "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens"} | set(_NEUTRAL) | set(_METADATA)
+           "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                    "continue_final_message",
@@ -294,8 +294,19 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
             if isinstance(lp, bool):
                 raise bad("logprobs", "must be an integer (how many top log-probabilities per token) or null")
             r.logprobs = _int("logprobs", lp, 0, MAX_LOGPROBS)
-        if r.echo and r.logprobs is not None:     # as vLLM: the prompt's log-probabilities too
-            s["prompt_logprobs"] = r.logprobs
+    if g("prompt_logprobs") is not None:
+        v = g("prompt_logprobs")
+        if _is_int(v) and v == -1:
+            raise bad("prompt_logprobs", f"-1 (every token of the vocabulary) is not supported: at most "
+                                         f"{MAX_LOGPROBS} top log-probabilities per prompt token")
+        r.prompt_logprobs = _int("prompt_logprobs", v, 0, MAX_LOGPROBS)
+        if r.stream:
+            raise bad("prompt_logprobs", "not available with stream=true (as in vLLM); for completions, "
+                                         "echo=true with logprobs streams the prompt's log-probabilities")
+    # the engine computes the prompt's log-probabilities once, for the larger of the two asks
+    asks = [k for k in (r.prompt_logprobs, r.logprobs if r.echo else None) if k is not None]
+    if asks:
+        s["prompt_logprobs"] = max(asks)
     return r
 
 

@@ -3,7 +3,7 @@
 They are built from the frontend's request records ``r``, one per choice: its checked request
 ``r.q`` (``openai_api``), the prompt ids ``r.prompt`` (and its text ``r.prompt_text``, if given
 as text), the tokens ``r.out`` (with ``r.lps``, their log-probabilities, when asked, and
-``r.plps``, the prompt's, with ``echo``), ``r.finish`` / ``r.error`` / ``r.text`` (the text cut at
+``r.plps``, the prompt's, with ``echo`` or ``prompt_logprobs``), ``r.finish`` / ``r.error`` / ``r.text`` (the text cut at
 a stop string) and ``r.changed`` (set when any of them changed).
 """
 from __future__ import annotations
@@ -23,15 +23,15 @@ def token_text(codec, tid: int, as_ids: bool) -> str:
 
 
 def completion_logprobs(codec, ids: list[int], lps: list, as_ids: bool, offset: int) -> dict:
-    """The completions API's ``logprobs`` object for ``ids`` (``lps[k] = (logprob, [[id, lp], ...])``);
-    ``offset``: the text offset of the first token."""
+    """The completions API's ``logprobs`` object for ``ids`` (``lps[k] = (logprob, [[id, lp], ...])``,
+    a prompt's with the rank after them); ``offset``: the text offset of the first token."""
     tokens = [token_text(codec, t, as_ids) for t in ids]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-            "top_logprobs": [{token_text(codec, i, as_ids): v for i, v in top} for _, top in lps],
+    return {"tokens": tokens, "token_logprobs": [e[0] for e in lps],
+            "top_logprobs": [{token_text(codec, i, as_ids): v for i, v in e[1]} for e in lps],
             "text_offset": offsets}
 
 
@@ -63,12 +63,28 @@ def _logprobs(codec, r, a: int, b: int, offset: int) -> dict | None:
 
 def _prompt_logprobs(codec, r) -> dict:
     """With ``echo``, the completions ``logprobs`` object of the prompt, as vLLM gives it: its
-    first token has none (``None``), each other token its log-probability and top ones."""
-    out = completion_logprobs(codec, r.prompt[1:], r.plps or [], r.q.tokens_as_ids,
+    first token has none (``None``), each other token its log-probability and top ones (as
+    many as ``logprobs`` asks: the engine computed ``max(logprobs, prompt_logprobs)``)."""
+    plps = [(lp, top[:r.q.logprobs]) for lp, top, _ in r.plps or ()]
+    out = completion_logprobs(codec, r.prompt[1:], plps, r.q.tokens_as_ids,
                               len(token_text(codec, r.prompt[0], r.q.tokens_as_ids)))
     first = token_text(codec, r.prompt[0], r.q.tokens_as_ids)
     return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
             "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+
+
+def vllm_prompt_logprobs(codec, r) -> list:
+    """vLLM's ``prompt_logprobs`` of a choice: ``None`` for the first prompt token, then per token
+    ``{"id": {"logprob", "rank", "decoded_token"}}``, the prompt's token first and then the
+    ``prompt_logprobs`` most likely ones (ranked 1, 2, ...; the prompt's token once)."""
+    out: list = [None]
+    k = r.q.prompt_logprobs
+    for tid, (lp, top, rank) in zip(r.prompt[1:], r.plps or ()):
+        d = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": token_text(codec, tid, r.q.tokens_as_ids)}}
+        for j, (i, v) in enumerate(top[:k]):
+            d.setdefault(str(i), {"logprob": v, "rank": j + 1, "decoded_token": token_text(codec, i, r.q.tokens_as_ids)})
+        out.append(d)
+    return out
 
 
 def _joined(a: dict, b: dict) -> dict:
@@ -99,9 +115,14 @@ def reply(codec, rs: list, n: int = 1) -> dict:
         else:
             choices.append({"index": i, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r),
                             "logprobs": lp, "finish_reason": r.finish})
-    return {"id": rs[0].rid, "object": "chat.completion" if q.chat else "text_completion",
+            if q.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(codec, r)
+    body = {"id": rs[0].rid, "object": "chat.completion" if q.chat else "text_completion",
             "created": int(time.time()), "model": q.model, "choices": choices,
             "usage": _usage(rs, n)}
+    if q.chat and q.prompt_logprobs is not None:    # vLLM: one list for the request's one prompt
+        body["prompt_logprobs"] = vllm_prompt_logprobs(codec, rs[0])
+    return body
 
 
 async def stream(request, codec, rs: list, n: int = 1):

@@ -121,7 +121,7 @@ class Requests:
             r0 += count
         if not rows:
             return
-        lps = iter(token_logprobs(logits[rows], chosen, ks))
+        lps = iter(token_logprobs(logits[rows], chosen, ks, ranks=True))
         for seq, first, count in where:
             held = self._prompt_lps.setdefault(seq.rid, (len(seq.prompt_ids), {}))[1]
             for p in range(first + 1, first + 1 + count):
@@ -129,8 +129,8 @@ class Requests:
 
     def take_prompt_logprobs(self, events) -> list[list]:
         """For the requests whose first token is in ``events``: their prompt log-probabilities,
-        if every one is held, as ``[[rid, [[logprob, [[id, logprob], ...]], ...]], ...]`` (prompt
-        tokens 1..n-1).  Whatever is held for a request with a token in ``events`` is forgotten."""
+        if every one is held, as ``[[rid, [[logprob, [[id, logprob], ...], rank], ...]], ...]``
+        (prompt tokens 1..n-1).  Whatever is held for a request with a token in ``events`` is forgotten."""
         out = []
         for rid, i, ids, _ in events:
             held = self._prompt_lps.pop(rid, None) if ids else None

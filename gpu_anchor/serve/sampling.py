@@ -388,15 +388,24 @@ def _top_p_mask_cuda(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> t
     return keep
 
 
-def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[tuple[float, list]]:
+def token_logprobs(logits: torch.Tensor, chosen: list[int], ks: list[int],
+                   ranks: bool = False) -> list[tuple]:
     """Log-probabilities of the model's distribution (the raw logits, before temperature,
     top-k and top-p, as vLLM reports them by default): for each row ``b`` the chosen token's
-    and the ``ks[b]`` most likely tokens' ``[[id, logprob], ...]``, most likely first."""
+    and the ``ks[b]`` most likely tokens' ``[[id, logprob], ...]``, most likely first; with
+    ``ranks``, a third entry: the chosen token's rank, vLLM's (1 + how many other tokens are at
+    least as likely)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    picked = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None]).squeeze(1).tolist()
+    at = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None])
+    picked = at.squeeze(1).tolist()
+    rank = (lp >= at).sum(1).tolist() if ranks else None
     k = max(ks)
     if k == 0:
-        return [(p, []) for p in picked]
-    vals, ids = lp.topk(k, dim=-1)
-    vals, ids = vals.tolist(), ids.tolist()
-    return [(p, [[i, v] for i, v in zip(ids[b][:ks[b]], vals[b][:ks[b]])]) for b, p in enumerate(picked)]
+        tops = [[] for _ in picked]
+    else:
+        vals, ids = lp.topk(k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        tops = [[[i, v] for i, v in zip(ids[b][:ks[b]], vals[b][:ks[b]])] for b in range(len(picked))]
+    if ranks:
+        return list(zip(picked, tops, rank))
+    return list(zip(picked, tops))
