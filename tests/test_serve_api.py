@@ -136,7 +136,18 @@ BAD = [
     (CH, dict(M, logit_bias={"100000": 1}), "logit_bias"),
     (C, dict(P, logit_bias=[5, 10]), "logit_bias"),
     (C, dict(P, suffix="end"), "suffix"),
-    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # no --enable-auto-tool-choice
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "tool_choice"),
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}],
+              tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (CH, dict(M, tools=[{"type": "function"}], tool_choice="none"), "tools[0]"),
+    (CH, dict(M, tools={"name": "f"}), "tools"),
+    (CH, dict(M, tool_choice="auto"), "tool_choice"),
+    (CH, dict(M, functions=[{"name": "f"}]), "functions"),
+    (CH, dict(M, messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
+     "messages[0].tool_calls[0].function.arguments"),
+    (C, dict(P, tools=[]), "tools"),                        # a chat field, unknown to completions
     (CH, dict(M, response_format={"type": "json_object"}), "response_format"),
     (C, dict(P, guided_json={"type": "object"}), "guided_json"),
     (C, dict(P, foo=1), "foo"),
@@ -150,6 +161,7 @@ BAD = [
     (C, dict(P, prompt=""), "prompt"),
     (C, dict(P, model=7), "model"),
     (C, dict(P, user=5), "user"),
+    (CH, dict(M, parallel_tool_calls="no"), "parallel_tool_calls"),
     (CH, dict(M, messages="hi"), "messages"),
     (CH, dict(M, messages=[]), "messages"),
     (CH, dict(M, messages=[{"content": "no role"}]), "messages[0]"),
@@ -872,6 +884,18 @@ def test_chat_template_option(tmp_path):
     with pytest.raises(options.OptionError, match="does not parse"):
         options.chat_template_file("{% for m in messages %}", str(tmp_path))
     assert options.chat_template_file(None, str(tmp_path)) is None
+
+
+def test_tool_call_options():
+    """vLLM's pair: --enable-auto-tool-choice needs --tool-call-parser, and the parser must be one
+    this server has (the server itself: tests/test_serve_tool_calls.py)."""
+    from gpu_anchor.serve import options
+    options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    options.check(_args("--tool-call-parser", "hermes"))
+    with pytest.raises(options.OptionError, match="needs --tool-call-parser"):
+        options.check(_args("--enable-auto-tool-choice"))
+    with pytest.raises(options.OptionError, match="this server has hermes"):
+        options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", "mistral"))
 
 
 def _attached_hot_standby() -> dict | None:

@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the host), each with its shard of the weights and KV cache; default 1")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template itself (default: the model directory's)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the tool calls in chat replies to requests with tools (tool_choice \"auto\"); "
+                        "needs --tool-call-parser (as in vLLM)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
+                        "Qwen3, Hermes)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")

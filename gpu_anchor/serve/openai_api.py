@@ -2,13 +2,14 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (beam search, tools, structured output, ...) is an
+does not (beam search, structured output, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error body has OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .sequence import MAX_LOGPROBS
@@ -59,6 +60,9 @@ class Request:
     continue_final: bool = False                   # continue_final_message (vLLM): continue the last message
     truncate: int | None = None                    # truncate_prompt_tokens (vLLM): keep the prompt's last k
     template_kwargs: dict = field(default_factory=dict)
+    tools: list | None = None                      # chat: the tools, as the template gets them
+    parse_tools: bool = False                      # tool_choice "auto": the reply's tool calls parsed
+    max_tool_calls: int | None = None              # parallel_tool_calls false: 1 (as vLLM: the first)
 
 
 # ------------------------------------------------------------------ value checks
@@ -112,16 +116,14 @@ _NEUTRAL = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported (beam search only)"),
     "suffix": (("",), "suffix is not supported"),
-    "tools": (([],), "tools / function calling are not supported"),
-    "functions": (([],), "tools / function calling are not supported"),
-    "tool_choice": (("none",), "tools / function calling are not supported"),
-    "function_call": (("none",), "tools / function calling are not supported"),
+    "functions": (([],), "the legacy functions field is not supported: send tools"),
+    "function_call": (("none",), "the legacy function_call field is not supported: send tools and tool_choice"),
     "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
     "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens=true is supported"),
     "store": ((False,), "this server does not store completions"),
 }
 # Fields that change nothing in the output (metadata): accepted after a type check.
-_METADATA = {"user": str, "metadata": dict, "parallel_tool_calls": bool}
+_METADATA = {"user": str, "metadata": dict}
 # true/false fields -> Request attribute
 _FLAGS = {"stream": "stream", "echo": "echo", "add_generation_prompt": "add_generation_prompt",
           "continue_final_message": "continue_final",
@@ -143,7 +145,7 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k",
            "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                   "continue_final_message",
+                   "continue_final_message", "tools", "tool_choice", "parallel_tool_calls",
                    "chat_template_kwargs"}
 
 
@@ -171,7 +173,7 @@ def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
     """vLLM's ``/tokenize`` body: a ``prompt`` (text) or chat ``messages``; and whether it asks
     for ``token_strs``."""
     g = _known(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                      "continue_final_message", "chat_template_kwargs", "return_token_strs"}).get
+                      "continue_final_message", "chat_template_kwargs", "return_token_strs", "tools"}).get
     chat = g("messages") is not None
     if chat == (g("prompt") is not None):
         raise bad("prompt", "give a prompt (text) or messages, one of them")
@@ -183,6 +185,7 @@ def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
         if g("continue_final_message") is not None:
             r.continue_final = _bool("continue_final_message", g("continue_final_message"))
         _continuing(r)
+        _tools(r, g("tools"), "none", None)
         if g("chat_template_kwargs") is not None:
             r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
     elif isinstance(g("prompt"), str):
@@ -206,8 +209,9 @@ def parse_detokenize(body, served: list[str], vocab_size: int) -> list[int]:
     return _ids("tokens", body.get("tokens"), vocab_size)
 
 
-def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
-    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str | None = None) -> Request:
+    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``;
+    ``tool_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on."""
     _known(body, _CHAT if chat else _COMPLETION)
     for k in _NEUTRAL:
         if k in body:
@@ -224,6 +228,9 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
     if chat:
         r.messages = _messages(g("messages"))
         _continuing(r)
+        _tools(r, g("tools"), g("tool_choice"), tool_parser)
+        if g("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", g("parallel_tool_calls")):
+            r.max_tool_calls = 1
     else:
         r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling
@@ -310,6 +317,37 @@ def parse(body, chat: bool, served: list[str], vocab_size: int) -> Request:
     return r
 
 
+def _tools(r: Request, tools, choice, tool_parser: str | None) -> None:
+    """``tools`` and ``tool_choice``: the tools go to the chat template; with ``auto`` (the
+    default when tools are given) the reply's tool calls are parsed, which needs the server's
+    ``--enable-auto-tool-choice`` (as in vLLM); ``required`` or a named function would need
+    decoding constrained to a schema, which this server lacks."""
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools", "must be a list")
+        for i, t in enumerate(tools):
+            f = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) \
+                    or not isinstance(f.get("name"), str) or not f["name"]:
+                raise bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., ...}}')
+            if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+                raise bad(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        r.tools = tools or None
+    if choice is None:
+        choice = "auto" if r.tools else "none"
+    if choice == "none":
+        return
+    if choice != "auto":
+        raise bad("tool_choice", f"{choice!r} needs decoding constrained to the tool's schema, which this server "
+                                 "lacks: use \"auto\" or \"none\"")
+    if not r.tools:
+        raise bad("tool_choice", "\"auto\" needs tools")
+    if tool_parser is None:
+        raise bad("tool_choice", '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                                 "--tool-call-parser (as in vLLM)")
+    r.parse_tools = True
+
+
 def _logit_bias(v, vocab_size: int) -> list[list]:
     """OpenAI's ``{"token id": bias}``, biases in [-100, 100]."""
     out = []
@@ -360,5 +398,28 @@ def _messages(msgs) -> list[dict]:
             m = dict(m, content="".join(parts))
         elif c is not None and not isinstance(c, str):
             raise bad(f"{where}.content", "must be a string, a list of text parts or null")
+        if m.get("tool_calls") is not None:
+            m = dict(m, tool_calls=_message_tool_calls(where, m["tool_calls"]))
         out.append(m)
+    return out
+
+
+def _message_tool_calls(where: str, calls) -> list[dict]:
+    """An assistant message's ``tool_calls``, their ``arguments`` (JSON text) read into objects:
+    chat templates write them out themselves (as transformers and vLLM hand them over)."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls", "must be a list")
+    out = []
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise bad(f"{where}.tool_calls[{k}]", 'must be {"id": ..., "type": "function", "function": '
+                                                  '{"name": ..., "arguments": "<JSON>"}}')
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise bad(f"{where}.tool_calls[{k}].function.arguments", "is not valid JSON") from None
+        out.append(dict(c, function=dict(f, arguments=args)))
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+from . import tool_calls
 from .openai_api import ApiError
 
 
@@ -110,8 +111,15 @@ def reply(codec, rs: list, n: int = 1) -> dict:
             head = _prompt_logprobs(codec, r)
             lp = _joined(head, _logprobs(codec, r, 0, len(r.out), _prompt_text_len(head)))
         if q.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": _text(codec, r)}, "logprobs": lp,
-                            "finish_reason": r.finish})
+            message, finish = {"role": "assistant", "content": _text(codec, r)}, r.finish
+            if q.parse_tools:
+                found = tool_calls.split(message["content"], final=True, max_calls=q.max_tool_calls)
+                message["content"] = found.content
+                if found.calls:         # as vLLM: no content is null, and the reply ends in its calls
+                    message = {"role": "assistant", "content": found.content or None,
+                               "tool_calls": tool_calls.call_objects(found.calls, r.rid)}
+                    finish = "tool_calls"
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             choices.append({"index": i, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r),
                             "logprobs": lp, "finish_reason": r.finish})
@@ -162,6 +170,7 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
     n_sent = 0                    # tokens covered by the chunks sent so far
     offset = 0                    # text offset of the next token (completions' logprobs)
     hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
+    calls_sent = 0                # tool calls sent (chat with tool_choice "auto")
 
     if q.echo:                    # the prompt first, as vLLM streams it
         lp = None
@@ -186,6 +195,10 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
             if not done:
                 target = target[:len(target) - hold] if hold else target
                 target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
+            calls = []
+            if q.parse_tools:         # content and whole tool calls, as each is decided (tool_calls.split)
+                found = tool_calls.split(target, final=done, max_calls=q.max_tool_calls)
+                target, calls = found.content, found.calls[calls_sent:]
             delta = target[len(sent):] if target.startswith(sent) else ""
             # one chunk per token batch even when its text is held back or empty
             # (special tokens, partial UTF-8): clients see progress token by token
@@ -193,11 +206,16 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
             lp = _logprobs(codec, r, n_sent, n, offset) if n > n_sent else None
             if lp is not None and not q.chat:
                 offset += sum(len(t) for t in lp["tokens"])
-            fin = r.finish if done else None
+            if calls:
+                calls = tool_calls.call_objects(calls, r.rid, calls_sent, streamed=True)
+                calls_sent += len(calls)
+            fin = ("tool_calls" if calls_sent else r.finish) if done else None
             if q.chat:
                 d = {"content": delta} if delta else {}
                 if n_sent == 0:
                     d = {"role": "assistant", **d}
+                if calls:
+                    d["tool_calls"] = calls
                 choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": fin}
             else:
                 choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": fin}

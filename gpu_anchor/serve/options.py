@@ -17,6 +17,7 @@
   memory comes from NVML (no CUDA context) on CUDA and ``/proc/meminfo`` on the CPU.
 - ``--chat-template``: a file, or the template itself inline (as vLLM).
 - ``--api-key``, else the ``VLLM_API_KEY`` environment variable (as vLLM).
+- ``--enable-auto-tool-choice`` needs ``--tool-call-parser`` (one of ``tool_calls.PARSERS``), as in vLLM.
 - ``--hot-standby`` / ``--prewarm``: on by default for one GPU with anchoring (``resolve_standby``);
   off by default on the CPU, with tensor parallelism and with ``--no-anchor``, and refused there
   when asked for.
@@ -29,6 +30,8 @@ import logging
 import os
 import subprocess
 import sys
+
+from .tool_calls import PARSERS
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -76,6 +79,11 @@ def check(args) -> None:
         raise OptionError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise OptionError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    parser = getattr(args, "tool_call_parser", None)
+    if parser is not None and parser not in PARSERS:
+        raise OptionError(f"--tool-call-parser {parser!r}: this server has {', '.join(PARSERS)}")
+    if getattr(args, "enable_auto_tool_choice", False) and parser is None:
+        raise OptionError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes for Qwen2.5 / Qwen3)")
 
 
 def check_tensor_parallel(args, mc, device: str) -> None:

@@ -59,7 +59,8 @@ class Routes:
         """The token ids of the chat's messages, or of ``prompt`` (one of a completion's)."""
         if q.chat:
             try:
-                text = self.fe.codec.chat(q.messages, q.add_generation_prompt, q.continue_final, **q.template_kwargs)
+                kwargs = dict(q.template_kwargs, **({"tools": q.tools} if q.tools else {}))
+                text = self.fe.codec.chat(q.messages, q.add_generation_prompt, q.continue_final, **kwargs)
             except TemplateError as e:
                 raise bad("messages", str(e)) from None
             return self.fe.codec.encode(text, q.add_special_tokens)
@@ -96,7 +97,7 @@ class Routes:
         return params
 
     async def _serve(self, request, chat: bool):
-        q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size)
+        q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size, self.fe.tool_parser)
         if self.fe.failed:
             raise ApiError(503, self.fe.failed)
         # every prompt checked before any is submitted: a bad one fails the request whole

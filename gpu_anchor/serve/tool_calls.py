@@ -1,0 +1,113 @@
+"""Tool calls in a model's reply, in the Hermes format (torch-free).
+
+Qwen2.5 / Qwen3, the Hermes models and many fine-tunes answer a chat whose template lists
+``tools`` with blocks like::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``split(text, final)`` turns such a reply into the chat API's ``content`` and ``tool_calls``
+(vLLM's ``--tool-call-parser hermes``).  The contract:
+
+- ``calls``: each ``<tool_call>`` block whose JSON is an object with a string ``name`` and an
+  object ``arguments`` (or none: ``{}``; a string holding a JSON object is read), in order,
+  as ``(name, arguments as JSON text)``.
+- ``content``: the text before the first block; then, in the order of the text, any text
+  between or after blocks that is not blank, and each block that is not a call (bad JSON, no
+  ``name``; an unclosed block at the end) verbatim: nothing the model wrote is lost silently.
+- **Monotone**: for any text ``t`` and any longer text ``t + u``, ``split(t, False)``'s
+  content is a prefix of ``split(t + u, final)``'s, and its calls are the first of its calls.
+  What is still undecided (a tag being written, an open block, text after a block that the
+  next block may show to be a separator) is held back until it is decided or ``final``.  So a
+  stream sends the differences, and what it sends adds up to the reply that is not streamed.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)     # --tool-call-parser values this server has
+
+
+@dataclass
+class Split:
+    content: str = ""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _partial_tag(s: str, tag: str) -> int:
+    """How many characters at the end of ``s`` may be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(s)), 0, -1):
+        if s.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _call(body: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):           # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def split(text: str, final: bool, max_calls: int | None = None) -> Split:
+    """``text`` (a reply so far; ``final``: all of it) as content and tool calls (module doc);
+    ``max_calls``: the calls after the first ``max_calls`` are dropped (``parallel_tool_calls``
+    false, as vLLM does it: the model is not stopped, its further calls are not returned)."""
+    out, pos, first = Split(), 0, True
+    content = []
+    while True:
+        i = text.find(OPEN, pos)
+        if i < 0:
+            rest = text[pos:]
+            if first:                   # before any block: sent as it comes, but a tag being written
+                content.append(rest if final else rest[:len(rest) - _partial_tag(rest, OPEN)])
+            elif final and rest.strip():
+                content.append(rest)
+            break
+        gap = text[pos:i]
+        if first or gap.strip():
+            content.append(gap)
+        first = False
+        j = text.find(CLOSE, i + len(OPEN))
+        if j < 0:                       # an open block: decided at the end
+            if final:
+                call = _call(text[i + len(OPEN):])
+                if call:
+                    out.calls.append(call)
+                else:
+                    content.append(text[i:])
+            break
+        call = _call(text[i + len(OPEN):j])
+        if call:
+            out.calls.append(call)
+        else:
+            content.append(text[i:j + len(CLOSE)])
+        pos = j + len(CLOSE)
+    out.content = "".join(content)
+    if max_calls is not None:
+        del out.calls[max_calls:]
+    return out
+
+
+def call_objects(calls: list[tuple[str, str]], rid: str, start: int = 0, streamed: bool = False) -> list[dict]:
+    """The API's ``tool_calls`` entries for ``calls`` (numbered from ``start``): ids derived from
+    the request's, so that a stream replayed after a crash sends the same ones."""
+    out = []
+    for k, (name, args) in enumerate(calls, start):
+        entry = {"id": f"chatcmpl-tool-{rid}-{k}", "type": "function", "function": {"name": name, "arguments": args}}
+        out.append(dict(entry, index=k) if streamed else entry)
+    return out

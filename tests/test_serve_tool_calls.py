@@ -1,0 +1,272 @@
+"""Tool calls in replies (``serve/tool_calls.py``, torch-free): the Hermes blocks Qwen2.5 /
+Qwen3 write, read into content and calls; whatever is not a call kept as content; and the
+contract a stream relies on: every prefix's split is a prefix of the whole reply's split, so
+the deltas a stream sends add up to the reply that is not streamed, for every way the text
+can arrive."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_anchor.serve.tool_calls import call_objects, split
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
+
+CASES = [
+    # (reply, content, [(name, arguments)])
+    ("It is sunny.", "It is sunny.", []),
+    (WEATHER, "", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("Let me check.\n\n" + WEATHER, "Let me check.\n\n", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("<think>\nThe user wants weather.\n</think>\n\n" + WEATHER + "\n" + TIME,
+     "<think>\nThe user wants weather.\n</think>\n\n",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Europe/Paris"})]),
+    # text after the calls that is not blank is kept, after the content before them
+    (WEATHER + "\nDone.", "\nDone.", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    # not calls: kept verbatim
+    ('<tool_call>{"name": "f", "arguments": {"x": </tool_call>', '<tool_call>{"name": "f", "arguments": {"x": </tool_call>', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
+    # no arguments; arguments as a JSON string; unicode kept
+    ('<tool_call>{"name": "now"}</tool_call>', "", [("now", {})]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"q\\": \\"café\\"}"}</tool_call>', "", [("f", {"q": "café"})]),
+    # an unclosed block at the end: a call if its JSON is whole (cut before the closing tag) ...
+    ('<tool_call>\n{"name": "now", "arguments": {}}\n', "", [("now", {})]),
+    # ... else the text, as written (e.g. max_tokens reached inside it)
+    ('Sure. <tool_call>\n{"name": "now", "argu', 'Sure. <tool_call>\n{"name": "now", "argu', []),
+    # a tag's start at the end that is not a tag
+    ("a < b and <tool", "a < b and <tool", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_split(text, content, calls):
+    got = split(text, final=True)
+    assert got.content == content
+    assert [(n, json.loads(a)) for n, a in got.calls] == calls
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_every_prefix_is_a_prefix_of_the_reply(text, content, calls):
+    """A stream: at each arrival, the content sent so far and the calls sent so far only grow,
+    and at the end equal the reply's; a partly written tag or open block is never sent as text."""
+    whole = split(text, final=True)
+    sent, n_calls = "", 0
+    for k in range(len(text) + 1):
+        part = split(text[:k], final=False)
+        assert part.content.startswith(sent) and whole.content.startswith(part.content), (k, part)
+        assert len(part.calls) >= n_calls and whole.calls[:len(part.calls)] == part.calls
+        sent, n_calls = part.content, len(part.calls)
+
+
+def test_held_back_while_undecided():
+    assert split("Hello <tool_", final=False).content == "Hello "
+    assert split("Hello <tool_", final=True).content == "Hello <tool_"
+    assert split(WEATHER[:-3], final=False).calls == []
+    assert split(WEATHER + "\n", final=False).content == ""      # a separator, or text: decided later
+    assert split(WEATHER + "\nok", final=False).content == ""
+    assert split(WEATHER + "\nok", final=True).content == "\nok"
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    assert [n for n, _ in split(WEATHER + TIME, final=True, max_calls=1).calls] == ["get_weather"]
+    assert split(WEATHER + TIME, final=False, max_calls=1).calls == split(WEATHER, final=True).calls
+
+
+def test_call_objects_are_stable_and_numbered():
+    calls = split(WEATHER + TIME, final=True).calls
+    whole = call_objects(calls, "chatcmpl-abc")
+    assert [c["id"] for c in whole] == ["chatcmpl-tool-chatcmpl-abc-0", "chatcmpl-tool-chatcmpl-abc-1"]
+    assert whole[0]["type"] == "function" and json.loads(whole[0]["function"]["arguments"])["city"] == "Paris"
+    streamed = call_objects(calls[1:], "chatcmpl-abc", start=1, streamed=True)
+    assert streamed == [dict(whole[1], index=1)]
+
+
+# ------------------------------------------------------------------ through the server and the openai client
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+# A Hermes-style template of our own: the tools, then the turns; an assistant's calls as blocks.
+TOOL_TEMPLATE = (
+    "{% if tools %}[tools]{% for t in tools %} {{ t.function | tojson }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}[assistant] {% for c in m.tool_calls %}<tool_call>"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}\n"
+    "{% else %}[{{ m.role }}] {{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+ASK_TWO = [{"role": "user", "content": "And in Paris and Rome?"}]
+CALL_TWO = CALL + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+RESULT = "18 C, sunny"
+ANSWER = "It is 18 C and sunny in Paris."
+
+
+def _second_turn(call_id: str, arguments) -> list[dict]:
+    return ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
+
+
+def _teach(model_dir: str, examples: list[tuple[list[int], list[int]]], eos: int = 2) -> None:
+    """Fine-tune the tiny model until greedy decoding writes each example's reply (then EOS)
+    after its prompt: a model that calls a tool and then answers from its result."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    seqs = [(p, r + [eos]) for p, r in examples]
+
+    def greedy(p, n):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(m(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(p):]
+    for step in range(1, 1001):
+        loss = sum(F.cross_entropy(m(torch.tensor([p + r])).logits[0, len(p) - 1:-1], torch.tensor(r)) for p, r in seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 and all(greedy(p, len(r)) == r for p, r in seqs):
+            break
+    else:
+        raise AssertionError(f"the tiny model did not learn its replies (loss {loss.item():.3g})")
+    m.save_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tool_srv(tmp_path_factory):
+    """A server with --enable-auto-tool-choice --tool-call-parser hermes over a tiny model taught
+    to call get_weather for the question and to answer from the tool's result."""
+    from gpu_anchor.serve.tokenizer import Codec
+    from gpu_anchor.testing.tiny import make_tiny_model
+    from test_serve_api import MODEL, start_server
+    from test_serve_http import own_daemon, stop_server
+    with own_daemon(tmp_path_factory, "tools") as (d, sock):
+        model = make_tiny_model(str(d / MODEL), "qwen3", seed=5)
+        codec = Codec(model, 384, chat_template=TOOL_TEMPLATE)
+        first = codec.encode(codec.chat(ASK, tools=TOOLS))
+        second = codec.encode(codec.chat(_second_turn("x", {"city": "Paris"}), tools=TOOLS))
+        two = codec.encode(codec.chat(ASK_TWO, tools=TOOLS))
+        _teach(model, [(first, codec.encode(CALL)), (second, codec.encode(ANSWER)), (two, codec.encode(CALL_TWO))])
+        proc, base, log_path = start_server(str(d), model, "--socket", sock, "--chat-template", TOOL_TEMPLATE,
+                                            "--max-model-len", "1024", "--enable-auto-tool-choice",
+                                            "--tool-call-parser", "hermes")
+        try:
+            yield {"base": base, "model": model, "log": log_path, "codec": codec}
+        finally:
+            stop_server(proc)
+
+
+def _client(base):
+    import openai
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+
+
+def _streamed(chunks) -> dict:
+    """A streamed chat reply put together as a client does: content, tool calls by index (each
+    delta's pieces appended), finish reason."""
+    content, calls, finish = "", {}, None
+    for ch in chunks:
+        for c in ch.choices:
+            d = c.delta
+            content += d.content or ""
+            for tc in d.tool_calls or ():
+                slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                slot["id"] += tc.id or ""
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return {"content": content, "calls": [calls[k] for k in sorted(calls)], "finish": finish}
+
+
+def test_an_agent_loop_through_the_openai_client(tool_srv):
+    """The model calls the tool (``tool_calls``, ``finish_reason: tool_calls``, no content), the
+    client runs it and sends the result back in the conversation (the assistant's calls, their
+    arguments JSON text, rendered as the template writes them), and the model answers; streamed,
+    the deltas add up to the same calls; ``tool_choice: none`` leaves the block as text."""
+    c = _client(tool_srv["base"])
+    r = c.chat.completions.create(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # streamed: the same call, whole in one delta, under the id the stream gave it
+    s = _streamed(c.chat.completions.create(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0, stream=True))
+    assert s["finish"] == "tool_calls" and s["content"] == ""
+    assert [(x["name"], x["arguments"]) for x in s["calls"]] == [(call.function.name, call.function.arguments)]
+    # the tool's result back: the server renders the client's messages as the template expects
+    msgs = ASK + [ch.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    import urllib.request
+    req = urllib.request.Request(tool_srv["base"] + "/tokenize", data=json.dumps(
+        {"messages": msgs, "tools": TOOLS}).encode(), headers={"Content-Type": "application/json"})
+    codec = tool_srv["codec"]
+    want = codec.encode(codec.chat(_second_turn(call.id, {"city": "Paris"}), tools=TOOLS))
+    assert json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"] == want
+    r2 = c.chat.completions.create(model="tiny-qwen3", messages=msgs, tools=TOOLS, temperature=0)
+    assert r2.choices[0].message.content == ANSWER and r2.choices[0].finish_reason == "stop"
+    assert not r2.choices[0].message.tool_calls
+    # tool_choice none: the tools are shown to the model, its reply is left as text
+    r3 = c.chat.completions.create(model="tiny-qwen3", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0)
+    assert r3.choices[0].message.content == CALL and r3.choices[0].finish_reason == "stop"
+    assert not r3.choices[0].message.tool_calls
+
+
+def test_parallel_tool_calls(tool_srv):
+    """Two calls in one reply, streamed and not; ``parallel_tool_calls: false`` returns the first
+    (as vLLM)."""
+    c = _client(tool_srv["base"])
+    kw = dict(model="tiny-qwen3", messages=ASK_TWO, tools=TOOLS, temperature=0)
+    both = c.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [json.loads(x.function.arguments)["city"] for x in both] == ["Paris", "Rome"]
+    assert len({x.id for x in both}) == 2
+    s = _streamed(c.chat.completions.create(stream=True, **kw))
+    assert [(x["name"], x["arguments"]) for x in s["calls"]] == [(x.function.name, x.function.arguments) for x in both]
+    one = c.chat.completions.create(parallel_tool_calls=False, **kw).choices[0]
+    assert [x.function.arguments for x in one.message.tool_calls] == [both[0].function.arguments]
+    assert one.finish_reason == "tool_calls" and one.message.content is None
+    s = _streamed(c.chat.completions.create(stream=True, parallel_tool_calls=False, **kw))
+    assert [x["arguments"] for x in s["calls"]] == [both[0].function.arguments]
+
+
+def test_tool_call_stream_across_an_engine_sigkill(tool_srv):
+    """An engine SIGKILLed while a stream is writing its tool call: the stream goes on from the
+    next engine and ends as the fault-free one did (the call, its id's form, the text after it)."""
+    import os
+    import signal
+    import threading
+    import time
+    from test_serve_http import _get
+    c, base = _client(tool_srv["base"]), tool_srv["base"]
+    kw = dict(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0, max_tokens=300, stream=True,
+              extra_body={"ignore_eos": True})      # a long stream: the call, then text after it
+    ref = _streamed(c.chat.completions.create(**kw))
+    assert ref["calls"] and ref["calls"][0]["name"] == "get_weather" and ref["finish"] == "tool_calls"
+    got, seen = [], []
+
+    def read():
+        chunks = []
+        for ch in c.chat.completions.create(**kw):
+            chunks.append(ch)
+            seen.append(1)
+        got.append(_streamed(chunks))
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.time() + 120
+    while len(seen) < 3:
+        assert time.time() < deadline and t.is_alive(), "the stream did not start"
+        time.sleep(0.005)
+    pid = json.loads(_get(base + "/health")[1])["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
+    open_at_kill = t.is_alive()
+    t.join(180)
+    assert open_at_kill and got, "the stream ended before the kill"
+    strip = [dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in got[0]["calls"]]
+    assert dict(got[0], calls=strip) == dict(ref, calls=[dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in ref["calls"]])
+    assert json.loads(_get(base + "/health")[1])["engine_pid"] != pid
