@@ -162,6 +162,7 @@ BAD = [
     (C, dict(P, model=7), "model"),
     (C, dict(P, user=5), "user"),
     (CH, dict(M, parallel_tool_calls="no"), "parallel_tool_calls"),
+    (CH, dict(M, include_reasoning=1), "include_reasoning"),
     (CH, dict(M, messages="hi"), "messages"),
     (CH, dict(M, messages=[]), "messages"),
     (CH, dict(M, messages=[{"content": "no role"}]), "messages[0]"),
@@ -886,9 +887,9 @@ def test_chat_template_option(tmp_path):
     assert options.chat_template_file(None, str(tmp_path)) is None
 
 
-def test_tool_call_options():
+def test_tool_call_and_reasoning_options():
     """vLLM's pair: --enable-auto-tool-choice needs --tool-call-parser, and the parser must be one
-    this server has (the server itself: tests/test_serve_tool_calls.py)."""
+    this server has; so must --reasoning-parser (the server itself: tests/test_serve_tool_calls.py)."""
     from gpu_anchor.serve import options
     options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
     options.check(_args("--tool-call-parser", "hermes"))
@@ -896,6 +897,9 @@ def test_tool_call_options():
         options.check(_args("--enable-auto-tool-choice"))
     with pytest.raises(options.OptionError, match="this server has hermes"):
         options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", "mistral"))
+    options.check(_args("--reasoning-parser", "deepseek_r1"))
+    with pytest.raises(options.OptionError, match="this server has qwen3, deepseek_r1"):
+        options.check(_args("--reasoning-parser", "granite"))
 
 
 def _attached_hot_standby() -> dict | None:

@@ -18,6 +18,8 @@ CASES = [
     # (reply, content, [(name, arguments)])
     ("It is sunny.", "It is sunny.", []),
     (WEATHER, "", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("\n\n" + WEATHER, "", [("get_weather", {"city": "Paris", "unit": "celsius"})]),     # blanks beside a call
+    ("\n\n", "\n\n", []),
     ("Let me check.\n\n" + WEATHER, "Let me check.\n\n", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     ("<think>\nThe user wants weather.\n</think>\n\n" + WEATHER + "\n" + TIME,
      "<think>\nThe user wants weather.\n</think>\n\n",
@@ -64,6 +66,8 @@ def test_held_back_while_undecided():
     assert split("Hello <tool_", final=False).content == "Hello "
     assert split("Hello <tool_", final=True).content == "Hello <tool_"
     assert split(WEATHER[:-3], final=False).calls == []
+    assert split("\n\n", final=False).content == ""                 # a call may follow
+    assert split("\n\nHi", final=False).content == "\n\nHi"
     assert split(WEATHER + "\n", final=False).content == ""      # a separator, or text: decided later
     assert split(WEATHER + "\nok", final=False).content == ""
     assert split(WEATHER + "\nok", final=True).content == "\nok"
@@ -94,11 +98,15 @@ TOOL_TEMPLATE = (
     "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
     "{% endfor %}\n"
     "{% else %}[{{ m.role }}] {{ m.content }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% if think %}<think>\n{% endif %}{% endif %}")
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 ASK_TWO = [{"role": "user", "content": "And in Paris and Rome?"}]
 CALL_TWO = CALL + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+ASK_THINK = [{"role": "user", "content": "Think first: the weather in Paris?"}]
+THOUGHT = "\nThe user wants the weather: a tool call.\n"
+THINK_CALL = "<think>" + THOUGHT + "</think>\n\n" + CALL
+OPENED_REPLY = "Paris, then.\n</think>\n\nLet me look."     # the template opened <think> (think=True)
 RESULT = "18 C, sunny"
 ANSWER = "It is 18 C and sunny in Paris."
 
@@ -140,8 +148,10 @@ def _teach(model_dir: str, examples: list[tuple[list[int], list[int]]], eos: int
 
 @pytest.fixture(scope="module")
 def tool_srv(tmp_path_factory):
-    """A server with --enable-auto-tool-choice --tool-call-parser hermes over a tiny model taught
-    to call get_weather for the question and to answer from the tool's result."""
+    """A server with --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
+    over a tiny model taught to call get_weather for the question (with two calls for two
+    cities, after its reasoning when asked to think), to answer from the tool's result, and to
+    go on from a reasoning its prompt opened."""
     from gpu_anchor.serve.tokenizer import Codec
     from gpu_anchor.testing.tiny import make_tiny_model
     from test_serve_api import MODEL, start_server
@@ -152,10 +162,13 @@ def tool_srv(tmp_path_factory):
         first = codec.encode(codec.chat(ASK, tools=TOOLS))
         second = codec.encode(codec.chat(_second_turn("x", {"city": "Paris"}), tools=TOOLS))
         two = codec.encode(codec.chat(ASK_TWO, tools=TOOLS))
-        _teach(model, [(first, codec.encode(CALL)), (second, codec.encode(ANSWER)), (two, codec.encode(CALL_TWO))])
+        think = codec.encode(codec.chat(ASK_THINK, tools=TOOLS))
+        opened = codec.encode(codec.chat(ASK, think=True))
+        _teach(model, [(first, codec.encode(CALL)), (second, codec.encode(ANSWER)), (two, codec.encode(CALL_TWO)),
+                       (think, codec.encode(THINK_CALL)), (opened, codec.encode(OPENED_REPLY))])
         proc, base, log_path = start_server(str(d), model, "--socket", sock, "--chat-template", TOOL_TEMPLATE,
                                             "--max-model-len", "1024", "--enable-auto-tool-choice",
-                                            "--tool-call-parser", "hermes")
+                                            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
         try:
             yield {"base": base, "model": model, "log": log_path, "codec": codec}
         finally:
@@ -170,18 +183,19 @@ def _client(base):
 def _streamed(chunks) -> dict:
     """A streamed chat reply put together as a client does: content, tool calls by index (each
     delta's pieces appended), finish reason."""
-    content, calls, finish = "", {}, None
+    content, thought, calls, finish = "", "", {}, None
     for ch in chunks:
         for c in ch.choices:
             d = c.delta
             content += d.content or ""
+            thought += getattr(d, "reasoning", None) or ""
             for tc in d.tool_calls or ():
                 slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
                 slot["id"] += tc.id or ""
                 slot["name"] += tc.function.name or ""
                 slot["arguments"] += tc.function.arguments or ""
             finish = c.finish_reason or finish
-    return {"content": content, "calls": [calls[k] for k in sorted(calls)], "finish": finish}
+    return {"content": content, "reasoning": thought, "calls": [calls[k] for k in sorted(calls)], "finish": finish}
 
 
 def test_an_agent_loop_through_the_openai_client(tool_srv):
@@ -235,19 +249,46 @@ def test_parallel_tool_calls(tool_srv):
     assert [x["arguments"] for x in s["calls"]] == [both[0].function.arguments]
 
 
+def test_reasoning_apart_from_the_answer(tool_srv):
+    """``--reasoning-parser qwen3``: the ``<think>`` block comes back as the message's
+    ``reasoning`` (and ``reasoning_content``, its older name), the tool call after it parsed;
+    streamed, the reasoning deltas add up to it; ``include_reasoning: false`` drops it; a
+    reasoning the prompt opened (a template that ends in ``<think>``) is found too; a reply
+    without one has none."""
+    c = _client(tool_srv["base"])
+    kw = dict(model="tiny-qwen3", messages=ASK_THINK, tools=TOOLS, temperature=0)
+    m = c.chat.completions.create(**kw).choices[0]
+    assert m.message.reasoning == m.message.reasoning_content == THOUGHT
+    assert m.message.content is None and m.finish_reason == "tool_calls"
+    assert [json.loads(x.function.arguments) for x in m.message.tool_calls] == [{"city": "Paris"}]
+    s = _streamed(c.chat.completions.create(stream=True, **kw))
+    assert s["reasoning"] == THOUGHT and s["content"] == "" and [x["name"] for x in s["calls"]] == ["get_weather"]
+    quiet = c.chat.completions.create(extra_body={"include_reasoning": False}, **kw).choices[0]
+    assert getattr(quiet.message, "reasoning", None) is None and quiet.message.tool_calls
+    kw = dict(model="tiny-qwen3", messages=ASK, temperature=0, extra_body={"chat_template_kwargs": {"think": True}})
+    m = c.chat.completions.create(**kw).choices[0].message
+    assert (m.reasoning, m.content) == ("Paris, then.\n", "\n\nLet me look.")
+    s = _streamed(c.chat.completions.create(stream=True, **kw))
+    assert (s["reasoning"], s["content"]) == ("Paris, then.\n", "\n\nLet me look.")
+    m = c.chat.completions.create(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0).choices[0].message
+    assert m.reasoning is None and m.tool_calls
+
+
 def test_tool_call_stream_across_an_engine_sigkill(tool_srv):
-    """An engine SIGKILLed while a stream is writing its tool call: the stream goes on from the
-    next engine and ends as the fault-free one did (the call, its id's form, the text after it)."""
+    """An engine SIGKILLed while a stream is writing its reasoning and tool call: the stream goes
+    on from the next engine and ends as the fault-free one did (the reasoning, the call, its id's
+    form, the text after it)."""
     import os
     import signal
     import threading
     import time
     from test_serve_http import _get
     c, base = _client(tool_srv["base"]), tool_srv["base"]
-    kw = dict(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0, max_tokens=300, stream=True,
-              extra_body={"ignore_eos": True})      # a long stream: the call, then text after it
+    kw = dict(model="tiny-qwen3", messages=ASK_THINK, tools=TOOLS, temperature=0, max_tokens=300, stream=True,
+              extra_body={"ignore_eos": True})      # a long stream: reasoning, the call, then text after it
     ref = _streamed(c.chat.completions.create(**kw))
     assert ref["calls"] and ref["calls"][0]["name"] == "get_weather" and ref["finish"] == "tool_calls"
+    assert ref["reasoning"] == THOUGHT
     got, seen = [], []
 
     def read():

@@ -136,6 +136,8 @@ def main(args) -> int:
         fe_cmd += ["--chat-template", template]
     if args.enable_auto_tool_choice:
         fe_cmd += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        fe_cmd += ["--reasoning-parser", args.reasoning_parser]
     if args.port_file:
         fe_cmd += ["--port-file", args.port_file]
     key = options.api_key(args)      # in the environment: a command line is visible to every user

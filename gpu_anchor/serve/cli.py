@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
                         "Qwen3, Hermes)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="return the reasoning of chat replies (<think> ... </think>: qwen3, deepseek_r1) as the "
+                        "message's reasoning, apart from its content (as in vLLM)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")

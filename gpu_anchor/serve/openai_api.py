@@ -63,6 +63,9 @@ class Request:
     tools: list | None = None                      # chat: the tools, as the template gets them
     parse_tools: bool = False                      # tool_choice "auto": the reply's tool calls parsed
     max_tool_calls: int | None = None              # parallel_tool_calls false: 1 (as vLLM: the first)
+    reasoning: bool = False                        # chat, --reasoning-parser: <think> ... </think> apart
+    include_reasoning: bool = True                 # vLLM's include_reasoning: false drops it
+    thinking_opened: bool = False                  # the rendered prompt ends inside <think> (set when encoded)
 
 
 # ------------------------------------------------------------------ value checks
@@ -145,7 +148,7 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k",
            "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"} | set(_NEUTRAL) | set(_METADATA)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                   "continue_final_message", "tools", "tool_choice", "parallel_tool_calls",
+                   "continue_final_message", "tools", "tool_choice", "parallel_tool_calls", "include_reasoning",
                    "chat_template_kwargs"}
 
 
@@ -209,9 +212,11 @@ def parse_detokenize(body, served: list[str], vocab_size: int) -> list[int]:
     return _ids("tokens", body.get("tokens"), vocab_size)
 
 
-def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str | None = None) -> Request:
+def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str | None = None,
+          reasoning_parser: str | None = None) -> Request:
     """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``;
-    ``tool_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on."""
+    ``tool_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on;
+    ``reasoning_parser``: its ``--reasoning-parser``."""
     _known(body, _CHAT if chat else _COMPLETION)
     for k in _NEUTRAL:
         if k in body:
@@ -231,6 +236,9 @@ def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str
         _tools(r, g("tools"), g("tool_choice"), tool_parser)
         if g("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", g("parallel_tool_calls")):
             r.max_tool_calls = 1
+        r.reasoning = reasoning_parser is not None
+        if g("include_reasoning") is not None:
+            r.include_reasoning = _bool("include_reasoning", g("include_reasoning"))
     else:
         r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import tool_calls
+from . import reasoning, tool_calls
 from .openai_api import ApiError
 
 
@@ -112,6 +112,8 @@ def reply(codec, rs: list, n: int = 1) -> dict:
             lp = _joined(head, _logprobs(codec, r, 0, len(r.out), _prompt_text_len(head)))
         if q.chat:
             message, finish = {"role": "assistant", "content": _text(codec, r)}, r.finish
+            if q.reasoning:
+                thought, message["content"] = reasoning.split(message["content"], True, q.thinking_opened)
             if q.parse_tools:
                 found = tool_calls.split(message["content"], final=True, max_calls=q.max_tool_calls)
                 message["content"] = found.content
@@ -119,6 +121,8 @@ def reply(codec, rs: list, n: int = 1) -> dict:
                     message = {"role": "assistant", "content": found.content or None,
                                "tool_calls": tool_calls.call_objects(found.calls, r.rid)}
                     finish = "tool_calls"
+            if q.reasoning and q.include_reasoning:     # vLLM's name and its older one
+                message["reasoning"] = message["reasoning_content"] = thought or None
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             choices.append({"index": i, "text": (_echo(codec, r) if q.echo else "") + _text(codec, r),
@@ -171,6 +175,7 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
     offset = 0                    # text offset of the next token (completions' logprobs)
     hold = max((len(x) for x in r.stop), default=1) - 1   # a stop string may still be forming
     calls_sent = 0                # tool calls sent (chat with tool_choice "auto")
+    thought_sent = ""             # reasoning sent (chat with --reasoning-parser)
 
     if q.echo:                    # the prompt first, as vLLM streams it
         lp = None
@@ -195,7 +200,10 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
             if not done:
                 target = target[:len(target) - hold] if hold else target
                 target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
-            calls = []
+            calls, thought = [], ""
+            if q.reasoning:           # the reasoning and the rest, as each is decided (reasoning.split)
+                whole, target = reasoning.split(target, done, q.thinking_opened)
+                thought, thought_sent = whole[len(thought_sent):], whole
             if q.parse_tools:         # content and whole tool calls, as each is decided (tool_calls.split)
                 found = tool_calls.split(target, final=done, max_calls=q.max_tool_calls)
                 target, calls = found.content, found.calls[calls_sent:]
@@ -214,6 +222,8 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
                 d = {"content": delta} if delta else {}
                 if n_sent == 0:
                     d = {"role": "assistant", **d}
+                if thought and q.include_reasoning:
+                    d["reasoning"] = d["reasoning_content"] = thought
                 if calls:
                     d["tool_calls"] = calls
                 choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": fin}

@@ -17,7 +17,8 @@
   memory comes from NVML (no CUDA context) on CUDA and ``/proc/meminfo`` on the CPU.
 - ``--chat-template``: a file, or the template itself inline (as vLLM).
 - ``--api-key``, else the ``VLLM_API_KEY`` environment variable (as vLLM).
-- ``--enable-auto-tool-choice`` needs ``--tool-call-parser`` (one of ``tool_calls.PARSERS``), as in vLLM.
+- ``--enable-auto-tool-choice`` needs ``--tool-call-parser`` (one of ``tool_calls.PARSERS``), as in vLLM;
+  ``--reasoning-parser``: one of ``reasoning.PARSERS``.
 - ``--hot-standby`` / ``--prewarm``: on by default for one GPU with anchoring (``resolve_standby``);
   off by default on the CPU, with tensor parallelism and with ``--no-anchor``, and refused there
   when asked for.
@@ -31,6 +32,7 @@ import os
 import subprocess
 import sys
 
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import PARSERS
 
 log = logging.getLogger("gpu_anchor.serve")
@@ -82,6 +84,9 @@ def check(args) -> None:
     parser = getattr(args, "tool_call_parser", None)
     if parser is not None and parser not in PARSERS:
         raise OptionError(f"--tool-call-parser {parser!r}: this server has {', '.join(PARSERS)}")
+    rp = getattr(args, "reasoning_parser", None)
+    if rp is not None and rp not in REASONING_PARSERS:
+        raise OptionError(f"--reasoning-parser {rp!r}: this server has {', '.join(REASONING_PARSERS)}")
     if getattr(args, "enable_auto_tool_choice", False) and parser is None:
         raise OptionError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes for Qwen2.5 / Qwen3)")
 

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from . import openai_api as api
 from . import openai_replies as replies
+from . import reasoning
 from . import wire
 from .openai_api import ApiError, bad
 from .tokenizer import TemplateError
@@ -63,6 +64,7 @@ class Routes:
                 text = self.fe.codec.chat(q.messages, q.add_generation_prompt, q.continue_final, **kwargs)
             except TemplateError as e:
                 raise bad("messages", str(e)) from None
+            q.thinking_opened = q.reasoning and reasoning.opened(text)
             return self.fe.codec.encode(text, q.add_special_tokens)
         return self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt
 
@@ -97,7 +99,8 @@ class Routes:
         return params
 
     async def _serve(self, request, chat: bool):
-        q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size, self.fe.tool_parser)
+        q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size, self.fe.tool_parser,
+                      self.fe.reasoning_parser)
         if self.fe.failed:
             raise ApiError(503, self.fe.failed)
         # every prompt checked before any is submitted: a bad one fails the request whole

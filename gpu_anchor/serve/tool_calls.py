@@ -13,13 +13,15 @@ Qwen2.5 / Qwen3, the Hermes models and many fine-tunes answer a chat whose templ
 - ``calls``: each ``<tool_call>`` block whose JSON is an object with a string ``name`` and an
   object ``arguments`` (or none: ``{}``; a string holding a JSON object is read), in order,
   as ``(name, arguments as JSON text)``.
-- ``content``: the text before the first block; then, in the order of the text, any text
-  between or after blocks that is not blank, and each block that is not a call (bad JSON, no
-  ``name``; an unclosed block at the end) verbatim: nothing the model wrote is lost silently.
+- ``content``: in the order of the text, any text before, between or after blocks that is not
+  blank (blanks beside a call, such as Qwen3's ``\n\n`` after its reasoning, are dropped), and
+  each block that is not a call (bad JSON, no ``name``; an unclosed block at the end)
+  verbatim: nothing the model wrote is lost silently.  A reply with no block is its content.
 - **Monotone**: for any text ``t`` and any longer text ``t + u``, ``split(t, False)``'s
   content is a prefix of ``split(t + u, final)``'s, and its calls are the first of its calls.
-  What is still undecided (a tag being written, an open block, text after a block that the
-  next block may show to be a separator) is held back until it is decided or ``final``.  So a
+  What is still undecided (a tag being written, an open block, blanks that a block may follow,
+  text after a block that the next block may show to be a separator) is held back until it is
+  decided or ``final``.  So a
   stream sends the differences, and what it sends adds up to the reply that is not streamed.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ class Split:
     calls: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _partial_tag(s: str, tag: str) -> int:
+def partial_tag(s: str, tag: str) -> int:
     """How many characters at the end of ``s`` may be the start of ``tag``."""
     for k in range(min(len(tag) - 1, len(s)), 0, -1):
         if s.endswith(tag[:k]):
@@ -73,13 +75,17 @@ def split(text: str, final: bool, max_calls: int | None = None) -> Split:
         i = text.find(OPEN, pos)
         if i < 0:
             rest = text[pos:]
-            if first:                   # before any block: sent as it comes, but a tag being written
-                content.append(rest if final else rest[:len(rest) - _partial_tag(rest, OPEN)])
+            if first and final:         # no block at all: the reply is its content
+                content.append(rest)
+            elif first:                 # sent as it comes, but a tag being written, or blanks alone
+                piece = rest[:len(rest) - partial_tag(rest, OPEN)]
+                if piece.strip():
+                    content.append(piece)
             elif final and rest.strip():
                 content.append(rest)
             break
         gap = text[pos:i]
-        if first or gap.strip():
+        if gap.strip():
             content.append(gap)
         first = False
         j = text.find(CLOSE, i + len(OPEN))
