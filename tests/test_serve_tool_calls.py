@@ -214,6 +214,12 @@ def test_an_agent_loop_through_the_openai_client(tool_srv):
     s = _streamed(c.chat.completions.create(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0, stream=True))
     assert s["finish"] == "tool_calls" and s["content"] == ""
     assert [(x["name"], x["arguments"]) for x in s["calls"]] == [(call.function.name, call.function.arguments)]
+    # the SDK's own stream helper puts the same message together
+    with c.chat.completions.stream(model="tiny-qwen3", messages=ASK, tools=TOOLS, temperature=0) as st:
+        final = st.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [(x.function.name, x.function.arguments) for x in final.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
     # the tool's result back: the server renders the client's messages as the template expects
     msgs = ASK + [ch.message.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
