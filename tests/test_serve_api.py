@@ -687,6 +687,40 @@ def test_metrics_vllm_names(srv):
         assert r.headers["Content-Type"].startswith("application/openmetrics-text") and r.read().endswith(b"# EOF\n")
 
 
+def test_a_hub_id_from_the_local_cache(tmp_path_factory):
+    """vLLM's ``serve Qwen/Qwen3-8B``: a Hugging Face Hub id is read from the local cache (here
+    one made by hand, offline, so nothing is downloaded), served under the id, its tokenizer
+    from the snapshot; ``--revision`` picks another snapshot; an id that is not there is a
+    clear error before anything starts (it was "no model directory or config file")."""
+    from gpu_anchor.serve.tokenizer import Codec
+    h1, h2 = "1" * 40, "2" * 40
+    with own_daemon(tmp_path_factory, "hub") as (d, sock):
+        repo = d / "hf" / "models--tiny-org--tiny-qwen3"
+        make_tiny_model(str(repo / "snapshots" / h1), "qwen3", seed=3)
+        make_tiny_model(str(repo / "snapshots" / h2), "qwen3", seed=4)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(h1)
+        (repo / "refs" / "v2").write_text(h2)
+        env = dict(os.environ, HF_HUB_CACHE=str(d / "hf"), HF_HUB_OFFLINE="1")
+        r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", "tiny-org/missing", "--socket", sock, *SERVE],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "not in the local Hugging Face cache" in r.stderr, r.stderr[-2000:]
+        assert "hf download tiny-org/missing" in r.stderr
+        for rev, h in ((None, h1), ("v2", h2)):
+            proc, base, _ = start_server(str(d), "tiny-org/tiny-qwen3", "--socket", sock,
+                                         *(("--revision", rev) if rev else ()), env=env)
+            try:
+                c = client(base, "none")
+                assert [m.id for m in c.models.list().data] == ["tiny-org/tiny-qwen3"]
+                snap = str(repo / "snapshots" / h)
+                ids = Codec(snap, 384).encode("The quick brown fox")
+                out = c.completions.create(model="tiny-org/tiny-qwen3", prompt="The quick brown fox", max_tokens=6,
+                                           temperature=0, extra_body={"ignore_eos": True})
+                assert out.choices[0].text == Codec(snap, 384).decode(_hf_greedy(snap, ids, 6)), rev
+            finally:
+                stop_server(proc)
+
+
 def test_loading_progress_and_ready_lines(srv):
     text = open(srv["log"]).read()
     assert "loading: mapping the anchored weights and KV cache" in text

@@ -81,6 +81,12 @@ def main(args) -> int:
     except options.OptionError as e:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         return 2
+    from gpu_anchor.serve import hub
+    try:
+        hub.resolve(args)        # a hub id: its files, fetched before torch and before any fork
+    except hub.ModelNotFound as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        return 2
     # The fork server's role: import the heavy modules once, run nothing that starts threads.
     import torch  # noqa: F401
     from gpu_anchor.serve.model_runner import load_config, meta_model

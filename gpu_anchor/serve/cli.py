@@ -19,11 +19,15 @@ log = logging.getLogger("gpu_anchor.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model directory (config.json + *.safetensors [+ tokenizer.json]); with "
+    p.add_argument("model", help="model directory (config.json + *.safetensors [+ tokenizer.json]), or a Hugging "
+                                 "Face Hub id (Qwen/Qwen3-8B: from the local cache, fetched if missing); with "
                                  "--random-weights, a config.json or a directory holding one")
+    p.add_argument("--revision", default=None, help="the hub revision (branch, tag or commit) of a hub id")
+    p.add_argument("--download-dir", default=None, help="the Hugging Face cache to use (default: HF_HUB_CACHE)")
     p.add_argument("--random-weights", action="store_true", help="seeded random weights instead of safetensors")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the model dir)")
+    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json, or a hub id (default: the "
+                                                     "model's)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
