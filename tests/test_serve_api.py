@@ -619,6 +619,33 @@ def test_continue_final_message(srv):
     assert status == 400 and err["error"]["param"] == "continue_final_message"
 
 
+def test_chat_templates_render_as_transformers_renders_them(srv):
+    """What a template may use under transformers' ``apply_chat_template`` renders the same text
+    here: ``tojson`` without sorted keys or HTML escapes (tool schemas: Jinja's own filter
+    sorted and escaped them), ``{% break %}``, ``{% generation %}`` (both failed to parse),
+    ``strftime_now``."""
+    from transformers import AutoTokenizer
+    from gpu_anchor.serve.tokenizer import Codec
+    template = ("{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+                "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>{% endgeneration %}"
+                "{% else %}[{{ m.role }}] {{ m.content }}{% endif %}\n{% endfor %}"
+                "{{ strftime_now('%Y') }}{% if add_generation_prompt %}<a>{% endif %}")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "a < b & 'c' caf\u00e9",
+                                               "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}]
+    msgs = [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "dog"},
+            {"role": "user", "content": "never rendered: the loop breaks"}]
+    want = AutoTokenizer.from_pretrained(srv["model"]).apply_chat_template(msgs, tools=tools, chat_template=template,
+                                                                           tokenize=False, add_generation_prompt=True)
+    assert '"description": "a < b & \'c\' caf\u00e9"' in want and "never" not in want
+    assert Codec(srv["model"], 384, chat_template=template).chat(msgs, tools=tools) == want
+    with_tools = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}" + TEMPLATE
+    want = AutoTokenizer.from_pretrained(srv["model"]).apply_chat_template(msgs[:1], tools=tools, tokenize=False,
+                                                                           chat_template=with_tools,
+                                                                           add_generation_prompt=True)
+    assert Codec(srv["model"], 384, chat_template=with_tools).chat(msgs[:1], tools=tools) == want
+
+
 def test_truncate_prompt_tokens(srv):
     """vLLM's ``truncate_prompt_tokens`` (refused with a 400 before): the prompt's last k tokens
     are the request's prompt, for completions and chat alike."""

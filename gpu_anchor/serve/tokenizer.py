@@ -5,8 +5,12 @@ otherwise a byte-level fallback maps each UTF-8 byte to the id of the same value
 vocabulary of at least 256).  Chat prompts are rendered with Jinja from, in this order: the
 template given to ``serve --chat-template`` (as vLLM), the model directory's
 ``chat_template.jinja`` or ``chat_template`` in ``tokenizer_config.json``; without any, a
-ChatML-style text template.  Templates run in Jinja's sandbox, with HF's
-``raise_exception`` (a template's refusal is the client's error: HTTP 400).
+ChatML-style text template.  Templates run in Jinja's sandbox with what transformers'
+``apply_chat_template`` gives them, so that a prompt is the text the model was trained on:
+``raise_exception`` (a template's refusal is the client's error: HTTP 400), ``strftime_now``,
+a ``tojson`` that neither sorts keys nor escapes HTML (Jinja's own does both: tool schemas
+would render otherwise), ``{% break %}`` / ``{% continue %}`` and ``{% generation %}`` blocks
+(rendered as their body).
 """
 from __future__ import annotations
 
@@ -19,14 +23,37 @@ class TemplateError(ValueError):
 
 
 def compile_template(text: str):
-    """A Jinja chat template, compiled in the sandbox; ``ValueError`` if it does not parse."""
+    """A Jinja chat template, compiled in the sandbox as transformers compiles it (module doc);
+    ``ValueError`` if it does not parse."""
+    from datetime import datetime
+
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %} ... {% endgeneration %}``: marks the assistant's part for training
+        masks in transformers; rendered as its body here."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(msg):
         raise TemplateError(msg)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, Generation])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as e:
