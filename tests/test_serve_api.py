@@ -748,6 +748,58 @@ def test_a_hub_id_from_the_local_cache(tmp_path_factory):
                 stop_server(proc)
 
 
+def test_sampling_defaults_from_the_generation_config(tmp_path_factory):
+    """vLLM's ``--generation-config auto`` (its default): a request that leaves a sampling field
+    out gets the model's recommendation from ``generation_config.json`` (here temperature 0:
+    the reply is transformers' greedy one; max_new_tokens: a chat reply's length), and the
+    server says so at start; ``--generation-config vllm`` keeps vLLM's own (temperature 1)."""
+    from gpu_anchor.serve.tokenizer import Codec
+    with own_daemon(tmp_path_factory, "gencfg") as (d, sock):
+        model = make_tiny_model(str(d / MODEL), "qwen3", seed=3)
+        path = os.path.join(model, "generation_config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:
+            json.dump(dict(cfg, temperature=0.0, top_k=50, max_new_tokens=5), f)
+        prompt, codec = "The quick brown fox", Codec(model, 384)
+        greedy = codec.decode(_hf_greedy(model, codec.encode(prompt), 6))
+        proc, base, log_path = start_server(str(d), model, "--socket", sock)
+        try:
+            c = client(base, "none")
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == greedy
+            ch = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"ignore_eos": True})
+            assert ch.usage.completion_tokens == 5
+            with open(log_path) as f:
+                assert '{"temperature": 0.0, "max_tokens": 5}' in f.read()      # top_k 50: transformers' default
+        finally:
+            stop_server(proc)
+        proc, base, _ = start_server(str(d), model, "--socket", sock, "--generation-config", "vllm")
+        try:
+            c = client(base, "none")
+            kw = dict(model=MODEL, prompt=prompt, max_tokens=6, seed=7, extra_body={"ignore_eos": True})
+            assert c.completions.create(**kw).choices[0].text == \
+                c.completions.create(temperature=1.0, **kw).choices[0].text
+        finally:
+            stop_server(proc)
+
+
+def test_generation_config_option(tmp_path):
+    from gpu_anchor.serve import options
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                                 "do_sample": True}))
+    assert options.generation_defaults("auto", str(tmp_path)) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert options.generation_defaults("vllm", str(tmp_path)) == {}
+    assert options.generation_defaults(str(tmp_path), None)["top_k"] == 20
+    assert options.generation_defaults("auto", str(tmp_path / "none")) == {}
+    with pytest.raises(options.OptionError, match="no generation_config.json"):
+        options.generation_defaults(str(tmp_path / "none"), None)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(options.OptionError, match="temperature = -1 is not a valid default"):
+        options.generation_defaults("auto", str(tmp_path))
+
+
 def test_loading_progress_and_ready_lines(srv):
     text = open(srv["log"]).read()
     assert "loading: mapping the anchored weights and KV cache" in text

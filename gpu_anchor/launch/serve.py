@@ -41,6 +41,7 @@ lost one restores the whole group (docs/serving.md, "Tensor parallelism").
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -123,6 +124,15 @@ def main(args) -> int:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         lock.close()
         return 2
+    try:
+        defaults = options.generation_defaults(args.generation_config, args.model if not args.random_weights else None)
+    except options.OptionError as e:
+        print(f"gpu-anchor serve: {e}", file=sys.stderr)
+        lock.close()
+        return 2
+    if defaults:
+        log.info("sampling defaults from the model's generation config: %s (requests that give a field keep "
+                 "theirs; --generation-config vllm uses vLLM's own defaults)", json.dumps(defaults))
     ranks = engine_cli.rank_configs(cfg)
     anchor = AnchorGroup(ranks)
     anchor.ensure()
@@ -144,6 +154,8 @@ def main(args) -> int:
         fe_cmd += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:
         fe_cmd += ["--reasoning-parser", args.reasoning_parser]
+    if defaults:
+        fe_cmd += ["--sampling-defaults", json.dumps(defaults)]
     if args.port_file:
         fe_cmd += ["--port-file", args.port_file]
     key = options.api_key(args)      # in the environment: a command line is visible to every user

@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None,
                    help="return the reasoning of chat replies (<think> ... </think>: qwen3, deepseek_r1) as the "
                         "message's reasoning, apart from its content (as in vLLM)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them out: auto (the model's "
+                        "generation_config.json, as vLLM), vllm (vLLM's own: temperature 1, no top-p / top-k), or a "
+                        "directory holding a generation_config.json")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -72,12 +73,11 @@ class Req:
 
 class Frontend:
     def __init__(self, codec: Codec, model_name: str, max_model_len: int, vocab_size: int,
-                 api_key: str | None = None, started_at: float | None = None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 api_key: str | None = None, started_at: float | None = None, **features) -> None:
+        """``features``: the rest of ``openai_api.Surface`` (reply parsers, sampling defaults)."""
         self.codec, self.model_name, self.max_model_len = codec, model_name, max_model_len
         self.vocab_size, self.api_key, self.started_at = vocab_size, api_key, started_at
-        self.tool_parser = tool_parser       # --tool-call-parser, when --enable-auto-tool-choice is on
-        self.reasoning_parser = reasoning_parser     # --reasoning-parser
+        self.surface = api.Surface([model_name], vocab_size, **features)
         self.reqs: dict[str, Req] = {}
         self.writer = None
         self.engine_pid = None
@@ -392,6 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chat-template", default=None, help="a file holding the Jinja chat template")
     ap.add_argument("--tool-call-parser", default=None, help="parse tool calls in replies (tool_choice auto)")
     ap.add_argument("--reasoning-parser", default=None, help="return <think> ... </think> apart, as reasoning")
+    ap.add_argument("--sampling-defaults", default="{}", help="JSON: sampling defaults (the model's generation config)")
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--model-name", required=True)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -415,7 +416,8 @@ def main(argv=None) -> int:
     # The key comes in the environment, not on the command line (where `ps` would show it).
     fe = Frontend(codec, args.model_name, args.max_model_len, args.vocab_size,
                   api_key=os.environ.get("GPU_ANCHOR_SERVE_API_KEY") or None, started_at=args.started_at,
-                  tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                  tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                  defaults=json.loads(args.sampling_defaults))
 
     async def run():
         if os.path.exists(args.engine_socket):

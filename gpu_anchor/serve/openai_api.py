@@ -36,13 +36,26 @@ def bad(param: str, message: str) -> ApiError:
 
 
 @dataclass
+class Surface:
+    """What the server offers every request, set at its start: the model names it answers to,
+    the vocabulary, the reply parsers its options turned on, and the sampling defaults (the
+    model's ``generation_config.json``, as vLLM's ``--generation-config auto``)."""
+    served: list[str]
+    vocab_size: int
+    tool_parser: str | None = None                 # --tool-call-parser, with --enable-auto-tool-choice
+    reasoning_parser: str | None = None            # --reasoning-parser
+    defaults: dict = field(default_factory=dict)   # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
+
+
+@dataclass
 class Request:
     """A checked completion or chat request."""
     chat: bool
     model: str
     prompts: list | None = None                    # completions: each text or token ids (a batch: several)
     messages: list[dict] | None = None             # chat
-    max_tokens: int | None = None                  # None: up to the context length
+    max_tokens: int | None = None                  # None: up to the context length (or default_max_tokens)
+    default_max_tokens: int | None = None          # chat: generation_config's max_new_tokens, when not given
     n: int = 1                                     # choices: one engine request each
     sampling: dict = field(default_factory=dict)   # SamplingParams fields but max_tokens and seed's default
     stop: list[str] = field(default_factory=list)
@@ -212,11 +225,10 @@ def parse_detokenize(body, served: list[str], vocab_size: int) -> list[int]:
     return _ids("tokens", body.get("tokens"), vocab_size)
 
 
-def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str | None = None,
-          reasoning_parser: str | None = None) -> Request:
-    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``;
-    ``tool_parser``: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on;
-    ``reasoning_parser``: its ``--reasoning-parser``."""
+def parse(body, chat: bool, surface: Surface) -> Request:
+    """Check a request body of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``; a
+    sampling field it leaves out takes ``surface.defaults``' value, else vLLM's default."""
+    served, vocab_size, d = surface.served, surface.vocab_size, surface.defaults
     _known(body, _CHAT if chat else _COMPLETION)
     for k in _NEUTRAL:
         if k in body:
@@ -233,19 +245,20 @@ def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str
     if chat:
         r.messages = _messages(g("messages"))
         _continuing(r)
-        _tools(r, g("tools"), g("tool_choice"), tool_parser)
+        _tools(r, g("tools"), g("tool_choice"), surface.tool_parser)
         if g("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", g("parallel_tool_calls")):
             r.max_tool_calls = 1
-        r.reasoning = reasoning_parser is not None
+        r.reasoning = surface.reasoning_parser is not None
         if g("include_reasoning") is not None:
             r.include_reasoning = _bool("include_reasoning", g("include_reasoning"))
     else:
         r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling
     s = r.sampling
-    s["temperature"] = 1.0 if g("temperature") is None else _num("temperature", g("temperature"), 0.0, 100.0)
-    s["top_p"] = 1.0 if g("top_p") is None else _num("top_p", g("top_p"), 0.0, 1.0, lo_open=True)
-    top_k = 0 if g("top_k") is None else _int("top_k", g("top_k"), -1)
+    s["temperature"] = d.get("temperature", 1.0) if g("temperature") is None else \
+        _num("temperature", g("temperature"), 0.0, 100.0)
+    s["top_p"] = d.get("top_p", 1.0) if g("top_p") is None else _num("top_p", g("top_p"), 0.0, 1.0, lo_open=True)
+    top_k = d.get("top_k", 0) if g("top_k") is None else _int("top_k", g("top_k"), -1)
     s["top_k"] = max(0, top_k)                      # -1 and 0 both mean "no top-k", as in vLLM
     s["seed"] = None if g("seed") is None else _int("seed", g("seed"), -(1 << 63), (1 << 63) - 1)
     s["stop_token_ids"] = [] if g("stop_token_ids") is None else _ids("stop_token_ids", g("stop_token_ids"),
@@ -256,8 +269,12 @@ def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str
             s[name] = _num(name, g(name), -2.0, 2.0)
     if g("repetition_penalty") is not None:
         s["repetition_penalty"] = _num("repetition_penalty", g("repetition_penalty"), 0.0, 100.0, lo_open=True)
+    elif "repetition_penalty" in d:
+        s["repetition_penalty"] = d["repetition_penalty"]
     if g("min_p") is not None:
         s["min_p"] = _num("min_p", g("min_p"), 0.0, 1.0)
+    elif "min_p" in d:
+        s["min_p"] = d["min_p"]
     if g("min_tokens") is not None:
         s["min_tokens"] = _int("min_tokens", g("min_tokens"), 0)
     if g("logit_bias") is not None:
@@ -274,6 +291,8 @@ def parse(body, chat: bool, served: list[str], vocab_size: int, tool_parser: str
             break
     else:
         r.max_tokens = None if chat else 16         # vLLM's defaults: the context for chat, 16 for completions
+        if chat:
+            r.default_max_tokens = d.get("max_tokens")
     stop = g("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

@@ -17,6 +17,9 @@
   memory comes from NVML (no CUDA context) on CUDA and ``/proc/meminfo`` on the CPU.
 - ``--chat-template``: a file, or the template itself inline (as vLLM).
 - ``--api-key``, else the ``VLLM_API_KEY`` environment variable (as vLLM).
+- ``--generation-config auto`` (the default, as vLLM's): the model's ``generation_config.json``
+  sets the sampling defaults of requests that leave them out (``generation_defaults``);
+  ``vllm``: vLLM's own defaults; or a directory holding a ``generation_config.json``.
 - ``--enable-auto-tool-choice`` needs ``--tool-call-parser`` (one of ``tool_calls.PARSERS``), as in vLLM;
   ``--reasoning-parser``: one of ``reasoning.PARSERS``.
 - ``--hot-standby`` / ``--prewarm``: on by default for one GPU with anchoring (``resolve_standby``);
@@ -163,6 +166,45 @@ def check_deterministic(args, device: str, dtype: str) -> None:
         why = supported(torch.device(device), DTYPES.get(dtype, torch.float32))
         if why:
             raise OptionError(why)
+
+
+# generation_config.json -> request field; a value equal to transformers' own default is not a
+# recommendation of the model's (as vLLM reads the file: GenerationConfig's diff from its defaults)
+GENERATION_FIELDS = {"temperature": ("temperature", 1.0, 0.0, 100.0), "top_p": ("top_p", 1.0, 1e-9, 1.0),
+                     "top_k": ("top_k", 50, -1, None), "min_p": ("min_p", None, 0.0, 1.0),
+                     "repetition_penalty": ("repetition_penalty", 1.0, 1e-9, 100.0),
+                     "max_new_tokens": ("max_tokens", None, 1, None)}
+
+
+def generation_defaults(value: str, model_dir: str | None) -> dict:
+    """The sampling defaults ``--generation-config`` gives requests (``{}``: vLLM's own)."""
+    if value == "vllm":
+        return {}
+    folder = model_dir if value == "auto" else value
+    path = os.path.join(folder, "generation_config.json") if folder and os.path.isdir(folder) else None
+    if path is None or not os.path.exists(path):
+        if value != "auto":
+            raise OptionError(f"--generation-config {value}: no generation_config.json there (give a directory "
+                              "holding one, auto or vllm)")
+        return {}
+    import json
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise OptionError(f"{path}: {e}") from None
+    out = {}
+    for key, (field, hf_default, lo, hi) in GENERATION_FIELDS.items():
+        v = cfg.get(key)
+        if v is None or v == hf_default:
+            continue
+        integral = key in ("top_k", "max_new_tokens")
+        if isinstance(v, bool) or not isinstance(v, int if integral else (int, float)) \
+                or v < lo or hi is not None and v > hi:
+            raise OptionError(f"{path}: {key} = {v!r} is not a valid default (--generation-config vllm ignores "
+                              "the file)")
+        out[field] = max(0, v) if key == "top_k" else v
+    return out
 
 
 def api_key(args) -> str | None:

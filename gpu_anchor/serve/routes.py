@@ -81,7 +81,8 @@ class Routes:
         return ids
 
     def _params(self, q: api.Request, prompt_len: int) -> dict:
-        max_tokens = q.max_tokens if q.max_tokens is not None else self.fe.max_model_len - prompt_len
+        rest = self.fe.max_model_len - prompt_len
+        max_tokens = q.max_tokens if q.max_tokens is not None else min(rest, q.default_max_tokens or rest)
         if prompt_len + max_tokens > self.fe.max_model_len:
             raise bad("max_completion_tokens" if q.chat and q.max_tokens is not None else "max_tokens",
                       f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
@@ -99,8 +100,7 @@ class Routes:
         return params
 
     async def _serve(self, request, chat: bool):
-        q = api.parse(await self._body(request), chat, [self.fe.model_name], self.fe.vocab_size, self.fe.tool_parser,
-                      self.fe.reasoning_parser)
+        q = api.parse(await self._body(request), chat, self.fe.surface)
         if self.fe.failed:
             raise ApiError(503, self.fe.failed)
         # every prompt checked before any is submitted: a bad one fails the request whole
