@@ -752,22 +752,28 @@ def test_sampling_defaults_from_the_generation_config(tmp_path_factory):
     """vLLM's ``--generation-config auto`` (its default): a request that leaves a sampling field
     out gets the model's recommendation from ``generation_config.json`` (here temperature 0:
     the reply is transformers' greedy one; max_new_tokens: a chat reply's length), and the
-    server says so at start; ``--generation-config vllm`` keeps vLLM's own (temperature 1)."""
+    server says so at start; the file's ``eos_token_id`` ends replies too; ``--generation-config
+    vllm`` keeps vLLM's own (temperature 1)."""
     from gpu_anchor.serve.tokenizer import Codec
     with own_daemon(tmp_path_factory, "gencfg") as (d, sock):
         model = make_tiny_model(str(d / MODEL), "qwen3", seed=3)
         path = os.path.join(model, "generation_config.json")
         with open(path) as f:
             cfg = json.load(f)
-        with open(path, "w") as f:
-            json.dump(dict(cfg, temperature=0.0, top_k=50, max_new_tokens=5), f)
         prompt, codec = "The quick brown fox", Codec(model, 384)
-        greedy = codec.decode(_hf_greedy(model, codec.encode(prompt), 6))
+        greedy_ids = _hf_greedy(model, codec.encode(prompt), 6)
+        greedy = codec.decode(greedy_ids)
+        k = next(i for i in range(1, 6) if greedy_ids[i] not in greedy_ids[:i] + [cfg["eos_token_id"]])
+        with open(path, "w") as f:      # and one more end-of-reply id, as Qwen3's file lists <|endoftext|>
+            json.dump(dict(cfg, temperature=0.0, top_k=50, max_new_tokens=5,
+                           eos_token_id=[cfg["eos_token_id"], greedy_ids[k]]), f)
         proc, base, log_path = start_server(str(d), model, "--socket", sock)
         try:
             c = client(base, "none")
             r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
             assert r.choices[0].text == greedy
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6)
+            assert r.usage.completion_tokens == k + 1 and r.choices[0].finish_reason == "stop"
             ch = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            extra_body={"ignore_eos": True})
             assert ch.usage.completion_tokens == 5

@@ -34,7 +34,7 @@ from .attention import step_inputs
 from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
-from .model_runner import Model, load_config
+from .model_runner import Model, eos_token_ids, load_config
 from .requests import Requests
 from .logit_adjust import adjust_logits
 from .sampling import sample_ids, token_logprobs
@@ -168,8 +168,7 @@ class Engine(Requests):
             self.timings = {k if k.startswith("standby_") else "standby_" + k: v for k, v in self.timings.items()}
             self.timings["recheck_s"] = time.perf_counter() - t0
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
-        eos = self.mc.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
         journal = st.journal
         self.committer = C.Committer(journal)

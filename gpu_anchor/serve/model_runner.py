@@ -28,6 +28,23 @@ from .attention import AttnMeta, attend, write_kv
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
+def eos_token_ids(mc, path: str) -> list[int]:
+    """The ids that end a reply: the config's ``eos_token_id`` and those of the model
+    directory's ``generation_config.json`` (Qwen3 lists ``<|endoftext|>`` there beside the
+    config's ``<|im_end|>``; vLLM stops at both)."""
+    out = []
+    gen = os.path.join(path, "generation_config.json") if os.path.isdir(path) else None
+    extra = None
+    if gen and os.path.exists(gen):
+        with open(gen) as f:
+            extra = json.load(f).get("eos_token_id")
+    for v in (mc.eos_token_id, extra):
+        for t in ([] if v is None else [v] if isinstance(v, int) else v):
+            if t not in out:
+                out.append(int(t))
+    return out
+
+
 def load_config(path: str):
     """A transformers config from a model directory or a ``config.json`` file."""
     from transformers import AutoConfig
