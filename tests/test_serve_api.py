@@ -739,6 +739,7 @@ def test_a_hub_id_from_the_local_cache(tmp_path_factory):
             try:
                 c = client(base, "none")
                 assert [m.id for m in c.models.list().data] == ["tiny-org/tiny-qwen3"]
+                assert c.models.retrieve("tiny-org/tiny-qwen3").id == "tiny-org/tiny-qwen3"
                 snap = str(repo / "snapshots" / h)
                 ids = Codec(snap, 384).encode("The quick brown fox")
                 out = c.completions.create(model="tiny-org/tiny-qwen3", prompt="The quick brown fox", max_tokens=6,

@@ -198,7 +198,7 @@ def make_app(fe) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
-    app.router.add_get("/v1/models/{name}", routes.model)
+    app.router.add_get("/v1/models/{name:.+}", routes.model)   # hub ids hold a slash
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/health", routes.health)
