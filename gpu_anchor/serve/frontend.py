@@ -45,7 +45,7 @@ from . import openai_api as api
 from . import wire
 from .metrics import Metrics
 from .routes import make_app
-from .tokenizer import Codec
+from .tokenizer import Codec, IncrementalText
 
 log = logging.getLogger("gpu_anchor.serve.frontend")
 
@@ -64,6 +64,8 @@ class Req:
         self.changed = asyncio.Event()
         self.resyncing = False       # the engine must recompute from our tokens; ignore it until it did
         self.text: str | None = None     # final text when a stop string cut it
+        self.detok: IncrementalText | None = None    # the text of ``out`` as it grows (streams, stop strings)
+        self.stop_floor: int | None = None   # min_tokens: the text length a stop string must end past
         self.t0 = time.monotonic()
         self.t_first: float | None = None    # when its first token arrived
         self.t_last: float | None = None     # when its last token arrived
@@ -288,9 +290,11 @@ class Frontend:
             return
         least = r.q.sampling.get("min_tokens", 0)
         if r.stop and len(r.out) >= least:
-            text = self.codec.decode(r.out, r.q.skip_special_tokens)
+            text = r.detok.update(r.out)
             # as vLLM: a stop string counts once it ends past the text of the first min_tokens tokens
-            floor = len(self.codec.decode(r.out[:least], r.q.skip_special_tokens)) if least else 0
+            if r.stop_floor is None:
+                r.stop_floor = len(self.codec.decode(r.out[:least], r.q.skip_special_tokens)) if least else 0
+            floor = r.stop_floor
             hits = [(at, s) for s in r.stop for at in [text.find(s, max(0, floor - len(s) + 1))] if at >= 0]
             if hits:
                 at, s = min(hits)
@@ -321,6 +325,7 @@ class Frontend:
 
     def submit(self, prompt, params, q: api.Request) -> Req:
         r = Req(f"{'chatcmpl' if q.chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, params, q)
+        r.detok = IncrementalText(self.codec, q.skip_special_tokens)
         self.reqs[r.rid] = r
         self.metrics.requests.inc()
         self.metrics.prompt_tokens.inc(len(prompt))

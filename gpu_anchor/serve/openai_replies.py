@@ -196,7 +196,8 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
             break
         if len(r.out) > n_sent or done:
             n = len(r.out)
-            target = _text(codec, r)
+            # while it runs, the text grown a window at a time; at the end, the reply's own text
+            target = _text(codec, r) if done or r.text is not None or r.detok is None else r.detok.update(r.out)
             if not done:
                 target = target[:len(target) - hold] if hold else target
                 target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token

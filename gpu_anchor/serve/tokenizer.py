@@ -131,3 +131,33 @@ class Codec:
                 raise TemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
         text = "".join(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class IncrementalText:
+    """The text of a token list that only grows (a stream's), decoded a window of new tokens at a
+    time instead of whole at every step, which cost a stream the square of its length
+    (``python -m bench stream_text``: 2.7 s of the frontend's one thread over an 8 000-token
+    reply, against 18 ms).  The window is decoded with the tokens before it as context,
+    as vLLM and TGI do, so that decoders that treat a first token apart (SentencePiece's leading
+    space) join correctly.  ``update(ids)`` is the text of ``ids`` but for a tail still undecided
+    (a character whose bytes are not all in: held back until they are); it is a prefix of
+    ``Codec.decode(ids)`` and equals it once that tail is whole.  A list that shrinks (never,
+    from the frontend) starts it over."""
+
+    def __init__(self, codec: Codec, skip_special_tokens: bool = True) -> None:
+        self.codec, self.skip = codec, skip_special_tokens
+        self.text, self.prefix, self.read = "", 0, 0
+
+    def update(self, ids: list[int]) -> str:
+        if len(ids) < self.read:
+            self.text, self.prefix, self.read = "", 0, 0
+        if len(ids) > self.read:
+            before = self.codec.decode(ids[self.prefix:self.read], self.skip)
+            after = self.codec.decode(ids[self.prefix:], self.skip)
+            if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(ids)
+            elif len(after) == len(before) and after == before:
+                self.read = len(ids)          # tokens with no text (special ones skipped): nothing held
+        return self.text
+
