@@ -66,6 +66,7 @@ class Req:
         self.text: str | None = None     # final text when a stop string cut it
         self.detok: IncrementalText | None = None    # the text of ``out`` as it grows (streams, stop strings)
         self.stop_floor: int | None = None   # min_tokens: the text length a stop string must end past
+        self.stop_scanned = 0                # the text length already searched for stop strings
         self.t0 = time.monotonic()
         self.t_first: float | None = None    # when its first token arrived
         self.t_last: float | None = None     # when its last token arrived
@@ -294,7 +295,9 @@ class Frontend:
             # as vLLM: a stop string counts once it ends past the text of the first min_tokens tokens
             if r.stop_floor is None:
                 r.stop_floor = len(self.codec.decode(r.out[:least], r.q.skip_special_tokens)) if least else 0
-            floor = r.stop_floor
+            # only the text a stop string could end in since the last look (the text only grows)
+            floor = max(r.stop_floor, r.stop_scanned)
+            r.stop_scanned = len(text)
             hits = [(at, s) for s in r.stop for at in [text.find(s, max(0, floor - len(s) + 1))] if at >= 0]
             if hits:
                 at, s = min(hits)
