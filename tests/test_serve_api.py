@@ -397,6 +397,31 @@ def test_logit_bias_min_tokens_and_min_p(srv):
     assert sampled[0] == sampled[1] and len(sampled[0]) == 10
 
 
+def test_stop_strings_over_several_tokens(srv):
+    """A stop string written over several tokens, each arriving in a step of its own: found
+    across them (the frontend searches only the text added since its last look, keeping a stop
+    string's length of it), cut before it or kept with ``include_stop_str_in_output``; streamed,
+    the same text, the stop string never sent."""
+    from gpu_anchor.serve.tokenizer import Codec
+    c, model = client(srv["base"]), srv["model"]
+    codec, prompt = Codec(model, 384), "The quick brown fox jumps over"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    out = [int(t.split(":")[1]) for t in c.completions.create(
+        logprobs=0, **dict(kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ).choices[0].logprobs.tokens]
+    text = codec.decode(out)
+    a = len(codec.decode(out[:6]))
+    stop = text[a:len(codec.decode(out[:10]))]             # four tokens' text, from the seventh token
+    assert len(stop) > 3 and text.find(stop) == a
+    for keep in (False, True):
+        want = text[:a + len(stop)] if keep else text[:a]
+        extra = {"ignore_eos": True, "include_stop_str_in_output": keep}
+        r = c.completions.create(stop=[stop], **dict(kw, extra_body=extra))
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "stop", keep
+        chunks = list(c.completions.create(stop=[stop], stream=True, **dict(kw, extra_body=extra)))
+        assert "".join(ch.choices[0].text for ch in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_n_choices(srv):
     """``n`` choices (refused with a 400 before): choice i is the request seeded ``seed + i``,
     so each equals the one-choice request with that seed, streamed or not, and greedy choices are
