@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json, or a hub id (default: the "
                                                      "model's)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default 127.0.0.1, this machine only; vLLM listens on every "
+                        "interface: 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--port-file", default=None, help="write the bound HTTP port here (for --port 0)")
     p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 if available)")
