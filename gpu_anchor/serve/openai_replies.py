@@ -3,8 +3,9 @@
 They are built from the frontend's request records ``r``, one per choice: its checked request
 ``r.q`` (``openai_api``), the prompt ids ``r.prompt`` (and its text ``r.prompt_text``, if given
 as text), the tokens ``r.out`` (with ``r.lps``, their log-probabilities, when asked, and
-``r.plps``, the prompt's, with ``echo`` or ``prompt_logprobs``), ``r.finish`` / ``r.error`` / ``r.text`` (the text cut at
-a stop string) and ``r.changed`` (set when any of them changed).
+``r.plps``, the prompt's, with ``echo`` or ``prompt_logprobs``), ``r.finish`` / ``r.error`` /
+``r.text`` (the text cut at a stop string), ``r.detok`` (the text of ``r.out`` as it grows) and
+``r.changed`` (set when any of them changed).
 """
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
         if len(r.out) > n_sent or done:
             n = len(r.out)
             # while it runs, the text grown a window at a time; at the end, the reply's own text
-            target = _text(codec, r) if done or r.text is not None or r.detok is None else r.detok.update(r.out)
+            target = _text(codec, r) if done or r.text is not None else r.detok.update(r.out)
             if not done:
                 target = target[:len(target) - hold] if hold else target
                 target = target.rstrip("\ufffd")   # incomplete UTF-8: wait for the next token
