@@ -4,37 +4,19 @@ Every field a request may carry is listed here with its check.  A field this ser
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
 does not (beam search, structured output, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
-default and never a 500.  The error body has OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+default and never a 500.  The error and the value checks: ``openai_checks``.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
+from .openai_checks import ApiError, bad, bool_field, ids_field, int_field, is_int, number_field, object_field
 from .sequence import MAX_LOGPROBS
 
 MAX_N = 128      # choices per request (each is a sequence of its own in the engine)
 MAX_BATCH = 256  # prompts per completions request
 MAX_CHOICES = 1024   # prompts x n: the sequences one request may start
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "Error"), "param": self.param,
-                          "code": self.status}}
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param)
-
-
 @dataclass
 class Surface:
     """What the server offers every request, set at its start: the model names it answers to,
@@ -81,51 +63,6 @@ class Request:
     thinking_opened: bool = False                  # the rendered prompt ends inside <think> (set when encoded)
 
 
-# ------------------------------------------------------------------ value checks
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
-
-
-def _int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
-    if not _is_int(v):
-        raise bad(name, f"must be an integer, got {v!r}")
-    v = int(v)
-    if lo is not None and v < lo or hi is not None and v > hi:
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad(name, f"must be {rng}, got {v}")
-    return v
-
-
-def _num(name: str, v, lo: float, hi: float, lo_open: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad(name, f"must be a number, got {v!r}")
-    if not (lo < v if lo_open else lo <= v) or v > hi:
-        raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-    return float(v)
-
-
-def _bool(name: str, v) -> bool:
-    if not isinstance(v, bool):
-        raise bad(name, f"must be true or false, got {v!r}")
-    return v
-
-
-def _object(name: str, v) -> dict:
-    if not isinstance(v, dict):
-        raise bad(name, "must be an object")
-    return v
-
-
-def _ids(name: str, v, vocab_size: int) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise bad(name, "must be a list of token ids")
-    out = [int(t) for t in v]
-    for t in out:
-        if not 0 <= t < vocab_size:
-            raise bad(name, f"token id {t} is outside the vocabulary (size {vocab_size})")
-    return out
-
-
 # Fields vLLM has that this server accepts only at their neutral value (None always passes).
 _NEUTRAL = {
     "best_of": ((1,), "best_of > 1 is not supported"),
@@ -149,7 +86,7 @@ _FLAGS = {"stream": "stream", "echo": "echo", "add_generation_prompt": "add_gene
 
 def _neutral(name: str, v) -> None:
     allowed, why = _NEUTRAL[name]
-    if v is not None and not any(type(v) is type(a) and v == a or _is_int(v) and _is_int(a) and v == a
+    if v is not None and not any(type(v) is type(a) and v == a or is_int(v) and is_int(a) and v == a
                                  for a in allowed):
         raise bad(name, why)
 
@@ -197,20 +134,20 @@ def parse_tokenize(body, served: list[str]) -> tuple[Request, bool]:
     if chat:
         r.messages = _messages(g("messages"))
         if g("add_generation_prompt") is not None:
-            r.add_generation_prompt = _bool("add_generation_prompt", g("add_generation_prompt"))
+            r.add_generation_prompt = bool_field("add_generation_prompt", g("add_generation_prompt"))
         if g("continue_final_message") is not None:
-            r.continue_final = _bool("continue_final_message", g("continue_final_message"))
+            r.continue_final = bool_field("continue_final_message", g("continue_final_message"))
         _continuing(r)
         _tools(r, g("tools"), "none", None)
         if g("chat_template_kwargs") is not None:
-            r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
+            r.template_kwargs = object_field("chat_template_kwargs", g("chat_template_kwargs"))
     elif isinstance(g("prompt"), str):
         r.prompts = [g("prompt")]
     else:
         raise bad("prompt", "must be a string")
     if g("add_special_tokens") is not None:
-        r.add_special_tokens = _bool("add_special_tokens", g("add_special_tokens"))
-    return r, g("return_token_strs") is not None and _bool("return_token_strs", g("return_token_strs"))
+        r.add_special_tokens = bool_field("add_special_tokens", g("add_special_tokens"))
+    return r, g("return_token_strs") is not None and bool_field("return_token_strs", g("return_token_strs"))
 
 
 def _continuing(r: Request) -> None:
@@ -222,7 +159,7 @@ def _continuing(r: Request) -> None:
 def parse_detokenize(body, served: list[str], vocab_size: int) -> list[int]:
     """vLLM's ``/detokenize`` body: the ``tokens`` to turn into text."""
     _model(_known(body, {"model", "tokens"}), served)
-    return _ids("tokens", body.get("tokens"), vocab_size)
+    return ids_field("tokens", body.get("tokens"), vocab_size)
 
 
 def parse(body, chat: bool, surface: Surface) -> Request:
@@ -241,53 +178,53 @@ def parse(body, chat: bool, surface: Surface) -> Request:
     g = body.get
     for name, attr in _FLAGS.items():
         if g(name) is not None:                     # unknown to this endpoint: refused above
-            setattr(r, attr, _bool(name, g(name)))
+            setattr(r, attr, bool_field(name, g(name)))
     if chat:
         r.messages = _messages(g("messages"))
         _continuing(r)
         _tools(r, g("tools"), g("tool_choice"), surface.tool_parser)
-        if g("parallel_tool_calls") is not None and not _bool("parallel_tool_calls", g("parallel_tool_calls")):
+        if g("parallel_tool_calls") is not None and not bool_field("parallel_tool_calls", g("parallel_tool_calls")):
             r.max_tool_calls = 1
         r.reasoning = surface.reasoning_parser is not None
         if g("include_reasoning") is not None:
-            r.include_reasoning = _bool("include_reasoning", g("include_reasoning"))
+            r.include_reasoning = bool_field("include_reasoning", g("include_reasoning"))
     else:
         r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling
     s = r.sampling
     s["temperature"] = d.get("temperature", 1.0) if g("temperature") is None else \
-        _num("temperature", g("temperature"), 0.0, 100.0)
-    s["top_p"] = d.get("top_p", 1.0) if g("top_p") is None else _num("top_p", g("top_p"), 0.0, 1.0, lo_open=True)
-    top_k = d.get("top_k", 0) if g("top_k") is None else _int("top_k", g("top_k"), -1)
+        number_field("temperature", g("temperature"), 0.0, 100.0)
+    s["top_p"] = d.get("top_p", 1.0) if g("top_p") is None else number_field("top_p", g("top_p"), 0.0, 1.0, lo_open=True)
+    top_k = d.get("top_k", 0) if g("top_k") is None else int_field("top_k", g("top_k"), -1)
     s["top_k"] = max(0, top_k)                      # -1 and 0 both mean "no top-k", as in vLLM
-    s["seed"] = None if g("seed") is None else _int("seed", g("seed"), -(1 << 63), (1 << 63) - 1)
-    s["stop_token_ids"] = [] if g("stop_token_ids") is None else _ids("stop_token_ids", g("stop_token_ids"),
+    s["seed"] = None if g("seed") is None else int_field("seed", g("seed"), -(1 << 63), (1 << 63) - 1)
+    s["stop_token_ids"] = [] if g("stop_token_ids") is None else ids_field("stop_token_ids", g("stop_token_ids"),
                                                                         1 << 62)
-    s["ignore_eos"] = False if g("ignore_eos") is None else _bool("ignore_eos", g("ignore_eos"))
+    s["ignore_eos"] = False if g("ignore_eos") is None else bool_field("ignore_eos", g("ignore_eos"))
     for name in ("presence_penalty", "frequency_penalty"):
         if g(name) is not None:
-            s[name] = _num(name, g(name), -2.0, 2.0)
+            s[name] = number_field(name, g(name), -2.0, 2.0)
     if g("repetition_penalty") is not None:
-        s["repetition_penalty"] = _num("repetition_penalty", g("repetition_penalty"), 0.0, 100.0, lo_open=True)
+        s["repetition_penalty"] = number_field("repetition_penalty", g("repetition_penalty"), 0.0, 100.0, lo_open=True)
     elif "repetition_penalty" in d:
         s["repetition_penalty"] = d["repetition_penalty"]
     if g("min_p") is not None:
-        s["min_p"] = _num("min_p", g("min_p"), 0.0, 1.0)
+        s["min_p"] = number_field("min_p", g("min_p"), 0.0, 1.0)
     elif "min_p" in d:
         s["min_p"] = d["min_p"]
     if g("min_tokens") is not None:
-        s["min_tokens"] = _int("min_tokens", g("min_tokens"), 0)
+        s["min_tokens"] = int_field("min_tokens", g("min_tokens"), 0)
     if g("logit_bias") is not None:
         s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
     if g("n") is not None:
-        r.n = _int("n", g("n"), 1, MAX_N)
+        r.n = int_field("n", g("n"), 1, MAX_N)
     if g("truncate_prompt_tokens") is not None:
-        r.truncate = _int("truncate_prompt_tokens", g("truncate_prompt_tokens"), 1)
+        r.truncate = int_field("truncate_prompt_tokens", g("truncate_prompt_tokens"), 1)
     if not chat and len(r.prompts) * r.n > MAX_CHOICES:
         raise bad("n", f"{len(r.prompts)} prompt(s) x n={r.n} is more than {MAX_CHOICES} sequences in one request")
     for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
         if g(name) is not None:                     # max_completion_tokens wins (OpenAI's newer name)
-            r.max_tokens = _int(name, g(name), 1)
+            r.max_tokens = int_field(name, g(name), 1)
             break
     else:
         r.max_tokens = None if chat else 16         # vLLM's defaults: the context for chat, 16 for completions
@@ -301,39 +238,39 @@ def parse(body, chat: bool, surface: Surface) -> Request:
         r.stop = stop
     so = g("stream_options")
     if so is not None:
-        _object("stream_options", so)
+        object_field("stream_options", so)
         if not r.stream:
             raise bad("stream_options", "only allowed with stream=true")
         for k, v in so.items():
             if k == "include_usage":
-                r.include_usage = v is not None and _bool("stream_options.include_usage", v)
+                r.include_usage = v is not None and bool_field("stream_options.include_usage", v)
             elif k == "continuous_usage_stats":
-                r.continuous_usage = v is not None and _bool("stream_options.continuous_usage_stats", v)
+                r.continuous_usage = v is not None and bool_field("stream_options.continuous_usage_stats", v)
             else:
                 raise bad(f"stream_options.{k}", "unknown field")
     # output shaping
     lp = g("logprobs")
     if chat:
-        want = lp is not None and _bool("logprobs", lp)
+        want = lp is not None and bool_field("logprobs", lp)
         top = g("top_logprobs")
         if top is not None:
-            top = _int("top_logprobs", top, 0, MAX_LOGPROBS)
+            top = int_field("top_logprobs", top, 0, MAX_LOGPROBS)
             if not want:
                 raise bad("top_logprobs", "needs logprobs=true")
         r.logprobs = (top or 0) if want else None
         if g("chat_template_kwargs") is not None:
-            r.template_kwargs = _object("chat_template_kwargs", g("chat_template_kwargs"))
+            r.template_kwargs = object_field("chat_template_kwargs", g("chat_template_kwargs"))
     else:
         if lp is not None:
             if isinstance(lp, bool):
                 raise bad("logprobs", "must be an integer (how many top log-probabilities per token) or null")
-            r.logprobs = _int("logprobs", lp, 0, MAX_LOGPROBS)
+            r.logprobs = int_field("logprobs", lp, 0, MAX_LOGPROBS)
     if g("prompt_logprobs") is not None:
         v = g("prompt_logprobs")
-        if _is_int(v) and v == -1:
+        if is_int(v) and v == -1:
             raise bad("prompt_logprobs", f"-1 (every token of the vocabulary) is not supported: at most "
                                          f"{MAX_LOGPROBS} top log-probabilities per prompt token")
-        r.prompt_logprobs = _int("prompt_logprobs", v, 0, MAX_LOGPROBS)
+        r.prompt_logprobs = int_field("prompt_logprobs", v, 0, MAX_LOGPROBS)
         if r.stream:
             raise bad("prompt_logprobs", "not available with stream=true (as in vLLM); for completions, "
                                          "echo=true with logprobs streams the prompt's log-probabilities")
@@ -378,7 +315,7 @@ def _tools(r: Request, tools, choice, tool_parser: str | None) -> None:
 def _logit_bias(v, vocab_size: int) -> list[list]:
     """OpenAI's ``{"token id": bias}``, biases in [-100, 100]."""
     out = []
-    for k, b in _object("logit_bias", v).items():
+    for k, b in object_field("logit_bias", v).items():
         t = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else None
         if t is None or not 0 <= t < vocab_size:
             raise bad("logit_bias", f"key {k!r} is not a token id of this model (0 to {vocab_size - 1})")
@@ -390,7 +327,7 @@ def _logit_bias(v, vocab_size: int) -> list[list]:
 
 def _prompts(p, vocab_size: int) -> list:
     """A prompt (text, or token ids) or a batch of them (a list of texts or of token-id lists)."""
-    if isinstance(p, str) or isinstance(p, list) and p and all(_is_int(t) for t in p):
+    if isinstance(p, str) or isinstance(p, list) and p and all(is_int(t) for t in p):
         p = [p]
     if not isinstance(p, list) or not p or len(p) > MAX_BATCH:
         raise bad("prompt", f"must be a string, a non-empty list of token ids, or a batch of 1 to {MAX_BATCH} of them")
@@ -399,8 +336,8 @@ def _prompts(p, vocab_size: int) -> list:
         where = "prompt" if len(p) == 1 else f"prompt[{k}]"
         if isinstance(x, str):
             out.append(x)
-        elif isinstance(x, list) and x and all(_is_int(t) for t in x):
-            out.append(_ids(where, x, vocab_size))
+        elif isinstance(x, list) and x and all(is_int(t) for t in x):
+            out.append(ids_field(where, x, vocab_size))
         else:
             raise bad("prompt", f"{where} must be a string or a non-empty list of token ids")
     return out

@@ -13,7 +13,7 @@ import json
 import time
 
 from . import reasoning, tool_calls
-from .openai_api import ApiError
+from .openai_checks import ApiError
 
 
 def usage(prompt: int, completion: int) -> dict:

@@ -16,7 +16,7 @@ from . import openai_api as api
 from . import openai_replies as replies
 from . import reasoning
 from . import wire
-from .openai_api import ApiError, bad
+from .openai_checks import ApiError, bad
 from .tokenizer import TemplateError
 
 log = logging.getLogger("gpu_anchor.serve.frontend")
