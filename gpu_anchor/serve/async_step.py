@@ -31,7 +31,8 @@ the read, as before) whenever running ahead is not simple to make right: the ste
 has rows that are not sampled (prefill chunks), a request waits for admission or any unfinished
 sequence is not in the step (a partial prefill, a preemption, a sequence the cache cannot hold),
 the blocks for the next slots are not free (the synchronous scheduler preempts), log-probabilities
-are asked for, or tensor parallelism is on.  Penalties count every token generated, step N's
+are asked for, a row's output is constrained by a grammar (its mask needs the token step N samples:
+``grammar_matchers``), or tensor parallelism is on.  Penalties count every token generated, step N's
 included: the step launched ahead counts it from the device (``logit_adjust``, ``pending``).
 """
 from __future__ import annotations
@@ -118,7 +119,7 @@ class RunAhead:
             s = w.seq
             if not cur.current(w, live):
                 continue                                  # aborted or rewound since ``cur`` was launched
-            if s.params.logprobs is not None:
+            if s.params.logprobs is not None or s.params.grammar is not None:
                 return None
             # after ``cur`` (whose token is not appended yet) the sequence has w.start + w.n + 1 tokens
             if len(s.output_ids) + 1 >= s.params.max_tokens or w.start + w.n + 1 >= limit:

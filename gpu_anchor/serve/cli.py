@@ -251,6 +251,7 @@ def engine_config(args, mc):
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
+                        tokenizer=args.tokenizer,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,

@@ -36,6 +36,7 @@ from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
 from .model_runner import Model, eos_token_ids, load_config
 from .requests import Requests
+from .grammar_matchers import Grammars
 from .logit_adjust import adjust_logits
 from .sampling import sample_ids, token_logprobs
 from .scheduler import Scheduler, Work
@@ -170,6 +171,7 @@ class Engine(Requests):
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
+        self.grammars = Grammars(cfg.tokenizer or cfg.model, self.mc.vocab_size, eos)
         journal = st.journal
         self.committer = C.Committer(journal)
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
@@ -381,9 +383,11 @@ class Engine(Requests):
             # the output index each row's token takes: its position + 1 - the prompt's length
             index = [w.start + w.n - len(w.seq.prompt_ids) for w in la.sw]
             # ahead: each row's input token is its last generated one, not on the host yet (la.sw is work)
+            allowed = self.grammars.bitmasks([w.seq for w in la.sw]) \
+                if any(p.grammar is not None for p in params) else None
             la.ids = draw(adjust_logits(logits, params, [w.seq.prompt_ids for w in la.sw],
                                         [w.seq.output_ids for w in la.sw], index, self.scheduler.eos_token_ids,
-                                        pending=ahead_ids),
+                                        pending=ahead_ids, allowed=allowed),
                           params, index)
             if any(p.logprobs is not None for p in params):
                 la.logits = logits            # the model's distribution, as vLLM reports it by default
@@ -425,6 +429,8 @@ class Engine(Requests):
         t4 = clock()
         st["sample"] += t4 - t3
         grown, finished = self.scheduler.finish_step(work, sampled)
+        if (finished or self._gone) and self.grammars.held():
+            self.grammars.forget(live)
         self._fault("before_commit")
         t5 = clock()
         st["finish"] += t5 - t4

@@ -17,6 +17,7 @@ ALL_PHASES = PHASES + ("after_launch",)
 class EngineConfig:
     model: str                       # model dir (config + safetensors) or, with random_weights, a config path
     random_weights: bool = False
+    tokenizer: str | None = None     # directory of tokenizer.json, for structured output (None: the model's)
     seed: int = 0                    # for random weights
     device: str = "cpu"
     dtype: str = "float32"

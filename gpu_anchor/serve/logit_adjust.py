@@ -1,9 +1,11 @@
-"""The logits a row is drawn from: ``min_tokens``, ``logit_bias`` and the penalties, in vLLM v1's order.
+"""The logits a row is drawn from: the grammar, ``min_tokens``, ``logit_bias`` and the penalties, in vLLM v1's order.
 
 ``sampling.sample_ids`` then applies temperature, ``min_p``, top-k and top-p to them.  For row
 ``b``, with ``i`` the output index its token takes, ``n_t`` the count of token ``t`` in the
 tokens generated so far and ``seen_t`` whether ``t`` is in the prompt or among them:
 
+0. structured output: the tokens the row's grammar refuses get ``-inf`` (``allowed``, a bitmask
+   from ``grammar_matchers``);
 1. ``min_tokens``: while ``i < min_tokens``, the row's stop token ids and (unless
    ``ignore_eos``) the model's EOS ids get ``-inf``: the request cannot end before it;
 2. ``logit_bias``: ``logit[t] += bias[t]`` (OpenAI's, ids as the tokenizer's);
@@ -28,7 +30,13 @@ from .sequence import SamplingParams
 
 
 def adjusts(p: SamplingParams) -> bool:
-    return p.penalized or bool(p.logit_bias) or p.min_tokens > 0
+    return p.penalized or bool(p.logit_bias) or p.min_tokens > 0 or p.grammar is not None
+
+
+def _bits(masks: torch.Tensor, V: int) -> torch.Tensor:
+    """int32 bitmask rows [R, ceil(V / 32)] (bit ``t % 32`` of word ``t // 32``: token ``t``) as bool [R, V]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
+    return ((masks.unsqueeze(-1) >> shifts) & 1).bool().reshape(masks.shape[0], -1)[:, :V]
 
 
 def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
@@ -41,12 +49,13 @@ def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list,
-                  indices: list[int], eos_ids=(), pending: torch.Tensor | None = None) -> torch.Tensor:
+                  indices: list[int], eos_ids=(), pending: torch.Tensor | None = None, allowed=None) -> torch.Tensor:
     """The logits of ``params[b]``'s row ``b`` after steps 1-4 (the module's docstring);
     ``logits`` itself when no row adjusts anything (it is never written: a CUDA graph's output
     buffer is not ours).  ``indices[b]``: the output index row ``b``'s token takes.
     ``pending[b]`` (on the device): row ``b``'s last generated token, not yet in ``outputs[b]``
-    (a step launched ahead), or None."""
+    (a step launched ahead), or None.  ``allowed``: ``(rows, masks)`` from
+    ``grammar_matchers.Grammars.bitmasks``, or None."""
     rows = [b for b, p in enumerate(params) if adjusts(p)]
     if not rows:
         return logits
@@ -55,6 +64,11 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: l
     idx = to_device(torch.tensor(rows, dtype=torch.long), dev)
     y = x.index_select(0, idx)
     ps = [params[b] for b in rows]
+    if allowed is not None:
+        at = {b: r for r, b in enumerate(rows)}
+        sel = to_device(torch.tensor([at[b] for b in allowed[0]], dtype=torch.long), dev)
+        refused = ~_bits(to_device(allowed[1], dev), V)
+        y.index_copy_(0, sel, y.index_select(0, sel).masked_fill(refused, float("-inf")))
     banned = [list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
               if indices[b] < p.min_tokens else [] for b, p in zip(rows, ps)]
     if any(banned):

@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here with its check.  A field this server does not
 know, a value of the wrong type or out of range, or a feature that vLLM has and this server
-does not (beam search, structured output, ...) is an
+does not (beam search, ...) is an
 ``ApiError`` — HTTP 400 whose JSON names the field (``error.param``) — never a silent
 default and never a 500.  The error and the value checks: ``openai_checks``.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from . import structured_output
 from .openai_checks import ApiError, bad, bool_field, ids_field, int_field, is_int, number_field, object_field
 from .sequence import MAX_LOGPROBS
 
@@ -71,7 +72,6 @@ _NEUTRAL = {
     "suffix": (("",), "suffix is not supported"),
     "functions": (([],), "the legacy functions field is not supported: send tools"),
     "function_call": (("none",), "the legacy function_call field is not supported: send tools and tool_choice"),
-    "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
     "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens=true is supported"),
     "store": ((False,), "this server does not store completions"),
 }
@@ -95,7 +95,8 @@ def _neutral(name: str, v) -> None:
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
            "ignore_eos", "max_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_p", "min_tokens", "logit_bias", "n", "skip_special_tokens", "include_stop_str_in_output",
-           "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"} | set(_NEUTRAL) | set(_METADATA)
+           "return_tokens_as_token_ids", "add_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"} \
+    | set(_NEUTRAL) | set(_METADATA) | set(structured_output.FIELDS)
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                    "continue_final_message", "tools", "tool_choice", "parallel_tool_calls", "include_reasoning",
@@ -216,6 +217,11 @@ def parse(body, chat: bool, surface: Surface) -> Request:
         s["min_tokens"] = int_field("min_tokens", g("min_tokens"), 0)
     if g("logit_bias") is not None:
         s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
+    grammar = structured_output.grammar(body)
+    if grammar is not None:
+        if s.get("min_tokens"):
+            raise bad("min_tokens", "not with structured output: the grammar decides where the reply may end")
+        s["grammar"] = grammar
     if g("n") is not None:
         r.n = int_field("n", g("n"), 1, MAX_N)
     if g("truncate_prompt_tokens") is not None:

@@ -65,8 +65,22 @@ class Routes:
             except TemplateError as e:
                 raise bad("messages", str(e)) from None
             q.thinking_opened = q.reasoning and reasoning.opened(text)
+            if q.reasoning and q.sampling.get("grammar") is not None:
+                self._grammar_after(q, text)
             return self.fe.codec.encode(text, q.add_special_tokens)
         return self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt
+
+    def _grammar_after(self, q: api.Request, text: str) -> None:
+        """With a reasoning parser, the grammar constrains the answer: the tokens after the reply's
+        ``</think>``, unless the prompt closed the reasoning itself (``grammar_matchers``)."""
+        if text.rfind(reasoning.END) > text.rfind(reasoning.START):
+            return
+        end = self.fe.codec.token_id(reasoning.END)
+        if end is None:
+            raise bad("response_format", f"structured output with --reasoning-parser needs {reasoning.END} to be one "
+                                         "token of the model's vocabulary (it is not): serve this model without "
+                                         "--reasoning-parser")
+        q.sampling["grammar_after"] = end
 
     def _prompt_ids(self, q: api.Request, prompt=None) -> list[int]:
         """``_encode``, its last ``truncate_prompt_tokens`` if given, checked: some tokens, fewer
@@ -101,6 +115,8 @@ class Routes:
 
     async def _serve(self, request, chat: bool):
         q = api.parse(await self._body(request), chat, self.fe.surface)
+        if q.sampling.get("grammar") is not None and self.fe.codec.kind != "tokenizer.json":
+            raise ApiError(400, "structured output needs the model's tokenizer.json (this server decodes bytes)")
         if self.fe.failed:
             raise ApiError(503, self.fe.failed)
         # every prompt checked before any is submitted: a bad one fails the request whole

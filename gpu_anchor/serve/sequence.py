@@ -24,7 +24,7 @@ MAX_LOGPROBS = 20     # the most top log-probabilities a request may ask for per
 
 
 _LATER = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-          "min_tokens": 0, "logit_bias": (), "prompt_logprobs": None}
+          "min_tokens": 0, "logit_bias": (), "prompt_logprobs": None, "grammar": None, "grammar_after": None}
 
 
 @dataclass
@@ -55,6 +55,10 @@ class SamplingParams:
     logit_bias: tuple = ()
     # None: none; k >= 0: each prompt token's log-probability (from the second on) and the k most likely
     prompt_logprobs: int | None = None
+    # structured output: llguidance's grammar text (``structured_output``); the reply is constrained to it
+    grammar: str | None = None
+    # the grammar constrains only the tokens after this id's first occurrence in the reply (``</think>``)
+    grammar_after: int | None = None
 
     def __post_init__(self) -> None:
         if int(self.max_tokens) < 1:
@@ -84,6 +88,12 @@ class SamplingParams:
         bad = next(((t, v) for t, v in self.logit_bias if t < 0 or not -100.0 <= v <= 100.0), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token {bad[0]} -> {bad[1]}: ids are >= 0, biases in [-100, 100]")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("grammar must be a non-empty string (llguidance's grammar text)")
+        if self.grammar_after is not None and (self.grammar is None or int(self.grammar_after) < 0):
+            raise ValueError(f"grammar_after ({self.grammar_after}) needs a grammar and a token id >= 0")
+        if self.grammar_after is not None:
+            self.grammar_after = int(self.grammar_after)
         self.min_p, self.min_tokens = float(self.min_p), int(self.min_tokens)
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
         self.repetition_penalty = float(self.repetition_penalty)

@@ -101,6 +101,10 @@ class Codec:
             return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token that is exactly ``text`` (an added token such as ``</think>``), or None."""
+        return self.tok.token_to_id(text) if self.tok is not None else None
+
     def token_text(self, tid: int) -> str:
         """One token as text, special tokens included (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.decode([tid], skip_special_tokens=False)
