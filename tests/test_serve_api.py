@@ -137,9 +137,14 @@ BAD = [
     (C, dict(P, logit_bias=[5, 10]), "logit_bias"),
     (C, dict(P, suffix="end"), "suffix"),
     (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # no --enable-auto-tool-choice
-    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "tool_choice"),
+    (CH, dict(M, tool_choice="required"), "tool_choice"),                                  # no tools
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"), "tool_choice"),
     (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}],
-              tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+              tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),   # not a tool
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+              response_format={"type": "json_object"}), "tool_choice"),
+    (CH, dict(M, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+              tool_choice="required"), "tools"),
     (CH, dict(M, tools=[{"type": "function"}], tool_choice="none"), "tools[0]"),
     (CH, dict(M, tools={"name": "f"}), "tools"),
     (CH, dict(M, tool_choice="auto"), "tool_choice"),

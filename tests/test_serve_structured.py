@@ -309,6 +309,44 @@ def test_constrained_stream_across_an_engine_sigkill(so_srv):
     assert json.loads(_get(base + "/health")[1])["engine_pid"] != pid
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}]
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+def _call_ok(name: str, arguments: str) -> bool:
+    a = json.loads(arguments)
+    return name == "get_weather" and a == {"city": a["city"]} and a["city"] in ("Paris", "Rome") \
+        or name == "get_time" and a == {"utc": a["utc"]} and isinstance(a["utc"], bool)
+
+
+def test_forced_tool_choice_required_and_named(so_srv):
+    """``tool_choice: "required"`` and a named function (no tool parser needed, as in vLLM): the
+    reply is constrained to calls of the tools, returned as ``tool_calls``; streamed through the
+    SDK's helper the same; ``parallel_tool_calls: false`` makes it one call."""
+    c = _client(so_srv["base"])
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=400, extra_body=COMPACT)
+    for seed in range(3):
+        r = c.chat.completions.create(tool_choice="required", seed=seed, **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls, ch
+        assert all(_call_ok(t.function.name, t.function.arguments) for t in ch.message.tool_calls)
+        with c.chat.completions.stream(tool_choice="required", seed=seed, **kw) as st:
+            final = st.get_final_completion().choices[0]
+        assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == \
+            [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+        one = c.chat.completions.create(tool_choice="required", parallel_tool_calls=False, seed=seed, **kw)
+        assert len(one.choices[0].message.tool_calls) == 1
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = c.chat.completions.create(tool_choice=named, seed=4, **kw)
+    ch = r.choices[0]
+    (call,) = ch.message.tool_calls
+    assert ch.finish_reason == "stop" and call.function.name == "get_time" and _call_ok("get_time", call.function.arguments)
+    assert call.id.startswith("chatcmpl-tool-")
+
+
 # ------------------------------------------------------------------ on the GPU
 @pytest.mark.gpu
 def test_grammar_masks_on_cuda(model_dir, tok, cuda_daemon):

@@ -317,3 +317,18 @@ def test_tool_call_stream_across_an_engine_sigkill(tool_srv):
     strip = [dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in got[0]["calls"]]
     assert dict(got[0], calls=strip) == dict(ref, calls=[dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in ref["calls"]])
     assert json.loads(_get(base + "/health")[1])["engine_pid"] != pid
+
+
+def test_forced_replies_are_calls_decided_at_the_end():
+    from gpu_anchor.serve.tool_calls import forced, tool_grammar_schema
+    two = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    assert forced(two, False, None).calls == [] and forced(two, False, None).content == ""
+    assert forced(two, True, None).calls == [("f", '{"a": 1}'), ("g", "{}")]
+    assert forced('{"a": 1}', True, "f").calls == [("f", '{"a": 1}')]
+    for cut, name in [('[{"name": "f", "param', None), ('{"a": ', "f")]:      # cut by max_tokens: content
+        assert forced(cut, True, name).content == cut and not forced(cut, True, name).calls
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    assert tool_grammar_schema(tools, "g", True) == {"type": "object", "properties": {}}
+    req = tool_grammar_schema(tools, None, False)
+    assert req["maxItems"] == 1 and [o["properties"]["name"]["enum"] for o in req["items"]["anyOf"]] == [["f"], ["g"]]

@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 
 from . import structured_output
-from .openai_checks import ApiError, bad, bool_field, ids_field, int_field, is_int, number_field, object_field
+from .openai_checks import (ApiError, bad, bool_field, ids_field, int_field, is_int, logit_bias_field, number_field,
+                            object_field)
 from .sequence import MAX_LOGPROBS
 
 MAX_N = 128      # choices per request (each is a sequence of its own in the engine)
@@ -59,6 +60,7 @@ class Request:
     tools: list | None = None                      # chat: the tools, as the template gets them
     parse_tools: bool = False                      # tool_choice "auto": the reply's tool calls parsed
     max_tool_calls: int | None = None              # parallel_tool_calls false: 1 (as vLLM: the first)
+    forced_tool: tuple | None = None               # tool_choice "required": (None,); a named function: (name,)
     reasoning: bool = False                        # chat, --reasoning-parser: <think> ... </think> apart
     include_reasoning: bool = True                 # vLLM's include_reasoning: false drops it
     thinking_opened: bool = False                  # the rendered prompt ends inside <think> (set when encoded)
@@ -216,8 +218,14 @@ def parse(body, chat: bool, surface: Surface) -> Request:
     if g("min_tokens") is not None:
         s["min_tokens"] = int_field("min_tokens", g("min_tokens"), 0)
     if g("logit_bias") is not None:
-        s["logit_bias"] = _logit_bias(g("logit_bias"), vocab_size)
+        s["logit_bias"] = logit_bias_field(g("logit_bias"), vocab_size)
     grammar = structured_output.grammar(body)
+    if r.forced_tool is not None:
+        if grammar is not None:
+            raise bad("tool_choice", "a forced tool choice constrains the reply to its calls: not with "
+                                     "response_format / structured_outputs")
+        grammar = structured_output.tool_grammar(r.tools, r.forced_tool[0], r.max_tool_calls != 1,
+                                                 structured_output.compact(body))
     if grammar is not None:
         if s.get("min_tokens"):
             raise bad("min_tokens", "not with structured output: the grammar decides where the reply may end")
@@ -290,8 +298,8 @@ def parse(body, chat: bool, surface: Surface) -> Request:
 def _tools(r: Request, tools, choice, tool_parser: str | None) -> None:
     """``tools`` and ``tool_choice``: the tools go to the chat template; with ``auto`` (the
     default when tools are given) the reply's tool calls are parsed, which needs the server's
-    ``--enable-auto-tool-choice`` (as in vLLM); ``required`` or a named function would need
-    decoding constrained to a schema, which this server lacks."""
+    ``--enable-auto-tool-choice`` (as in vLLM); ``required`` or a named function constrain the
+    reply to calls (``structured_output.tool_grammar``)."""
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("tools", "must be a list")
@@ -307,28 +315,26 @@ def _tools(r: Request, tools, choice, tool_parser: str | None) -> None:
         choice = "auto" if r.tools else "none"
     if choice == "none":
         return
+    if choice == "required" or isinstance(choice, dict):     # the reply constrained to calls (forced_tool)
+        if not r.tools:
+            raise bad("tool_choice", f"{json.dumps(choice)} needs tools")
+        name = None
+        if isinstance(choice, dict):
+            f = choice.get("function") if choice.get("type") == "function" else None
+            name = f.get("name") if isinstance(f, dict) else None
+            if name not in {t["function"]["name"] for t in r.tools}:
+                raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                         '{"name": <one of the tools>}}')
+        r.forced_tool = (name,)
+        return
     if choice != "auto":
-        raise bad("tool_choice", f"{choice!r} needs decoding constrained to the tool's schema, which this server "
-                                 "lacks: use \"auto\" or \"none\"")
+        raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if not r.tools:
         raise bad("tool_choice", "\"auto\" needs tools")
     if tool_parser is None:
         raise bad("tool_choice", '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                                  "--tool-call-parser (as in vLLM)")
     r.parse_tools = True
-
-
-def _logit_bias(v, vocab_size: int) -> list[list]:
-    """OpenAI's ``{"token id": bias}``, biases in [-100, 100]."""
-    out = []
-    for k, b in object_field("logit_bias", v).items():
-        t = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else None
-        if t is None or not 0 <= t < vocab_size:
-            raise bad("logit_bias", f"key {k!r} is not a token id of this model (0 to {vocab_size - 1})")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise bad("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {b!r}")
-        out.append([t, float(b)])
-    return out
 
 
 def _prompts(p, vocab_size: int) -> list:

@@ -66,3 +66,16 @@ def ids_field(name: str, v, vocab_size: int) -> list[int]:
         if not 0 <= t < vocab_size:
             raise bad(name, f"token id {t} is outside the vocabulary (size {vocab_size})")
     return out
+
+
+def logit_bias_field(v, vocab_size: int) -> list[list]:
+    """OpenAI's ``{"token id": bias}``, biases in [-100, 100]."""
+    out = []
+    for k, b in object_field("logit_bias", v).items():
+        t = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else None
+        if t is None or not 0 <= t < vocab_size:
+            raise bad("logit_bias", f"key {k!r} is not a token id of this model (0 to {vocab_size - 1})")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {b!r}")
+        out.append([t, float(b)])
+    return out

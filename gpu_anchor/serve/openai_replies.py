@@ -102,6 +102,20 @@ def _usage(rs: list, n: int) -> dict:
     return usage(sum(len(r.prompt) for r in rs[::n]), sum(len(r.out) for r in rs))
 
 
+def _calls(q, text: str, final: bool):
+    """The reply's content and tool calls: parsed (``tool_choice`` auto) or, under a forced tool
+    choice, what the grammar made the model write (``tool_calls.forced``)."""
+    if q.forced_tool:
+        return tool_calls.forced(text, final, q.forced_tool[0])
+    return tool_calls.split(text, final=final, max_calls=q.max_tool_calls)
+
+
+def _calls_finish(q, finish: str) -> str:
+    """A reply that made calls ends in ``tool_calls``; under a named tool choice in its own
+    reason (``stop``), as OpenAI and vLLM answer it."""
+    return finish if q.forced_tool and q.forced_tool[0] is not None else "tool_calls"
+
+
 def reply(codec, rs: list, n: int = 1) -> dict:
     """The JSON body of a finished, non-streamed request: choice ``i`` from ``rs[i]`` (prompt
     ``i // n``'s choice ``i % n``, as vLLM numbers them)."""
@@ -115,13 +129,13 @@ def reply(codec, rs: list, n: int = 1) -> dict:
             message, finish = {"role": "assistant", "content": _text(codec, r)}, r.finish
             if q.reasoning:
                 thought, message["content"] = reasoning.split(message["content"], True, q.thinking_opened)
-            if q.parse_tools:
-                found = tool_calls.split(message["content"], final=True, max_calls=q.max_tool_calls)
+            if q.parse_tools or q.forced_tool:
+                found = _calls(q, message["content"], True)
                 message["content"] = found.content
                 if found.calls:         # as vLLM: no content is null, and the reply ends in its calls
                     message = {"role": "assistant", "content": found.content or None,
                                "tool_calls": tool_calls.call_objects(found.calls, r.rid)}
-                    finish = "tool_calls"
+                    finish = _calls_finish(q, finish)
             if q.reasoning and q.include_reasoning:     # vLLM's name and its older one
                 message["reasoning"] = message["reasoning_content"] = thought or None
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
@@ -206,8 +220,8 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
             if q.reasoning:           # the reasoning and the rest, as each is decided (reasoning.split)
                 whole, target = reasoning.split(target, done, q.thinking_opened)
                 thought, thought_sent = whole[len(thought_sent):], whole
-            if q.parse_tools:         # content and whole tool calls, as each is decided (tool_calls.split)
-                found = tool_calls.split(target, final=done, max_calls=q.max_tool_calls)
+            if q.parse_tools or q.forced_tool:      # content and whole tool calls, as each is decided
+                found = _calls(q, target, done)
                 target, calls = found.content, found.calls[calls_sent:]
             delta = target[len(sent):] if target.startswith(sent) else ""
             # one chunk per token batch even when its text is held back or empty
@@ -219,7 +233,7 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
             if calls:
                 calls = tool_calls.call_objects(calls, r.rid, calls_sent, streamed=True)
                 calls_sent += len(calls)
-            fin = ("tool_calls" if calls_sent else r.finish) if done else None
+            fin = (_calls_finish(q, r.finish) if calls_sent else r.finish) if done else None
             if q.chat:
                 d = {"content": delta} if delta else {}
                 if n_sent == 0:

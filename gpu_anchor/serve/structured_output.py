@@ -109,6 +109,26 @@ def _asked(body: dict) -> list[tuple[str, str, object]]:
     return out
 
 
+def compact(body: dict) -> bool:
+    """``structured_outputs.disable_any_whitespace``: JSON without optional whitespace."""
+    so = body.get("structured_outputs")
+    return isinstance(so, dict) and so.get("disable_any_whitespace") is True
+
+
+def tool_grammar(tools: list[dict], name: str | None, parallel: bool, compact: bool = False) -> str:
+    """The grammar of a reply under ``tool_choice`` ``required`` (``name`` None) or naming a
+    function (``tool_calls.tool_grammar_schema``); a tool's bad ``parameters`` schema is a 400."""
+    from .tool_calls import tool_grammar_schema
+    return _checked(_compile("json", tool_grammar_schema(tools, name, parallel), "tools", compact), "tools")
+
+
+def _checked(text: str, where: str) -> str:
+    why = _llguidance().LLMatcher.validate_grammar(text)
+    if why:
+        raise bad(where, f"llguidance cannot compile it: {why.strip()}")
+    return text
+
+
 def grammar(body: dict) -> str | None:
     """The request's constraint as llguidance grammar text, checked; None if it asks for none."""
     asked = _asked(body)
@@ -117,9 +137,4 @@ def grammar(body: dict) -> str | None:
     if len(asked) > 1:
         raise bad(asked[1][1], f"one constraint per request: {asked[0][1]} and {asked[1][1]} were both given")
     kind, where, value = asked[0]
-    so = body.get("structured_outputs") or {}
-    text = _compile(kind, value, where, compact=bool(so.get("disable_any_whitespace")))
-    why = _llguidance().LLMatcher.validate_grammar(text)
-    if why:
-        raise bad(where, f"llguidance cannot compile it: {why.strip()}")
-    return text
+    return _checked(_compile(kind, value, where, compact(body)), where)

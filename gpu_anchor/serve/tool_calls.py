@@ -109,6 +109,43 @@ def split(text: str, final: bool, max_calls: int | None = None) -> Split:
     return out
 
 
+def forced(text: str, final: bool, name: str | None) -> Split:
+    """A reply written under ``tool_choice`` ``required`` (``name`` None: a JSON list of
+    ``{"name", "parameters"}``, ``tool_grammar``) or naming function ``name`` (the reply is its
+    arguments), as content and calls.  The calls are decided at the end (nothing before:
+    monotone); a reply that is not what the grammar wrote (cut by ``max_tokens``) is content."""
+    if not final:
+        return Split()
+    if name is not None:
+        try:
+            json.loads(text)
+        except ValueError:
+            return Split(content=text)
+        return Split(calls=[(name, text.strip())])
+    try:
+        items = json.loads(text)
+        calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+    except (ValueError, TypeError, KeyError):
+        return Split(content=text)
+    return Split(calls=calls)
+
+
+def tool_grammar_schema(tools: list[dict], name: str | None, parallel: bool = True) -> dict:
+    """The JSON schema a reply under a forced ``tool_choice`` is constrained to (as vLLM's):
+    the named function's parameters, or for ``required`` a list of one call or more (at most one
+    without ``parallel``), each ``{"name": <a tool's>, "parameters": <its parameters>}``."""
+    def params(t):
+        return t["function"].get("parameters") or {"type": "object", "properties": {}}
+    if name is not None:
+        return params(next(t for t in tools if t["function"]["name"] == name))
+    one = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": params(t)},
+            "required": ["name", "parameters"]} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": one}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
 def call_objects(calls: list[tuple[str, str]], rid: str, start: int = 0, streamed: bool = False) -> list[dict]:
     """The API's ``tool_calls`` entries for ``calls`` (numbered from ``start``): ids derived from
     the request's, so that a stream replayed after a crash sends the same ones."""
