@@ -36,7 +36,7 @@ from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
 from .model_runner import Model, eos_token_ids, load_config
 from .requests import Requests
-from .grammar_matchers import Grammars
+from .grammar_matchers import Grammars, words
 from .logit_adjust import adjust_logits
 from .sampling import sample_ids, token_logprobs
 from .scheduler import Scheduler, Work
@@ -102,6 +102,7 @@ class Engine(Requests):
                 torch.backends.cuda.preferred_blas_library(blas)
         self.timings["cuda_init_s"] = time.perf_counter() - t0
         self.mc = load_config(cfg.model)
+        self.grammars = Grammars(cfg.tokenizer or cfg.model, self.mc.vocab_size, eos_token_ids(self.mc, cfg.model))
         self.tp = None
         if cfg.tensor_parallel_size > 1:
             if cfg.rank != 0:
@@ -125,6 +126,9 @@ class Engine(Requests):
             self.capture_graphs()
             self.timings["standby_capture_s"] = time.perf_counter() - t1
             self._warm_outside_graphs()
+            t2 = time.perf_counter()
+            if self.grammars.prepare():      # ~1 s for a 150 000-token vocabulary: not after the take-over
+                self.timings["standby_grammar_vocab_s"] = time.perf_counter() - t2
             self.timings["standby_attach_s"] = time.perf_counter() - t0
             return
         self.take_over(progress, _t0=t0, fence=fence)
@@ -147,6 +151,8 @@ class Engine(Requests):
             adj = [SamplingParams(max_tokens=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
                                   min_tokens=1, logit_bias={1: 1.0}, min_p=0.1, temperature=0.8, seed=1)]
             draw(adjust_logits(logits[:1], adj, [[0, 1]], [[1, 2]], [0], [0]), adj, [0])
+            masks = torch.full((1, words(self.mc.vocab_size)), -1, dtype=torch.int32)    # structured output's
+            adjust_logits(logits[:1], [SamplingParams(grammar="-")], [[0]], [[]], [0], [0], allowed=([0], masks))
             token_logprobs(logits[:2], [0, 1], [0, 2])
         torch.cuda.synchronize(self.device)
 
@@ -171,7 +177,6 @@ class Engine(Requests):
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
         eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
-        self.grammars = Grammars(cfg.tokenizer or cfg.model, self.mc.vocab_size, eos)
         journal = st.journal
         self.committer = C.Committer(journal)
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
