@@ -23,6 +23,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,10 +168,33 @@ def test_openai_streams_equal_a_fault_free_run_over_three_cuda_daemon_kills(gpu_
     _three_daemon_kills(gpu_server)
 
 
-def _three_daemon_kills(server):
+def test_constrained_streams_equal_a_fault_free_run_over_three_daemon_kills(server):
+    """Structured output (a JSON schema, a regex, a tool call forced by tool_choice) beside plain
+    streams: the daemon's state is lost three times, every request is recomputed from its
+    record, whose grammar rebuilds its matcher, and each stream equals its fault-free run."""
+    pytest.importorskip("llguidance")
+    colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 30, "maxItems": 30}
+    compact = {"disable_any_whitespace": True}
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": colors}}]
+    jobs = _jobs(3) + [
+        {"prompt": "colors", "max_tokens": 240, "temperature": 0.9, "seed": 5, "stream": True,
+         "extra_body": {"structured_outputs": dict(compact, json=colors), "ignore_eos": True}},
+        {"messages": [{"role": "user", "content": "a code"}], "max_tokens": 200, "temperature": 1.0, "seed": 6,
+         "stream": True, "extra_body": {"guided_regex": "([A-Z]{3}-[0-9]{4}\n){15}"}},
+        {"messages": [{"role": "user", "content": "paint"}], "max_tokens": 240, "temperature": 0.9, "seed": 7,
+         "stream": True, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "paint"}},
+         "extra_body": {"structured_outputs": compact}}]
+    ref = _three_daemon_kills(server, jobs)
+    assert len(json.loads(ref[3]["text"])) == 30
+    assert re.fullmatch("([A-Z]{3}-[0-9]{4}\n){15}", ref[4]["text"]) and ref[4]["finish"] == "stop"
+    name, args = ref[5]["text"][len("<call "):-1].split(" ", 1)
+    assert name == "paint" and len(json.loads(args)) == 30 and ref[5]["finish"] == "stop"
+
+
+def _three_daemon_kills(server, jobs=None) -> list[dict]:
     base = server.start()
     c = _client(base)
-    jobs = _jobs()
+    jobs = jobs or _jobs()
     free = [_Stream(c, j) for j in jobs]
     ref = [s.result() for s in free]
     before = scrape(base)
@@ -202,6 +226,7 @@ def _three_daemon_kills(server):
     assert len(restores) == 3 and all(r["kind"] == "destructive" and "daemon is not answering" in r["reason"]
                                       for r in restores), restores
     assert "daemon is not answering" in server.health()["last_state_loss"]["reason"]
+    return ref
 
 
 @pytest.mark.parametrize("how", ["drop", "inconsistent"])

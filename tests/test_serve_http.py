@@ -293,6 +293,8 @@ class _Stream:
                 x = ch.choices[0]
                 got = self.choices[x.index]
                 got.text += (x.delta.content or "") if chat else x.text
+                for tc in (x.delta.tool_calls or []) if chat else ():     # a forced tool choice's call
+                    got.text += f"<call {tc.function.name} {tc.function.arguments}>"
                 lp = x.logprobs
                 if lp is not None:
                     pairs = [(e.token, e.logprob) for e in lp.content] if chat else zip(lp.tokens, lp.token_logprobs)
