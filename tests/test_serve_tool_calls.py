@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from gpu_anchor.serve.tool_calls import call_objects, split
+from gpu_anchor.serve.tool_calls import call_objects, parse, split
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
@@ -40,6 +40,37 @@ CASES = [
     # a tag's start at the end that is not a tag
     ("a < b and <tool", "a < b and <tool", []),
 ]
+
+
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_CASES = [
+    ("It is sunny.", "It is sunny.", []),
+    (LLAMA, "", [("get_weather", {"city": "Paris"})]),
+    ("<|python_tag|>" + LLAMA, "", [("get_weather", {"city": "Paris"})]),         # the tag kept in the text
+    ("\n " + LLAMA + "; " + LLAMA.replace("Paris", "Rome"), "",
+     [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]),
+    ('{"name": "now", "arguments": {}}', "", [("now", {})]),
+    # not calls: the whole reply is content, as written
+    ('{"name": "f", "parameters": {"x": ', '{"name": "f", "parameters": {"x": ', []),     # cut by max_tokens
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),
+    (LLAMA + " and more", LLAMA + " and more", []),
+    ("Sure: " + LLAMA, "Sure: " + LLAMA, []),                                      # not at the start: content
+    ("<|python", "<|python", []),
+    ("  ", "  ", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
+def test_llama3_json(text, content, calls):
+    got = parse(text, True, "llama3_json")
+    assert got.content == content and [(n, json.loads(a)) for n, a in got.calls] == calls
+    whole, sent, n_calls = got, "", 0
+    for k in range(len(text) + 1):             # every prefix, as a stream sees it (monotone)
+        part = parse(text[:k], False, "llama3_json")
+        assert part.content.startswith(sent) and whole.content.startswith(part.content), (k, part)
+        assert whole.calls[:len(part.calls)] == part.calls and len(part.calls) >= n_calls
+        sent, n_calls = part.content, len(part.calls)
+    assert len(parse(text, True, "llama3_json", max_calls=1).calls) == min(1, len(calls))
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
@@ -332,3 +363,50 @@ def test_forced_replies_are_calls_decided_at_the_end():
     assert tool_grammar_schema(tools, "g", True) == {"type": "object", "properties": {}}
     req = tool_grammar_schema(tools, None, False)
     assert req["maxItems"] == 1 and [o["properties"]["name"]["enum"] for o in req["items"]["anyOf"]] == [["f"], ["g"]]
+
+
+# ------------------------------------------------------------------ Llama 3's JSON calls (--tool-call-parser llama3_json)
+LLAMA_TEMPLATE = ("{% if tools %}Tools: {% for t in tools %}{{ t.function | tojson }} {% endfor %}\n{% endif %}"
+                  "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+HI = [{"role": "user", "content": "Hi there"}]
+HELLO = "Hello! How can I help?"
+
+
+@pytest.fixture(scope="module")
+def llama_srv(tmp_path_factory):
+    """A Llama model taught to answer the weather question with Llama 3's JSON call and a
+    greeting with text, served with --tool-call-parser llama3_json."""
+    from gpu_anchor.serve.tokenizer import Codec
+    from gpu_anchor.testing.tiny import make_tiny_model
+    from test_serve_api import start_server
+    from test_serve_http import own_daemon, stop_server
+    with own_daemon(tmp_path_factory, "llama-tools") as (d, sock):
+        model = make_tiny_model(str(d / "tiny-llama"), "llama", seed=4)
+        codec = Codec(model, 384, chat_template=LLAMA_TEMPLATE)
+        _teach(model, [(codec.encode(codec.chat(ASK, tools=TOOLS)), codec.encode(LLAMA)),
+                       (codec.encode(codec.chat(HI, tools=TOOLS)), codec.encode(HELLO))])
+        proc, base, log_path = start_server(str(d), model, "--socket", sock, "--chat-template", LLAMA_TEMPLATE,
+                                            "--served-model-name", "tiny-llama", "--max-model-len", "512",
+                                            "--enable-auto-tool-choice",
+                                            "--tool-call-parser", "llama3_json")
+        try:
+            yield base
+        finally:
+            stop_server(proc)
+
+
+def test_llama3_json_calls_through_the_openai_client(llama_srv):
+    c = _client(llama_srv)
+    kw = dict(model="tiny-llama", tools=TOOLS, temperature=0, max_tokens=120)
+    r = c.chat.completions.create(messages=ASK, **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls, ch
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    got = _streamed(c.chat.completions.create(messages=ASK, stream=True, **kw))
+    assert [(x["name"], x["arguments"]) for x in got["calls"]] == [("get_weather", call.function.arguments)]
+    assert got["content"] == "" and got["finish"] == "tool_calls"
+    hi = c.chat.completions.create(messages=HI, **kw).choices[0]
+    assert hi.message.content == HELLO and not hi.message.tool_calls and hi.finish_reason == "stop"
+    assert _streamed(c.chat.completions.create(messages=HI, stream=True, **kw))["content"] == HELLO

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "needs --tool-call-parser (as in vLLM)")
     p.add_argument("--tool-call-parser", default=None,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
-                        "Qwen3, Hermes)")
+                        "Qwen3, Hermes) or llama3_json ({\"name\": ..., \"parameters\": {...}}: Llama 3.1 / 3.2)")
     p.add_argument("--reasoning-parser", default=None,
                    help="return the reasoning of chat replies (<think> ... </think>: qwen3, deepseek_r1) as the "
                         "message's reasoning, apart from its content (as in vLLM)")

@@ -58,7 +58,7 @@ class Request:
     truncate: int | None = None                    # truncate_prompt_tokens (vLLM): keep the prompt's last k
     template_kwargs: dict = field(default_factory=dict)
     tools: list | None = None                      # chat: the tools, as the template gets them
-    parse_tools: bool = False                      # tool_choice "auto": the reply's tool calls parsed
+    parse_tools: str | None = None                 # tool_choice "auto": the parser of the reply's tool calls
     max_tool_calls: int | None = None              # parallel_tool_calls false: 1 (as vLLM: the first)
     forced_tool: tuple | None = None               # tool_choice "required": (None,); a named function: (name,)
     reasoning: bool = False                        # chat, --reasoning-parser: <think> ... </think> apart
@@ -334,7 +334,7 @@ def _tools(r: Request, tools, choice, tool_parser: str | None) -> None:
     if tool_parser is None:
         raise bad("tool_choice", '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                                  "--tool-call-parser (as in vLLM)")
-    r.parse_tools = True
+    r.parse_tools = tool_parser
 
 
 def _prompts(p, vocab_size: int) -> list:

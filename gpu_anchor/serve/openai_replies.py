@@ -107,7 +107,7 @@ def _calls(q, text: str, final: bool):
     choice, what the grammar made the model write (``tool_calls.forced``)."""
     if q.forced_tool:
         return tool_calls.forced(text, final, q.forced_tool[0])
-    return tool_calls.split(text, final=final, max_calls=q.max_tool_calls)
+    return tool_calls.parse(text, final, q.parse_tools, q.max_tool_calls)
 
 
 def _calls_finish(q, finish: str) -> str:

@@ -91,7 +91,8 @@ def check(args) -> None:
     if rp is not None and rp not in REASONING_PARSERS:
         raise OptionError(f"--reasoning-parser {rp!r}: this server has {', '.join(REASONING_PARSERS)}")
     if getattr(args, "enable_auto_tool_choice", False) and parser is None:
-        raise OptionError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes for Qwen2.5 / Qwen3)")
+        raise OptionError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen2.5 / Qwen3, "
+                          "llama3_json for Llama 3.1 / 3.2)")
 
 
 def check_tensor_parallel(args, mc, device: str) -> None:

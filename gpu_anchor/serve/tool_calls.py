@@ -1,4 +1,4 @@
-"""Tool calls in a model's reply, in the Hermes format (torch-free).
+"""Tool calls in a model's reply, in the Hermes format and Llama 3's JSON one (torch-free).
 
 Qwen2.5 / Qwen3, the Hermes models and many fine-tunes answer a chat whose template lists
 ``tools`` with blocks like::
@@ -8,7 +8,8 @@ Qwen2.5 / Qwen3, the Hermes models and many fine-tunes answer a chat whose templ
     </tool_call>
 
 ``split(text, final)`` turns such a reply into the chat API's ``content`` and ``tool_calls``
-(vLLM's ``--tool-call-parser hermes``).  The contract:
+(vLLM's ``--tool-call-parser hermes``; ``split_json_calls`` is ``llama3_json``'s, ``parse``
+picks by the parser's name).  The contract:
 
 - ``calls``: each ``<tool_call>`` block whose JSON is an object with a string ``name`` and an
   object ``arguments`` (or none: ``{}``; a string holding a JSON object is read), in order,
@@ -30,7 +31,8 @@ import json
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)     # --tool-call-parser values this server has
+PYTHON_TAG = "<|python_tag|>"     # Llama 3's: what follows is a call (when kept in the text)
+PARSERS = ("hermes", "llama3_json")     # --tool-call-parser values this server has
 
 
 @dataclass
@@ -47,14 +49,11 @@ def partial_tag(s: str, tag: str) -> int:
     return 0
 
 
-def _call(body: str) -> tuple[str, str] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+def _object_call(obj) -> tuple[str, str] | None:
+    """``{"name": ..., "arguments" (or Llama's "parameters"): {...}}`` as (name, arguments as JSON text)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", {})
+    args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):           # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
@@ -63,6 +62,13 @@ def _call(body: str) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _call(body: str) -> tuple[str, str] | None:
+    try:
+        return _object_call(json.loads(body))
+    except ValueError:
+        return None
 
 
 def split(text: str, final: bool, max_calls: int | None = None) -> Split:
@@ -104,6 +110,51 @@ def split(text: str, final: bool, max_calls: int | None = None) -> Split:
             content.append(text[i:j + len(CLOSE)])
         pos = j + len(CLOSE)
     out.content = "".join(content)
+    if max_calls is not None:
+        del out.calls[max_calls:]
+    return out
+
+
+def split_json_calls(text: str, final: bool) -> Split:
+    """Llama 3.1 / 3.2's JSON tool calls (vLLM's ``llama3_json``): a reply that starts, after
+    blanks, with ``<|python_tag|>`` or ``{`` is one call ``{"name": ..., "parameters": {...}}``
+    or several separated by ``;``, decided at the end (held back until then); if any piece is
+    not a call, the whole reply is content.  A reply that starts otherwise is content, sent as
+    it comes (blanks, or the tag being written, held back).  Monotone as ``split``."""
+    head = text.lstrip()
+    if not head or not final and PYTHON_TAG.startswith(head):
+        return Split(content=text if final else "")
+    if not (head.startswith(PYTHON_TAG) or head.startswith("{")):
+        return Split(content=text)
+    if not final:
+        return Split()
+    body, calls, at, dec = head.removeprefix(PYTHON_TAG), [], 0, json.JSONDecoder()
+    while True:
+        while at < len(body) and body[at].isspace():
+            at += 1
+        if at == len(body) and calls:
+            return Split(calls=calls)
+        try:
+            obj, at = dec.raw_decode(body, at)
+        except ValueError:
+            return Split(content=text)
+        call = _object_call(obj)
+        if call is None:
+            return Split(content=text)
+        calls.append(call)
+        while at < len(body) and body[at].isspace():
+            at += 1
+        if at < len(body):
+            if body[at] != ";":
+                return Split(content=text)
+            at += 1
+
+
+def parse(text: str, final: bool, parser: str = "hermes", max_calls: int | None = None) -> Split:
+    """The reply's content and calls by ``--tool-call-parser`` ``parser``."""
+    if parser == "hermes":
+        return split(text, final, max_calls)
+    out = split_json_calls(text, final)
     if max_calls is not None:
         del out.calls[max_calls:]
     return out
