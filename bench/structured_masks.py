@@ -145,12 +145,14 @@ def render(r: dict) -> str:
     lines = [f"Tokenizer: {r.get('tokenizer', '?')}. Vocabulary {r['tokenizer_entries']:,} tokens (logits {r['vocab']:,} wide), a JSON reply of "
              f"{r['reply_tokens']} tokens under a nested schema; masks on the host ({r['host_cpus']} CPUs), applied on "
              f"`{r['device']}`; n = {r['n']}, min–max in brackets.", "",
-             "| constrained rows | mask per step (median step) | apply per step | first step (new matchers) | "
-             "tokenizer build (once per engine) |", "| --- | --- | --- | --- | --- |"]
+             "| constrained rows | mask per step (median step) | mask per step (mean) | apply per step | "
+             "first step (new matchers) | tokenizer build (once per engine) |", "| --- | --- | --- | --- | --- | --- |"]
     for b, row in r["rows"].items():
         def cell(k, scale=1.0, fmt="{:.3f}"):
             v = row[k]
             return f"{fmt.format(v['median'] * scale)} [{fmt.format(v['min'] * scale)}–{fmt.format(v['max'] * scale)}]"
-        lines.append(f"| {b} | {cell('mask_ms')} ms | {cell('apply_ms')} ms | {cell('first_step_ms', fmt='{:.1f}')} ms | "
-                     f"{cell('tokenizer_build_s', fmt='{:.2f}')} s |")
+        lines.append(f"| {b} | {cell('mask_ms')} ms | {cell('mask_mean_ms')} ms | {cell('apply_ms')} ms | "
+                     f"{cell('first_step_ms', fmt='{:.1f}')} ms | {cell('tokenizer_build_s', fmt='{:.2f}')} s |")
+    if r.get("note"):
+        lines += ["", r["note"]]
     return "\n".join(lines)
