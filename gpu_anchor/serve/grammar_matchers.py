@@ -23,7 +23,7 @@ The contract:
   engine logs the error once with the request's id.
 
 The vocabulary is the tokenizer's ``tokenizer.json``, widened to the model's logits (ids past
-the tokenizer's are never allowed).  llguidance builds it in ~0.8 s for Qwen's 151 851 tokens,
+the tokenizer's are never allowed).  llguidance builds it in 0.8-2 s for Qwen's 151 851 tokens,
 holding the GIL (no thread can hide it): once per engine, at its first constrained request —
 the engine's other streams wait that long once — or, for a hot standby, before its take-over.  Asynchronous scheduling does not run a step ahead of a
 constrained row's last token (``async_step``): its mask needs that token.
