@@ -152,11 +152,12 @@ def reply(codec, rs: list, n: int = 1) -> dict:
     return body
 
 
-async def stream(request, codec, rs: list, n: int = 1):
+async def stream(request, codec, rs: list, n: int = 1, events=None):
     """Serve ``rs`` (the request's choices) as server-sent events: per choice, one chunk per
     batch of its tokens from the engine (text held back while a stop string or a UTF-8
     character may still be forming), the choices' chunks interleaved as they come; then the
-    usage chunk if asked, then ``[DONE]``."""
+    usage chunk if asked, then ``[DONE]``.  ``events``: an ``openai_responses.Events`` that turns
+    the chunks into the Responses API's events (written with their ``event:`` names, no ``[DONE]``)."""
     import asyncio
 
     from aiohttp import web
@@ -168,15 +169,25 @@ async def stream(request, codec, rs: list, n: int = 1):
 
     one_at_a_time = asyncio.Lock()         # the choices' writers take turns: whole events
 
+    async def send(obj: dict, name: str | None = None) -> None:
+        await resp.write((f"event: {name}\n" if name else "").encode() + b"data: " + json.dumps(obj).encode() + b"\n\n")
+
     async def write(obj: dict) -> None:
         async with one_at_a_time:
-            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            if events is None:
+                await send(obj)
+            else:
+                for ev in events.convert(obj):
+                    await send(ev, ev["type"])
 
     try:
+        for ev in events.start() if events is not None else ():
+            await send(ev, ev["type"])
         await asyncio.gather(*(_events(codec, r, head, write, i) for i, r in enumerate(rs)))
         if q.include_usage and not any(r.error for r in rs):
             await write(dict(head, choices=[], usage=_usage(rs, n)))
-        await resp.write(b"data: [DONE]\n\n")
+        if events is None:
+            await resp.write(b"data: [DONE]\n\n")
     except ConnectionResetError:      # the client went away; the caller aborts the request
         pass
     return resp

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from . import openai_api as api
 from . import openai_replies as replies
+from . import openai_responses
 from . import reasoning
 from . import wire
 from .openai_checks import ApiError, bad
@@ -113,8 +114,20 @@ class Routes:
             raise ApiError(400, str(e)) from None
         return params
 
-    async def _serve(self, request, chat: bool):
-        q = api.parse(await self._body(request), chat, self.fe.surface)
+    async def responses(self, request):
+        """OpenAI's Responses API, served as the chat request it means (``openai_responses``)."""
+        body = await self._body(request)
+        chat_body = openai_responses.to_chat(body)
+        try:
+            q = api.parse(chat_body, True, self.fe.surface)
+        except ApiError as e:
+            raise openai_responses.renamed(e) from None
+        return await self._serve(request, True, q, body)
+
+    async def _serve(self, request, chat: bool, q: api.Request | None = None, responses_body: dict | None = None):
+        """A completions or chat request (``q``: already parsed, from a Responses request whose
+        body is ``responses_body``: its reply is shaped as a Response)."""
+        q = q or api.parse(await self._body(request), chat, self.fe.surface)
         if q.sampling.get("grammar") is not None and self.fe.codec.kind != "tokenizer.json":
             raise ApiError(400, "structured output needs the model's tokenizer.json (this server decodes bytes)")
         if self.fe.failed:
@@ -131,14 +144,16 @@ class Routes:
                 rs.append(r)
         try:
             if q.stream:
-                return await replies.stream(request, self.fe.codec, rs, q.n)
+                events = openai_responses.Events(responses_body, rs[0].rid) if responses_body is not None else None
+                return await replies.stream(request, self.fe.codec, rs, q.n, events)
             for r in rs:
                 while r.finish is None:
                     r.changed.clear()
                     await r.changed.wait()
                 if r.error:
                     raise ApiError(r.error_status, r.error)
-            return web.json_response(replies.reply(self.fe.codec, rs, q.n))
+            out = replies.reply(self.fe.codec, rs, q.n)
+            return web.json_response(out if responses_body is None else openai_responses.reply(responses_body, out))
         finally:
             for r in rs:
                 self.fe.drop(r)
@@ -213,6 +228,7 @@ def make_app(fe) -> web.Application:
     app = web.Application(client_max_size=64 << 20, middlewares=[routes.guard])
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_post("/v1/responses", routes.responses)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{name:.+}", routes.model)   # hub ids hold a slash
     app.router.add_post("/tokenize", routes.tokenize)

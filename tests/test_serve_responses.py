@@ -1,0 +1,136 @@
+"""OpenAI's Responses API (``POST /v1/responses``) through the stock ``openai`` client against a
+real server on the CPU: an agent loop (a function call, its output sent back, the answer) with
+the reasoning apart, streamed through the SDK's own event accumulator and not; structured
+output with ``responses.parse`` and a pydantic model; ``max_output_tokens`` (status
+``incomplete``); a stream across an engine SIGKILL equal to the fault-free one; and the fields
+it refuses, each a 400 naming the Responses field.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from test_serve_structured import COLORS, model_dir, so_srv  # noqa: E402,F401  (fixtures)
+from test_serve_tool_calls import ANSWER, ASK, ASK_THINK, RESULT, THOUGHT, TOOLS, tool_srv  # noqa: E402,F401
+
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]      # the Responses API's tools are flat
+
+
+def _client(base):
+    import openai
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+
+
+def _items(output) -> list:
+    """A Response's output, without its ids (each request has its own)."""
+    out = []
+    for it in output:
+        if it.type == "message":
+            out.append(("message", "".join(c.text for c in it.content)))
+        elif it.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in it.content or ())))
+        else:
+            out.append(("function_call", it.name, json.loads(it.arguments)))
+    return out
+
+
+def test_an_agent_loop_through_the_responses_api(tool_srv):
+    c = _client(tool_srv["base"])
+    r = c.responses.create(model="tiny-qwen3", input=ASK[0]["content"], tools=FLAT, temperature=0)
+    assert r.status == "completed" and _items(r.output) == [("function_call", "get_weather", {"city": "Paris"})]
+    call = r.output[0]
+    with c.responses.stream(model="tiny-qwen3", input=ASK[0]["content"], tools=FLAT, temperature=0) as s:
+        streamed = s.get_final_response()
+    assert _items(streamed.output) == _items(r.output)
+    follow = [{"role": "user", "content": ASK[0]["content"]}, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    answer = c.responses.create(model="tiny-qwen3", input=follow, tools=FLAT, temperature=0)
+    assert answer.output_text == ANSWER and answer.usage.output_tokens > 0
+    assert answer.usage.total_tokens == answer.usage.input_tokens + answer.usage.output_tokens
+    thought = c.responses.create(model="tiny-qwen3", input=ASK_THINK[0]["content"], tools=FLAT, temperature=0)
+    assert _items(thought.output) == [("reasoning", THOUGHT), ("function_call", "get_weather", {"city": "Paris"})]
+    kinds = [e.type for e in c.responses.create(model="tiny-qwen3", input=ASK_THINK[0]["content"], tools=FLAT,
+                                                temperature=0, stream=True)]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+
+
+def test_structured_output_and_a_cut_reply(so_srv):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Colors(BaseModel):
+        ok: bool
+        color: Literal["red", "green", "blue"]
+    c = _client(so_srv["base"])
+    r = c.responses.parse(model="tiny-qwen3", input="Which color?", text_format=Colors, temperature=1.0,
+                          max_output_tokens=300, extra_body={"seed": 2})
+    assert r.status == "completed" and isinstance(r.output_parsed, Colors)
+    cut = c.responses.create(model="tiny-qwen3", input="Tell me.", max_output_tokens=5, temperature=1.0,
+                             extra_body={"seed": 1})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 5
+    with c.responses.stream(model="tiny-qwen3", input="Which color?", temperature=1.0, max_output_tokens=300,
+                            text={"format": {"type": "json_schema", "name": "c", "schema": COLORS}},
+                            extra_body={"seed": 2}) as s:
+        text = s.get_final_response().output_text
+    assert Colors.model_validate_json(text)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"input": "x", "store": True}, "store"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": []}, "input"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}},
+     "text.format.json_schema.schema"),
+    ({"input": "x", "foo": 1}, "foo"),
+])
+def test_refused_fields_name_the_responses_field(so_srv, body, field):
+    from test_serve_api import post
+    status, reply = post(so_srv["base"], "/v1/responses", dict(body, model="tiny-qwen3"))
+    assert status == 400 and reply["error"]["param"] == field, reply
+
+
+def test_responses_stream_across_an_engine_sigkill(so_srv):
+    from test_serve_http import _get
+    c, base = _client(so_srv["base"]), so_srv["base"]
+    kw = dict(model="tiny-qwen3", input="Write on.", max_output_tokens=300, temperature=0.8, stream=True,
+              extra_body={"seed": 9})
+
+    def text(events):
+        return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    ref = list(c.responses.create(**kw))
+    assert ref[-1].type == "response.incomplete" and ref[-1].response.output_text == text(ref)
+    got, seen = [], []
+
+    def read():
+        evs = []
+        for e in c.responses.create(**kw):
+            evs.append(e)
+            seen.append(1)
+        got.append(evs)
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.time() + 120
+    while len(seen) < 8:
+        assert time.time() < deadline and t.is_alive(), "the stream did not start"
+        time.sleep(0.005)
+    pid = json.loads(_get(base + "/health")[1])["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
+    open_at_kill = t.is_alive()
+    t.join(180)
+    assert open_at_kill and got, "the stream ended before the kill"
+    assert text(got[0]) == text(ref) and got[0][-1].response.output_text == text(ref)
+    assert [e.sequence_number for e in got[0]] == list(range(len(got[0])))
