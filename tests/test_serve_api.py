@@ -165,6 +165,7 @@ BAD = [
     (C, dict(P, structured_outputs={"json": {"type": "object"}, "regex": "x"}), "structured_outputs.regex"),
     (CH, dict(M, response_format={"type": "json_object"}, guided_regex="x"), "guided_regex"),
     (C, dict(P, guided_regex="[0-9]+", min_tokens=2), "min_tokens"),
+    (C, dict(P, guided_regex="[0-9]+", guided_decoding_backend="magic"), "guided_decoding_backend"),
     (C, dict(P, foo=1), "foo"),
     (CH, dict(M, echo=True), "echo"),                       # a completions field, unknown to chat
     (C, dict(P, prompt=["one", 5]), "prompt"),

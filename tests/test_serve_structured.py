@@ -94,7 +94,7 @@ def _accepts(model_dir, grammar: str, text: str, tok) -> bool:
     ({"response_format": {"type": "json_object"}}, ['{"a": [1, 2]}', "{}"], ["[1]", '"x"']),
     ({"structured_outputs": {"json": json.dumps(COLORS)}}, ['{"ok":false,"color":"green"}'], ['{"color":"pink","ok":true}']),
     ({"guided_json": COLORS}, ['{"ok":false,"color":"green"}'], ['{}']),
-    ({"guided_regex": r"[0-9]{3}-[a-z]{2}"}, ["123-ab"], ["12-ab", "123-abc"]),
+    ({"guided_regex": r"[0-9]{3}-[a-z]{2}", "guided_decoding_backend": "xgrammar"}, ["123-ab"], ["12-ab", "123-abc"]),
     ({"structured_outputs": {"choice": ['say "hi"', "new\nline", "back\\slash"]}},
      ['say "hi"', "new\nline", "back\\slash"], ["say hi", "new"]),
     ({"guided_grammar": 'root ::= "yes" | "no" " " [0-9]+'}, ["yes", "no 42"], ["no", "maybe"]),   # GBNF

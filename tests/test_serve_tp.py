@@ -353,6 +353,21 @@ def test_rank_kills_keep_every_stream_token_identical(tp2):
     assert "anchored KV state unusable" not in tp2["log"].read_text()[log0:]
 
 
+def test_constrained_streams_across_rank_kills(tp2):
+    """Structured output on a tensor-parallel group (rank 0 masks and samples): a JSON-schema
+    stream and a regex stream, rank 1 SIGKILLed twice mid-stream; each equals its fault-free run."""
+    pytest.importorskip("llguidance")
+    colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 40, "maxItems": 40}
+    jobs = [{"prompt": "colors", "max_tokens": 300, "temperature": 0.9, "seed": 3, "stream": True,
+             "extra_body": {"structured_outputs": {"json": colors, "disable_any_whitespace": True}}},
+            {"messages": [{"role": "user", "content": "codes"}], "max_tokens": 200, "temperature": 1.0, "seed": 4,
+             "stream": True, "extra_body": {"guided_regex": "([A-Z]{3}-[0-9]{4}\n){12}"}}]
+    ref = [s.result() for s in [_Stream(_client(tp2["base"]), j) for j in jobs]]
+    assert len(json.loads(ref[0]["text"])) == 40 and ref[1]["finish"] == "stop"
+    got, open_at = _kill_while_streaming(tp2["base"], jobs, lambda ranks: [1], 2)
+    assert got == ref and open_at[0] == len(jobs), open_at
+
+
 def test_self_kills_at_every_phase_on_either_rank(serve):
     """``--fault-plan``: every engine group has one random rank SIGKILL itself at a random step
     and phase (between steps, mid-prefill, mid-decode, before and after rank 0's commit)."""

@@ -26,7 +26,10 @@ import json
 from .openai_checks import ApiError, bad
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-FIELDS = ("response_format", "structured_outputs", *GUIDED)
+# vLLM's older per-request backend choice: the reply keeps to the same constraint whichever engine
+# enforces it, so a named backend is accepted and llguidance enforces it
+BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+FIELDS = ("response_format", "structured_outputs", "guided_decoding_backend", *GUIDED)
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -131,6 +134,9 @@ def _checked(text: str, where: str) -> str:
 
 def grammar(body: dict) -> str | None:
     """The request's constraint as llguidance grammar text, checked; None if it asks for none."""
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in BACKENDS:
+        raise bad("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)} (llguidance enforces each)")
     asked = _asked(body)
     if not asked:
         return None
