@@ -132,8 +132,9 @@ def main(argv=None) -> int:
               f"first step {row['first_step_ms']['median']:.1f} ms, tokenizer {row['tokenizer_build_s']['median']:.2f} s")
     name = "structured_masks" + ("_cpu" if a.device == "cpu" else "") + ("_tiny" if a.tiny else "")
     print(write_result(name,
-                       {"n": n, "vocab": vocab, "tokenizer": a.label or ("tiny test BPE" if a.tiny else tok_dir), "tokenizer_entries": tok.get_vocab_size(), "reply_tokens": len(ids),
-                        "device": a.device, "host_cpus": os.cpu_count(), "rows": out}, a.out))
+                       {"n": n, "vocab": vocab, "tokenizer": a.label or ("tiny test BPE" if a.tiny else tok_dir),
+                        "tokenizer_entries": tok.get_vocab_size(), "reply_tokens": len(ids), "device": a.device,
+                        "host_cpus": os.cpu_count(), "rows": out}, a.out))
     return 0
 
 
@@ -142,8 +143,8 @@ def title(r: dict) -> str:
 
 
 def render(r: dict) -> str:
-    lines = [f"Tokenizer: {r.get('tokenizer', '?')}. Vocabulary {r['tokenizer_entries']:,} tokens (logits {r['vocab']:,} wide), a JSON reply of "
-             f"{r['reply_tokens']} tokens under a nested schema; masks on the host ({r['host_cpus']} CPUs), applied on "
+    lines = [f"Tokenizer: {r.get('tokenizer', '?')}. Vocabulary {r['tokenizer_entries']:,} tokens (logits "
+             f"{r['vocab']:,} wide), a JSON reply of {r['reply_tokens']} tokens under a nested schema; masks on the host ({r['host_cpus']} CPUs), applied on "
              f"`{r['device']}`; n = {r['n']}, min–max in brackets.", "",
              "| constrained rows | mask per step (median step) | mask per step (mean) | apply per step | "
              "first step (new matchers) | tokenizer build (once per engine) |", "| --- | --- | --- | --- | --- | --- |"]

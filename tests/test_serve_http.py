@@ -255,6 +255,35 @@ class _Choice:
         self.text, self.ids, self.lps, self.finish = "", [], [], None
 
 
+def stream_across_engine_kill(base: str, open_stream, after: int = 3) -> list:
+    """Read the stream ``open_stream()`` returns (an iterable) in a thread; once ``after`` items
+    came, SIGKILL the server's engine from outside.  Returns every item of the stream, having
+    checked that it was still open at the kill, ended without error, and that another engine serves."""
+    items, ended, failed = [], [], []
+
+    def read():
+        try:
+            for x in open_stream():
+                items.append(x)
+            ended.append(True)
+        except Exception as e:  # noqa: BLE001 — reported below, not lost in the thread
+            failed.append(e)
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.time() + 120
+    while len(items) < after:
+        assert time.time() < deadline and t.is_alive(), f"the stream did not start ({failed})"
+        time.sleep(0.005)
+    pid = json.loads(_get(base + "/health")[1])["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
+    open_at_kill = t.is_alive()
+    t.join(180)
+    assert not failed and ended, failed or "the stream did not end"
+    assert open_at_kill, "the stream ended before the kill"
+    assert json.loads(_get(base + "/health")[1])["engine_pid"] != pid
+    return items
+
+
 class _Stream:
     """One streamed request, read chunk by chunk in a thread: per choice (``n``), text, token
     ids and log-probabilities (when asked) and finish reason; usage.  ``text``, ``ids``,

@@ -8,17 +8,15 @@ it refuses, each a 400 naming the Responses field.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("llguidance")
 
-from test_serve_structured import COLORS, model_dir, so_srv  # noqa: E402,F401  (fixtures)
-from test_serve_tool_calls import ANSWER, ASK, ASK_THINK, RESULT, THOUGHT, TOOLS, tool_srv  # noqa: E402,F401
+from test_serve_structured import COLORS, model_dir, so_srv  # noqa: E402
+from test_serve_tool_calls import ANSWER, ASK, ASK_THINK, RESULT, THOUGHT, TOOLS, tool_srv  # noqa: E402
+
+FIXTURES = (model_dir, so_srv, tool_srv)       # the servers of those modules, started again for this one
 
 FLAT = [{"type": "function", **t["function"]} for t in TOOLS]      # the Responses API's tools are flat
 
@@ -104,7 +102,7 @@ def test_refused_fields_name_the_responses_field(so_srv, body, field):
 
 
 def test_responses_stream_across_an_engine_sigkill(so_srv):
-    from test_serve_http import _get
+    from test_serve_http import stream_across_engine_kill
     c, base = _client(so_srv["base"]), so_srv["base"]
     kw = dict(model="tiny-qwen3", input="Write on.", max_output_tokens=300, temperature=0.8, stream=True,
               extra_body={"seed": 9})
@@ -113,24 +111,6 @@ def test_responses_stream_across_an_engine_sigkill(so_srv):
         return "".join(e.delta for e in events if e.type == "response.output_text.delta")
     ref = list(c.responses.create(**kw))
     assert ref[-1].type == "response.incomplete" and ref[-1].response.output_text == text(ref)
-    got, seen = [], []
-
-    def read():
-        evs = []
-        for e in c.responses.create(**kw):
-            evs.append(e)
-            seen.append(1)
-        got.append(evs)
-    t = threading.Thread(target=read)
-    t.start()
-    deadline = time.time() + 120
-    while len(seen) < 8:
-        assert time.time() < deadline and t.is_alive(), "the stream did not start"
-        time.sleep(0.005)
-    pid = json.loads(_get(base + "/health")[1])["engine_pid"]
-    os.kill(pid, signal.SIGKILL)
-    open_at_kill = t.is_alive()
-    t.join(180)
-    assert open_at_kill and got, "the stream ended before the kill"
-    assert text(got[0]) == text(ref) and got[0][-1].response.output_text == text(ref)
-    assert [e.sequence_number for e in got[0]] == list(range(len(got[0])))
+    got = stream_across_engine_kill(base, lambda: c.responses.create(**kw), after=8)
+    assert text(got) == text(ref) and got[-1].response.output_text == text(ref)
+    assert [e.sequence_number for e in got] == list(range(len(got)))

@@ -315,39 +315,16 @@ def test_tool_call_stream_across_an_engine_sigkill(tool_srv):
     """An engine SIGKILLed while a stream is writing its reasoning and tool call: the stream goes
     on from the next engine and ends as the fault-free one did (the reasoning, the call, its id's
     form, the text after it)."""
-    import os
-    import signal
-    import threading
-    import time
-    from test_serve_http import _get
+    from test_serve_http import stream_across_engine_kill
     c, base = _client(tool_srv["base"]), tool_srv["base"]
     kw = dict(model="tiny-qwen3", messages=ASK_THINK, tools=TOOLS, temperature=0, max_tokens=300, stream=True,
               extra_body={"ignore_eos": True})      # a long stream: reasoning, the call, then text after it
     ref = _streamed(c.chat.completions.create(**kw))
     assert ref["calls"] and ref["calls"][0]["name"] == "get_weather" and ref["finish"] == "tool_calls"
     assert ref["reasoning"] == THOUGHT
-    got, seen = [], []
-
-    def read():
-        chunks = []
-        for ch in c.chat.completions.create(**kw):
-            chunks.append(ch)
-            seen.append(1)
-        got.append(_streamed(chunks))
-    t = threading.Thread(target=read)
-    t.start()
-    deadline = time.time() + 120
-    while len(seen) < 3:
-        assert time.time() < deadline and t.is_alive(), "the stream did not start"
-        time.sleep(0.005)
-    pid = json.loads(_get(base + "/health")[1])["engine_pid"]
-    os.kill(pid, signal.SIGKILL)
-    open_at_kill = t.is_alive()
-    t.join(180)
-    assert open_at_kill and got, "the stream ended before the kill"
-    strip = [dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in got[0]["calls"]]
-    assert dict(got[0], calls=strip) == dict(ref, calls=[dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in ref["calls"]])
-    assert json.loads(_get(base + "/health")[1])["engine_pid"] != pid
+    got = _streamed(stream_across_engine_kill(base, lambda: c.chat.completions.create(**kw)))
+    strip = [dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in got["calls"]]
+    assert dict(got, calls=strip) == dict(ref, calls=[dict(x, id=x["id"].rsplit("-", 1)[-1]) for x in ref["calls"]])
 
 
 def test_forced_replies_are_calls_decided_at_the_end():
