@@ -49,7 +49,19 @@ class _Entry:
     def __init__(self, matcher, grammar: str, start: int) -> None:
         self.matcher, self.grammar, self.start = matcher, grammar, start
         self.seen: list[int] = []
+        self.src: list[int] | None = None     # the sequence's output list it last read
         self.told = False           # its error was logged
+
+    def extends(self, outputs: list[int]) -> bool:
+        """Do ``outputs`` hold what was consumed, then perhaps more?  The same list grown by
+        appends (the steady case) is checked at its last consumed token; another list (a rewind,
+        a resync, a re-added request) in full."""
+        end = self.start + len(self.seen)
+        if len(outputs) < end:
+            return False
+        if outputs is self.src:
+            return not self.seen or outputs[end - 1] == self.seen[-1]
+        return outputs[self.start:end] == self.seen
 
 
 class Grammars:
@@ -109,12 +121,13 @@ class Grammars:
 
     def _matcher(self, rid: str, p, outputs: list[int], start: int):
         e = self._m.get(rid)
-        if e is None or e.grammar != p.grammar or e.start != start or outputs[start:start + len(e.seen)] != e.seen:
+        if e is None or e.grammar != p.grammar or e.start != start or not e.extends(outputs):
             e = self._m[rid] = _Entry(self._new(p.grammar), p.grammar, start)   # a new request, or another history
         new = outputs[start + len(e.seen):]
         if new and not e.matcher.is_error():
             e.matcher.consume_tokens(new)
         e.seen += new
+        e.src = outputs
         if e.matcher.is_error() and not e.told:
             e.told = True
             log.warning("request %s: its tokens left the grammar of its structured output (%s); it may only end",
