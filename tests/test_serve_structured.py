@@ -189,7 +189,8 @@ def so_srv(tmp_path_factory, model_dir):
     from test_serve_http import own_daemon, stop_server
     with own_daemon(tmp_path_factory, "structured") as (d, sock):
         proc, base, log_path = start_server(str(d), model_dir, "--socket", sock, "--chat-template", TEMPLATE,
-                                            "--reasoning-parser", "qwen3", "--max-model-len", "512")
+                                            "--reasoning-parser", "qwen3", "--max-model-len", "512",
+                                            "--guided-decoding-backend", "xgrammar")     # vLLM's older option
         try:
             yield {"base": base, "log": log_path}
         finally:
@@ -285,6 +286,44 @@ def test_constrained_stream_across_an_engine_sigkill(so_srv):
     assert len(json.loads(ref)) == 60
     got = stream_across_engine_kill(base, lambda: c.completions.create(**kw))
     assert "".join(ch.choices[0].text for ch in got) == ref
+
+
+def test_server_structured_outputs_config(tmp_path_factory, model_dir):
+    """``--structured-outputs-config``: ``disable_any_whitespace`` makes JSON replies compact unless
+    a request says otherwise; ``enable_in_reasoning`` constrains an opened reasoning too (it is then
+    the JSON); bad settings stop the server at start with a message naming them."""
+    import subprocess
+    import sys
+
+    from test_serve_api import start_server
+    from test_serve_http import own_daemon, stop_server
+    for bad, said in [('{"backend": "magic"}', "backend"), ('{"whitespace": 1}', "whitespace"), ("{", "JSON")]:
+        r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", model_dir, "--device", "cpu",
+                            "--structured-outputs-config", bad], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr, r.stderr[-2000:]
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COLORS}}
+    with own_daemon(tmp_path_factory, "so-config") as (d, sock):
+        proc, base, _ = start_server(str(d), model_dir, "--socket", sock, "--chat-template", TEMPLATE,
+                                     "--reasoning-parser", "qwen3", "--max-model-len", "512",
+                                     "--structured-outputs-config",
+                                     '{"backend": "guidance", "disable_any_whitespace": true, "enable_in_reasoning": true}')
+        try:
+            c = _client(base)
+            for seed in range(3):
+                m = c.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0,
+                                              seed=seed, max_tokens=100).choices[0].message
+                v = json.loads(m.content)
+                assert _colors_ok(v) and m.content == json.dumps(v, separators=(",", ":"))
+            m = c.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=1,
+                                          max_tokens=100, extra_body={"chat_template_kwargs": {"think": True}}
+                                          ).choices[0].message
+            assert _colors_ok(json.loads(m.reasoning)) and not m.content      # the reasoning was constrained
+            loose = c.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=0,
+                                              max_tokens=300, extra_body={"structured_outputs": {
+                                                  "disable_any_whitespace": False}}).choices[0].message.content
+            assert _colors_ok(json.loads(loose)) and loose != json.dumps(json.loads(loose), separators=(",", ":"))
+        finally:
+            stop_server(proc)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -130,6 +130,7 @@ def main(args) -> int:
         print(f"gpu-anchor serve: {e}", file=sys.stderr)
         lock.close()
         return 2
+    structured = args.structured          # checked with the other options (options.check)
     if defaults:
         log.info("sampling defaults from the model's generation config: %s (requests that give a field keep "
                  "theirs; --generation-config vllm uses vLLM's own defaults)", json.dumps(defaults))
@@ -154,6 +155,8 @@ def main(args) -> int:
         fe_cmd += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:
         fe_cmd += ["--reasoning-parser", args.reasoning_parser]
+    if structured:
+        fe_cmd += ["--structured-outputs", json.dumps(structured)]
     if defaults:
         fe_cmd += ["--sampling-defaults", json.dumps(defaults)]
     if args.port_file:

@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
                         "Qwen3, Hermes) or llama3_json ({\"name\": ..., \"parameters\": {...}}: Llama 3.1 / 3.2)")
+    p.add_argument("--structured-outputs-config", default=None,
+                   help="vLLM's structured-output settings as JSON: backend (llguidance enforces every one here), "
+                        "disable_any_whitespace, enable_in_reasoning")
+    p.add_argument("--guided-decoding-backend", default=None, help="vLLM's older name of the structured-output "
+                                                                   "backend (llguidance enforces every one here)")
     p.add_argument("--reasoning-parser", default=None,
                    help="return the reasoning of chat replies (<think> ... </think>: qwen3, deepseek_r1) as the "
                         "message's reasoning, apart from its content (as in vLLM)")

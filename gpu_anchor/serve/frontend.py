@@ -400,6 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chat-template", default=None, help="a file holding the Jinja chat template")
     ap.add_argument("--tool-call-parser", default=None, help="parse tool calls in replies (tool_choice auto)")
     ap.add_argument("--reasoning-parser", default=None, help="return <think> ... </think> apart, as reasoning")
+    ap.add_argument("--structured-outputs", default="{}", help="JSON: disable_any_whitespace, enable_in_reasoning")
     ap.add_argument("--sampling-defaults", default="{}", help="JSON: sampling defaults (the model's generation config)")
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--model-name", required=True)
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
     fe = Frontend(codec, args.model_name, args.max_model_len, args.vocab_size,
                   api_key=os.environ.get("GPU_ANCHOR_SERVE_API_KEY") or None, started_at=args.started_at,
                   tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                  defaults=json.loads(args.sampling_defaults))
+                  defaults=json.loads(args.sampling_defaults), structured=json.loads(args.structured_outputs))
 
     async def run():
         if os.path.exists(args.engine_socket):

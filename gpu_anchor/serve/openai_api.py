@@ -29,6 +29,7 @@ class Surface:
     tool_parser: str | None = None                 # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None            # --reasoning-parser
     defaults: dict = field(default_factory=dict)   # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
+    structured: dict = field(default_factory=dict)  # --structured-outputs-config: disable_any_whitespace, enable_in_reasoning
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Request:
     reasoning: bool = False                        # chat, --reasoning-parser: <think> ... </think> apart
     include_reasoning: bool = True                 # vLLM's include_reasoning: false drops it
     thinking_opened: bool = False                  # the rendered prompt ends inside <think> (set when encoded)
+    grammar_in_reasoning: bool = False             # the grammar constrains the reasoning too (enable_in_reasoning)
 
 
 # Fields vLLM has that this server accepts only at their neutral value (None always passes).
@@ -219,17 +221,19 @@ def parse(body, chat: bool, surface: Surface) -> Request:
         s["min_tokens"] = int_field("min_tokens", g("min_tokens"), 0)
     if g("logit_bias") is not None:
         s["logit_bias"] = logit_bias_field(g("logit_bias"), vocab_size)
-    grammar = structured_output.grammar(body)
+    compact = surface.structured.get("disable_any_whitespace", False)
+    grammar = structured_output.grammar(body, compact)
     if r.forced_tool is not None:
         if grammar is not None:
             raise bad("tool_choice", "a forced tool choice constrains the reply to its calls: not with "
                                      "response_format / structured_outputs")
         grammar = structured_output.tool_grammar(r.tools, r.forced_tool[0], r.max_tool_calls != 1,
-                                                 structured_output.compact(body))
+                                                 structured_output.compact(body, compact))
     if grammar is not None:
         if s.get("min_tokens"):
             raise bad("min_tokens", "not with structured output: the grammar decides where the reply may end")
         s["grammar"] = grammar
+        r.grammar_in_reasoning = surface.structured.get("enable_in_reasoning", False)
     if g("n") is not None:
         r.n = int_field("n", g("n"), 1, MAX_N)
     if g("truncate_prompt_tokens") is not None:

@@ -22,6 +22,11 @@
   ``vllm``: vLLM's own defaults; or a directory holding a ``generation_config.json``.
 - ``--enable-auto-tool-choice`` needs ``--tool-call-parser`` (one of ``tool_calls.PARSERS``), as in vLLM;
   ``--reasoning-parser``: one of ``reasoning.PARSERS``.
+- ``--structured-outputs-config`` (vLLM's, as JSON): ``backend`` (any of vLLM's names: llguidance
+  enforces every constraint here), ``disable_any_whitespace`` (JSON replies without optional
+  whitespace unless a request says otherwise), ``enable_in_reasoning`` (with
+  ``--reasoning-parser``, the grammar constrains the reasoning too); ``--guided-decoding-backend``
+  (vLLM's older option) is its ``backend``.  ``structured_config``.
 - ``--hot-standby`` / ``--prewarm``: on by default for one GPU with anchoring (``resolve_standby``);
   off by default on the CPU, with tensor parallelism and with ``--no-anchor``, and refused there
   when asked for.
@@ -90,6 +95,7 @@ def check(args) -> None:
     rp = getattr(args, "reasoning_parser", None)
     if rp is not None and rp not in REASONING_PARSERS:
         raise OptionError(f"--reasoning-parser {rp!r}: this server has {', '.join(REASONING_PARSERS)}")
+    args.structured = structured_config(args)
     if getattr(args, "enable_auto_tool_choice", False) and parser is None:
         raise OptionError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen2.5 / Qwen3, "
                           "llama3_json for Llama 3.1 / 3.2)")
@@ -206,6 +212,38 @@ def generation_defaults(value: str, model_dir: str | None) -> dict:
                               "the file)")
         out[field] = max(0, v) if key == "top_k" else v
     return out
+
+
+STRUCTURED_KEYS = {"backend": str, "disable_any_whitespace": bool, "enable_in_reasoning": bool,
+                   "disable_fallback": bool, "disable_additional_properties": bool}
+
+
+def structured_config(args) -> dict:
+    """``--structured-outputs-config`` / ``--guided-decoding-backend`` checked; what the frontend
+    needs of them (``disable_any_whitespace``, ``enable_in_reasoning``)."""
+    import json
+
+    from .structured_output import BACKENDS
+    raw = getattr(args, "structured_outputs_config", None)
+    try:
+        cfg = json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise OptionError(f"--structured-outputs-config must be JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise OptionError("--structured-outputs-config must be a JSON object")
+    old = getattr(args, "guided_decoding_backend", None)
+    if old is not None:
+        cfg.setdefault("backend", old)
+    for k, v in cfg.items():
+        if k not in STRUCTURED_KEYS or not isinstance(v, STRUCTURED_KEYS[k]):
+            raise OptionError(f"--structured-outputs-config: {k} = {v!r} is not served (give "
+                              + ", ".join(f"{n} ({t.__name__})" for n, t in STRUCTURED_KEYS.items()) + ")")
+    if cfg.get("backend", "auto") not in BACKENDS:
+        raise OptionError(f"structured-output backend {cfg['backend']!r}: one of {', '.join(BACKENDS)} (llguidance "
+                          "enforces each here)")
+    if cfg.get("disable_additional_properties"):
+        raise OptionError("--structured-outputs-config: disable_additional_properties is not served")
+    return {k: True for k in ("disable_any_whitespace", "enable_in_reasoning") if cfg.get(k)}
 
 
 def api_key(args) -> str | None:

@@ -66,7 +66,7 @@ class Routes:
             except TemplateError as e:
                 raise bad("messages", str(e)) from None
             q.thinking_opened = q.reasoning and reasoning.opened(text)
-            if q.reasoning and q.sampling.get("grammar") is not None:
+            if q.reasoning and q.sampling.get("grammar") is not None and not q.grammar_in_reasoning:
                 self._grammar_after(q, text)
             return self.fe.codec.encode(text, q.add_special_tokens)
         return self.fe.codec.encode(prompt, q.add_special_tokens) if isinstance(prompt, str) else prompt

@@ -112,10 +112,13 @@ def _asked(body: dict) -> list[tuple[str, str, object]]:
     return out
 
 
-def compact(body: dict) -> bool:
-    """``structured_outputs.disable_any_whitespace``: JSON without optional whitespace."""
+def compact(body: dict, default: bool = False) -> bool:
+    """``structured_outputs.disable_any_whitespace`` (else the server's ``default``): JSON without
+    optional whitespace."""
     so = body.get("structured_outputs")
-    return isinstance(so, dict) and so.get("disable_any_whitespace") is True
+    if isinstance(so, dict) and isinstance(so.get("disable_any_whitespace"), bool):
+        return so["disable_any_whitespace"]
+    return default
 
 
 def tool_grammar(tools: list[dict], name: str | None, parallel: bool, compact: bool = False) -> str:
@@ -132,8 +135,9 @@ def _checked(text: str, where: str) -> str:
     return text
 
 
-def grammar(body: dict) -> str | None:
-    """The request's constraint as llguidance grammar text, checked; None if it asks for none."""
+def grammar(body: dict, compact_default: bool = False) -> str | None:
+    """The request's constraint as llguidance grammar text, checked; None if it asks for none.
+    ``compact_default``: the server's ``disable_any_whitespace``."""
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend not in BACKENDS:
         raise bad("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)} (llguidance enforces each)")
@@ -143,4 +147,4 @@ def grammar(body: dict) -> str | None:
     if len(asked) > 1:
         raise bad(asked[1][1], f"one constraint per request: {asked[0][1]} and {asked[1][1]} were both given")
     kind, where, value = asked[0]
-    return _checked(_compile(kind, value, where, compact(body)), where)
+    return _checked(_compile(kind, value, where, compact(body, compact_default)), where)
