@@ -114,3 +114,33 @@ def test_responses_stream_across_an_engine_sigkill(so_srv):
     got = stream_across_engine_kill(base, lambda: c.responses.create(**kw), after=8)
     assert text(got) == text(ref) and got[-1].response.output_text == text(ref)
     assert [e.sequence_number for e in got] == list(range(len(got)))
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_loop(tool_srv):
+    """The OpenAI Agents SDK (``openai-agents``) as its users run it against a vLLM server: an
+    ``Agent`` with a function tool on ``OpenAIResponsesModel``; ``Runner`` calls the model, runs
+    the tool the model called, sends its output back and ends with the model's answer."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    import openai
+    ran = []
+
+    async def get_weather(ctx, args: str) -> str:
+        ran.append(json.loads(args))
+        return RESULT
+    tool = agents.FunctionTool(name="get_weather", description=TOOLS[0]["function"]["description"],
+                               params_json_schema=TOOLS[0]["function"]["parameters"], on_invoke_tool=get_weather,
+                               strict_json_schema=False)
+    client = openai.AsyncOpenAI(base_url=tool_srv["base"] + "/v1", api_key="none", max_retries=0)
+    agent = agents.Agent(name="weather", tools=[tool], model_settings=agents.ModelSettings(temperature=0),
+                         model=agents.OpenAIResponsesModel(model="tiny-qwen3", openai_client=client))
+    agents.set_tracing_disabled(True)
+
+    async def both():         # one event loop: the async client belongs to it
+        result = await agents.Runner.run(agent, ASK[0]["content"])
+        run = agents.Runner.run_streamed(agent, ASK[0]["content"])
+        kinds = [e.type async for e in run.stream_events()]
+        return result.final_output, run.final_output, kinds
+    final, streamed, kinds = asyncio.run(both())
+    assert final == streamed == ANSWER and ran == [{"city": "Paris"}] * 2 and "raw_response_event" in kinds
