@@ -60,17 +60,35 @@ LLAMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
-def test_llama3_json(text, content, calls):
-    got = parse(text, True, "llama3_json")
+PY_CASES = [
+    ("It is sunny.", "It is sunny.", []),
+    ('[get_weather(city="Paris")]', "", [("get_weather", {"city": "Paris"})]),
+    (' [get_weather(city="Paris"), get_time(utc=True, n=[1, 2.5], o={"k": None})]', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"utc": True, "n": [1, 2.5], "o": {"k": None}})]),
+    ('<|python_start|>[now()]<|python_end|>', "", [("now", {})]),
+    # not calls: the whole reply is content
+    ('[get_weather(city="Par', '[get_weather(city="Par', []),                  # cut by max_tokens
+    ('[get_weather("Paris")]', '[get_weather("Paris")]', []),                  # positional
+    ('[os.system(cmd="ls")]', '[os.system(cmd="ls")]', []),                    # not a plain name
+    ('[f(x=open("a"))]', '[f(x=open("a"))]', []),                              # not a literal: never run
+    ("[1, 2]", "[1, 2]", []),
+    ("[]", "[]", []),
+    ('Sure: [f(a=1)]', 'Sure: [f(a=1)]', []),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", [("llama3_json", *c) for c in LLAMA_CASES]
+                         + [("pythonic", *c) for c in PY_CASES])
+def test_llama3_json_and_pythonic(parser, text, content, calls):
+    got = parse(text, True, parser)
     assert got.content == content and [(n, json.loads(a)) for n, a in got.calls] == calls
     whole, sent, n_calls = got, "", 0
     for k in range(len(text) + 1):             # every prefix, as a stream sees it (monotone)
-        part = parse(text[:k], False, "llama3_json")
+        part = parse(text[:k], False, parser)
         assert part.content.startswith(sent) and whole.content.startswith(part.content), (k, part)
         assert whole.calls[:len(part.calls)] == part.calls and len(part.calls) >= n_calls
         sent, n_calls = part.content, len(part.calls)
-    assert len(parse(text, True, "llama3_json", max_calls=1).calls) == min(1, len(calls))
+    assert len(parse(text, True, parser, max_calls=1).calls) == min(1, len(calls))
 
 
 @pytest.mark.parametrize("text,content,calls", CASES)
@@ -350,10 +368,14 @@ HI = [{"role": "user", "content": "Hi there"}]
 HELLO = "Hello! How can I help?"
 
 
+PY_TWO = '[get_weather(city="Paris"), get_weather(city="Rome")]'
+
+
 @pytest.fixture(scope="module")
 def llama_srv(tmp_path_factory):
-    """A Llama model taught to answer the weather question with Llama 3's JSON call and a
-    greeting with text, served with --tool-call-parser llama3_json."""
+    """A Llama model taught to answer the weather question with Llama 3's JSON call, the question
+    about two cities with a pythonic list of calls and a greeting with text; served twice, with
+    --tool-call-parser llama3_json and pythonic: ``{parser: base URL}``."""
     from gpu_anchor.serve.tokenizer import Codec
     from gpu_anchor.testing.tiny import make_tiny_model
     from test_serve_api import start_server
@@ -362,19 +384,25 @@ def llama_srv(tmp_path_factory):
         model = make_tiny_model(str(d / "tiny-llama"), "llama", seed=4)
         codec = Codec(model, 384, chat_template=LLAMA_TEMPLATE)
         _teach(model, [(codec.encode(codec.chat(ASK, tools=TOOLS)), codec.encode(LLAMA)),
+                       (codec.encode(codec.chat(ASK_TWO, tools=TOOLS)), codec.encode(PY_TWO)),
                        (codec.encode(codec.chat(HI, tools=TOOLS)), codec.encode(HELLO))])
-        proc, base, log_path = start_server(str(d), model, "--socket", sock, "--chat-template", LLAMA_TEMPLATE,
-                                            "--served-model-name", "tiny-llama", "--max-model-len", "512",
-                                            "--enable-auto-tool-choice",
-                                            "--tool-call-parser", "llama3_json")
+        procs, bases = [], {}
         try:
-            yield base
+            for parser in ("llama3_json", "pythonic"):
+                (d / parser).mkdir()
+                proc, bases[parser], _ = start_server(
+                    str(d / parser), model, "--socket", sock, "--chat-template", LLAMA_TEMPLATE, "--served-model-name",
+                    "tiny-llama", "--max-model-len", "512", "--namespace", f"llama-{parser}",
+                    "--enable-auto-tool-choice", "--tool-call-parser", parser)
+                procs.append(proc)
+            yield bases
         finally:
-            stop_server(proc)
+            for proc in procs:
+                stop_server(proc)
 
 
-def test_llama3_json_calls_through_the_openai_client(llama_srv):
-    c = _client(llama_srv)
+def test_llama3_json_and_pythonic_calls_through_the_openai_client(llama_srv):
+    c = _client(llama_srv["llama3_json"])
     kw = dict(model="tiny-llama", tools=TOOLS, temperature=0, max_tokens=120)
     r = c.chat.completions.create(messages=ASK, **kw)
     ch = r.choices[0]
@@ -387,3 +415,12 @@ def test_llama3_json_calls_through_the_openai_client(llama_srv):
     hi = c.chat.completions.create(messages=HI, **kw).choices[0]
     assert hi.message.content == HELLO and not hi.message.tool_calls and hi.finish_reason == "stop"
     assert _streamed(c.chat.completions.create(messages=HI, stream=True, **kw))["content"] == HELLO
+    py = _client(llama_srv["pythonic"])
+    two = py.chat.completions.create(messages=ASK_TWO, **kw).choices[0]
+    assert two.finish_reason == "tool_calls" and two.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in two.message.tool_calls] == \
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    got = _streamed(py.chat.completions.create(messages=ASK_TWO, stream=True, **kw))
+    assert [(x["name"], x["arguments"]) for x in got["calls"]] == \
+        [(t.function.name, t.function.arguments) for t in two.message.tool_calls]
+    assert py.chat.completions.create(messages=HI, **kw).choices[0].message.content == HELLO

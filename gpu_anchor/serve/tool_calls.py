@@ -8,8 +8,8 @@ Qwen2.5 / Qwen3, the Hermes models and many fine-tunes answer a chat whose templ
     </tool_call>
 
 ``split(text, final)`` turns such a reply into the chat API's ``content`` and ``tool_calls``
-(vLLM's ``--tool-call-parser hermes``; ``split_json_calls`` is ``llama3_json``'s, ``parse``
-picks by the parser's name).  The contract:
+(vLLM's ``--tool-call-parser hermes``; ``split_json_calls`` is ``llama3_json``'s,
+``split_python_calls`` ``pythonic``'s, ``parse`` picks by the parser's name).  The contract:
 
 - ``calls``: each ``<tool_call>`` block whose JSON is an object with a string ``name`` and an
   object ``arguments`` (or none: ``{}``; a string holding a JSON object is read), in order,
@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"     # Llama 3's: what follows is a call (when kept in the text)
-PARSERS = ("hermes", "llama3_json")     # --tool-call-parser values this server has
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"     # Llama 4's, around pythonic calls
+PARSERS = ("hermes", "llama3_json", "pythonic")     # --tool-call-parser values this server has
 
 
 @dataclass
@@ -150,11 +151,50 @@ def split_json_calls(text: str, final: bool) -> Split:
             at += 1
 
 
+def _python_calls(body: str) -> list[tuple[str, str]] | None:
+    """``[f(a=1, b="x"), g()]`` as calls, or None: a list of calls by name with keyword arguments
+    whose values are Python literals (read with ``ast.literal_eval``, never run)."""
+    import ast
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for c in tree.elts:
+        if not isinstance(c, ast.Call) or not isinstance(c.func, ast.Name) or c.args \
+                or any(k.arg is None for k in c.keywords):
+            return None
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in c.keywords}
+            calls.append((c.func.id, json.dumps(args, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return calls
+
+
+def split_python_calls(text: str, final: bool) -> Split:
+    """Calls written as a Python list (vLLM's ``pythonic``: Llama 3.2 and 4, ToolACE):
+    ``[get_weather(city="Paris"), get_time()]``, the whole reply (after blanks, or after
+    ``<|python_start|>`` and before ``<|python_end|>`` when the tokenizer keeps them); decided at
+    the end; a reply that is not such a list is content.  Monotone as ``split``."""
+    head = text.lstrip()
+    if not head or not final and PYTHON_START.startswith(head):
+        return Split(content=text if final else "")
+    if not (head.startswith("[") or head.startswith(PYTHON_START)):
+        return Split(content=text)
+    if not final:
+        return Split()
+    calls = _python_calls(head.removeprefix(PYTHON_START).strip().removesuffix(PYTHON_END))
+    return Split(calls=calls) if calls else Split(content=text)
+
+
 def parse(text: str, final: bool, parser: str = "hermes", max_calls: int | None = None) -> Split:
     """The reply's content and calls by ``--tool-call-parser`` ``parser``."""
     if parser == "hermes":
         return split(text, final, max_calls)
-    out = split_json_calls(text, final)
+    out = split_json_calls(text, final) if parser == "llama3_json" else split_python_calls(text, final)
     if max_calls is not None:
         del out.calls[max_calls:]
     return out
