@@ -240,6 +240,8 @@ def test_api_key(srv):
         client(base, key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert post(base, "/admin/migrate", {"device": "cpu"}, key=None)[0] == 401      # migration needs it too
     assert _get(base + "/health")[0] == 200 and _get(base + "/metrics")[0] == 200    # as vLLM: open
+    from gpu_anchor import __version__
+    assert _get(base + "/ping")[0] == 200 and json.loads(_get(base + "/version")[1]) == {"version": __version__}
     assert client(base).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -212,6 +212,16 @@ class Routes:
             body["loading"] = dict(self.fe.loading, message=wire.describe_loading(self.fe.loading))
         return web.json_response(body, status=200 if up else 503)
 
+    async def version(self, request):
+        """vLLM's ``GET /version``: this server's version (open, as vLLM's)."""
+        from gpu_anchor import __version__
+        return web.json_response({"version": __version__})
+
+    async def ping(self, request):
+        """vLLM's ``/ping`` (SageMaker's health check): 200 while an engine serves, else 503."""
+        up = self.fe.writer is not None and not self.fe.failed
+        return web.json_response({} if up else {"status": "unavailable"}, status=200 if up else 503)
+
     async def metrics_page(self, request):
         m = self.fe.metrics
         m.open.set(len(self.fe.reqs))
@@ -234,6 +244,9 @@ def make_app(fe) -> web.Application:
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/health", routes.health)
+    app.router.add_get("/version", routes.version)
+    app.router.add_get("/ping", routes.ping)
+    app.router.add_post("/ping", routes.ping)
     app.router.add_get("/metrics", routes.metrics_page)
     app.router.add_post("/admin/migrate", routes.migrate)
     return app
