@@ -242,7 +242,8 @@ def test_api_key(srv):
     assert _get(base + "/health")[0] == 200 and _get(base + "/metrics")[0] == 200    # as vLLM: open
     from gpu_anchor import __version__
     assert _get(base + "/ping")[0] == 200 and json.loads(_get(base + "/version")[1]) == {"version": __version__}
-    assert client(base).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert client(base).completions.create(model=MODEL, prompt="x", max_tokens=2,       # no EOS drawn: 2 tokens
+                                           extra_body={"ignore_eos": True}).usage.completion_tokens == 2
 
 
 # ------------------------------------------------------------------ streaming options
