@@ -34,9 +34,9 @@ from .attention import step_inputs
 from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
+from .grammar_matchers import Grammars, words
 from .model_runner import Model, eos_token_ids, load_config
 from .requests import Requests
-from .grammar_matchers import Grammars, words
 from .logit_adjust import adjust_logits
 from .sampling import sample_ids, token_logprobs
 from .scheduler import Scheduler, Work

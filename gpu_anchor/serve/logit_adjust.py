@@ -57,7 +57,7 @@ def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: list, outputs: list,
                   indices: list[int], eos_ids=(), pending: torch.Tensor | None = None, allowed=None) -> torch.Tensor:
-    """The logits of ``params[b]``'s row ``b`` after steps 1-4 (the module's docstring);
+    """The logits of ``params[b]``'s row ``b`` after steps 0-4 (the module's docstring);
     ``logits`` itself when no row adjusts anything (it is never written: a CUDA graph's output
     buffer is not ours).  ``indices[b]``: the output index row ``b``'s token takes.
     ``pending[b]`` (on the device): row ``b``'s last generated token, not yet in ``outputs[b]``
