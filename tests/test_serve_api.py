@@ -793,6 +793,22 @@ def test_a_hub_id_from_the_local_cache(tmp_path_factory):
                 stop_server(proc)
 
 
+def test_a_mistral_model_served_as_transformers_runs_it(tmp_path_factory):
+    """Mistral (7B v0.2 / v0.3, Small): its greedy reply through ``gpu-anchor serve`` and the
+    ``openai`` client equals transformers' ``generate``."""
+    from gpu_anchor.serve.tokenizer import Codec
+    with own_daemon(tmp_path_factory, "mistral") as (d, sock):
+        model = make_tiny_model(str(d / "tiny-mistral"), "mistral", seed=6)
+        proc, base, _ = start_server(str(d), model, "--socket", sock)
+        try:
+            ids = Codec(model, 384).encode("The quick brown fox")
+            out = client(base, "none").completions.create(model="tiny-mistral", prompt="The quick brown fox",
+                                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == Codec(model, 384).decode(_hf_greedy(model, ids, 8))
+        finally:
+            stop_server(proc)
+
+
 def test_sampling_defaults_from_the_generation_config(tmp_path_factory):
     """vLLM's ``--generation-config auto`` (its default): a request that leaves a sampling field
     out gets the model's recommendation from ``generation_config.json`` (here temperature 0:

@@ -27,7 +27,7 @@ KILLS = int(os.environ.get("GPU_ANCHOR_SERVE_KILLS", "40"))
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")
-    return {f: make_tiny_model(str(d / f), f, seed=i) for i, f in enumerate(("llama", "qwen3", "qwen2"))}
+    return {f: make_tiny_model(str(d / f), f, seed=i) for i, f in enumerate(("llama", "qwen3", "qwen2", "mistral"))}
 
 
 def _prompts(n, seed=0, lo=3, hi=40):
@@ -35,7 +35,7 @@ def _prompts(n, seed=0, lo=3, hi=40):
     return [[rng.randrange(3, 380) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 def test_greedy_equals_hf_generate(models, family):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(models[family])
@@ -47,6 +47,15 @@ def test_greedy_equals_hf_generate(models, family):
                               max_batched_tokens=13))
     out = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert out == ref
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+    """Mistral v0.1's 4 096-token window: served only where the context fits in it."""
+    from gpu_anchor.serve.model_runner import check_window
+    model = make_tiny_model(str(tmp_path / "m"), "mistral", sliding_window=64)
+    with pytest.raises(ValueError, match="--max-model-len 64 or less"):
+        Engine(EngineConfig(model=model, anchor=False, num_blocks=32, max_model_len=128))
+    check_window(Engine(EngineConfig(model=model, anchor=False, num_blocks=32, max_model_len=64)).mc, 64)
 
 
 def test_sampling_is_a_function_of_seed_and_index(models):

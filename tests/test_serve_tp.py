@@ -90,7 +90,7 @@ def _forward(path, dtype, rank, n, tp):
 
 
 @pytest.mark.parametrize("family,kw", [("qwen2", {}), ("qwen3", {}), ("llama", {"tie_word_embeddings": True,
-                                                                               "vocab_size": 383})])
+                                                                               "vocab_size": 383}), ("mistral", {})])
 def test_sharded_forward_equals_the_whole_model(tmp_path, family, kw):
     """qwen2: q/k/v biases; qwen3: q_norm/k_norm; llama: a tied lm_head and a vocabulary that
     does not split evenly (383 = 192 + 191).  Float64: equal to 1e-12; the KV cache of each

@@ -243,7 +243,9 @@ def engine_config(args, mc):
     """Rank 0's configuration (the only one without tensor parallelism; ``rank_configs``
     derives the others).  Raises ``options.OptionError`` for a bad combination."""
     import torch
+
     from .engine import EngineConfig
+    from .model_runner import check_window
     if args.device is None:
         # The NVML check does not initialise the CUDA driver here: forked engines could not use it.
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -251,6 +253,10 @@ def engine_config(args, mc):
     tp = args.tensor_parallel_size or 1
     options.check_tensor_parallel(args, mc, device)
     options.check_kernel_shapes(args, mc, device)
+    try:
+        check_window(mc, args.max_model_len)
+    except ValueError as e:
+        raise options.OptionError(str(e)) from None
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     options.check_deterministic(args, device, dtype)
     options.resolve_standby(args, device)

@@ -35,7 +35,7 @@ from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
 from .grammar_matchers import Grammars, words
-from .model_runner import Model, eos_token_ids, load_config
+from .model_runner import Model, check_window, eos_token_ids, load_config
 from .requests import Requests
 from .logit_adjust import adjust_logits
 from .sampling import sample_ids, token_logprobs
@@ -102,6 +102,7 @@ class Engine(Requests):
                 torch.backends.cuda.preferred_blas_library(blas)
         self.timings["cuda_init_s"] = time.perf_counter() - t0
         self.mc = load_config(cfg.model)
+        check_window(self.mc, cfg.max_model_len)
         self.grammars = Grammars(cfg.tokenizer or cfg.model, self.mc.vocab_size, eos_token_ids(self.mc, cfg.model))
         self.tp = None
         if cfg.tensor_parallel_size > 1:

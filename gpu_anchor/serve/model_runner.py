@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import batch_invariant, fused
 from .attention import AttnMeta, attend, write_kv
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def eos_token_ids(mc, path: str) -> list[int]:
@@ -61,6 +61,15 @@ def load_config(path: str):
     if getattr(cfg, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
     return cfg
+
+
+def check_window(cfg, max_model_len: int) -> None:
+    """Mistral's sliding window (v0.1: 4 096 tokens) is not built: the engine attends to the whole
+    context, which is the same computation while the context fits in the window."""
+    w = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+    if w is not None and max_model_len > w:
+        raise ValueError(f"the model attends within a sliding window of {w} tokens, which this engine does not "
+                         f"build; serve it with --max-model-len {w} or less (full attention is the same there)")
 
 
 def head_dim(cfg) -> int:

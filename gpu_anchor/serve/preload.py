@@ -7,6 +7,7 @@ and by the ``serve`` supervisor.
 """
 import torch  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401
+import transformers.models.mistral.modeling_mistral  # noqa: F401
 import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401

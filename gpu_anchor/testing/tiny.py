@@ -20,6 +20,8 @@ FAMILIES = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16),
+    # Mistral 7B v0.2 / v0.3 and Mistral Small: Llama's layers, no sliding window, an explicit head_dim
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None, head_dim=16),
 }
 
 
