@@ -77,8 +77,20 @@ PY_CASES = [
 ]
 
 
+MISTRAL_CASES = [
+    ("It is sunny.", "It is sunny.", []),
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "",
+     [("get_weather", {"city": "Paris"})]),
+    (' [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"x": 1}}]', "", [("f", {}), ("g", {"x": 1})]),
+    ('[{"name": "f", "arguments": {"x": ', '[{"name": "f", "arguments": {"x": ', []),     # cut by max_tokens
+    ('[{"city": "Paris"}]', '[{"city": "Paris"}]', []),
+    ("[1, 2] are numbers", "[1, 2] are numbers", []),
+    ("[", "[", []),
+]
+
+
 @pytest.mark.parametrize("parser,text,content,calls", [("llama3_json", *c) for c in LLAMA_CASES]
-                         + [("pythonic", *c) for c in PY_CASES])
+                         + [("pythonic", *c) for c in PY_CASES] + [("mistral", *c) for c in MISTRAL_CASES])
 def test_llama3_json_and_pythonic(parser, text, content, calls):
     got = parse(text, True, parser)
     assert got.content == content and [(n, json.loads(a)) for n, a in got.calls] == calls
@@ -369,13 +381,16 @@ HELLO = "Hello! How can I help?"
 
 
 PY_TWO = '[get_weather(city="Paris"), get_weather(city="Rome")]'
+ASK_ROME = [{"role": "user", "content": "Weather in Rome?"}]
+MISTRAL_ROME = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]'
 
 
 @pytest.fixture(scope="module")
 def llama_srv(tmp_path_factory):
     """A Llama model taught to answer the weather question with Llama 3's JSON call, the question
-    about two cities with a pythonic list of calls and a greeting with text; served twice, with
-    --tool-call-parser llama3_json and pythonic: ``{parser: base URL}``."""
+    about two cities with a pythonic list of calls, the one about Rome with Mistral's and a
+    greeting with text; served with --tool-call-parser llama3_json, pythonic and mistral:
+    ``{parser: base URL}``."""
     from gpu_anchor.serve.tokenizer import Codec
     from gpu_anchor.testing.tiny import make_tiny_model
     from test_serve_api import start_server
@@ -385,10 +400,11 @@ def llama_srv(tmp_path_factory):
         codec = Codec(model, 384, chat_template=LLAMA_TEMPLATE)
         _teach(model, [(codec.encode(codec.chat(ASK, tools=TOOLS)), codec.encode(LLAMA)),
                        (codec.encode(codec.chat(ASK_TWO, tools=TOOLS)), codec.encode(PY_TWO)),
+                       (codec.encode(codec.chat(ASK_ROME, tools=TOOLS)), codec.encode(MISTRAL_ROME)),
                        (codec.encode(codec.chat(HI, tools=TOOLS)), codec.encode(HELLO))])
         procs, bases = [], {}
         try:
-            for parser in ("llama3_json", "pythonic"):
+            for parser in ("llama3_json", "pythonic", "mistral"):
                 (d / parser).mkdir()
                 proc, bases[parser], _ = start_server(
                     str(d / parser), model, "--socket", sock, "--chat-template", LLAMA_TEMPLATE, "--served-model-name",
@@ -401,7 +417,7 @@ def llama_srv(tmp_path_factory):
                 stop_server(proc)
 
 
-def test_llama3_json_and_pythonic_calls_through_the_openai_client(llama_srv):
+def test_llama3_json_pythonic_and_mistral_calls_through_the_openai_client(llama_srv):
     c = _client(llama_srv["llama3_json"])
     kw = dict(model="tiny-llama", tools=TOOLS, temperature=0, max_tokens=120)
     r = c.chat.completions.create(messages=ASK, **kw)
@@ -424,3 +440,7 @@ def test_llama3_json_and_pythonic_calls_through_the_openai_client(llama_srv):
     assert [(x["name"], x["arguments"]) for x in got["calls"]] == \
         [(t.function.name, t.function.arguments) for t in two.message.tool_calls]
     assert py.chat.completions.create(messages=HI, **kw).choices[0].message.content == HELLO
+    mi = _client(llama_srv["mistral"]).chat.completions.create(messages=ASK_ROME, **kw).choices[0]
+    assert mi.finish_reason == "tool_calls" and mi.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in mi.message.tool_calls] == \
+        [("get_weather", {"city": "Rome"})]

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
                         "Qwen3, Hermes), llama3_json ({\"name\": ..., \"parameters\": {...}}: Llama 3.1 / 3.2) or "
-                        "pythonic ([f(a=1), g()]: Llama 3.2 / 4, ToolACE)")
+                        "pythonic ([f(a=1), g()]: Llama 3.2 / 4, ToolACE) or mistral ([TOOL_CALLS] [{...}]: "
+                        "Mistral 7B v0.3)")
     p.add_argument("--structured-outputs-config", default=None,
                    help="vLLM's structured-output settings as JSON: backend (llguidance enforces every one here), "
                         "disable_any_whitespace, enable_in_reasoning")

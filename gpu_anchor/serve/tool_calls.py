@@ -9,7 +9,8 @@ Qwen2.5 / Qwen3, the Hermes models and many fine-tunes answer a chat whose templ
 
 ``split(text, final)`` turns such a reply into the chat API's ``content`` and ``tool_calls``
 (vLLM's ``--tool-call-parser hermes``; ``split_json_calls`` is ``llama3_json``'s,
-``split_python_calls`` ``pythonic``'s, ``parse`` picks by the parser's name).  The contract:
+``split_python_calls`` ``pythonic``'s, ``split_mistral_calls`` ``mistral``'s; ``parse`` picks by
+the parser's name).  The contract:
 
 - ``calls``: each ``<tool_call>`` block whose JSON is an object with a string ``name`` and an
   object ``arguments`` (or none: ``{}``; a string holding a JSON object is read), in order,
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"     # Llama 3's: what follows is a call (when kept in the text)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"     # Llama 4's, around pythonic calls
-PARSERS = ("hermes", "llama3_json", "pythonic")     # --tool-call-parser values this server has
+MISTRAL_CALLS = "[TOOL_CALLS]"     # Mistral's, before its JSON list of calls (a special token: often dropped)
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")     # --tool-call-parser values this server has
 
 
 @dataclass
@@ -190,11 +192,31 @@ def split_python_calls(text: str, final: bool) -> Split:
     return Split(calls=calls) if calls else Split(content=text)
 
 
+def split_mistral_calls(text: str, final: bool) -> Split:
+    """Mistral 7B v0.3's calls (vLLM's ``mistral``, its JSON form): ``[TOOL_CALLS]`` (when the
+    tokenizer keeps it in the text) and a JSON list of ``{"name", "arguments"}``, the whole reply;
+    decided at the end; a reply that is not such a list is content.  Monotone as ``split``."""
+    head = text.lstrip()
+    if not head or not final and (MISTRAL_CALLS.startswith(head) or head == "["):
+        return Split(content=text if final else "")
+    if not (head.startswith(MISTRAL_CALLS) or head.startswith("[{") or head.startswith("[ ")):
+        return Split(content=text)
+    if not final:
+        return Split()
+    try:
+        items = json.loads(head.removeprefix(MISTRAL_CALLS))
+    except ValueError:
+        return Split(content=text)
+    calls = [_object_call(c) for c in items] if isinstance(items, list) and items else [None]
+    return Split(calls=calls) if all(calls) else Split(content=text)
+
+
 def parse(text: str, final: bool, parser: str = "hermes", max_calls: int | None = None) -> Split:
     """The reply's content and calls by ``--tool-call-parser`` ``parser``."""
     if parser == "hermes":
         return split(text, final, max_calls)
-    out = split_json_calls(text, final) if parser == "llama3_json" else split_python_calls(text, final)
+    out = {"llama3_json": split_json_calls, "pythonic": split_python_calls,
+           "mistral": split_mistral_calls}[parser](text, final)
     if max_calls is not None:
         del out.calls[max_calls:]
     return out
