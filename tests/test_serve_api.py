@@ -1075,8 +1075,10 @@ def test_tool_call_and_reasoning_options():
     options.check(_args("--tool-call-parser", "hermes"))
     with pytest.raises(options.OptionError, match="needs --tool-call-parser"):
         options.check(_args("--enable-auto-tool-choice"))
-    with pytest.raises(options.OptionError, match="this server has hermes"):
-        options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", "mistral"))
+    for parser in ("llama3_json", "pythonic", "mistral"):
+        options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", parser))
+    with pytest.raises(options.OptionError, match="this server has hermes, llama3_json, pythonic, mistral"):
+        options.check(_args("--enable-auto-tool-choice", "--tool-call-parser", "granite"))
     options.check(_args("--reasoning-parser", "deepseek_r1"))
     with pytest.raises(options.OptionError, match="this server has qwen3, deepseek_r1"):
         options.check(_args("--reasoning-parser", "granite"))
