@@ -172,7 +172,8 @@ def test_constrained_streams_equal_a_fault_free_run_over_three_daemon_kills(serv
     """Structured output (a JSON schema, a regex, a tool call forced by tool_choice) beside plain
     streams: the daemon's state is lost three times, every request is recomputed from its
     record, whose grammar rebuilds its matcher, and each stream equals its fault-free run."""
-    pytest.importorskip("llguidance")
+    pytest.importorskip("llguidance",
+                        reason="structured output needs llguidance (gpu-anchor[serve]; make test installs it)")
     colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 30, "maxItems": 30}
     compact = {"disable_any_whitespace": True}
     tools = [{"type": "function", "function": {"name": "paint", "parameters": colors}}]

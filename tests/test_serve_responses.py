@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-pytest.importorskip("llguidance")
+pytest.importorskip("llguidance",
+                    reason="structured output needs llguidance (gpu-anchor[serve]; make test installs it)")
 
 from test_serve_structured import COLORS, model_dir, so_srv  # noqa: E402
 from test_serve_tool_calls import ANSWER, ASK, ASK_THINK, RESULT, THOUGHT, TOOLS, tool_srv  # noqa: E402
@@ -120,7 +121,8 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_loop(tool_srv):
     """The OpenAI Agents SDK (``openai-agents``) as its users run it against a vLLM server: an
     ``Agent`` with a function tool on ``OpenAIResponsesModel``; ``Runner`` calls the model, runs
     the tool the model called, sends its output back and ends with the model's answer."""
-    agents = pytest.importorskip("agents")
+    agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents, a test extra: make test "
+                                                  "installs it) is the user code this test runs")
     import asyncio
 
     import openai

@@ -21,7 +21,8 @@ from typing import Literal
 
 import pytest
 
-pytest.importorskip("llguidance")
+pytest.importorskip("llguidance",
+                    reason="structured output needs llguidance (gpu-anchor[serve]; make test installs it)")
 
 from gpu_anchor.serve import structured_output  # noqa: E402
 from gpu_anchor.serve.grammar_matchers import Grammars, words  # noqa: E402

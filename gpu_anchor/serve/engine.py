@@ -25,20 +25,17 @@ import time
 
 import torch
 
-from . import batch_invariant
 from . import commit as C
-from . import step_plan
+from . import step_plan, step_sampling
 from .anchor import Anchor
 from .async_step import Launched, RunAhead
 from .attention import step_inputs
 from .block_manager import BlockManager
 from .cuda_graphs import decode_graphs
 from .engine_config import EngineConfig
-from .grammar_matchers import Grammars, words
+from .grammar_matchers import Grammars
 from .model_runner import Model, check_window, eos_token_ids, load_config
 from .requests import Requests
-from .logit_adjust import adjust_logits
-from .sampling import sample_ids, token_logprobs
 from .scheduler import Scheduler, Work
 from .sequence import SamplingParams, Sequence
 from .state import NotAttachable, bind_state
@@ -126,36 +123,13 @@ class Engine(Requests):
             t1 = time.perf_counter()
             self.capture_graphs()
             self.timings["standby_capture_s"] = time.perf_counter() - t1
-            self._warm_outside_graphs()
+            step_sampling.warm(self)
             t2 = time.perf_counter()
             if self.grammars.prepare():      # ~1 s for a 150 000-token vocabulary: not after the take-over
                 self.timings["standby_grammar_vocab_s"] = time.perf_counter() - t2
             self.timings["standby_attach_s"] = time.perf_counter() - t0
             return
         self.take_over(progress, _t0=t0, fence=fence)
-
-    def _warm_outside_graphs(self) -> None:
-        """What a step runs outside its decode graph — the head (a cuBLAS call per batch size)
-        and sampling (greedy, random, logit adjustments, log-probabilities) — once on scratch rows, so that a hot
-        standby's first step after the take-over loads no kernel (it took ~20 ms on the H200)."""
-        if self.device.type != "cuda":
-            return
-        sizes = self.graphs.sizes if self.graphs is not None else [1]
-        h = torch.zeros(max(sizes), self.mc.hidden_size, dtype=self.dtype, device=self.device)
-        rnd = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=1)
-        draw = batch_invariant.sample_ids if self.cfg.deterministic else sample_ids
-        with torch.no_grad():
-            for n in sizes:
-                logits = self.model.head(h[:n])
-                draw(logits, [SamplingParams(max_tokens=2)] * n, [0] * n)
-            draw(logits, [rnd if i % 2 else SamplingParams(max_tokens=2) for i in range(n)], [0] * n)
-            adj = [SamplingParams(max_tokens=2, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-                                  min_tokens=1, logit_bias={1: 1.0}, min_p=0.1, temperature=0.8, seed=1)]
-            draw(adjust_logits(logits[:1], adj, [[0, 1]], [[1, 2]], [0], [0]), adj, [0])
-            masks = torch.full((1, words(self.mc.vocab_size)), -1, dtype=torch.int32)    # structured output's
-            adjust_logits(logits[:1], [SamplingParams(grammar="-")], [[0]], [[]], [0], [0], allowed=([0], masks))
-            token_logprobs(logits[:2], [0, 1], [0, 2])
-        torch.cuda.synchronize(self.device)
 
     def take_over(self, progress=None, _t0: float | None = None, fence=None) -> None:
         """Become the serving engine: judge the anchored KV by the journal as it is now, restore
@@ -384,18 +358,8 @@ class Engine(Requests):
         la = Launched(work, list(preempted), prefill, sw=[w for w in work if w.sample], ahead=ahead_ids is not None,
                       plp=plp)
         if la.sw:
-            draw = batch_invariant.sample_ids if self.cfg.deterministic else sample_ids
-            params = [w.seq.params for w in la.sw]
-            # the output index each row's token takes: its position + 1 - the prompt's length
-            index = [w.start + w.n - len(w.seq.prompt_ids) for w in la.sw]
-            # ahead: each row's input token is its last generated one, not on the host yet (la.sw is work)
-            allowed = self.grammars.bitmasks([w.seq for w in la.sw]) \
-                if any(p.grammar is not None for p in params) else None
-            la.ids = draw(adjust_logits(logits, params, [w.seq.prompt_ids for w in la.sw],
-                                        [w.seq.output_ids for w in la.sw], index, self.scheduler.eos_token_ids,
-                                        pending=ahead_ids, allowed=allowed),
-                          params, index)
-            if any(p.logprobs is not None for p in params):
+            la.ids = step_sampling.draw(self, logits, la.sw, ahead_ids)
+            if any(w.seq.params.logprobs is not None for w in la.sw):
                 la.logits = logits            # the model's distribution, as vLLM reports it by default
             if self.run_ahead is not None:
                 la.copy_to_host()
@@ -426,8 +390,8 @@ class Engine(Requests):
             self.step_counts["discarded"] += len(la.sw) - len(sw)
             want = [(b, w) for b, w in sw if w.seq.params.logprobs is not None]
             if want:
-                lps = token_logprobs(la.logits[[b for b, _ in want]], [toks[b] for b, _ in want],
-                                     [w.seq.params.logprobs for _, w in want])
+                lps = step_sampling.chosen_logprobs(la.logits, [b for b, _ in want], [toks[b] for b, _ in want],
+                                                    [w.seq.params.logprobs for _, w in want])
                 for (_, w), lp in zip(want, lps):
                     self._logprobs.setdefault(w.seq.rid, {})[len(w.seq.output_ids)] = lp
         if la is not None and la.plp is not None:
