@@ -1,0 +1,132 @@
+"""An engine's take-over: from bound state to serving (``Engine.take_over``).
+
+Every engine goes through it: a fresh one right after binding the anchored weights and KV cache
+(``Engine.__init__``), a hot standby once the live engine is dead.  It builds the block manager
+and the scheduler, reads the journal, restores every committed sequence (its KV reused when
+every rank can vouch for it, else recomputed: ``commit.restore_kv``), commits the new layout in
+one atomic step with whatever it had to drop, and registers with the step fence.  Split from
+``engine.py`` (the step loop) as a mixin of ``Engine``: it sets the attributes the steps use.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import commit as C
+from .async_step import RunAhead
+from .block_manager import BlockManager
+from .model_runner import eos_token_ids
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger("gpu_anchor.serve")
+
+
+class TakeOver:
+    def take_over(self, progress=None, _t0: float | None = None, fence=None) -> None:
+        """Become the serving engine: judge the anchored KV by the journal as it is now, restore
+        every committed sequence, and set up the scheduler and the commit pipeline.  The
+        constructor calls it; a hot standby (``standby=True``) calls it at take-over, once the
+        engine it replaces is dead (never before: the dead engine's queued kernels could still
+        write KV).  Raises ``NotAttachable`` if the namespace changed under the standby since it
+        attached (the weights fingerprint is gone or another): build an ordinary engine then.
+        ``fence``: see the constructor; the engine before this one must be quiet by then
+        (``StepFence.quiesce``): this engine's marks start from the page's present count."""
+        t0 = time.perf_counter() if _t0 is None else _t0
+        cfg, st = self.cfg, self.state
+        report = progress or (lambda phase, done=None, total=None: None)
+        if self.standby:
+            st.recheck()
+            self.standby = False
+            # what the standby did before the fault is not part of this take-over's time
+            self.timings = {k if k.startswith("standby_") else "standby_" + k: v for k, v in self.timings.items()}
+            self.timings["recheck_s"] = time.perf_counter() - t0
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        eos = eos_token_ids(self.mc, cfg.model)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
+        journal = st.journal
+        self.committer = C.Committer(journal)
+        self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
+                                         "finish", "commit_prepare", "commit_wait"), 0.0)
+        self.commits = C.Pipeline(self.committer, self.blocks, self.step_times)
+        t3 = time.perf_counter()
+        self.recovery_notes: list[str] = []
+        self.restored: list[Sequence] = []
+        # log-probabilities of sampled tokens not yet published: rid -> {output index: (lp, top)}
+        self._logprobs: dict[str, dict[int, tuple]] = {}
+        # prompt log-probabilities, sent with the first token: rid -> (prompt length, {position: (lp, top)})
+        self._prompt_lps: dict[str, tuple[int, dict]] = {}
+        why = st.kv_problem() if journal is not None else ""
+        if self.tp is not None:     # every rank's answer, before anything is decided
+            t4 = time.perf_counter()
+            why = self.tp.agree(why)
+            self.timings["tp_agree_s"] = time.perf_counter() - t4     # waiting for the other ranks
+            self.timings["tp_ranks_init_s"] = self.tp.slowest_s
+        if journal is not None:
+            report("restore")
+            self._restore(journal, why)
+        if self.tp is not None:     # the decision is committed: the other ranks may record their layout
+            self.tp.send({"t": "go"})
+        self.timings["restore_s"] = time.perf_counter() - t3
+        self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
+        self._gone: list[str] = []
+        self._added: list[Sequence] = []     # admitted or rewound since the last commit
+        self._urgent = True       # the next step lands its commit at once (see ``step``)
+        self._prefill_step = False
+        self.tokens_generated = 0
+        # steps launched by their graph / eagerly; synchronously (scheduled after the previous
+        # step's tokens were read) / asynchronously (launched ahead of that read: async_step.py) a
+        # step launched ahead; ``discarded``: rows launched ahead whose sequence had finished (dropped)
+        self.step_counts = {"graph": 0, "eager": 0, "sync": 0, "async": 0, "discarded": 0}
+        # asynchronous scheduling: on by default on CUDA without tensor parallelism
+        run_ahead = cfg.async_scheduling if cfg.async_scheduling is not None else \
+            (self.device.type == "cuda" and self.tp is None)
+        self.run_ahead = RunAhead(self) if run_ahead and self.tp is None else None
+        if cfg.async_scheduling and self.tp is not None:
+            log.warning("asynchronous scheduling is not built for tensor parallelism: every step runs synchronously")
+        # A request that wants log-probabilities resumes one token back: its last committed token
+        # may never have reached the client, and the journal keeps no log-probabilities, so the
+        # first step samples it again with them (the step runs anyway: no prefill, and no round
+        # trip to the frontend for the token).  A client that has it sees it replayed (compared).
+        for s in self.restored:
+            if s.params.logprobs is not None and s.output_ids:
+                self._rewind(s, s.output_ids[:-1])
+        if fence is not None and self.tp is None:
+            t5 = time.perf_counter()
+            self._on_device()
+            fence.register_device() if self.device.type == "cuda" else fence.host_only()
+            # this thread and the commit thread are the writers the supervisor watches
+            fence.hold_writer(0)
+            self.commits.start(lambda: fence.hold_writer(1))
+            self.timings["fence_s"] = time.perf_counter() - t5
+            self.fence = fence
+            self._stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        self.timings["init_s" if _t0 is not None else "take_over_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ recovery
+    def _restore(self, journal, why: str) -> None:
+        """Restore the committed sequences; ``why``: the reason (of any rank) not to trust the
+        anchored KV, "" if every rank can."""
+        bad: list[str] = []       # the damaged requests' records, removed below
+        seqs, problems = C.read_sequences(journal, bad)
+        dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
+        notes = problems + dropped
+        for n in notes:
+            log.warning("%s", n)
+        self.recovery_notes = notes
+        for s in seqs:
+            self.scheduler.seqs[s.rid] = s
+        # One atomic commit: the new layout, a dropped (damaged) record's removal and, if the
+        # KV is gone, every sequence without it.  Were the layout committed first, a crash
+        # before the rest would leave it vouching for a KV cache no step ever wrote.
+        self.committer.adopt(seqs)
+        puts, deletes = {C.LAYOUT: self.state.layout}, bad
+        if dropped:
+            reset = self.committer.prepare(seqs)
+            if reset is not None:
+                puts.update(reset[0])
+                deletes = deletes + reset[1]
+        self.committer.apply(puts, deletes)
+        self.restored = seqs
