@@ -8,9 +8,9 @@ import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# parts of a scenario (serve_decode of serve_throughput; cublaslt is decode_gemm's ctypes binding; the *_report modules render a scenario's results; gpu_clock samples the SM clock for checkpoint_stall; checkpoint_restore is its restore and migration rows)
+# parts of a scenario or of the report (serve_decode of serve_throughput; scoreboard is the report's target table; cublaslt is decode_gemm's ctypes binding; the *_report modules render a scenario's results; gpu_clock samples the SM clock for checkpoint_stall; checkpoint_restore is its restore and migration rows)
 NOT_SCENARIOS = {"common", "report", "__main__", "protocol", "figures", "serve_decode", "serve_throughput_report", "train_overhead_report", "gpu_clock", "step_profile", "checkpoint_restore",
-                 "checkpoint_stall_report", "cublaslt"}
+                 "checkpoint_stall_report", "cublaslt", "scoreboard"}
 
 
 def scenarios() -> list[str]:

@@ -17,7 +17,8 @@ a marker naming the result file and the value of each number in that clause:
   "b is that many % below a").  ``@OTHER PATH`` takes one number from
   ``bench/results/OTHER.json`` instead (no prefix).  A path starting with ``.`` or ``[``
   continues ``PREFIX``.  ``median(TERM; TERM; ...)`` is the median of its terms, each an
-  ``EXPR`` or an ``@OTHER PATH`` (the median of runs stored one file each).
+  ``EXPR`` or an ``@OTHER PATH`` (the median of runs stored one file each); ``min(...)`` and
+  ``max(...)`` alike.
 - ``fig none: WHY`` — the clause's numbers are not benchmark results (a paper's figure, a
   test's running time); says why.
 
@@ -188,11 +189,7 @@ def check(path: str = README, results: str = RESULTS) -> tuple[list[Bound], list
                 continue
             name = source
             try:
-                if expr.startswith("median(") and expr.endswith(")"):
-                    value = statistics.median(_term(t.strip(), source, prefix.strip(), results, cache)[1]
-                                              for t in expr[len("median("):-1].split(";"))
-                else:
-                    name, value = _term(expr, source, prefix.strip(), results, cache)
+                name, value = value_of(expr, source, prefix.strip(), results, cache)
                 bad = None if _matches(shown, value) else f"README says {shown}, {name}.json gives {value:.6g}"
             except (OSError, ValueError, statistics.StatisticsError) as e:  # FigureError is a ValueError
                 value, bad = None, f"{name}: {e}"
@@ -204,6 +201,19 @@ def check(path: str = README, results: str = RESULTS) -> tuple[list[Bound], list
             problems.append(f"{os.path.basename(path)}:{_line(text, n.start())}: figure "
                             f"{text[n.start():n.end() + 8].split(chr(10))[0]!r} has no source marker")
     return bounds, problems
+
+
+AGGREGATES = {"median": statistics.median, "min": min, "max": max}
+
+
+def value_of(expr: str, source: str, prefix: str, results: str, cache: dict) -> tuple[str, float]:
+    """``(file, value)`` of one ``EXPR`` of ``source``: a term, or ``median(TERM; ...)``
+    (``min``, ``max`` alike) over terms of this file or ``@OTHER`` files."""
+    agg, _, rest = expr.partition("(")
+    if agg in AGGREGATES and rest.endswith(")"):
+        return source, AGGREGATES[agg]([_term(t.strip(), source, prefix, results, cache)[1]
+                                        for t in rest[:-1].split(";")])
+    return _term(expr, source, prefix, results, cache)
 
 
 def _term(expr: str, source: str, prefix: str, results: str, cache: dict) -> tuple[str, float]:

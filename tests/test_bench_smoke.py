@@ -51,7 +51,8 @@ def test_every_stored_result_renders(tmp_path):
     missing = {n for n in scenarios() if n not in HELPERS} - {m.rsplit(".", 1)[-1] for m in owners}
     assert not missing, f"scenarios without a stored result in bench/results: {sorted(missing)}"
     text = report.render_all(RESULTS, img_dir=str(tmp_path / "img"))
-    assert text.count("\n## ") == len(stored)
+    assert text.count("\n## ") == len(stored) + 1          # and the target table before them
+    assert text.index("\n## Where each target stands") < text.index("\n## ", text.index("\n## ") + 1)
 
 
 def test_report_skips_tiny_results(tmp_path):
