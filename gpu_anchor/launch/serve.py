@@ -159,6 +159,8 @@ def main(args) -> int:
         fe_cmd += ["--structured-outputs", json.dumps(structured)]
     if defaults:
         fe_cmd += ["--sampling-defaults", json.dumps(defaults)]
+    if cfg.lora:
+        fe_cmd += ["--lora-modules", json.dumps(dict(cfg.lora))]
     if args.port_file:
         fe_cmd += ["--port-file", args.port_file]
     key = options.api_key(args)      # in the environment: a command line is visible to every user

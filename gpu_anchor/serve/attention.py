@@ -49,6 +49,7 @@ class AttnMeta:
     q_lens: list[int]
     ctx_lens: list[int]          # keys visible to the sequence's last query token
     tables: list[list[int]]
+    lora: torch.Tensor | None = None   # [T] int64: each token's LoRA adapter slot, -1 for none (lora.py)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -63,7 +64,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 def step_inputs(plan: dict, device) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
     """The tensors of an eager step — token ids, attention metadata, rows to sample — from
     its plan: host lists ``ids``, ``pos``, ``slots``, ``tseq`` (per token), ``q_starts``,
-    ``q_lens``, ``ctx``, ``tables`` (per sequence), ``rows``.  Rank 0 builds the plan; every
+    ``q_lens``, ``ctx``, ``tables`` (per sequence), ``rows``, and ``lora`` (per token, when the
+    engine serves adapters).  Rank 0 builds the plan; every
     rank of a tensor-parallel group builds the same tensors from it."""
     tables = plan["tables"]
     width = max(len(t) for t in tables)
@@ -72,6 +74,8 @@ def step_inputs(plan: dict, device) -> tuple[torch.Tensor, AttnMeta, torch.Tenso
                     to_device(torch.tensor(plan["slots"], dtype=torch.long), device),
                     to_device(torch.tensor(plan["tseq"], dtype=torch.int32), device),
                     to_device(bt, device), plan["q_starts"], plan["q_lens"], plan["ctx"], tables)
+    if plan.get("lora") is not None:
+        meta.lora = to_device(torch.tensor(plan["lora"], dtype=torch.long), device)
     return (to_device(torch.tensor(plan["ids"], dtype=torch.long), device), meta,
             to_device(torch.tensor(plan["rows"], dtype=torch.long), device))
 

@@ -73,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for requests that leave them out: auto (the model's "
                         "generation_config.json, as vLLM), vllm (vLLM's own: temperature 1, no top-p / top-k), or a "
                         "directory holding a generation_config.json")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (--lora-modules) beside the base model; a request names one as its "
+                        "model (as in vLLM)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="the adapters: NAME=PATH, or JSON {\"name\": ..., \"path\": ...}, each a directory as peft's "
+                        "save_pretrained writes it (LoRA on the decoder's projections)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")
@@ -263,8 +270,9 @@ def engine_config(args, mc):
     options.resolve_standby(args, device)
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    lora = options.lora_modules(args, mc, name)
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
-                        tokenizer=args.tokenizer,
+                        tokenizer=args.tokenizer, lora=lora, max_lora_rank=args.max_lora_rank,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,

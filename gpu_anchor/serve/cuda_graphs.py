@@ -73,6 +73,9 @@ class DecodeGraphs:
         self.slots = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
         self.tseq = torch.arange(max_bs, dtype=torch.int32, device=dev)
         self.bt = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
+        # each row's LoRA adapter slot (-1: none), when the model serves adapters: the graphs then
+        # always compute the adapters' terms, zero for rows without one
+        self.lora = torch.full((max_bs,), -1, dtype=torch.long, device=dev) if model.lora is not None else None
         self._graphs: dict[int, tuple[list, torch.Tensor]] = {}   # bs -> (graphs, static output h)
         self._pool = None
         # torch.cuda.graph's default capture stream is one per process, made on whichever
@@ -81,7 +84,8 @@ class DecodeGraphs:
         self._capture_stream = torch.cuda.Stream(self.device) if capture else None
         self.stats = {"graphs": 0, "capture_s": 0.0, "pool_bytes": 0,
                       "static_bytes": sum(t.numel() * t.element_size() for t in
-                                          (self.ids, self.pos, self.slots, self.tseq, self.bt)),
+                                          (self.ids, self.pos, self.slots, self.tseq, self.bt)
+                                          + (() if self.lora is None else (self.lora,))),
                       "replays": 0}
 
     def size_for(self, n: int) -> int | None:
@@ -96,7 +100,7 @@ class DecodeGraphs:
         ctx = [int(p) + 1 for p in self.pos[:n].tolist()] if not self.capture else []
         return AttnMeta(self.pos[:bs], self.slots[:bs], self.tseq[:bs], self.bt[:bs],
                         list(range(n)) if not self.capture else [], [1] * n if not self.capture else [],
-                        ctx, tables if not self.capture else [])
+                        ctx, tables if not self.capture else [], None if self.lora is None else self.lora[:bs])
 
     def _segments(self) -> list[tuple[int, int]]:
         m = self.model
@@ -156,21 +160,25 @@ class DecodeGraphs:
                 if bs not in self._graphs:
                     self._capture(bs)
 
-    def run(self, ids, pos: list[int], slots: list[int], tables: list[list[int]], around=None) -> torch.Tensor:
+    def run(self, ids, pos: list[int], slots: list[int], tables: list[list[int]], around=None,
+            lora: list[int] | None = None) -> torch.Tensor:
         """One decode step of ``n = len(pos)`` sequences; returns their hidden states [n, H]
         after the last layer (to go through ``model.head``).  ``ids``: a host list, or a tensor
         on the device (a step launched ahead: the previous step's sampled ids, copied on the
         device into the static buffer behind that step's work on the stream).  ``around``:
         ``(before, after)`` called right around the launch of the kernels that write the KV (the
-        step fence's marks), once the inputs are in the graph's own buffers."""
+        step fence's marks), once the inputs are in the graph's own buffers.  ``lora``: each
+        sequence's adapter slot (None: none has one)."""
         n = len(pos)
         bs = self.size_for(n)
         pad = bs - n
         if self.capture and bs not in self._graphs:
             self._capture(bs)          # before the inputs go in: capture clobbers the buffers
         on_device = isinstance(ids, torch.Tensor)
-        host = torch.tensor([[0] * bs if on_device else ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad],
-                            dtype=torch.long)
+        rows = [[0] * bs if on_device else ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad]
+        if self.lora is not None:
+            rows.append((lora or [-1] * n) + [-1] * pad)
+        host = torch.tensor(rows, dtype=torch.long)
         width = max(map(len, tables))
         host = to_device(host, self.device)           # one copy each, never waiting for the stream
         self.ids[:bs].copy_(host[0])
@@ -178,6 +186,8 @@ class DecodeGraphs:
             self.ids[:n].copy_(ids)
         self.pos[:bs].copy_(host[1])
         self.slots[:bs].copy_(host[2])
+        if self.lora is not None:
+            self.lora[:bs].copy_(host[3])
         self.bt[:n, :width].copy_(to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                          dtype=torch.int32), self.device))
         before, after = around or (lambda: None, lambda: None)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from . import step_plan, step_sampling
+from . import lora, step_plan, step_sampling
 from .anchor import Anchor
 from .async_step import Launched, RunAhead
 from .attention import step_inputs
@@ -115,6 +115,10 @@ class Engine(Requests, TakeOver):
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
                            tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic,
                            packed=st.packed)
+        if cfg.lora and cfg.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor parallelism (the adapters are not sharded)")
+        self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device, self.model._linear, cfg.max_lora_rank)
+        self.lora_slots = self.model.lora.slots if self.model.lora is not None else {}
         if cfg.fault is not None:     # before any capture: with a hook, each graph is captured in two halves
             self.model.mid_hook = self._mid_forward
         self.steps = 0
@@ -190,7 +194,7 @@ class Engine(Requests, TakeOver):
             self.tp.send({"t": "graph", "step": index, "prefill": False, "ids": ids, "pos": pos, "slots": slots,
                           "tables": tables})
         h = g.run(ids if ahead_ids is None else ahead_ids, pos, slots, tables,
-                  around=(self._mark_launching, self._mark_launched))
+                  around=(self._mark_launching, self._mark_launched), lora=step_plan.lora_slots(work, self.lora_slots))
         logits = self.model.head(h)
         self.step_times["prepare_inputs"] += t0 - self._t_mark
         self._t_mark = time.perf_counter()
@@ -232,7 +236,8 @@ class Engine(Requests, TakeOver):
         # leaves the marker short, and its successor then waits for its exit (~0.1 s on an H200).
         logits, plp = self._decode_graph(work, index, ahead_ids), None
         if logits is None:
-            plan = step_plan.eager_plan(work, self.cfg.block_size, index, prefill, known=ahead_ids is None)
+            plan = step_plan.eager_plan(work, self.cfg.block_size, index, prefill, known=ahead_ids is None,
+                                        lora=step_plan.lora_slots(work, self.lora_slots))
             parts = step_plan.prompt_rows(plan, work)
             if self.tp is not None:
                 self.tp.send(plan)

@@ -52,6 +52,10 @@ class EngineConfig:
     blas_library: str | None = "auto"
     # tensor parallelism (tp.py): this process is rank ``rank`` of ``tensor_parallel_size``;
     # ``rendezvous``: the path prefix of this incarnation's control socket and store
+    # LoRA adapters served beside the base model (lora.py): ((name, adapter directory), ...); a
+    # request names one in SamplingParams.lora.  Ranks above max_lora_rank are refused
+    lora: tuple = ()
+    max_lora_rank: int = 16
     tensor_parallel_size: int = 1
     rank: int = 0
     rendezvous: str | None = None

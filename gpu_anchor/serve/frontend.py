@@ -80,7 +80,7 @@ class Frontend:
         """``features``: the rest of ``openai_api.Surface`` (reply parsers, sampling defaults)."""
         self.codec, self.model_name, self.max_model_len = codec, model_name, max_model_len
         self.vocab_size, self.api_key, self.started_at = vocab_size, api_key, started_at
-        self.surface = api.Surface([model_name], vocab_size, **features)
+        self.surface = api.Surface([model_name, *features.get("adapters", {})], vocab_size, **features)
         self.reqs: dict[str, Req] = {}
         self.writer = None
         self.engine_pid = None
@@ -402,6 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reasoning-parser", default=None, help="return <think> ... </think> apart, as reasoning")
     ap.add_argument("--structured-outputs", default="{}", help="JSON: disable_any_whitespace, enable_in_reasoning")
     ap.add_argument("--sampling-defaults", default="{}", help="JSON: sampling defaults (the model's generation config)")
+    ap.add_argument("--lora-modules", default="{}", help="JSON: the LoRA adapters served, {name: directory}")
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--model-name", required=True)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -426,7 +427,8 @@ def main(argv=None) -> int:
     fe = Frontend(codec, args.model_name, args.max_model_len, args.vocab_size,
                   api_key=os.environ.get("GPU_ANCHOR_SERVE_API_KEY") or None, started_at=args.started_at,
                   tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                  defaults=json.loads(args.sampling_defaults), structured=json.loads(args.structured_outputs))
+                  defaults=json.loads(args.sampling_defaults), structured=json.loads(args.structured_outputs),
+                  adapters=json.loads(args.lora_modules))
 
     async def run():
         if os.path.exists(args.engine_socket):

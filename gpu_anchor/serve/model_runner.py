@@ -275,13 +275,14 @@ class Model:
         if self.fused:
             return self._layers_fused(h, cos, sin, meta, lo, hi)
         w, T = self.w, h.shape[0]
+        lora, mask = self._lora(meta, h.dtype)
         for i in range(lo, hi):
             p = f"model.layers.{i}."
             x = self._norm(h, w[p + "input_layernorm.weight"], self.eps)
             a = p + "self_attn."
-            q = self._linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(T, self.hq, self.d)
-            k = self._linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(T, self.hkv, self.d)
-            v = self._linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(T, self.hkv, self.d)
+            q, k, v = (lora(self._linear(x, w[a + n + ".weight"], w.get(a + n + ".bias")), x, i, n, mask)
+                       for n in ("q_proj", "k_proj", "v_proj"))
+            q, k, v = q.view(T, self.hq, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
             if a + "q_norm.weight" in w:
                 q = self._norm(q, w[a + "q_norm.weight"], self.eps)
                 k = self._norm(k, w[a + "k_norm.weight"], self.eps)
@@ -289,26 +290,39 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             write_kv(self.kv[i], k, v, meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            h = h + self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            h = h + lora(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")), o, i, "o_proj", mask)
             x = self._norm(h, w[p + "post_attention_layernorm.weight"], self.eps)
             m = p + "mlp."
-            up = self._linear(x, w[m + "up_proj.weight"])
-            h = h + self._row(self.act(self._linear(x, w[m + "gate_proj.weight"])) * up, w[m + "down_proj.weight"], None)
+            up = lora(self._linear(x, w[m + "up_proj.weight"]), x, i, "up_proj", mask)
+            y = self.act(lora(self._linear(x, w[m + "gate_proj.weight"]), x, i, "gate_proj", mask)) * up
+            h = h + lora(self._row(y, w[m + "down_proj.weight"], None), y, i, "down_proj", mask)
         return h
+
+    def _lora(self, meta: AttnMeta, dtype):
+        """``(add, mask)``: the adapters' ``add`` (``lora.py``) and this step's token mask, or a
+        pass-through when no adapter is served or no token of the step has one."""
+        if self.lora is None or meta.lora is None:
+            return (lambda y, x, layer, proj, mask: y), None
+        return self.lora.add, self.lora.mask(meta.lora, dtype)
 
     def _layers_fused(self, h: torch.Tensor, cos, sin, meta: AttnMeta, lo: int, hi: int) -> torch.Tensor:
         """``layers`` with :mod:`.fused`'s kernels: each residual add is fused with the norm
         that follows it (the last layer's with nothing: a plain add)."""
         w, T = self.w, h.shape[0]
+        lora, mask = self._lora(meta, h.dtype)
         x = fused.add_rms_norm(h, w[f"model.layers.{lo}.input_layernorm.weight"], self.eps)[1]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             q, k, v = self._qkv(x, a, T)
+            if mask is not None:
+                q, k, v = (lora(t.reshape(T, -1), x, i, n, mask).view(t.shape)
+                           for t, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
             fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
                                      cos, sin, meta.positions, self.kv[i], meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            h, x = fused.add_rms_norm(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
+            h, x = fused.add_rms_norm(lora(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")), o, i,
+                                           "o_proj", mask),
                                       w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
             m = p + "mlp."
             gate_up = self.packed.get(m + "gate_up_proj.weight")
@@ -316,7 +330,9 @@ class Model:
                 gate, up = self._linear(x, gate_up).chunk(2, dim=1)
             else:
                 gate, up = self._linear(x, w[m + "gate_proj.weight"]), self._linear(x, w[m + "up_proj.weight"])
-            y = self._row(fused.silu_mul(gate, up), w[m + "down_proj.weight"], None)
+            gate, up = lora(gate, x, i, "gate_proj", mask), lora(up, x, i, "up_proj", mask)
+            g = fused.silu_mul(gate, up)
+            y = lora(self._row(g, w[m + "down_proj.weight"], None), g, i, "down_proj", mask)
             if i + 1 < hi:
                 h, x = fused.add_rms_norm(y, w[f"model.layers.{i + 1}.input_layernorm.weight"], self.eps, residual=h)
             else:
@@ -368,3 +384,4 @@ class Model:
         return self.head(h[sample_rows])
 
     mid_hook = None   # fault injection: called once per forward, halfway through the layers
+    lora = None       # lora.Adapters, when the engine serves adapters

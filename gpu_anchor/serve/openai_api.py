@@ -30,6 +30,7 @@ class Surface:
     reasoning_parser: str | None = None            # --reasoning-parser
     defaults: dict = field(default_factory=dict)   # temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
     structured: dict = field(default_factory=dict)  # --structured-outputs-config: disable_any_whitespace, enable_in_reasoning
+    adapters: dict = field(default_factory=dict)    # --lora-modules: {name: directory}, each a model name too
 
 
 @dataclass
@@ -197,6 +198,8 @@ def parse(body, chat: bool, surface: Surface) -> Request:
         r.prompts = _prompts(g("prompt"), vocab_size)
     # sampling
     s = r.sampling
+    if r.model in surface.adapters:                 # a LoRA adapter's name: its tokens go through it
+        s["lora"] = r.model
     s["temperature"] = d.get("temperature", 1.0) if g("temperature") is None else \
         number_field("temperature", g("temperature"), 0.0, 100.0)
     s["top_p"] = d.get("top_p", 1.0) if g("top_p") is None else number_field("top_p", g("top_p"), 0.0, 1.0, lo_open=True)

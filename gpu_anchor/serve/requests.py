@@ -1,7 +1,7 @@
 """The engine's requests: admission, a client's history taken back (``readd``), abort, what
 is held (a part of ``engine.Engine``, which mixes this in).
 
-Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``,
+Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``, ``lora_slots``,
 ``mc`` (the model config), ``_arrivals``, ``_added`` (sequences the next commit records),
 ``_gone`` (rids it deletes), ``_urgent`` (the next step lands its commit at once),
 ``_logprobs`` (log-probabilities of tokens not yet published), ``_prompt_lps`` (prompt
@@ -24,6 +24,9 @@ class Requests:
         if params.seed is None and not params.greedy:
             params.seed = random.getrandbits(62)
         self._check_ids(list(prompt_ids) + list(output_ids) + [t for t, _ in params.logit_bias])
+        if params.lora is not None and params.lora not in self.lora_slots:
+            raise ValueError(f"LoRA adapter {params.lora!r} is not served here (served: "
+                             f"{', '.join(self.lora_slots) or 'none'})")
         seq = Sequence(rid, [int(t) for t in prompt_ids], params, output_ids=[int(t) for t in output_ids],
                        arrival=self._arrivals)
         reason = self.scheduler.stop_reason(seq) if seq.output_ids else None

@@ -185,17 +185,21 @@ class Routes:
         res = await fut
         return web.json_response(res, status=400 if res.get("error") else 200)
 
-    def _model_card(self) -> dict:
-        return {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "gpu-anchor",
+    def _model_card(self, name: str) -> dict:
+        """The base model's card, or a LoRA adapter's (its parent the base, its root the
+        adapter's directory, as vLLM lists them)."""
+        path = self.fe.surface.adapters.get(name)
+        card = {"id": name, "object": "model", "created": 0, "owned_by": "gpu-anchor",
                 "max_model_len": self.fe.max_model_len}
+        return card if path is None else dict(card, root=path, parent=self.fe.model_name)
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in self.fe.surface.served]})
 
     async def model(self, request):
-        if request.match_info["name"] != self.fe.model_name:
+        if request.match_info["name"] not in self.fe.surface.served:
             raise ApiError(404, f"The model `{request.match_info['name']}` does not exist.", "model")
-        return web.json_response(self._model_card())
+        return web.json_response(self._model_card(request.match_info["name"]))
 
     async def health(self, request):
         up = self.fe.writer is not None and not self.fe.failed

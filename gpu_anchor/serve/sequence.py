@@ -24,7 +24,8 @@ MAX_LOGPROBS = 20     # the most top log-probabilities a request may ask for per
 
 
 _LATER = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-          "min_tokens": 0, "logit_bias": (), "prompt_logprobs": None, "grammar": None, "grammar_after": None}
+          "min_tokens": 0, "logit_bias": (), "prompt_logprobs": None, "grammar": None, "grammar_after": None,
+          "lora": None}
 
 
 @dataclass
@@ -59,6 +60,8 @@ class SamplingParams:
     grammar: str | None = None
     # the grammar constrains only the tokens after this id's first occurrence in the reply (``</think>``)
     grammar_after: int | None = None
+    # the LoRA adapter (its served name, ``lora.py``) this request's tokens go through; None: the base model
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if int(self.max_tokens) < 1:
@@ -94,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"grammar_after ({self.grammar_after}) needs a grammar and a token id >= 0")
         if self.grammar_after is not None:
             self.grammar_after = int(self.grammar_after)
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be an adapter's name, got {self.lora!r}")
         self.min_p, self.min_tokens = float(self.min_p), int(self.min_tokens)
         self.presence_penalty, self.frequency_penalty = float(self.presence_penalty), float(self.frequency_penalty)
         self.repetition_penalty = float(self.repetition_penalty)

@@ -38,10 +38,21 @@ def prompt_rows(plan: dict, work) -> list[tuple]:
     return parts
 
 
-def eager_plan(work, block_size: int, step: int, prefill: bool, known: bool = True) -> dict:
+def lora_slots(work, slots: dict | None) -> list[int] | None:
+    """Each sequence's LoRA adapter slot (-1: the base model), or None when the engine serves no
+    adapter or no sequence of the step has one (the forward then skips the adapters' terms)."""
+    if not slots:
+        return None
+    out = [slots[w.seq.params.lora] if w.seq.params.lora is not None else -1 for w in work]
+    return out if any(s >= 0 for s in out) else None
+
+
+def eager_plan(work, block_size: int, step: int, prefill: bool, known: bool = True,
+               lora: list[int] | None = None) -> dict:
     """An eager step's plan: per token ``ids``, ``pos``, ``slots``, ``tseq`` (its row of the
     block tables); per sequence ``q_starts``, ``q_lens``, ``ctx`` (keys its last token sees),
-    ``tables``; ``rows``: the tokens whose logits are sampled.  ``known``: as ``decode_inputs``."""
+    ``tables``; ``rows``: the tokens whose logits are sampled; ``lora``: each token's adapter
+    slot, from ``lora`` (one per sequence: ``lora_slots``).  ``known``: as ``decode_inputs``."""
     ids, pos, slots, tseq, rows = [], [], [], [], []
     q_starts, q_lens, ctx, tables = [], [], [], []
     for b, w in enumerate(work):
@@ -58,5 +69,8 @@ def eager_plan(work, block_size: int, step: int, prefill: bool, known: bool = Tr
         tables.append(t)
         if w.sample:
             rows.append(len(ids) - 1)
-    return {"t": "eager", "step": step, "prefill": prefill, "ids": ids, "pos": pos, "slots": slots, "tseq": tseq,
+    plan = {"t": "eager", "step": step, "prefill": prefill, "ids": ids, "pos": pos, "slots": slots, "tseq": tseq,
             "q_starts": q_starts, "q_lens": q_lens, "ctx": ctx, "tables": tables, "rows": rows}
+    if lora is not None:
+        plan["lora"] = [lora[b] for b in tseq]
+    return plan

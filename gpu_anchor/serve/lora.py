@@ -1,0 +1,185 @@
+"""LoRA adapters served beside the base model (vLLM's ``--enable-lora --lora-modules NAME=PATH``).
+
+An adapter is a directory as peft's ``save_pretrained`` writes it: ``adapter_config.json`` and
+``adapter_model.safetensors`` (or ``.bin``).  A request names one by its ``model`` field; its
+tokens then go through ``W x + (B A x) * scaling`` in every projection the adapter targets, as
+peft computes them, and through the base weights elsewhere.  Requests with different adapters
+(or none) share a step.
+
+What is served: LoRA (``peft_type`` LORA) on the decoder's ``q/k/v/o_proj`` and
+``gate/up/down_proj`` in any subset of layers, any rank (``rank_pattern`` included) up to
+``--max-lora-rank``, ``lora_alpha`` and rsLoRA's scaling.  Anything else an adapter holds or
+asks for (DoRA, trained biases, ``modules_to_save``, embedding or ``lm_head`` adapters,
+``alpha_pattern``) is refused when the server starts, with the field or tensor named: a
+server that answered with part of an adapter would be silently wrong.
+
+On the device (``Adapters``): every adapter is padded to the largest rank ``R`` and stacked, per
+(layer, projection), into ``A`` [S·R, in] and ``B`` [out, S·R] (the scaling folded into ``B``,
+zeros where an adapter does not target the projection).  A step's tokens carry their adapter's
+slot (``AttnMeta.lora``: -1 for none); ``mask`` turns it into a [T, S·R] 0/1 matrix once per
+forward, and each targeted projection adds ``((x Aᵀ) ⊙ mask) Bᵀ``: two small matmuls and a
+product a projection, the same shapes every step, so a CUDA graph replays them.  The adapters
+are read from their files at every engine start (they are megabytes; the base weights stay
+anchored), and a request's adapter name is part of its journal record, so a request resumed
+after a SIGKILL goes on with its adapter.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# adapter_config.json fields that change what the adapter computes, with the value that does not
+_PLAIN = {"use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False, "modules_to_save": None,
+          "alpha_pattern": {}, "layer_replication": None, "trainable_token_indices": None, "use_qalora": False,
+          "alora_invocation_tokens": None, "target_parameters": None}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served as it is; the message names the adapter and why."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    rank: int                                  # the largest of its tensors' ranks
+    tensors: dict                              # (layer, projection) -> (A [r, in], B [out, r] * scaling)
+
+
+def parse_modules(values: list[str] | None) -> list[tuple[str, str]]:
+    """``--lora-modules`` as vLLM takes it: ``NAME=PATH`` or a JSON object with ``name`` and
+    ``path`` (``base_model_name`` allowed), each value one adapter; ``[(name, path)]``."""
+    out = []
+    for v in values or []:
+        if v.lstrip().startswith("{"):
+            try:
+                d = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise AdapterError(f"--lora-modules {v!r}: not JSON ({e})") from None
+            extra = set(d) - {"name", "path", "base_model_name"}
+            if extra or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+                raise AdapterError(f"--lora-modules {v!r}: a JSON adapter has a string name and path"
+                                   + (f" (unknown: {', '.join(sorted(extra))})" if extra else ""))
+            name, path = d["name"], d["path"]
+        else:
+            name, sep, path = v.partition("=")
+            if not sep or not name or not path:
+                raise AdapterError(f"--lora-modules {v!r}: give NAME=PATH (or JSON with name and path)")
+        if any(name == n for n, _ in out):
+            raise AdapterError(f"--lora-modules: the name {name!r} is given twice")
+        out.append((name, path))
+    return out
+
+
+def _config(name: str, path: str) -> dict:
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise AdapterError(f"LoRA adapter {name!r}: no adapter_config.json in {path} (a directory as peft's "
+                           "save_pretrained writes it)") from None
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"LoRA adapter {name!r}: {path}/adapter_config.json is not JSON ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not served (LORA is)")
+    for k, plain in _PLAIN.items():
+        v = cfg.get(k, plain)
+        if v != plain and not (plain is None and not v) and not (plain == {} and not v):
+            raise AdapterError(f"LoRA adapter {name!r}: {k} = {v!r} is not served (only plain LoRA on the decoder's "
+                               f"projections; {k} would change what the adapter computes)")
+    return cfg
+
+
+def _tensors(name: str, path: str) -> dict:
+    import torch
+    st, pt = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_model.bin")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+        return load_file(st)
+    if os.path.exists(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise AdapterError(f"LoRA adapter {name!r}: neither adapter_model.safetensors nor adapter_model.bin in {path}")
+
+
+def read(name: str, path: str, weights: dict, max_rank: int) -> Adapter:
+    """One adapter, checked against the base model's ``weights`` (``{hf name: tensor}``: every
+    targeted projection must exist with the shapes the adapter's tensors multiply)."""
+    cfg = _config(name, path)
+    pairs: dict = {}
+    for key, t in _tensors(name, path).items():
+        m = _KEY.match(key)
+        if m is None or PROJECTIONS.get(m.group(3)) != m.group(2):
+            raise AdapterError(f"LoRA adapter {name!r}: the tensor {key!r} is not served (adapters of the decoder "
+                               f"layers' {', '.join(PROJECTIONS)} are)")
+        pairs.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
+    if not pairs:
+        raise AdapterError(f"LoRA adapter {name!r}: {path} holds no LoRA tensors")
+    tensors, top = {}, 0
+    for (layer, proj), ab in sorted(pairs.items()):
+        where = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+        base = weights.get(where + ".weight")
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"LoRA adapter {name!r}: {where} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        if base is None:
+            raise AdapterError(f"LoRA adapter {name!r}: the base model has no {where} (another model's adapter?)")
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or (b.shape[0], a.shape[1]) != tuple(base.shape):
+            raise AdapterError(f"LoRA adapter {name!r}: {where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
+                               f"not fit the base weight {tuple(base.shape)} (another model's adapter?)")
+        if r > max_rank:
+            raise AdapterError(f"LoRA adapter {name!r}: rank {r} at {where} is above --max-lora-rank {max_rank}")
+        alpha = float(cfg.get("lora_alpha", 8))
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        tensors[(layer, proj)] = (a, b * scaling)
+        top = max(top, r)
+    return Adapter(name, path, top, tensors)
+
+
+class Adapters:
+    """The served adapters on the device, stacked per (layer, projection); slot ``i`` is the
+    ``i``-th adapter of ``load``'s list."""
+
+    def __init__(self, adapters: list[Adapter], dtype, device, linear) -> None:
+        import torch
+        self.names = [a.name for a in adapters]
+        self.slots = {a.name: i for i, a in enumerate(adapters)}
+        self.rank = R = max(a.rank for a in adapters)
+        self._linear = linear
+        self.columns = torch.arange(len(adapters) * R, device=device) // R     # each column's slot
+        self.stacked: dict = {}
+        for key in sorted({k for a in adapters for k in a.tensors}):
+            a0, b0 = next(a.tensors[key] for a in adapters if key in a.tensors)
+            A = torch.zeros(len(adapters) * R, a0.shape[1], dtype=dtype)
+            B = torch.zeros(b0.shape[0], len(adapters) * R, dtype=dtype)
+            for i, ad in enumerate(adapters):
+                if key in ad.tensors:
+                    a, b = ad.tensors[key]
+                    A[i * R:i * R + a.shape[0]] = a
+                    B[:, i * R:i * R + b.shape[1]] = b
+            self.stacked[key] = (A.to(device), B.to(device))
+        self.bytes = sum(t.numel() * t.element_size() for ab in self.stacked.values() for t in ab)
+
+    def mask(self, rows, dtype):
+        """[T, S·R]: 1 where a column belongs to the token's adapter (``rows``: slot per token, -1 none)."""
+        return (rows[:, None] == self.columns[None, :]).to(dtype)
+
+    def add(self, y, x, layer: int, proj: str, mask):
+        """``y`` (the base projection of ``x``) plus the adapters' terms of its tokens."""
+        ab = self.stacked.get((layer, proj))
+        if ab is None or mask is None:
+            return y
+        return y + self._linear(self._linear(x, ab[0]) * mask, ab[1])
+
+
+def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16) -> Adapters | None:
+    """``modules``: ``[(name, path)]`` (``parse_modules``); None when there are none."""
+    if not modules:
+        return None
+    return Adapters([read(n, p, weights, max_rank) for n, p in modules], dtype, device, linear)

@@ -1,0 +1,219 @@
+"""LoRA adapters served beside the base model (``gpu_anchor/serve/lora.py``): adapters made and
+saved by peft, served with vLLM's options, checked token for token against transformers + peft's
+own ``generate``, through the engine and through the server and the ``openai`` client, with the
+engine SIGKILLed mid-stream; adapters that cannot be served are refused with the reason."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpu_anchor.serve import lora as L
+from gpu_anchor.testing.tiny import make_tiny_model
+
+pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 3, 8], [120, 64, 9, 11, 250, 31, 2 + 5], [77]]
+
+
+def _adapter(base: str, path: str, seed: int, **lora_kw) -> str:
+    """A peft LoRA adapter of ``base`` with random A and B (peft's default B is zeros, which
+    would change nothing), saved as peft saves it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    kw = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    peft_model = get_peft_model(model, LoraConfig(**{**kw, **lora_kw}))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.mul_(3.0)              # terms large enough to change greedy tokens
+    peft_model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(str(d / "base"), "qwen3", seed=3)
+    a = _adapter(base, str(d / "all-linear"), seed=1)
+    b = _adapter(base, str(d / "qv-rank2"), seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                 use_rslora=True, layers_to_transform=[1])
+    return base, {"all": a, "qv": b}
+
+
+def _peft_greedy(base: str, adapter: str | None, prompts, max_tokens: int) -> list[list[int]]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_a_batch_mixing_adapters_and_the_base_decodes_as_peft_does(models, graphs):
+    """Four prompts, each run with the first adapter, the second, and none, all twelve in one
+    engine (so steps mix them): each equals transformers + peft's greedy ``generate``."""
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    base, ads = models
+    eng = Engine(EngineConfig(model=base, anchor=False, dtype="float64", block_size=4, num_blocks=200,
+                              cuda_graphs=graphs, graph_after_steps=0, lora=tuple(ads.items())))
+    names = ["all", "qv", None]
+    jobs = [(p, n) for p in PROMPTS for n in names]
+    got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])
+    if graphs:
+        assert eng.step_counts["graph"] > 0
+    for n in names:
+        want = _peft_greedy(base, ads.get(n), PROMPTS, 12)
+        assert [g for g, (_, m) in zip(got, jobs) if m == n] == want, n
+    assert len({tuple(g) for g, (p, _) in zip(got, jobs) if p == PROMPTS[0]}) == 3   # the adapters changed tokens
+
+
+def test_an_unknown_adapter_is_refused_by_name(models):
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    base, ads = models
+    eng = Engine(EngineConfig(model=base, anchor=False, dtype="float64", block_size=4, num_blocks=64,
+                              lora=(("all", ads["all"]),)))
+    with pytest.raises(ValueError, match="'nope' is not served here \\(served: all\\)"):
+        eng.add_request("r", [1, 2], SamplingParams(lora="nope"))
+
+
+def _edit(src: str, dst, config=None, tensors=None) -> str:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.load(open(os.path.join(dst, "adapter_config.json")))
+        cfg.update(config)
+        json.dump(cfg, open(os.path.join(dst, "adapter_config.json"), "w"))
+    if tensors:
+        f = os.path.join(dst, "adapter_model.safetensors")
+        save_file(tensors(load_file(f)), f)
+    return str(dst)
+
+
+def test_what_cannot_be_served_is_refused_with_the_reason(models, tmp_path):
+    import torch
+    base, ads = models
+    from safetensors.torch import load_file
+    weights = load_file(os.path.join(base, "model.safetensors"))
+
+    def refused(path, match, max_rank=16):
+        with pytest.raises(L.AdapterError, match=match):
+            L.read("x", path, weights, max_rank)
+    refused(_edit(ads["all"], tmp_path / "dora", {"use_dora": True}), "use_dora = True is not served")
+    refused(_edit(ads["all"], tmp_path / "bias", {"bias": "lora_only"}), "bias = 'lora_only' is not served")
+    refused(_edit(ads["all"], tmp_path / "save", {"modules_to_save": ["lm_head"]}), "modules_to_save")
+    refused(_edit(ads["all"], tmp_path / "head", tensors=lambda t: {
+        **t, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}), "lm_head.lora_A.weight' is not served")
+    refused(_edit(ads["all"], tmp_path / "shape", tensors=lambda t: {
+        k: (v[:, :10].contiguous() if "layers.0.mlp.up_proj.lora_A" in k else v) for k, v in t.items()}),
+        "model.layers.0.mlp.up_proj: lora_A \\(4, 10\\).*do not fit the base weight \\(128, 64\\)")
+    refused(ads["all"], "rank 4 at model.layers.0.mlp.down_proj is above --max-lora-rank 2", max_rank=2)
+    refused(str(tmp_path), "no adapter_config.json")
+    assert L.parse_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [("a", "/x"), ("b", "/y")]
+    for bad, why in ((["a"], "give NAME=PATH"), (["a=/x", "a=/y"], "given twice"), (['{"name": "b"}'], "string name")):
+        with pytest.raises(L.AdapterError, match=why):
+            L.parse_modules(bad)
+
+
+def test_the_server_serves_adapters_by_model_name_across_an_engine_kill(models, tmp_path, host_daemon):
+    """``gpu-anchor serve --enable-lora --lora-modules``: ``/v1/models`` lists each adapter with
+    its base as parent; the ``openai`` client asks for an adapter by name and gets peft's tokens,
+    also on a stream whose engine is SIGKILLed in the middle (the adapter is in the request's
+    journal record); an unknown name is a 404 naming it."""
+    import openai
+
+    from tests.test_serve_http import SERVE, _wait_up, stop_server, stream_across_engine_kill
+    base, ads = models
+    port = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", base, "--port", "0", "--port-file", str(port),
+                             "--socket", host_daemon[0], *SERVE, "--served-model-name", "tiny", "--enable-lora",
+                             "--lora-modules", f"all={ads['all']}", json.dumps({"name": "qv", "path": ads["qv"]})],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
+    try:
+        import time
+        deadline = time.time() + 120
+        while not port.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port.read_text()}"
+        _wait_up(url)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        cards = {m.id: m for m in c.models.list().data}
+        assert set(cards) == {"tiny", "all", "qv"}
+        assert cards["all"].parent == "tiny" and cards["all"].root == ads["all"]
+        want = {n: _peft_greedy(base, ads.get(n), [PROMPTS[0]], 24)[0] for n in ("all", "qv", None)}
+        for n in ("all", "qv", None):
+            r = c.completions.create(model=n or "tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                                     logprobs=0)
+            assert [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens] == want[n], n
+        items = stream_across_engine_kill(url, lambda: c.completions.create(
+            model="all", prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+        ids = [int(t.split(":")[1]) for x in items for t in (x.choices[0].logprobs.tokens if x.choices else [])]
+        assert ids == want["all"]
+        with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+            c.completions.create(model="nope", prompt="hi", max_tokens=2)
+    finally:
+        stop_server(proc)
+
+
+def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
+    base, ads = models
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu", *extra],
+                                        capture_output=True, text=True, timeout=120)
+    r = run("--lora-modules", f"a={ads['all']}")
+    assert r.returncode == 2 and "--lora-modules needs --enable-lora" in r.stderr
+    r = run("--enable-lora", "--lora-modules", f"a={ads['all']}", "--max-lora-rank", "2")
+    assert r.returncode == 2 and "rank 4 at model.layers.0.mlp.down_proj is above --max-lora-rank 2" in r.stderr
+    r = run("--enable-lora", "--lora-modules", f"{os.path.basename(base)}={ads['all']}")
+    assert r.returncode == 2 and "is the base model's served name" in r.stderr
+
+
+@pytest.mark.gpu
+def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(models, cuda_daemon):
+    """On CUDA in float32 (the fused decoder kernels, packed projections, CUDA graphs replayed,
+    asynchronous scheduling; anchored): the mixed batch's greedy tokens equal transformers +
+    peft's own on the same GPU."""
+    import torch
+
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    base, ads = models
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eng = Engine(EngineConfig(model=base, device="cuda:0", dtype="float32", block_size=16, num_blocks=256,
+                              namespace="lora-gpu", socket=cuda_daemon, lora=tuple(ads.items())))
+    names = ["all", "qv", None]
+    jobs = [(p, n) for p in PROMPTS for n in names]
+    got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])
+    assert eng.step_counts["graph"] > 0 and eng.model.fused
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    for n in names:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to("cuda:0")
+        if n is not None:
+            model = PeftModel.from_pretrained(model, ads[n]).to("cuda:0")
+        for (p, m), g in zip(jobs, got):
+            if m != n:
+                continue
+            want = model.generate(torch.tensor([p], device="cuda:0"), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0,
+                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda:0"))
+            assert g == want[0, len(p):].tolist(), (n, p)
