@@ -270,7 +270,11 @@ def engine_config(args, mc):
     options.resolve_standby(args, device)
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    lora = options.lora_modules(args, mc, name)
+    from .lora import AdapterError, from_options
+    try:
+        lora = from_options(args, mc, name)
+    except AdapterError as e:
+        raise options.OptionError(str(e)) from None
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
                         tokenizer=args.tokenizer, lora=lora, max_lora_rank=args.max_lora_rank,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,

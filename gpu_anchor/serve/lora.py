@@ -178,6 +178,29 @@ class Adapters:
         return y + self._linear(self._linear(x, ab[0]) * mask, ab[1])
 
 
+def from_options(args, mc, served_name: str) -> tuple:
+    """``--enable-lora --lora-modules`` (vLLM's): ``((name, path), ...)``, each adapter read and
+    checked against the model's shapes now, so that a server never starts with an adapter it
+    would refuse or serve wrong."""
+    given = getattr(args, "lora_modules", None)
+    if not getattr(args, "enable_lora", False):
+        if given:
+            raise AdapterError("--lora-modules needs --enable-lora (as in vLLM)")
+        return ()
+    if (args.tensor_parallel_size or 1) > 1:
+        raise AdapterError("--enable-lora with --tensor-parallel-size > 1: the adapters are not sharded yet")
+    import torch
+
+    from .model_runner import param_specs
+    shapes = {n: torch.empty(shape, device="meta") for n, shape, _ in param_specs(mc, torch.float32)}
+    modules = parse_modules(given)
+    for name, path in modules:
+        if name == served_name:
+            raise AdapterError(f"--lora-modules: {name!r} is the base model's served name; name the adapter otherwise")
+        read(name, path, shapes, args.max_lora_rank)
+    return tuple(modules)
+
+
 def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16) -> Adapters | None:
     """``modules``: ``[(name, path)]`` (``parse_modules``); None when there are none."""
     if not modules:

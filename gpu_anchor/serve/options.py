@@ -31,7 +31,7 @@
   off by default on the CPU, with tensor parallelism and with ``--no-anchor``, and refused there
   when asked for.
 - ``--enable-lora --lora-modules NAME=PATH ...`` (vLLM's; ``--max-lora-rank``, default 16): peft
-  adapters served by name, each read and checked now (``lora_modules``); not with tensor parallelism.
+  adapters served by name, each read and checked now (``lora.from_options``); not with tensor parallelism.
 - ``--deterministic``: on CUDA in float32 / bfloat16 / float16, with Triton, and at most 2
   tensor-parallel ranks (``batch_invariant.py`` says why); on the CPU it is always accepted.
 """
@@ -101,33 +101,6 @@ def check(args) -> None:
     if getattr(args, "enable_auto_tool_choice", False) and parser is None:
         raise OptionError("--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen2.5 / Qwen3, "
                           "llama3_json for Llama 3.1 / 3.2)")
-
-
-def lora_modules(args, mc, served_name: str) -> tuple:
-    """``--enable-lora --lora-modules`` (vLLM's): ``((name, path), ...)``, each adapter read and
-    checked against the model's shapes now (``lora.read``), so a server never starts with an
-    adapter it would refuse or serve wrong."""
-    from .lora import AdapterError, parse_modules, read
-    from .model_runner import param_specs
-    given = getattr(args, "lora_modules", None)
-    if not getattr(args, "enable_lora", False):
-        if given:
-            raise OptionError("--lora-modules needs --enable-lora (as in vLLM)")
-        return ()
-    if (args.tensor_parallel_size or 1) > 1:
-        raise OptionError("--enable-lora with --tensor-parallel-size > 1: the adapters are not sharded yet")
-    import torch
-    shapes = {n: torch.empty(shape, device="meta") for n, shape, _ in param_specs(mc, torch.float32)}
-    try:
-        modules = parse_modules(given)
-        for name, path in modules:
-            if name == served_name:
-                raise AdapterError(f"--lora-modules: {name!r} is the base model's served name; name the adapter "
-                                   "otherwise")
-            read(name, path, shapes, args.max_lora_rank)
-    except AdapterError as e:
-        raise OptionError(str(e)) from None
-    return tuple(modules)
 
 
 def check_tensor_parallel(args, mc, device: str) -> None:
