@@ -74,7 +74,8 @@ def copy_bandwidth(device: str, nbytes: int, repeat: int = 5) -> dict | None:
 
 def decode_run(eng, prompts, sp, device, phases) -> dict:
     """Run ``prompts`` to completion, timing every step; decode-only steps are summed for the
-    roofline (their bytes from ``step_bytes_model`` and the running sequences' contexts)."""
+    roofline (their bytes from ``step_bytes_model`` and the running sequences' contexts).
+    ``sp``: the sampling parameters of every request, or a list of one per request."""
     import torch
     from gpu_anchor.serve.sequence import SamplingParams, Status
     fixed, per_seq, per_ctx = step_bytes_model(eng)
@@ -82,7 +83,7 @@ def decode_run(eng, prompts, sp, device, phases) -> dict:
     t0, n0 = dict(eng.step_times), dict(eng.step_counts)
     base = eng._arrivals
     for i, p in enumerate(prompts):
-        eng.add_request(f"dec-{base + i}", p, SamplingParams(**sp.to_dict()))
+        eng.add_request(f"dec-{base + i}", p, SamplingParams(**(sp[i] if isinstance(sp, list) else sp).to_dict()))
     tokens = dec_s = dec_bytes = 0.0
     dec_steps = dec_tokens = 0
     if device.startswith("cuda"):

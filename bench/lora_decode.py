@@ -1,0 +1,145 @@
+"""What serving LoRA adapters costs a decode step (``gpu_anchor/serve/lora.py``).
+
+One engine serving ``--adapters`` random adapters of rank ``--rank`` on every projection of every
+layer (written as peft writes them), and the same engine without adapters, on the same random
+base weights, decode the same batch of requests, alternating, ``--rounds`` times each:
+
+- ``plain``: no adapter served (the baseline: what the server pays without ``--enable-lora``);
+- ``served, base requests``: the adapters served, no request uses one (the CUDA graphs still
+  compute the adapters' terms, zero for these rows; eager steps skip them);
+- ``served, one adapter``: every request on the first adapter;
+- ``served, mixed``: request ``i`` on adapter ``i mod adapters``.
+
+Each cell: decode step ms and decode tokens/s, median [min–max] over the rounds (decode-only
+steps, ``serve_decode.decode_run``), and the step's extra over ``plain``.
+
+    python -m bench lora_decode --device cuda:0            # Qwen3-8B shape, 64 streams, 4 x rank 16
+    python -m bench lora_decode --tiny                     # toy sizes on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+from bench.common import default_device, write_result
+
+PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_adapter(path: str, weights_shapes: dict, layers: int, rank: int, seed: int) -> str:
+    """A random LoRA adapter of every projection, saved as peft's ``save_pretrained`` saves one."""
+    import torch
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for proj, kind in PROJ.items():
+            out, inp = weights_shapes[f"model.layers.{i}.{kind}.{proj}.weight"]
+            key = f"base_model.model.model.layers.{i}.{kind}.{proj}"
+            tensors[key + ".lora_A.weight"] = (torch.randn(rank, inp, generator=g) * inp ** -0.5).to(torch.bfloat16)
+            tensors[key + ".lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).to(torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(PROJ),
+                   "bias": "none", "use_dora": False, "use_rslora": False}, f)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-8b", help="a bench.models shape (random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import torch
+
+    from bench import models
+    from bench.serve_decode import decode_run
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.model_runner import param_specs
+    from gpu_anchor.serve.sequence import SamplingParams
+    device = default_device(a.device)
+    if a.tiny:
+        a.streams, a.prompt_len, a.max_tokens, a.adapters, a.rank, a.rounds = 4, 16, 8, 2, 4, 1
+    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
+    tmp = tempfile.mkdtemp(prefix="lora-decode-")
+    mc.save_pretrained(tmp)
+    shapes = {n: s for n, s, _ in param_specs(mc, torch.float32)}
+    adapters = tuple((f"a{i}", write_adapter(os.path.join(tmp, f"a{i}"), shapes, mc.num_hidden_layers, a.rank, i))
+                     for i in range(a.adapters))
+    ctx = a.prompt_len + a.max_tokens
+    blocks = a.streams * -(-ctx // 16) + 16
+    common = dict(model=os.path.join(tmp, "config.json"), random_weights=True, seed=0, device=device, dtype=dtype,
+                  block_size=16, num_blocks=blocks, max_num_seqs=a.streams, max_model_len=ctx + 16,
+                  max_batched_tokens=max(2048, a.prompt_len), anchor=False, max_lora_rank=a.rank)
+    plain = Engine(EngineConfig(**common))
+    served = Engine(EngineConfig(**common, lora=adapters))
+    lora_bytes = served.model.lora.bytes
+    names = [n for n, _ in adapters]
+    cases = {"plain": (plain, [None]), "served, base requests": (served, [None]),
+             "served, one adapter": (served, names[:1]), "served, mixed": (served, names)}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, mc.vocab_size - 10, (a.prompt_len,), generator=g).tolist() for _ in range(a.streams)]
+    runs: dict = {k: [] for k in cases}
+    phases = list(plain.step_times)
+    for r in range(a.rounds + 1):          # round 0 warms every case (graphs, kernels) and is not kept
+        for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
+            eng, use = cases[name]
+            sps = [SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, lora=use[i % len(use)])
+                   for i in range(a.streams)]
+            x = decode_run(eng, prompts, sps, device, phases)
+            if r:
+                runs[name].append(x)
+            print(f"[bench] round {r} {name}: decode step {x['decode_step_ms']:.2f} ms, "
+                  f"{x['decode_tokens_per_s']:.0f} tokens/s", flush=True)
+    cells = {k: {m: _cell([x[m] for x in v]) for m in ("decode_step_ms", "decode_tokens_per_s")}
+             for k, v in runs.items()}
+    base = cells["plain"]["decode_step_ms"]["median"]
+    for k, c in cells.items():
+        c["extra_step_pct"] = (c["decode_step_ms"]["median"] / base - 1) * 100
+    name = "lora_decode" + ("_cpu" if device == "cpu" and not a.tiny else "") + ("_tiny" if a.tiny else "")
+    print(write_result(name, {"model": a.model, "layers": mc.num_hidden_layers, "device": device, "dtype": dtype,
+                              "streams": a.streams, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
+                              "adapters": a.adapters, "rank": a.rank, "rounds": a.rounds,
+                              "adapter_bytes": lora_bytes, "cuda_graphs": served.graphs is not None
+                              and served.graphs.capture, "cells": cells}, a.out))
+    return 0
+
+
+def _cell(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def title(r: dict) -> str:
+    return (f"Serving with LoRA adapters: the decode step ({r['model']} shape, {r['streams']} streams, "
+            f"{r['adapters']} adapters of rank {r['rank']}, {r['device']})")
+
+
+def render(r: dict) -> str:
+    lines = [f"{r['adapters']} random adapters of rank {r['rank']} on every projection of {r['layers']} layers "
+             f"({r['adapter_bytes'] / 1e6:.0f} MB stacked on the device), {r['dtype']}, {r['streams']} streams of "
+             f"{r['prompt_len']}-token prompts and {r['max_tokens']} tokens each, CUDA graphs "
+             f"{'on' if r['cuda_graphs'] else 'off'}; {r['rounds']} alternating rounds after a warm-up round, "
+             "median [min–max].", "",
+             "| engine, requests | decode step ms | decode tokens/s | step over plain |", "| --- | --- | --- | --- |"]
+    for k, c in r["cells"].items():
+        s, t = c["decode_step_ms"], c["decode_tokens_per_s"]
+        extra = "—" if k == "plain" else f"{c['extra_step_pct']:+.1f} %"
+        lines.append(f"| {k} | {s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}] | {t['median']:.0f} "
+                     f"[{t['min']:.0f}–{t['max']:.0f}] | {extra} |")
+    return "\n".join(lines) + "\n"
