@@ -217,3 +217,39 @@ def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(mo
                                   eos_token_id=None, pad_token_id=0,
                                   attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda:0"))
             assert g == want[0, len(p):].tolist(), (n, p)
+
+
+def _restore_with(cfg, q):
+    from gpu_anchor.serve.engine import Engine
+    eng = Engine(cfg)
+    q.put(({s.rid: s.params.lora for s in eng.restored}, eng.recovery_notes))
+
+
+def test_a_restored_request_keeps_its_adapter_or_is_dropped_by_name_where_it_is_not_served(models, host_daemon):
+    """The adapter's name is in the request's journal record: the next engine resumes the request
+    with it.  An engine that does not serve that adapter (a journal of a server started with other
+    adapters) drops the request and says why, rather than go on through the base weights."""
+    from forkserver_context import forkserver_context
+
+    from gpu_anchor.serve.engine import Engine, EngineConfig
+    from gpu_anchor.serve.sequence import SamplingParams
+    base, ads = models
+    cfg = EngineConfig(model=base, socket=host_daemon[0], namespace="lora-restore", dtype="float64", block_size=4,
+                       num_blocks=64, lora=(("all", ads["all"]),))
+    e1 = Engine(cfg)
+    for rid, name in (("on-adapter", "all"), ("on-base", None)):
+        e1.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, lora=name))
+    for _ in range(4):
+        e1.step()
+    e1.flush()
+    ctx = forkserver_context(["gpu_anchor.serve.preload"])
+    for c, want in ((cfg, {"on-adapter": "all", "on-base": None}), (EngineConfig(**dict(cfg.__dict__, lora=())),
+                                                                     {"on-base": None})):
+        q = ctx.Queue()
+        p = ctx.Process(target=_restore_with, args=(c, q))
+        p.start()
+        restored, notes = q.get(timeout=120)
+        p.join()
+        assert restored == want
+        assert bool(c.lora) != any("request on-adapter: LoRA adapter 'all' is not served by this engine" in n
+                                   for n in notes), notes

@@ -111,6 +111,11 @@ class TakeOver:
         anchored KV, "" if every rank can."""
         bad: list[str] = []       # the damaged requests' records, removed below
         seqs, problems = C.read_sequences(journal, bad)
+        unserved = [s for s in seqs if s.params.lora is not None and s.params.lora not in self.lora_slots]
+        for s in unserved:      # a journal of a server that served other adapters: never the wrong weights
+            problems.append(f"request {s.rid}: LoRA adapter {s.params.lora!r} is not served by this engine")
+            bad.append(C.P + "req/" + s.rid)
+        seqs = [s for s in seqs if s.rid not in {u.rid for u in unserved}]
         dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
         notes = problems + dropped
         for n in notes:
