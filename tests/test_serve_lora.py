@@ -253,3 +253,28 @@ def test_a_restored_request_keeps_its_adapter_or_is_dropped_by_name_where_it_is_
         assert restored == want
         assert bool(c.lora) != any("request on-adapter: LoRA adapter 'all' is not served by this engine" in n
                                    for n in notes), notes
+
+
+def test_the_kv_cache_sizing_counts_the_adapters_stacked_tensors(models):
+    """``--gpu-memory-utilization`` leaves the KV cache what the weights, the activations and the
+    adapters' stacked tensors (S·R·(in + out) a targeted projection) do not take."""
+    import argparse
+
+    from safetensors.torch import load_file
+
+    from gpu_anchor.serve import options
+    from gpu_anchor.serve.model_runner import load_config
+    base, ads = models
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    adapters = [L.read(n, p, weights, 16) for n, p in ads.items()]
+    numel = L.stacked_numel(adapters)
+    stacked = L.Adapters(adapters, weights["model.norm.weight"].dtype, "cpu", None)
+    assert numel * 4 == stacked.bytes
+    mc = load_config(base)
+    args = argparse.Namespace(tensor_parallel_size=1, block_size=4, num_blocks=None, kv_cache_gib=None,
+                              gpu_memory_utilization=0.01, max_num_batched_tokens=64, max_num_seqs=4,
+                              max_model_len=64, prewarm=False)
+    per_block = 2 * mc.num_hidden_layers * 4 * mc.num_key_value_heads * mc.head_dim * 4
+    plain = options.kv_cache_blocks(args, mc, "cpu", "float32")
+    lora = options.kv_cache_blocks(args, mc, "cpu", "float32", numel * 100)
+    assert abs((plain - lora) - numel * 100 * 4 / per_block) <= 1

@@ -268,13 +268,14 @@ def engine_config(args, mc):
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     options.check_deterministic(args, device, dtype)
     options.resolve_standby(args, device)
-    num_blocks = options.kv_cache_blocks(args, mc, device, dtype)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     from .lora import AdapterError, from_options
     try:
-        lora = from_options(args, mc, name)
+        lora, lora_numel = from_options(args, mc, name)
     except AdapterError as e:
         raise options.OptionError(str(e)) from None
+    # a hot standby stacks its own copy of the adapters beside the live engine's
+    num_blocks = options.kv_cache_blocks(args, mc, device, dtype, lora_numel * (2 if args.hot_standby else 1))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
                         tokenizer=args.tokenizer, lora=lora, max_lora_rank=args.max_lora_rank,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,

@@ -178,15 +178,24 @@ class Adapters:
         return y + self._linear(self._linear(x, ab[0]) * mask, ab[1])
 
 
-def from_options(args, mc, served_name: str) -> tuple:
-    """``--enable-lora --lora-modules`` (vLLM's): ``((name, path), ...)``, each adapter read and
-    checked against the model's shapes now, so that a server never starts with an adapter it
-    would refuse or serve wrong."""
+def stacked_numel(adapters: list[Adapter]) -> int:
+    """Elements of ``Adapters``' stacked tensors: per (layer, projection) any adapter targets,
+    S·R·(in + out)."""
+    rows = len(adapters) * max(a.rank for a in adapters)
+    shapes = {k: (ab[0].shape[1], ab[1].shape[0]) for a in adapters for k, ab in a.tensors.items()}
+    return sum(rows * (i + o) for i, o in shapes.values())
+
+
+def from_options(args, mc, served_name: str) -> tuple[tuple, int]:
+    """``--enable-lora --lora-modules`` (vLLM's): ``((name, path), ...)`` and the elements their
+    stacked tensors will take on the device (``stacked_numel``), each adapter read and checked
+    against the model's shapes now, so that a server never starts with an adapter it would
+    refuse or serve wrong."""
     given = getattr(args, "lora_modules", None)
     if not getattr(args, "enable_lora", False):
         if given:
             raise AdapterError("--lora-modules needs --enable-lora (as in vLLM)")
-        return ()
+        return (), 0
     if (args.tensor_parallel_size or 1) > 1:
         raise AdapterError("--enable-lora with --tensor-parallel-size > 1: the adapters are not sharded yet")
     import torch
@@ -194,11 +203,12 @@ def from_options(args, mc, served_name: str) -> tuple:
     from .model_runner import param_specs
     shapes = {n: torch.empty(shape, device="meta") for n, shape, _ in param_specs(mc, torch.float32)}
     modules = parse_modules(given)
-    for name, path in modules:
-        if name == served_name:
-            raise AdapterError(f"--lora-modules: {name!r} is the base model's served name; name the adapter otherwise")
-        read(name, path, shapes, args.max_lora_rank)
-    return tuple(modules)
+    if not modules:
+        raise AdapterError("--enable-lora serves the adapters of --lora-modules, and none is given")
+    if any(name == served_name for name, _ in modules):
+        raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
+                           "otherwise")
+    return tuple(modules), stacked_numel([read(n, p, shapes, args.max_lora_rank) for n, p in modules])
 
 
 def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16) -> Adapters | None:

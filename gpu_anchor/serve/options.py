@@ -323,11 +323,12 @@ def activation_bytes(mc, max_batched_tokens: int, max_num_seqs: int, dtype_bytes
     return 2 * max_batched_tokens * per_token * dtype_bytes + 4 * max_num_seqs * mc.vocab_size * 4
 
 
-def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
+def kv_cache_blocks(args, mc, device: str, dtype: str, lora_numel: int = 0) -> int:
     """The number of KV blocks from ``--num-blocks``, ``--kv-cache-gib`` or
     ``--gpu-memory-utilization`` (see the module's doc); logs how it was sized.  With tensor
     parallelism the sizes are per device: a block holds ``1/N`` of the KV heads, and the
-    weights are rank 0's shard (the largest: ranks differ only in the vocabulary's last rows)."""
+    weights are rank 0's shard (the largest: ranks differ only in the vocabulary's last rows).
+    ``lora_numel``: the elements of the LoRA adapters' stacked tensors, counted with the weights."""
     import torch
 
     from .engine import DTYPES
@@ -356,7 +357,7 @@ def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
     if not cuda:         # the ranks of a group share the host's memory
         total, available = total // tp, available // tp
     weights = sum(torch.Size(shape).numel() for _, shape, _ in shard_specs(param_specs(mc, tdt), mc.vocab_size, 0, tp))
-    weights *= b
+    weights = (weights + lora_numel) * b
     act = activation_bytes(mc, args.max_num_batched_tokens, args.max_num_seqs, b)
     fixed = CUDA_FIXED_BYTES if cuda else 0
     prewarm = 0
@@ -366,7 +367,8 @@ def kv_cache_blocks(args, mc, device: str, dtype: str) -> int:
     budget = int(util * total)
     kv = budget - weights - act - fixed - prewarm
     need = -(-args.max_model_len // args.block_size) * per_block
-    where = f"{util} of {total / GIB:.1f} GiB = {budget / GIB:.2f} GiB: weights {weights / GIB:.2f} GiB, " \
+    where = f"{util} of {total / GIB:.1f} GiB = {budget / GIB:.2f} GiB: weights " \
+            f"{weights / GIB:.2f} GiB{' (LoRA adapters included)' if lora_numel else ''}, " \
             f"activations ~{act / GIB:.2f} GiB (estimated), {fixed / GIB:.1f} GiB reserved" \
             + (f", a standby's pre-warm ~{prewarm / GIB:.2f} GiB (estimated)" if prewarm else "")
     if kv < need:
