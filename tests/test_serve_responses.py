@@ -85,8 +85,9 @@ def test_structured_output_and_a_cut_reply(so_srv):
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"input": "x", "store": True}, "store"),
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x", "previous_response_id": 1}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
@@ -115,6 +116,38 @@ def test_responses_stream_across_an_engine_sigkill(so_srv):
     got = stream_across_engine_kill(base, lambda: c.responses.create(**kw), after=8)
     assert text(got) == text(ref) and got[-1].response.output_text == text(ref)
     assert [e.sequence_number for e in got] == list(range(len(got)))
+    # stored by the frontend, which the kill did not touch: read back whole
+    assert c.responses.retrieve(got[-1].response.id).output_text == text(ref)
+
+
+def test_stored_responses_are_continued_by_previous_response_id(tool_srv):
+    """``store`` (true by default, as in OpenAI's API): the agent loop continued by
+    ``previous_response_id`` with only the tool's output as input reaches the same answer from
+    the same prompt as the loop that sends the whole conversation; ``retrieve`` and ``delete``
+    through the ``openai`` client; a response not stored, or deleted, is a 404 naming it."""
+    import openai
+    c = _client(tool_srv["base"])
+    r = c.responses.create(model="tiny-qwen3", input=ASK[0]["content"], tools=FLAT, temperature=0)
+    assert r.store and _items(r.output) == [("function_call", "get_weather", {"city": "Paris"})]
+    result = {"type": "function_call_output", "call_id": r.output[0].call_id, "output": RESULT}
+    answer = c.responses.create(model="tiny-qwen3", previous_response_id=r.id, input=[result], tools=FLAT,
+                                temperature=0)
+    whole = c.responses.create(model="tiny-qwen3", tools=FLAT, temperature=0, input=[
+        {"role": "user", "content": ASK[0]["content"]}, r.output[0].model_dump(exclude_none=True), result])
+    assert answer.output_text == whole.output_text == ANSWER and answer.previous_response_id == r.id
+    assert answer.usage.input_tokens == whole.usage.input_tokens         # the same prompt
+    assert c.responses.retrieve(r.id).model_dump() == r.model_dump()
+    with c.responses.stream(model="tiny-qwen3", previous_response_id=r.id, input=[result], tools=FLAT,
+                            temperature=0) as s:
+        streamed = s.get_final_response()
+    assert streamed.output_text == ANSWER and c.responses.retrieve(streamed.id).output_text == ANSWER
+    kept = c.responses.create(model="tiny-qwen3", input=ASK[0]["content"], tools=FLAT, temperature=0, store=False)
+    assert not kept.store
+    with pytest.raises(openai.NotFoundError, match=f"Response with id '{kept.id}' not found"):
+        c.responses.retrieve(kept.id)
+    c.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError, match=f"Response with id '{r.id}' not found"):
+        c.responses.create(model="tiny-qwen3", previous_response_id=r.id, input=[result], tools=FLAT)
 
 
 def test_an_openai_agents_sdk_agent_runs_its_tool_loop(tool_srv):

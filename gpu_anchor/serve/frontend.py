@@ -44,6 +44,7 @@ from aiohttp import web
 from . import openai_api as api
 from . import wire
 from .metrics import Metrics
+from .response_store import ResponseStore
 from .routes import make_app
 from .tokenizer import Codec, IncrementalText
 
@@ -81,6 +82,7 @@ class Frontend:
         self.codec, self.model_name, self.max_model_len = codec, model_name, max_model_len
         self.vocab_size, self.api_key, self.started_at = vocab_size, api_key, started_at
         self.surface = api.Surface([model_name, *features.get("adapters", {})], vocab_size, **features)
+        self.responses = ResponseStore()      # stored Responses (/v1/responses' store, previous_response_id)
         self.reqs: dict[str, Req] = {}
         self.writer = None
         self.engine_pid = None

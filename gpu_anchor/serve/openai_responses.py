@@ -17,9 +17,13 @@ Streamed, the chat chunks become Responses events (``Events``): ``response.creat
 ``.done`` events, then ``response.completed`` (or ``response.incomplete``) with the whole
 Response, each event numbered by ``sequence_number``; no ``[DONE]``.
 
-Not served (a 400 naming the field): stored responses (``store: true``,
-``previous_response_id``, ``background``), built-in tools (web search, file search, ...),
-inputs other than text, ``reasoning`` settings, ``truncation: auto``, ``include``.
+Stored (``store``, true by default as in OpenAI's API): the frontend keeps the Response and its
+conversation (``response_store``); ``previous_response_id`` continues it (``to_chat``'s
+``history``), ``GET`` / ``DELETE /v1/responses/{id}`` read and remove it.
+
+Not served (a 400 naming the field): ``background``, built-in tools (web search, file search,
+...), inputs other than text, ``reasoning`` settings, ``truncation: auto``, ``include``,
+``conversation`` objects.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from .openai_checks import ApiError, bad
 
 _PASS = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "metadata",
          "top_k", "min_p", "repetition_penalty", "seed")
-_NEUTRAL = {"store": (False,), "previous_response_id": (), "background": (False,), "reasoning": (),
+_NEUTRAL = {"store": (True, False), "previous_response_id": None, "background": (False,), "reasoning": (),
             "truncation": ("disabled",), "include": ([],), "prompt": (), "conversation": ()}
 _KNOWN = set(_PASS) | set(_NEUTRAL) | {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
                                        "stream_options"}
@@ -50,12 +54,13 @@ def _text(where: str, content) -> str:
     return "".join(out)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, history: list[dict]) -> list[dict]:
     msgs = []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
             raise bad("instructions", "must be a string")
         msgs.append({"role": "system", "content": body["instructions"]})
+    msgs += history
     inp = body.get("input")
     if isinstance(inp, str):
         return msgs + [{"role": "user", "content": inp}]
@@ -111,20 +116,28 @@ def _tools(body: dict, chat: dict) -> None:
         chat["tool_choice"] = choice
 
 
-def to_chat(body) -> dict:
-    """The chat request a Responses request means (module doc); ``ApiError`` names the
-    Responses field."""
+def check(body) -> None:
+    """The fields of a Responses request this server knows and serves; ``ApiError`` names one
+    that is not."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for k in body:
         if k not in _KNOWN:
             raise bad(k, "unknown field (this server refuses fields it would otherwise ignore)")
     for k, allowed in _NEUTRAL.items():
-        if body.get(k) is not None and body[k] not in allowed:
-            raise bad(k, "is not supported by this server (it stores no responses, serves no built-in tools, "
-                         "and takes no reasoning settings)")
+        if body.get(k) is not None and allowed is not None and body[k] not in allowed:
+            raise bad(k, "is not supported by this server (it runs no background responses, serves no built-in "
+                         "tools, and takes no reasoning settings)")
+    if body.get("previous_response_id") is not None and not isinstance(body["previous_response_id"], str):
+        raise bad("previous_response_id", "must be a string")
+
+
+def to_chat(body, history: list[dict] = ()) -> dict:
+    """The chat request a Responses request means (module doc), continuing ``history`` (the
+    messages of its ``previous_response_id``); ``ApiError`` names the Responses field."""
+    check(body)
     chat = {k: body[k] for k in _PASS if k in body}
-    chat["messages"] = _messages(body)
+    chat["messages"] = _messages(body, list(history))
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     _tools(body, chat)
@@ -165,7 +178,8 @@ def _response(body: dict, rid: str, created: int, output: list, finish: str | No
             "incomplete_details": {"reason": "max_output_tokens"} if cut and status is None else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "model": body.get("model"), "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+            "store": body.get("store") is not False,
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
@@ -204,8 +218,9 @@ def reply(body: dict, chat_reply: dict) -> dict:
 class Events:
     """Chat chunks (``openai_replies.stream``'s, one choice) in, Responses events out."""
 
-    def __init__(self, body: dict, rid: str) -> None:
-        self.body, self.rid, self.created = body, rid, int(time.time())
+    def __init__(self, body: dict, rid: str, on_done=None) -> None:
+        """``on_done(response)``: called with the finished Response (to store it)."""
+        self.body, self.rid, self.created, self.on_done = body, rid, int(time.time()), on_done
         self.seq, self.items, self.open = 0, [], None
         self.finish = None
 
@@ -247,6 +262,8 @@ class Events:
             if not self.items:                          # an empty reply is an empty message
                 out += self._add(_message_item(self.rid, "", "in_progress")) + self._close()
             r = _response(self.body, self.rid, self.created, self.items, self.finish, chunk.get("usage"))
+            if self.on_done is not None:
+                self.on_done(r)
             return out + [self._ev("response.incomplete" if r["status"] == "incomplete" else "response.completed",
                                    response=r)]
         c = chunk["choices"][0]

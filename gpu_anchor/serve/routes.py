@@ -115,18 +115,32 @@ class Routes:
         return params
 
     async def responses(self, request):
-        """OpenAI's Responses API, served as the chat request it means (``openai_responses``)."""
+        """OpenAI's Responses API, served as the chat request it means (``openai_responses``),
+        continuing a stored response's conversation and stored in turn (``response_store``)."""
         body = await self._body(request)
-        chat_body = openai_responses.to_chat(body)
+        openai_responses.check(body)
+        prev = body.get("previous_response_id")
+        chat_body = openai_responses.to_chat(body, self.fe.responses.history(prev) if prev is not None else ())
+        # the conversation before this reply, as a later previous_response_id continues it
+        before = [dict(m) for m in chat_body["messages"][1 if body.get("instructions") is not None else 0:]]
         try:
             q = api.parse(chat_body, True, self.fe.surface)
         except ApiError as e:
             raise openai_responses.renamed(e) from None
-        return await self._serve(request, True, q, body)
+        keep = None if body.get("store") is False else (lambda response: self.fe.responses.put(response, before))
+        return await self._serve(request, True, q, body, keep)
 
-    async def _serve(self, request, chat: bool, q: api.Request | None = None, responses_body: dict | None = None):
+    async def stored_response(self, request):
+        return web.json_response(self.fe.responses.get(request.match_info["rid"]).response)
+
+    async def delete_response(self, request):
+        return web.json_response(self.fe.responses.delete(request.match_info["rid"]))
+
+    async def _serve(self, request, chat: bool, q: api.Request | None = None, responses_body: dict | None = None,
+                     on_response=None):
         """A completions or chat request (``q``: already parsed, from a Responses request whose
-        body is ``responses_body``: its reply is shaped as a Response)."""
+        body is ``responses_body``: its reply is shaped as a Response, which ``on_response``
+        gets when it is finished)."""
         q = q or api.parse(await self._body(request), chat, self.fe.surface)
         if q.sampling.get("grammar") is not None and self.fe.codec.kind != "tokenizer.json":
             raise ApiError(400, "structured output needs the model's tokenizer.json (this server decodes bytes)")
@@ -144,7 +158,8 @@ class Routes:
                 rs.append(r)
         try:
             if q.stream:
-                events = openai_responses.Events(responses_body, rs[0].rid) if responses_body is not None else None
+                events = None if responses_body is None else openai_responses.Events(responses_body, rs[0].rid,
+                                                                                      on_response)
                 return await replies.stream(request, self.fe.codec, rs, q.n, events)
             for r in rs:
                 while r.finish is None:
@@ -153,7 +168,11 @@ class Routes:
                 if r.error:
                     raise ApiError(r.error_status, r.error)
             out = replies.reply(self.fe.codec, rs, q.n)
-            return web.json_response(out if responses_body is None else openai_responses.reply(responses_body, out))
+            if responses_body is not None:
+                out = openai_responses.reply(responses_body, out)
+                if on_response is not None:
+                    on_response(out)
+            return web.json_response(out)
         finally:
             for r in rs:
                 self.fe.drop(r)
@@ -243,6 +262,8 @@ def make_app(fe) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_post("/v1/responses", routes.responses)
+    app.router.add_get("/v1/responses/{rid}", routes.stored_response)
+    app.router.add_delete("/v1/responses/{rid}", routes.delete_response)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{name:.+}", routes.model)   # hub ids hold a slash
     app.router.add_post("/tokenize", routes.tokenize)
