@@ -185,6 +185,8 @@ def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
     assert r.returncode == 2 and "rank 4 at model.layers.0.mlp.down_proj is above --max-lora-rank 2" in r.stderr
     r = run("--enable-lora", "--lora-modules", f"{os.path.basename(base)}={ads['all']}")
     assert r.returncode == 2 and "is the base model's served name" in r.stderr
+    r = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}")
+    assert r.returncode == 2 and "--lora-modules gives 2 adapters and --max-loras is 1" in r.stderr
     r = run("--enable-lora")
     assert r.returncode == 2 and "--enable-lora serves the adapters of --lora-modules, and none is given" in r.stderr
 

@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the adapters: NAME=PATH, or JSON {\"name\": ..., \"path\": ...}, each a directory as peft's "
                         "save_pretrained writes it (LoRA on the decoder's projections)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="the most adapters served (every one is on the device and any mix of them shares a step; "
+                        "default: as many as --lora-modules gives)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")

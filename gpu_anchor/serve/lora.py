@@ -205,6 +205,11 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int]:
     modules = parse_modules(given)
     if not modules:
         raise AdapterError("--enable-lora serves the adapters of --lora-modules, and none is given")
+    most = getattr(args, "max_loras", None)
+    if most is not None and len(modules) > most:
+        raise AdapterError(f"--lora-modules gives {len(modules)} adapters and --max-loras is {most}: every adapter "
+                           "is kept on the device here (none is swapped in per batch, as vLLM does beyond "
+                           "--max-loras), so give at most that many or raise it")
     if any(name == served_name for name, _ in modules):
         raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
                            "otherwise")
