@@ -153,7 +153,8 @@ def test_stored_responses_are_continued_by_previous_response_id(tool_srv):
 def test_an_openai_agents_sdk_agent_runs_its_tool_loop(tool_srv):
     """The OpenAI Agents SDK (``openai-agents``) as its users run it against a vLLM server: an
     ``Agent`` with a function tool on ``OpenAIResponsesModel``; ``Runner`` calls the model, runs
-    the tool the model called, sends its output back and ends with the model's answer."""
+    the tool the model called, sends its output back and ends with the model's answer; and a
+    second run continues the first by ``previous_response_id`` (the server's stored conversation)."""
     agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents, a test extra: make test "
                                                   "installs it) is the user code this test runs")
     import asyncio
@@ -176,6 +177,14 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_loop(tool_srv):
         result = await agents.Runner.run(agent, ASK[0]["content"])
         run = agents.Runner.run_streamed(agent, ASK[0]["content"])
         kinds = [e.type async for e in run.stream_events()]
-        return result.final_output, run.final_output, kinds
-    final, streamed, kinds = asyncio.run(both())
-    assert final == streamed == ANSWER and ran == [{"city": "Paris"}] * 2 and "raw_response_event" in kinds
+        # the conversation kept by the server: the second run sends its new input only
+        again = await agents.Runner.run(agent, ASK[0]["content"], previous_response_id=result.last_response_id)
+        return result, run.final_output, kinds, again
+    first, streamed, kinds, again = asyncio.run(both())
+    assert first.final_output == streamed == ANSWER and ran[:2] == [{"city": "Paris"}] * 2
+    assert "raw_response_event" in kinds
+    c = _client(tool_srv["base"])
+    stored = [c.responses.retrieve(r.response_id) for r in again.raw_responses]
+    assert first.final_output == ANSWER and stored[0].previous_response_id == first.last_response_id
+    # the continued run's first prompt holds the whole first run before its own question
+    assert stored[0].usage.input_tokens > c.responses.retrieve(first.last_response_id).usage.input_tokens
