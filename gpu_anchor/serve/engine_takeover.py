@@ -115,7 +115,8 @@ class TakeOver:
         for s in unserved:      # a journal of a server that served other adapters: never the wrong weights
             problems.append(f"request {s.rid}: LoRA adapter {s.params.lora!r} is not served by this engine")
             bad.append(C.P + "req/" + s.rid)
-        seqs = [s for s in seqs if s.rid not in {u.rid for u in unserved}]
+        gone = {s.rid for s in unserved}
+        seqs = [s for s in seqs if s.rid not in gone]
         dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
         notes = problems + dropped
         for n in notes:

@@ -90,7 +90,7 @@ def _config(name: str, path: str) -> dict:
         raise AdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not served (LORA is)")
     for k, plain in _PLAIN.items():
         v = cfg.get(k, plain)
-        if v != plain and not (plain is None and not v) and not (plain == {} and not v):
+        if (v or None) != (plain or None):          # an empty list or dict is as good as none
             raise AdapterError(f"LoRA adapter {name!r}: {k} = {v!r} is not served (only plain LoRA on the decoder's "
                                f"projections; {k} would change what the adapter computes)")
     return cfg
