@@ -293,7 +293,7 @@ class _Stream:
         self.c, self.job = c, job
         self.choices = {i: _Choice() for i in range(job.get("n", 1))}
         self.chunks = 0
-        self.usage = self.error = None
+        self.usage = self.error = self.cached = None
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
 
@@ -316,7 +316,10 @@ class _Stream:
             create = self.c.chat.completions.create if chat else self.c.completions.create
             for ch in create(model="tiny-qwen3", **self.job):
                 if ch.usage is not None:
+                    # a run after another with the same prompts finds them cached (prefix
+                    # caching): the tokens it reports cached are kept apart from the usage compared
                     self.usage = ch.usage.model_dump()
+                    self.cached = (self.usage.pop("prompt_tokens_details", None) or {}).get("cached_tokens")
                 if not ch.choices:
                     continue
                 x = ch.choices[0]

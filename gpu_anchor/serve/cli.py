@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "not wait for the host's bookkeeping between steps (as vLLM's --async-scheduling; prefill "
                         "and mixed steps, log-probabilities and tensor parallelism stay synchronous; default: "
                         "on for one GPU, off on the CPU; docs/serving.md, 'Asynchronous scheduling')")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request whose first blocks of tokens (system prompt, earlier turns) another request "
+                        "computed shares their KV instead of computing it again (vLLM's option; "
+                        "docs/serving.md, 'Prefix caching')")
     p.add_argument("--warm-pool", action="store_true",
                    help="keep a standby engine process (CUDA context created, kernels warmed) that takes over "
                         "at once when the engine dies, instead of a fork + CUDA init")
@@ -288,6 +292,7 @@ def engine_config(args, mc):
                         cpu_threads=args.cpu_threads, cuda_graphs=False if args.no_cuda_graphs else None,
                         tensor_parallel_size=tp, deterministic=args.deterministic,
                         **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
+                        **({} if args.enable_prefix_caching is None else {"prefix_caching": args.enable_prefix_caching}),
                         **({} if args.blas_library is None else {"blas_library": args.blas_library}))
 
 

@@ -22,6 +22,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from . import prefix_cache
 from .block_manager import BlockManager, InconsistentState
 from .sequence import (OUT_SEGMENT, Sequence, Status, pack_ints, pack_state, parse_request, parse_state,
                        request_record, segment_keys, unpack_ints)
@@ -291,7 +292,9 @@ def restore_kv(seqs: list[Sequence], blocks: BlockManager, kv_valid: bool, why: 
                     raise InconsistentState(f"{s.rid}: num_computed {s.num_computed} of {s.num_tokens} tokens")
                 if len(s.block_table) * blocks.block_size < s.num_computed:
                     raise InconsistentState(f"{s.rid}: {len(s.block_table)} blocks for {s.num_computed} tokens")
-            blocks.adopt({s.rid: s.block_table for s in seqs})
+            blocks.adopt({s.rid: s.block_table for s in seqs},
+                         shared_below={s.rid: s.num_computed // blocks.block_size for s in seqs})
+            prefix_cache.rebuild(blocks, seqs)
             return notes
         except InconsistentState as e:
             why = f"committed block tables are inconsistent ({e})"

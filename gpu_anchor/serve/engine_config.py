@@ -56,6 +56,10 @@ class EngineConfig:
     # request names one in SamplingParams.lora.  Ranks above max_lora_rank are refused
     lora: tuple = ()
     max_lora_rank: int = 16
+    # prefix caching (prefix_cache.py, vLLM's --enable-prefix-caching, on by default as there): a
+    # request whose first blocks of tokens another request computed shares their KV instead of
+    # computing it again
+    prefix_caching: bool = True
     tensor_parallel_size: int = 1
     rank: int = 0
     rendezvous: str | None = None

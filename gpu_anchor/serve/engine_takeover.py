@@ -43,7 +43,7 @@ class TakeOver:
             # what the standby did before the fault is not part of this take-over's time
             self.timings = {k if k.startswith("standby_") else "standby_" + k: v for k, v in self.timings.items()}
             self.timings["recheck_s"] = time.perf_counter() - t0
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
         eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
         journal = st.journal

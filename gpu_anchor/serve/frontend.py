@@ -59,6 +59,7 @@ class Req:
         self.out: list[int] = []
         self.lps: list = []              # (logprob, top) per output token, when q.logprobs is not None
         self.plps: list | None = None    # (logprob, top, rank) per prompt token from the second, when asked
+        self.cached_tokens = 0           # prompt tokens the engine found computed (prefix caching)
         self.finish: str | None = None
         self.error: str | None = None
         self.error_status = 400          # 503 when the server gave up on the request, not the request's fault
@@ -92,6 +93,7 @@ class Frontend:
         self.last_timings: dict = {}
         self.loading: dict | None = None     # the starting engine's last progress report
         self.preemptions_seen = 0
+        self.prefix_seen: dict = {}
         self.down_since = time.monotonic()
         self.migrations: dict[str, asyncio.Future] = {}   # mid -> cut-over report
         self.last_migration: dict = {}
@@ -162,6 +164,7 @@ class Frontend:
         held = set(hello["rids"])
         self.writer = writer
         self.preemptions_seen = 0
+        self.prefix_seen: dict = {}          # the new engine's prefix-cache counts start from 0
         m.engine_up.set(1)
         for r in self.reqs.values():
             r.resyncing = False          # the new engine replays; a mismatch re-triggers it
@@ -182,12 +185,19 @@ class Frontend:
                         r = self.reqs.get(rid)
                         if r is not None and r.plps is None and not r.resyncing:
                             r.plps = [tuple(x) for x in plps]
+                    for rid, n in msg.get("cached", ()):
+                        r = self.reqs.get(rid)
+                        if r is not None and not r.resyncing:
+                            r.cached_tokens = n
                     for rid, i, ids, fin in msg["ev"]:
                         self._apply(rid, i, ids, fin, lps.get(rid))
                 elif t == "load":
                     m.set_load(msg["running"], msg["waiting"], msg["kv_blocks_used"], msg["kv_blocks"])
                     m.num_preemptions.inc(max(0, msg["preemptions"] - self.preemptions_seen))
                     self.preemptions_seen = msg["preemptions"]
+                    for k, c in (("prefix_queries", m.prefix_queries), ("prefix_hits", m.prefix_hits)):
+                        c.inc(max(0, msg.get(k, 0) - self.prefix_seen.get(k, 0)))
+                        self.prefix_seen[k] = msg.get(k, 0)
                 elif t == "err":
                     r = self.reqs.get(msg["rid"])
                     if r is not None:

@@ -48,6 +48,8 @@ class Metrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for the engine (queued or preempted; "
                                                           "all open requests while no engine is connected).")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1).")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found computed in the prefix cache.")
         self.num_preemptions = counter("vllm:num_preemptions", "Requests preempted (KV dropped, recomputed later).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of the requests received.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated and delivered to clients.")

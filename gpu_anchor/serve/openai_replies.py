@@ -16,8 +16,10 @@ from . import reasoning, tool_calls
 from .openai_checks import ApiError
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; ``cached``: prompt tokens the engine found computed (prefix caching)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def token_text(codec, tid: int, as_ids: bool) -> str:
@@ -99,7 +101,8 @@ def _prompt_text_len(lp: dict) -> int:
 
 def _usage(rs: list, n: int) -> dict:
     """Every prompt once (``rs`` holds ``n`` choices per prompt), every choice's tokens."""
-    return usage(sum(len(r.prompt) for r in rs[::n]), sum(len(r.out) for r in rs))
+    return usage(sum(len(r.prompt) for r in rs[::n]), sum(len(r.out) for r in rs),
+                 sum(r.cached_tokens for r in rs[::n]))
 
 
 def _calls(q, text: str, final: bool):
@@ -258,7 +261,7 @@ async def _events(codec, r, head: dict, write, index: int = 0) -> None:
                 choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": fin}
             chunk = dict(head, choices=[choice])
             if q.continuous_usage:
-                chunk["usage"] = usage(len(r.prompt), n)
+                chunk["usage"] = usage(len(r.prompt), n, r.cached_tokens)
             n_sent = n
             await write(chunk)
         if done:

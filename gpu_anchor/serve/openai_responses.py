@@ -166,7 +166,8 @@ def renamed(e: ApiError) -> ApiError:
 # ------------------------------------------------------------------ replies
 def _usage(u: dict | None) -> dict:
     u = u or {"prompt_tokens": 0, "completion_tokens": 0}
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 

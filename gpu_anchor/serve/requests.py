@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+from . import prefix_cache
 from .sampling import token_logprobs
 from .sequence import SamplingParams, Sequence, Status
 
@@ -78,7 +79,9 @@ class Requests:
         p = len(seq.prompt_ids)
         # KV at position i depends on tokens 0..i only: it stands while those are the same.
         # At least the last token is fed again, so the step samples the next one.
-        seq.num_computed = 0 if from_start else min(seq.num_computed, p + common, p + len(out) - 1)
+        # With prefix caching, never over a block another request shares (it starts before it).
+        seq.num_computed = prefix_cache.forget_from(
+            self.blocks, seq, 0 if from_start else min(seq.num_computed, p + common, p + len(out) - 1))
         # a new list: a snapshot in flight keeps the old one (its outputs are a prefix length)
         seq.output_ids = out
         if self.run_ahead is not None:
@@ -104,11 +107,13 @@ class Requests:
 
     def load(self) -> dict:
         """What the scheduler holds now: requests running (holding KV) and waiting, and the
-        KV blocks in use (blocks released by a step count until its commit lands)."""
+        KV blocks in use (blocks released by a step count until its commit lands; cached ones,
+        free to reuse, do not), and the prefix cache's prompt tokens looked up and found."""
         running = sum(s.status is Status.RUNNING for s in self.scheduler.seqs.values())
         return {"running": running, "waiting": len(self.scheduler.seqs) - running,
                 "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
-                "preemptions": self.scheduler.preemptions}
+                "preemptions": self.scheduler.preemptions, "prefix_queries": self.scheduler.prefix_queries,
+                "prefix_hits": self.scheduler.prefix_hits}
 
     def _hold_prompt_logprobs(self, la, live) -> None:
         """The prompt log-probabilities of a completed step's prompt rows (``la.plp``), held per
@@ -139,6 +144,16 @@ class Requests:
             held = self._prompt_lps.pop(rid, None) if ids else None
             if held is not None and i == 0 and len(held[1]) == held[0] - 1:
                 out.append([rid, [list(held[1][p]) for p in range(1, held[0])]])
+        return out
+
+    def take_cached_tokens(self, events) -> list[list]:
+        """``[[rid, n], ...]``: the prompt tokens that requests whose first token (or end) is in
+        ``events`` found computed by prefix caching, when any (forgotten here)."""
+        out = []
+        held = self.scheduler.cached_tokens
+        for rid, i, ids, fin in events:
+            if i == 0 and (ids or fin) and rid in held:
+                out.append([rid, held.pop(rid)])
         return out
 
     def take_logprobs(self, events) -> list[list]:

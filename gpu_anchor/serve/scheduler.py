@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import prefix_cache
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
@@ -48,6 +49,8 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}     # every unfinished sequence
         self.preemptions = 0
         self.preempted: list[Sequence] = []     # by the last schedule() (their KV state changed)
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens admitted / found cached (prefix caching)
+        self.cached_tokens: dict[str, int] = {}      # rid -> tokens found cached, until its first token
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -61,6 +64,7 @@ class Scheduler:
 
     def abort(self, rid: str) -> Sequence | None:
         seq = self.seqs.pop(rid, None)
+        self.cached_tokens.pop(rid, None)
         if seq is not None:
             self.blocks.release(seq.block_table)
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
@@ -126,8 +130,18 @@ class Scheduler:
                 break
             if seq.status is Status.WAITING and n_running >= self.max_num_seqs:
                 break
-            if seq.status is Status.WAITING and not self.blocks.can_grow([], seq.num_tokens + 1):
+            hits = prefix_cache.take(self.blocks, seq) if seq.status is Status.WAITING else None
+            if seq.status is Status.WAITING and not self.blocks.can_take(hits or [], seq.num_tokens + 1):
                 break            # admit only what fits whole: partial admissions thrash with preemption
+            if seq.status is Status.WAITING and self.blocks.prefix_caching:
+                self.prefix_queries += seq.num_tokens
+                if hits:
+                    self.blocks.share(seq.block_table, hits)
+                    seq.num_computed = len(hits) * self.blocks.block_size
+                    self.prefix_hits += seq.num_computed
+                seq.cached_tokens = seq.num_computed
+                if seq.num_computed and not seq.output_ids:
+                    self.cached_tokens[seq.rid] = seq.num_computed
             n = min(seq.num_tokens - seq.num_computed, budget)
             wanted = prompt_logprob_rows(seq, n)
             if wanted > rows:                  # chunk it so that its rows fit (each is a [V] row of logits)
@@ -170,6 +184,7 @@ class Scheduler:
         for w in work:
             seq = w.seq
             seq.num_computed = w.start + w.n
+            prefix_cache.remember(self.blocks, seq, w.start)
             if not w.sample:
                 continue
             seq.output_ids.append(sampled[seq.rid])

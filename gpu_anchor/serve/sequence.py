@@ -142,6 +142,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: int = 0               # admission order: keeps scheduling deterministic
+    # prefix caching (prefix_cache.py): digests of its first blocks, this process's knowledge only
+    digests: list = field(default_factory=list, repr=False, compare=False)
+    cached_tokens: int = 0         # prompt tokens its admission found computed (prefix caching)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -6,8 +6,9 @@ engine -> frontend: ``{"t": "loading", "pid", "phase", "done", "total", "elapsed
                     ``{"t": "hello", "pid", "rids": [...], "timings": {...}, "notes": [...]}`` (once built),
                     ``{"t": "toks", "ev": [[rid, first_index, [ids], finish_reason|null], ...],
                     "lp": [[rid, index, logprob, [[id, logprob], ...]], ...]}`` ("lp" only for requests
-                    that asked for log-probabilities), ``{"t": "load", "running", "waiting",
-                    "kv_blocks_used", "kv_blocks", "preemptions"}``,
+                    that asked for log-probabilities; "plp": prompt log-probabilities; "cached":
+                    [[rid, prompt tokens found cached], ...] with a first token), ``{"t": "load", "running",
+                    "waiting", "kv_blocks_used", "kv_blocks", "preemptions", "prefix_queries", "prefix_hits"}``,
                     ``{"t": "err", "rid", "msg"}``, ``{"t": "stats", ...}``, ``{"t": "readd_ok", "rid"}``
 Token events carry their index, so the receiver can drop duplicates after a restart.
 """

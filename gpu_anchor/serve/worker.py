@@ -67,11 +67,13 @@ class _Progress:
 def _toks(eng, events) -> bytes:
     """A ``toks`` message, with the log-probabilities of its tokens for requests that asked."""
     msg = {"t": "toks", "ev": [list(e) for e in events]}
-    lp, plp = eng.take_logprobs(events), eng.take_prompt_logprobs(events)
+    lp, plp, cached = eng.take_logprobs(events), eng.take_prompt_logprobs(events), eng.take_cached_tokens(events)
     if lp:
         msg["lp"] = lp
     if plp:
         msg["plp"] = plp
+    if cached:
+        msg["cached"] = cached
     return wire.encode(msg)
 
 
