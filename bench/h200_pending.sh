@@ -2,7 +2,8 @@
 # The GPU checks this tree still owes (stop 55 got no device), one H200 or H100 call each, <= 10 min:
 #   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then PART=train, PART=bench
 # - serve: the serving GPU tests at this tree (the engine split into step_sampling / engine_takeover,
-#   structured output's standby warm-up, LoRA through the fused kernels and the CUDA graphs);
+#   structured output's standby warm-up, LoRA through the fused kernels and the CUDA graphs, prefix
+#   caching, on by default since 2026-12-06, under every serving GPU test);
 # - train: the training GPU tests that did not finish on 2026-12-05 (gradient buffers, lending,
 #   fused Adam, accelerate's fp16 loop with clipping);
 # - bench: what LoRA adapters cost a decode step (Qwen3-8B shape, 64 streams, 4 adapters of rank 16).
@@ -27,7 +28,7 @@ part() {   # name, timeout (s), command...
 }
 case ${PART:-serve} in
 serve)
-  part serve 560 python -m pytest -v -m gpu -p no:cacheprovider --durations=8 tests/test_serve_lora.py \
+  part serve 560 python -m pytest -v -m gpu -p no:cacheprovider --durations=8 tests/test_serve_prefix_cache.py tests/test_serve_lora.py \
     tests/test_serve_gpu.py tests/test_serve_structured.py tests/test_takeover_fences.py \
     tests/test_serve_hot_standby.py tests/test_serve_api.py tests/test_serve_async.py tests/test_serve_sampling.py \
     tests/test_serve_fused.py tests/test_serve_attention.py tests/test_serve_daemon_loss.py \

@@ -219,6 +219,9 @@ def test_sigkill_campaign_with_shared_prefixes_matches_fault_free(model, host_da
         sp = (SamplingParams(max_tokens=20, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=50 + i, ignore_eos=True))
         reqs[f"r{i}"] = (p, sp)
+    probe = Engine(EngineConfig(**dict(base.__dict__, anchor=False)))     # the campaign's schedule shares blocks
+    probe.generate([p for p, _ in reqs.values()], [sp for _, sp in reqs.values()])
+    assert probe.scheduler.prefix_hits >= 4 * 36
     ref = Client(reqs)
     code, _ = _run(EngineConfig(**dict(base.__dict__, namespace="pc-reference")), ref)
     assert code == 0 and len(ref.done) == len(reqs)
@@ -237,6 +240,27 @@ def test_sigkill_campaign_with_shared_prefixes_matches_fault_free(model, host_da
         assert client.mismatch == 0
         assert [client.out[f"w{wave}-{rid}"] for rid in reqs] == [ref.out[rid] for rid in reqs]
         wave += 1
+
+
+@pytest.mark.gpu
+def test_on_cuda_shared_prefixes_give_the_tokens_of_an_engine_without_caching(model, cuda_daemon):
+    """On CUDA in bf16 with --deterministic's batch-invariant kernels (so a token does not depend
+    on the batch or the chunk its KV was computed in), CUDA graphs, asynchronous scheduling,
+    anchored: requests sharing a system prompt and a conversation's next turn get exactly the
+    tokens of an engine without prefix caching, having computed the shared blocks once."""
+    system = [(11 * i) % 370 + 5 for i in range(100)]
+    prompts = [system + list(range(30 + i, 36 + 2 * i)) for i in range(6)]
+    kw = dict(model=model, device="cuda:0", dtype="bfloat16", deterministic=True, block_size=16,
+              num_blocks=256, max_batched_tokens=64)
+    on = Engine(EngineConfig(**kw, namespace="pc-gpu", socket=cuda_daemon, prefix_caching=True))
+    off = Engine(EngineConfig(**kw, anchor=False, prefix_caching=False))
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = on.generate(prompts[:1], sp) + on.generate(prompts[1:], sp)
+    assert got == off.generate(prompts, sp)
+    assert on.scheduler.prefix_hits == 5 * 96
+    turn2 = prompts[0] + got[0] + [7, 8, 9]
+    assert on.generate([turn2], sp) == off.generate([turn2], sp)
+    assert on.scheduler.prefix_hits > 5 * 96
 
 
 # ---------------------------------------------------------------- through the server
