@@ -13,8 +13,12 @@ The contract with the scheduler and the engine:
   least its last token is computed (its logits are sampled), so a prompt that is cached whole
   still computes its last block.  A request asking for prompt log-probabilities takes nothing
   (each prompt position's logits are needed).
-- ``remember`` (a step's work is done): every block that the step filled is named, so later
-  requests can take it.  Only computed blocks are named, never one a step is still to write.
+- ``remember`` (a step's work is scheduled): every block that the step fills is named, so a
+  request admitted later, in the same step too, takes it.  Within a step that is safe: each
+  layer stores every token's K/V before any token's attention reads the cache, so a request
+  reading a shared block in the step that fills it reads what the step wrote.  A block is named
+  once the step that fills it is scheduled, never before (the steps that run ahead, decodes
+  only, name theirs when they complete).
 - ``rebuild`` (recovery): the digests are not journaled; the live sequences' full, computed
   blocks are named again from their tokens.
 - ``forget_from`` (a sequence's history taken back): digests past what stands are dropped,
@@ -52,11 +56,11 @@ def take(blocks: BlockManager, seq) -> list[int] | None:
     return hits or None
 
 
-def remember(blocks: BlockManager, seq, start: int) -> None:
-    """``seq``'s KV now holds positions ``[0, seq.num_computed)``, those from ``start`` on just
-    computed: name the blocks that became full."""
+def remember(blocks: BlockManager, seq, start: int, end: int | None = None) -> None:
+    """``seq``'s KV holds positions ``[0, end)`` (default ``seq.num_computed``) once the step that
+    computes those from ``start`` on has run: name the blocks that are full then."""
     if blocks.prefix_caching:
-        bs, full = blocks.block_size, seq.num_computed // blocks.block_size
+        bs, full = blocks.block_size, (seq.num_computed if end is None else end) // blocks.block_size
         first = start // bs
         if full > first:
             for i, d in enumerate(digests(seq, full, bs)[first:], first):

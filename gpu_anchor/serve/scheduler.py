@@ -116,6 +116,7 @@ class Scheduler:
                 continue
             self.blocks.grow(seq.rid, seq.block_table, seq.num_computed + 1)
             work.append(Work(seq, seq.num_computed, 1, True))
+            prefix_cache.remember(self.blocks, seq, seq.num_computed, seq.num_computed + 1)
             scheduled.add(seq.rid)
             budget -= 1
         if decodes_only and work:
@@ -159,6 +160,7 @@ class Scheduler:
                 n_running += 1
             rows -= prompt_logprob_rows(seq, n)
             work.append(Work(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+            prefix_cache.remember(self.blocks, seq, seq.num_computed, seq.num_computed + n)
             budget -= n
         return work
 
