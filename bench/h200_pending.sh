@@ -6,7 +6,8 @@
 #   caching, on by default since 2026-12-06, under every serving GPU test);
 # - train: the training GPU tests that did not finish on 2026-12-05 (gradient buffers, lending,
 #   fused Adam, accelerate's fp16 loop with clipping);
-# - bench: what LoRA adapters cost a decode step (Qwen3-8B shape, 64 streams, 4 adapters of rank 16).
+# - bench: what LoRA adapters cost a decode step (Qwen3-8B shape, 64 streams, 4 adapters of rank 16);
+#   what prefix caching saves (shared system prompts, conversation turns).
 # Each part's output goes to $OUT/<part>.log; the exit codes and test verdicts are printed.
 # The machine has no openai / llguidance: carry their cp312 wheels in .gpu/wheels (pip download
 # --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ... llguidance openai).
@@ -38,6 +39,7 @@ train)
     tests/test_train_grad_lending.py tests/test_train_fused_adam.py
   part accelerate_fp16 320 python -m pytest -v -m gpu -p no:cacheprovider tests/test_train_accelerate.py -k fp16 ;;
 bench)
-  part lora_decode 300 python -m bench lora_decode --device cuda:0 --out "$OUT" ;;
+  part lora_decode 300 python -m bench lora_decode --device cuda:0 --out "$OUT"
+  part prefix_cache 240 python -m bench prefix_cache --device cuda:0 --out "$OUT" ;;
 esac
 echo "done after $(( $(date +%s) - t0 )) s"
