@@ -270,10 +270,12 @@ def test_the_kv_cache_sizing_counts_the_adapters_stacked_tensors(models):
     from gpu_anchor.serve.model_runner import load_config
     base, ads = models
     weights = load_file(os.path.join(base, "model.safetensors"))
-    adapters = [L.read(n, p, weights, 16) for n, p in ads.items()]
-    numel = L.stacked_numel(adapters)
-    stacked = L.Adapters(adapters, weights["model.norm.weight"].dtype, "cpu", None)
-    assert numel * 4 == stacked.bytes
+    args = argparse.Namespace(enable_lora=True, lora_modules=[f"{n}={p}" for n, p in ads.items()],
+                              tensor_parallel_size=1, max_lora_rank=16, max_loras=None)
+    mc = load_config(base)
+    modules, capacity, runtime, numel = L.from_options(args, mc, "tiny")
+    stacked = L.load(modules, weights, weights["model.norm.weight"].dtype, "cpu", None, 16, capacity, runtime)
+    assert numel * 4 == stacked.bytes and not runtime
     mc = load_config(base)
     args = argparse.Namespace(tensor_parallel_size=1, block_size=4, num_blocks=None, kv_cache_gib=None,
                               gpu_memory_utilization=0.01, max_num_batched_tokens=64, max_num_seqs=4,

@@ -161,6 +161,8 @@ def main(args) -> int:
         fe_cmd += ["--sampling-defaults", json.dumps(defaults)]
     if cfg.lora:
         fe_cmd += ["--lora-modules", json.dumps(dict(cfg.lora))]
+    if cfg.runtime_lora:
+        fe_cmd += ["--runtime-lora"]
     if args.port_file:
         fe_cmd += ["--port-file", args.port_file]
     key = options.api_key(args)      # in the environment: a command line is visible to every user

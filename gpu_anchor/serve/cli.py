@@ -81,8 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "save_pretrained writes it (LoRA on the decoder's projections)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     p.add_argument("--max-loras", type=int, default=None,
-                   help="the most adapters served (every one is on the device and any mix of them shares a step; "
-                        "default: as many as --lora-modules gives)")
+                   help="the most adapters served at once (every one is on the device and any mix of them shares a "
+                        "step; default: as many as --lora-modules gives, at least 1). With "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, /v1/load_lora_adapter loads more while serving, up "
+                        "to this many, each projection having room for one of --max-lora-rank")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")
@@ -278,13 +280,14 @@ def engine_config(args, mc):
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     from .lora import AdapterError, from_options
     try:
-        lora, lora_numel = from_options(args, mc, name)
+        lora, max_loras, runtime_lora, lora_numel = from_options(args, mc, name)
     except AdapterError as e:
         raise options.OptionError(str(e)) from None
     # a hot standby stacks its own copy of the adapters beside the live engine's
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype, lora_numel * (2 if args.hot_standby else 1))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
                         tokenizer=args.tokenizer, lora=lora, max_lora_rank=args.max_lora_rank,
+                        max_loras=max_loras, runtime_lora=runtime_lora,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,

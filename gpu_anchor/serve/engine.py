@@ -115,9 +115,10 @@ class Engine(Requests, TakeOver):
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
                            tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic,
                            packed=st.packed)
-        if cfg.lora and cfg.tensor_parallel_size > 1:
+        if (cfg.lora or cfg.runtime_lora) and cfg.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served with tensor parallelism (the adapters are not sharded)")
-        self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device, self.model._linear, cfg.max_lora_rank)
+        self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device, self.model._linear, cfg.max_lora_rank,
+                                    cfg.max_loras, cfg.runtime_lora)
         self.lora_slots = self.model.lora.slots if self.model.lora is not None else {}
         if cfg.fault is not None:     # before any capture: with a hook, each graph is captured in two halves
             self.model.mid_hook = self._mid_forward

@@ -56,6 +56,11 @@ class EngineConfig:
     # request names one in SamplingParams.lora.  Ranks above max_lora_rank are refused
     lora: tuple = ()
     max_lora_rank: int = 16
+    # the adapters' slots on the device (0: as many as ``lora``); with ``runtime_lora``
+    # (VLLM_ALLOW_RUNTIME_LORA_UPDATING) adapters are also loaded and unloaded while serving
+    # (Engine.load_lora_adapter), every projection having room for one of rank max_lora_rank
+    max_loras: int = 0
+    runtime_lora: bool = False
     # prefix caching (prefix_cache.py, vLLM's --enable-prefix-caching, on by default as there): a
     # request whose first blocks of tokens another request computed shares their KV instead of
     # computing it again

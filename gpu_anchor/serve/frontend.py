@@ -43,6 +43,7 @@ from aiohttp import web
 
 from . import openai_api as api
 from . import wire
+from .lora_runtime import RuntimeAdapters
 from .metrics import Metrics
 from .response_store import ResponseStore
 from .routes import make_app
@@ -78,12 +79,15 @@ class Req:
 
 class Frontend:
     def __init__(self, codec: Codec, model_name: str, max_model_len: int, vocab_size: int,
-                 api_key: str | None = None, started_at: float | None = None, **features) -> None:
-        """``features``: the rest of ``openai_api.Surface`` (reply parsers, sampling defaults)."""
+                 api_key: str | None = None, started_at: float | None = None, runtime_lora: bool = False,
+                 **features) -> None:
+        """``features``: the rest of ``openai_api.Surface`` (reply parsers, sampling defaults);
+        ``runtime_lora``: LoRA adapters are loaded and unloaded while serving (``lora_runtime``)."""
         self.codec, self.model_name, self.max_model_len = codec, model_name, max_model_len
         self.vocab_size, self.api_key, self.started_at = vocab_size, api_key, started_at
         self.surface = api.Surface([model_name, *features.get("adapters", {})], vocab_size, **features)
         self.responses = ResponseStore()      # stored Responses (/v1/responses' store, previous_response_id)
+        self.runtime_lora = RuntimeAdapters(self) if runtime_lora else None
         self.reqs: dict[str, Req] = {}
         self.writer = None
         self.engine_pid = None
@@ -166,6 +170,8 @@ class Frontend:
         self.preemptions_seen = 0
         self.prefix_seen: dict = {}          # the new engine's prefix-cache counts start from 0
         m.engine_up.set(1)
+        if self.runtime_lora is not None:
+            self.runtime_lora.on_hello()      # before the requests below: some may name those adapters
         for r in self.reqs.values():
             r.resyncing = False          # the new engine replays; a mismatch re-triggers it
         for rid in held - set(self.reqs):
@@ -210,6 +216,8 @@ class Frontend:
                 elif t == "stats":
                     self.last_timings.update({k: v for k, v in msg.items() if k != "t"})
                     m.set_last_recovery(self.last_timings)
+                elif t == "lora_done" and self.runtime_lora is not None:
+                    self.runtime_lora.on_done(msg)
                 elif t in ("migrated", "migrate_done"):
                     self.last_migration = dict(msg, phase=t)
                     fut = self.migrations.pop(msg.get("mid"), None) if t == "migrated" else None
@@ -229,6 +237,8 @@ class Frontend:
                 fut.set_result({"error": "the engine died during the migration; it restarts where "
                                          "its state was last complete"})
         self.migrations.clear()
+        if self.runtime_lora is not None:
+            self.runtime_lora.on_lost()
         self.writer = None
         self.engine_pid = None
         self.down_since = now = time.monotonic() - ago
@@ -415,6 +425,8 @@ def main(argv=None) -> int:
     ap.add_argument("--structured-outputs", default="{}", help="JSON: disable_any_whitespace, enable_in_reasoning")
     ap.add_argument("--sampling-defaults", default="{}", help="JSON: sampling defaults (the model's generation config)")
     ap.add_argument("--lora-modules", default="{}", help="JSON: the LoRA adapters served, {name: directory}")
+    ap.add_argument("--runtime-lora", action="store_true", help="serve /v1/load_lora_adapter and "
+                                                               "/v1/unload_lora_adapter (lora_runtime.py)")
     ap.add_argument("--vocab-size", type=int, required=True)
     ap.add_argument("--model-name", required=True)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -440,7 +452,7 @@ def main(argv=None) -> int:
                   api_key=os.environ.get("GPU_ANCHOR_SERVE_API_KEY") or None, started_at=args.started_at,
                   tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                   defaults=json.loads(args.sampling_defaults), structured=json.loads(args.structured_outputs),
-                  adapters=json.loads(args.lora_modules))
+                  adapters=json.loads(args.lora_modules), runtime_lora=args.runtime_lora)
 
     async def run():
         if os.path.exists(args.engine_socket):

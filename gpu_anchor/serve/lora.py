@@ -143,28 +143,53 @@ def read(name: str, path: str, weights: dict, max_rank: int) -> Adapter:
 
 
 class Adapters:
-    """The served adapters on the device, stacked per (layer, projection); slot ``i`` is the
-    ``i``-th adapter of ``load``'s list."""
+    """The served adapters on the device, stacked per (layer, projection) in ``capacity`` slots of
+    rank ``rank``; ``slots``: name -> slot.  ``shapes``: (layer, projection) -> (in, out) of every
+    projection an adapter may target (all of them when adapters are loaded at run time)."""
 
-    def __init__(self, adapters: list[Adapter], dtype, device, linear) -> None:
+    def __init__(self, shapes: dict, capacity: int, rank: int, dtype, device, linear) -> None:
         import torch
-        self.names = [a.name for a in adapters]
-        self.slots = {a.name: i for i, a in enumerate(adapters)}
-        self.rank = R = max(a.rank for a in adapters)
+        self.capacity, self.rank = capacity, rank
+        self.slots: dict[str, int] = {}
         self._linear = linear
-        self.columns = torch.arange(len(adapters) * R, device=device) // R     # each column's slot
-        self.stacked: dict = {}
-        for key in sorted({k for a in adapters for k in a.tensors}):
-            a0, b0 = next(a.tensors[key] for a in adapters if key in a.tensors)
-            A = torch.zeros(len(adapters) * R, a0.shape[1], dtype=dtype)
-            B = torch.zeros(b0.shape[0], len(adapters) * R, dtype=dtype)
-            for i, ad in enumerate(adapters):
-                if key in ad.tensors:
-                    a, b = ad.tensors[key]
-                    A[i * R:i * R + a.shape[0]] = a
-                    B[:, i * R:i * R + b.shape[1]] = b
-            self.stacked[key] = (A.to(device), B.to(device))
+        self.columns = torch.arange(capacity * rank, device=device) // rank     # each column's slot
+        self.stacked = {key: (torch.zeros(capacity * rank, i, dtype=dtype, device=device),
+                              torch.zeros(o, capacity * rank, dtype=dtype, device=device))
+                        for key, (i, o) in sorted(shapes.items())}
         self.bytes = sum(t.numel() * t.element_size() for ab in self.stacked.values() for t in ab)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.slots)
+
+    def put(self, adapter: Adapter) -> int:
+        """Write ``adapter`` into a free slot (its rows and columns zeroed first); returns the slot."""
+        free = sorted(set(range(self.capacity)) - set(self.slots.values()))
+        if not free:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: every one of the {self.capacity} slot(s) holds an "
+                               f"adapter ({', '.join(self.slots)}); unload one or raise --max-loras")
+        if adapter.rank > self.rank:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above --max-lora-rank {self.rank}")
+        missing = sorted(set(adapter.tensors) - set(self.stacked))
+        if missing:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: layer {missing[0][0]}'s {missing[0][1]} has no room")
+        i, R = free[0], self.rank
+        self._clear(i)
+        for key, (a, b) in adapter.tensors.items():
+            A, B = self.stacked[key]
+            A[i * R:i * R + a.shape[0]].copy_(a)
+            B[:, i * R:i * R + b.shape[1]].copy_(b)
+        self.slots[adapter.name] = i
+        return i
+
+    def remove(self, name: str) -> None:
+        self._clear(self.slots.pop(name))
+
+    def _clear(self, i: int) -> None:
+        R = self.rank
+        for A, B in self.stacked.values():
+            A[i * R:(i + 1) * R].zero_()
+            B[:, i * R:(i + 1) * R].zero_()
 
     def mask(self, rows, dtype):
         """[T, S·R]: 1 where a column belongs to the token's adapter (``rows``: slot per token, -1 none)."""
@@ -178,24 +203,45 @@ class Adapters:
         return y + self._linear(self._linear(x, ab[0]) * mask, ab[1])
 
 
-def stacked_numel(adapters: list[Adapter]) -> int:
-    """Elements of ``Adapters``' stacked tensors: per (layer, projection) any adapter targets,
-    S·R·(in + out)."""
-    rows = len(adapters) * max(a.rank for a in adapters)
-    shapes = {k: (ab[0].shape[1], ab[1].shape[0]) for a in adapters for k, ab in a.tensors.items()}
-    return sum(rows * (i + o) for i, o in shapes.values())
+def projection_shapes(weights: dict) -> dict:
+    """(layer, projection) -> (in, out) of every decoder projection in ``weights`` ({hf name: tensor})."""
+    out = {}
+    for name, t in weights.items():
+        m = re.match(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight$", name)
+        if m and PROJECTIONS.get(m.group(3)) == m.group(2):
+            out[(int(m.group(1)), m.group(3))] = (t.shape[1], t.shape[0])
+    return out
 
 
-def from_options(args, mc, served_name: str) -> tuple[tuple, int]:
-    """``--enable-lora --lora-modules`` (vLLM's): ``((name, path), ...)`` and the elements their
-    stacked tensors will take on the device (``stacked_numel``), each adapter read and checked
-    against the model's shapes now, so that a server never starts with an adapter it would
-    refuse or serve wrong."""
+RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"      # vLLM's switch for /v1/load_lora_adapter
+
+
+def runtime_updating() -> bool:
+    """Whether adapters may be loaded and unloaded while serving (vLLM's environment variable)."""
+    return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def stacked_numel(shapes: dict, capacity: int, rank: int) -> int:
+    """Elements of ``Adapters``' stacked tensors: per (layer, projection), S·R·(in + out)."""
+    return sum(capacity * rank * (i + o) for i, o in shapes.values())
+
+
+def _targeted(adapters: list[Adapter]) -> dict:
+    return {k: (ab[0].shape[1], ab[1].shape[0]) for a in adapters for k, ab in a.tensors.items()}
+
+
+def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
+    """``--enable-lora --lora-modules --max-loras`` (vLLM's) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``:
+    ``((name, path), ...)``, the slots, whether adapters are loaded at run time too, and the
+    elements their stacked tensors take on the device (``stacked_numel``).  Each adapter is read
+    and checked against the model's shapes now, so that a server never starts with an adapter it
+    would refuse or serve wrong.  At run time every projection gets ``--max-loras`` slots of
+    ``--max-lora-rank`` (an adapter loaded later may target any)."""
     given = getattr(args, "lora_modules", None)
     if not getattr(args, "enable_lora", False):
         if given:
             raise AdapterError("--lora-modules needs --enable-lora (as in vLLM)")
-        return (), 0
+        return (), 0, False, 0
     if (args.tensor_parallel_size or 1) > 1:
         raise AdapterError("--enable-lora with --tensor-parallel-size > 1: the adapters are not sharded yet")
     import torch
@@ -203,21 +249,40 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int]:
     from .model_runner import param_specs
     shapes = {n: torch.empty(shape, device="meta") for n, shape, _ in param_specs(mc, torch.float32)}
     modules = parse_modules(given)
-    if not modules:
-        raise AdapterError("--enable-lora serves the adapters of --lora-modules, and none is given")
+    runtime = runtime_updating()
+    if not modules and not runtime:
+        raise AdapterError(f"--enable-lora serves the adapters of --lora-modules, and none is given (or set "
+                           f"{RUNTIME_ENV}=True to load them while serving, as in vLLM)")
     most = getattr(args, "max_loras", None)
-    if most is not None and len(modules) > most:
+    capacity = most if most is not None else max(len(modules), 1)
+    if len(modules) > capacity:
         raise AdapterError(f"--lora-modules gives {len(modules)} adapters and --max-loras is {most}: every adapter "
                            "is kept on the device here (none is swapped in per batch, as vLLM does beyond "
                            "--max-loras), so give at most that many or raise it")
     if any(name == served_name for name, _ in modules):
         raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
                            "otherwise")
-    return tuple(modules), stacked_numel([read(n, p, shapes, args.max_lora_rank) for n, p in modules])
+    adapters = [read(n, p, shapes, args.max_lora_rank) for n, p in modules]
+    if runtime:
+        numel = stacked_numel(projection_shapes(shapes), capacity, args.max_lora_rank)
+    else:
+        numel = stacked_numel(_targeted(adapters), capacity, max(a.rank for a in adapters))
+    return tuple(modules), capacity, runtime, numel
 
 
-def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16) -> Adapters | None:
-    """``modules``: ``[(name, path)]`` (``parse_modules``); None when there are none."""
-    if not modules:
+def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capacity: int = 0,
+         runtime: bool = False) -> Adapters | None:
+    """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``; ``capacity``: the slots
+    (default: as many as adapters); ``runtime``: room for adapters loaded later (every projection,
+    rank ``max_rank``).  None when there is nothing to serve."""
+    if not modules and not runtime:
         return None
-    return Adapters([read(n, p, weights, max_rank) for n, p in modules], dtype, device, linear)
+    adapters = [read(n, p, weights, max_rank) for n, p in modules]
+    capacity = capacity or len(adapters)
+    if runtime:
+        out = Adapters(projection_shapes(weights), capacity, max_rank, dtype, device, linear)
+    else:
+        out = Adapters(_targeted(adapters), capacity, max(a.rank for a in adapters), dtype, device, linear)
+    for a in adapters:
+        out.put(a)
+    return out

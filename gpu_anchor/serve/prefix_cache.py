@@ -27,18 +27,23 @@ The contract with the scheduler and the engine:
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 
 from .block_manager import BlockManager
 
+_loads = itertools.count(1)        # adapter loads in this process: each one's tag is its own
 
-def digests(seq, n_blocks: int, block_size: int) -> list[bytes]:
-    """The digests of ``seq``'s first ``n_blocks`` blocks (kept on the sequence, extended as needed)."""
+
+def digests(seq, n_blocks: int, block_size: int, adapters: dict | None = None) -> list[bytes]:
+    """The digests of ``seq``'s first ``n_blocks`` blocks (kept on the sequence, extended as needed).
+    ``adapters``: adapter name -> the tag of its current load (``BlockManager.adapter_tags``)."""
     have = seq.digests
     h0 = len(have)
     if h0 < n_blocks:
         tokens = seq.tokens(h0 * block_size, n_blocks * block_size)
-        prev = have[-1] if have else (b"base\0" if seq.params.lora is None else b"lora\0" + seq.params.lora.encode())
+        lora = seq.params.lora
+        prev = have[-1] if have else b"base\0" if lora is None else b"lora\0" + (adapters or {}).get(lora, lora.encode())
         for k in range(0, len(tokens), block_size):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(array("i", tokens[k:k + block_size]).tobytes())
@@ -52,7 +57,7 @@ def take(blocks: BlockManager, seq) -> list[int] | None:
     if not blocks.prefix_caching or seq.params.prompt_logprobs is not None:
         return None
     n = (seq.num_tokens - 1) // blocks.block_size
-    hits = blocks.lookup(digests(seq, n, blocks.block_size)) if n else []
+    hits = blocks.lookup(digests(seq, n, blocks.block_size, blocks.adapter_tags)) if n else []
     return hits or None
 
 
@@ -63,8 +68,14 @@ def remember(blocks: BlockManager, seq, start: int, end: int | None = None) -> N
         bs, full = blocks.block_size, (seq.num_computed if end is None else end) // blocks.block_size
         first = start // bs
         if full > first:
-            for i, d in enumerate(digests(seq, full, bs)[first:], first):
+            for i, d in enumerate(digests(seq, full, bs, blocks.adapter_tags)[first:], first):
                 blocks.register(seq.block_table[i], d)
+
+
+def adapter_loaded(blocks: BlockManager, name: str) -> None:
+    """A LoRA adapter was loaded as ``name`` while serving: blocks named under an adapter of that
+    name loaded before are not its (their digests are never found again)."""
+    blocks.adapter_tags[name] = f"{name}\0{next(_loads)}".encode()
 
 
 def rebuild(blocks: BlockManager, seqs) -> None:

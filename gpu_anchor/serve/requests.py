@@ -2,6 +2,7 @@
 is held (a part of ``engine.Engine``, which mixes this in).
 
 Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``, ``lora_slots``,
+``model.lora``, ``state.weights``, ``cfg``, ``blocks``,
 ``mc`` (the model config), ``_arrivals``, ``_added`` (sequences the next commit records),
 ``_gone`` (rids it deletes), ``_urgent`` (the next step lands its commit at once),
 ``_logprobs`` (log-probabilities of tokens not yet published), ``_prompt_lps`` (prompt
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from . import prefix_cache
+from . import lora, prefix_cache
 from .sampling import token_logprobs
 from .sequence import SamplingParams, Sequence, Status
 
@@ -94,6 +95,30 @@ class Requests:
             self.abort(seq.rid)
             return [(seq.rid, len(out), [], reason)]
         return []
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """vLLM's ``/v1/load_lora_adapter``: serve the peft adapter at ``path`` as ``name`` from the
+        next step on (``runtime_lora`` only).  Raises ``lora.AdapterError`` naming what is wrong;
+        nothing changes then."""
+        ads = self.model.lora
+        if ads is None or not self.cfg.runtime_lora:
+            raise lora.AdapterError(f"loading LoRA adapters while serving needs --enable-lora and "
+                                    f"{lora.RUNTIME_ENV}=True")
+        if name in ads.slots:
+            raise lora.AdapterError(f"LoRA adapter {name!r} is already loaded")
+        ads.put(lora.read(name, path, self.state.weights, self.cfg.max_lora_rank))
+        prefix_cache.adapter_loaded(self.blocks, name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter``; refused while a request uses the adapter."""
+        ads = self.model.lora
+        if ads is None or name not in ads.slots:
+            raise lora.AdapterError(f"LoRA adapter {name!r} is not loaded")
+        users = sorted(s.rid for s in self.scheduler.seqs.values() if s.params.lora == name)
+        if users:
+            raise lora.AdapterError(f"LoRA adapter {name!r} is in use by {len(users)} request(s) ({', '.join(users[:3])}"
+                                    f"{', ...' if len(users) > 3 else ''}); unload it when they are done")
+        ads.remove(name)
 
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:

@@ -15,7 +15,7 @@ from aiohttp import web
 from . import openai_api as api
 from . import openai_replies as replies
 from . import openai_responses
-from . import reasoning
+from . import lora_runtime, reasoning
 from . import wire
 from .openai_checks import ApiError, bad
 from .tokenizer import TemplateError
@@ -274,4 +274,6 @@ def make_app(fe) -> web.Application:
     app.router.add_post("/ping", routes.ping)
     app.router.add_get("/metrics", routes.metrics_page)
     app.router.add_post("/admin/migrate", routes.migrate)
+    if fe.runtime_lora is not None:
+        lora_runtime.add_routes(app, fe.runtime_lora)
     return app

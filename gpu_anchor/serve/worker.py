@@ -77,6 +77,20 @@ def _toks(eng, events) -> bytes:
     return wire.encode(msg)
 
 
+def _lora_change(eng, msg) -> dict:
+    """Load or unload a LoRA adapter (``lora_runtime``); the answer names what failed."""
+    try:
+        if msg["t"] == "lora_load":
+            eng.load_lora_adapter(msg["name"], msg["path"])
+        else:
+            eng.unload_lora_adapter(msg["name"])
+        error = None
+    except Exception as e:      # noqa: BLE001 — a bad adapter file must not take the engine down
+        log.warning("%s %r refused: %s", msg["t"], msg["name"], e)
+        error = str(e) if isinstance(e, ValueError) else f"LoRA adapter {msg['name']!r}: {type(e).__name__}: {e}"
+    return {"t": "lora_done", "id": msg.get("id"), "name": msg["name"], "error": error}
+
+
 def placement_path(frontend_socket: str) -> str:
     """Where a migrated engine records its device and daemon for the supervisor's next fork."""
     return os.path.join(os.path.dirname(frontend_socket), "placement.json")
@@ -218,6 +232,8 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                     sock.sendall(wire.encode({"t": "readd_ok", "rid": msg["rid"]}))
                 elif msg["t"] == "abort":
                     eng.abort(msg["rid"])
+                elif msg["t"] in ("lora_load", "lora_unload"):
+                    sock.sendall(wire.encode(_lora_change(eng, msg)))
                 elif msg["t"] == "migrate":
                     try:
                         if mg is not None:

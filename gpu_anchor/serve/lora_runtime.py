@@ -1,0 +1,118 @@
+"""LoRA adapters loaded and unloaded while serving: the frontend's side (torch-free).
+
+vLLM's ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and ``POST
+/v1/unload_lora_adapter`` (``{"lora_name"}``), there when the server starts with
+``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (as in vLLM).  The engine reads
+and checks the adapter and writes it into a free slot (``Engine.load_lora_adapter``); only then
+is its name served (``/v1/models``, a request's ``model``).
+
+What an engine restart keeps: the frontend remembers every load and unload it answered with
+success and sends them again to each new engine, in order, before it re-sends the open
+requests; so a stream on an adapter loaded at run time goes on after an engine SIGKILL.  The
+adapter's files are read again then (a restarted engine that cannot read them any more logs
+why and stops serving that name: its requests get an error, never the base model's tokens).
+A request on such an adapter that the engine had journaled is recomputed from its tokens (the
+new engine restores before the adapter is back, and drops it, naming it), not resumed from its
+KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from aiohttp import web
+
+from .openai_checks import ApiError, bad
+
+log = logging.getLogger("gpu_anchor.serve.frontend")
+
+
+class RuntimeAdapters:
+    def __init__(self, fe) -> None:
+        self.fe = fe
+        self.changes: list[tuple[str, str, str | None]] = []    # ("load", name, path) / ("unload", name, None)
+        self.calls: dict[str, asyncio.Future] = {}
+
+    # ------------------------------------------------------------------ the engine's side
+    def on_hello(self) -> None:
+        """A new engine: the changes made since the server started, again (no answer awaited)."""
+        for op, name, path in self.changes:
+            self.fe.send({"t": "lora_" + op, "id": None, "name": name, "path": path})
+
+    def on_done(self, msg: dict) -> None:
+        fut = self.calls.pop(msg.get("id"), None)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(msg.get("error"))
+        elif msg.get("error"):           # a change sent again to a new engine failed there
+            log.warning("engine %s: %s", self.fe.engine_pid, msg["error"])
+            name = msg.get("name")
+            if name in self.fe.surface.adapters:
+                self._forget(name)
+
+    def on_lost(self) -> None:
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_result("the engine was lost before it answered; nothing changed, try again")
+        self.calls.clear()
+
+    async def _call(self, op: str, name: str, path: str | None) -> None:
+        if self.fe.writer is None:
+            raise ApiError(503, "no engine is connected; try again when /health says ok")
+        cid = uuid.uuid4().hex
+        fut = self.calls[cid] = asyncio.get_running_loop().create_future()
+        self.fe.send({"t": "lora_" + op, "id": cid, "name": name, "path": path})
+        error = await fut
+        if error:
+            raise ApiError(400, error)
+        self.changes.append((op, name, path))
+
+    def _forget(self, name: str) -> None:
+        self.fe.surface.adapters.pop(name, None)
+        if name in self.fe.surface.served:
+            self.fe.surface.served.remove(name)
+
+    # ------------------------------------------------------------------ routes
+    async def load(self, request):
+        name, path = await self._names(request, "lora_path")
+        if name == self.fe.model_name:
+            raise ApiError(400, f"'{name}' is the base model's served name; name the adapter otherwise", "lora_name")
+        if name in self.fe.surface.served:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        await self._call("load", name, path)
+        self.fe.surface.adapters[name] = path
+        self.fe.surface.served.append(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, request):
+        name, _ = await self._names(request, None)
+        if name not in self.fe.surface.adapters:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        await self._call("unload", name, None)
+        self._forget(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    @staticmethod
+    async def _names(request, path_field: str | None) -> tuple[str, str | None]:
+        try:
+            body = await request.json()
+        except Exception:
+            raise ApiError(400, "the request body must be JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        fields = ("lora_name", path_field) if path_field else ("lora_name",)
+        for f in fields:
+            if not isinstance(body.get(f), str) or not body[f]:
+                raise bad(f, f"give {f} as a non-empty string")
+        extra = set(body) - set(fields) - {"lora_int_id", "load_inplace"}
+        if extra:
+            raise bad(sorted(extra)[0], "not a field of this request")
+        if body.get("load_inplace"):
+            raise bad("load_inplace", "not supported: unload the adapter, then load it again")
+        return body["lora_name"], body.get(path_field) if path_field else None
+
+
+def add_routes(app: web.Application, adapters: RuntimeAdapters) -> None:
+    app.router.add_post("/v1/load_lora_adapter", adapters.load)
+    app.router.add_post("/v1/unload_lora_adapter", adapters.unload)

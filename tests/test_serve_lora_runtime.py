@@ -1,0 +1,158 @@
+"""LoRA adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter, with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): the engine's slots, the server through the ``openai``
+client and plain HTTP, an engine SIGKILL in the middle of a stream on an adapter loaded at run
+time, and every refusal."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from gpu_anchor.serve import lora as L
+from gpu_anchor.serve.engine import Engine, EngineConfig
+from gpu_anchor.serve.sequence import SamplingParams
+from test_serve_lora import PROMPTS, _peft_greedy, models  # noqa: F401  (models: the fixture)
+
+pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
+
+
+def _engine(base, **kw):
+    return Engine(EngineConfig(model=base, anchor=False, dtype="float64", block_size=4, num_blocks=200,
+                               max_batched_tokens=32, runtime_lora=True, **kw))
+
+
+def test_the_engine_loads_and_unloads_adapters_between_steps(models):
+    base, ads = models
+    eng = _engine(base, max_loras=2)
+    sp = {n: SamplingParams(max_tokens=10, ignore_eos=True, lora=n) for n in ("all", "qv")}
+    with pytest.raises(ValueError, match="not served here"):
+        eng.generate(PROMPTS[:1], sp["all"])
+    eng.load_lora_adapter("all", ads["all"])
+    eng.load_lora_adapter("qv", ads["qv"])
+    want = {n: _peft_greedy(base, ads[n], PROMPTS[:2], 10) for n in ("all", "qv")}
+    got = eng.generate(PROMPTS[:2] * 2, [sp["all"], sp["all"], sp["qv"], sp["qv"]])
+    assert got == want["all"] + want["qv"]
+    with pytest.raises(L.AdapterError, match="already loaded"):
+        eng.load_lora_adapter("all", ads["qv"])
+    with pytest.raises(L.AdapterError, match="every one of the 2 slot.s. holds an adapter .*raise --max-loras"):
+        eng.load_lora_adapter("third", ads["qv"])
+    eng.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=30, lora="qv"))
+    with pytest.raises(L.AdapterError, match="in use by 1 request"):
+        eng.unload_lora_adapter("qv")
+    eng.abort("busy")
+    eng.unload_lora_adapter("qv")
+    with pytest.raises(L.AdapterError, match="'qv' is not loaded"):
+        eng.unload_lora_adapter("qv")
+    # the freed slot takes another adapter under the same name: its tokens, not the old one's
+    # (the prefix cache's blocks named under the old "qv" are not found again)
+    eng.load_lora_adapter("qv", ads["all"])
+    assert eng.generate(PROMPTS[:2], sp["qv"]) == want["all"]
+    eng.unload_lora_adapter("qv")
+    eng.load_lora_adapter("qv", ads["qv"])
+    assert eng.generate(PROMPTS[:2], sp["qv"]) == want["qv"]
+    with pytest.raises(L.AdapterError, match="no adapter_config.json"):
+        eng.load_lora_adapter("gone", "/nonexistent")
+    assert set(eng.lora_slots) == {"all", "qv"}
+
+
+def test_loading_needs_the_runtime_switch(models):
+    base, ads = models
+    eng = Engine(EngineConfig(model=base, anchor=False, dtype="float64", block_size=4, num_blocks=64,
+                              lora=(("all", ads["all"]),)))
+    with pytest.raises(L.AdapterError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        eng.load_lora_adapter("qv", ads["qv"])
+
+
+def _post(url, path, body):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _server(base, tmp_path, sock, *extra, runtime=True):
+    port = tmp_path / "port"
+    port.unlink(missing_ok=True)
+    from tests.test_serve_http import SERVE, _wait_up
+    env = {k: v for k, v in os.environ.items() if k != L.RUNTIME_ENV}
+    if runtime:
+        env[L.RUNTIME_ENV] = "True"
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", base, "--port", "0", "--port-file", str(port),
+                             "--socket", sock, *SERVE, "--served-model-name", "tiny", "--enable-lora", *extra],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), env=env)
+    deadline = time.time() + 120
+    while not port.exists():
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+        time.sleep(0.1)
+    url = f"http://127.0.0.1:{port.read_text()}"
+    _wait_up(url)
+    return proc, url
+
+
+def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine_kill(models, tmp_path, host_daemon):
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True gpu-anchor serve --enable-lora --max-loras 1``, no
+    adapter at start: ``/v1/load_lora_adapter`` adds one (listed by ``/v1/models``, served by name
+    with peft's tokens), a stream on it goes on across an engine SIGKILL (the new engine is given
+    the adapter again before the open requests), ``/v1/unload_lora_adapter`` removes it; every
+    bad call is refused naming why, and nothing changes then."""
+    import openai
+
+    from tests.test_serve_http import stop_server, stream_across_engine_kill
+    base, ads = models
+    want = _peft_greedy(base, ads["all"], [PROMPTS[0]], 24)[0]
+    proc, url = _server(base, tmp_path, host_daemon[0], "--max-loras", "1")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        status, text = _post(url, "/v1/load_lora_adapter", {"lora_name": "all", "lora_path": ads["all"]})
+        assert status == 200 and "added successfully" in text
+        cards = {m.id: m for m in c.models.list().data}
+        assert set(cards) == {"tiny", "all"} and cards["all"].parent == "tiny" and cards["all"].root == ads["all"]
+
+        def ask(**kw):
+            return c.completions.create(model="all", prompt=PROMPTS[0], max_tokens=24, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kw)
+        r = ask()
+        assert [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens] == want
+        items = stream_across_engine_kill(url, lambda: ask(stream=True))
+        assert [int(t.split(":")[1]) for x in items for t in (x.choices[0].logprobs.tokens if x.choices else [])] == want
+        for body, status_want, why in (
+                ({"lora_name": "all", "lora_path": ads["qv"]}, 400, "already been loaded"),
+                ({"lora_name": "qv", "lora_path": ads["qv"]}, 400, "every one of the 1 slot(s) holds an adapter"),
+                ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
+                ({"lora_name": "tiny", "lora_path": ads["qv"]}, 400, "base model's served name"),
+                ({"lora_name": "qv"}, 400, "lora_path"), ({"lora_name": "qv", "lora_path": 3}, 400, "lora_path")):
+            status, text = _post(url, "/v1/load_lora_adapter", body)
+            assert status == status_want and why in text, (body, status, text)
+        assert set(m.id for m in c.models.list().data) == {"tiny", "all"}
+        status, text = _post(url, "/v1/unload_lora_adapter", {"lora_name": "all"})
+        assert status == 200 and "removed successfully" in text
+        assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "all"})[0] == 404
+        with pytest.raises(openai.NotFoundError):
+            ask()
+        status, _ = _post(url, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": ads["qv"]})
+        assert status == 200        # the slot freed by the unload
+        assert [int(t.split(":")[1]) for t in c.completions.create(
+            model="qv", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens] == \
+            _peft_greedy(base, ads["qv"], [PROMPTS[0]], 12)[0]
+    finally:
+        stop_server(proc)
+
+
+def test_without_the_switch_the_routes_are_not_there(models, tmp_path, host_daemon):
+    from tests.test_serve_http import stop_server
+    base, ads = models
+    proc, url = _server(base, tmp_path, host_daemon[0], "--lora-modules", f"all={ads['all']}", runtime=False)
+    try:
+        assert _post(url, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": ads["qv"]})[0] == 404
+    finally:
+        stop_server(proc)
