@@ -39,7 +39,12 @@ def _adapter(base: str, path: str, seed: int, **lora_kw) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lora")
+    return make_models(tmp_path_factory.mktemp("lora"))
+
+
+def make_models(d):
+    """A tiny Qwen3 and two peft adapters of it: ``all`` (every projection) and ``qv`` (rank 2,
+    rsLoRA, q and v of layer 1)."""
     base = make_tiny_model(str(d / "base"), "qwen3", seed=3)
     a = _adapter(base, str(d / "all-linear"), seed=1)
     b = _adapter(base, str(d / "qv-rank2"), seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],

@@ -17,9 +17,14 @@ import pytest
 from gpu_anchor.serve import lora as L
 from gpu_anchor.serve.engine import Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
-from test_serve_lora import PROMPTS, _peft_greedy, models  # noqa: F401  (models: the fixture)
+from test_serve_lora import PROMPTS, _peft_greedy, make_models
 
 pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("lora-runtime"))
 
 
 def _engine(base, **kw):
