@@ -165,14 +165,20 @@ def test_sigkill_campaign_matches_fault_free(models, host_daemon):
     code, _ = _run(EngineConfig(**dict(base.__dict__, namespace="reference")), ref)
     assert code == 0 and len(ref.done) == len(reqs)
 
-    rng = random.Random(42)
+    kill_waves(base, reqs, ref, random.Random(42), KILLS, last_step=2)
+
+
+def kill_waves(cfg, reqs, ref, rng, kills_wanted: int, last_step: int) -> None:
+    """Waves of ``reqs`` through engines SIGKILLed at random phases of their first
+    ``last_step + 1`` steps until ``kills_wanted`` kills: each wave's streams equal the fault-free
+    run's (``ref``), no replayed token differs, and every phase was hit."""
     kills = {ph: 0 for ph in PHASES}
     wave = 0
-    while sum(kills.values()) < KILLS:         # waves of the same requests until enough kills
+    while sum(kills.values()) < kills_wanted:
         client = Client({f"w{wave}-{rid}": v for rid, v in reqs.items()})
         while len(client.done) < len(reqs):
-            fault = (rng.randint(0, 2), rng.choice(PHASES)) if sum(kills.values()) < KILLS else None
-            code, _ = _run(base, client, fault)
+            fault = (rng.randint(0, last_step), rng.choice(PHASES)) if sum(kills.values()) < kills_wanted else None
+            code, _ = _run(cfg, client, fault)
             if code == -9:
                 kills[fault[1]] += 1
             else:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -84,21 +81,12 @@ def _post(url, path, body):
 
 
 def _server(base, tmp_path, sock, *extra, runtime=True):
-    port = tmp_path / "port"
-    port.unlink(missing_ok=True)
-    from tests.test_serve_http import SERVE, _wait_up
+    from tests.test_serve_api import start_server
     env = {k: v for k, v in os.environ.items() if k != L.RUNTIME_ENV}
     if runtime:
         env[L.RUNTIME_ENV] = "True"
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", base, "--port", "0", "--port-file", str(port),
-                             "--socket", sock, *SERVE, "--served-model-name", "tiny", "--enable-lora", *extra],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), env=env)
-    deadline = time.time() + 120
-    while not port.exists():
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-        time.sleep(0.1)
-    url = f"http://127.0.0.1:{port.read_text()}"
-    _wait_up(url)
+    proc, url, _ = start_server(str(tmp_path), base, "--socket", sock, "--served-model-name", "tiny", "--enable-lora",
+                                *extra, env=env)
     return proc, url
 
 

@@ -15,11 +15,10 @@ import torch
 from gpu_anchor.serve import prefix_cache
 from gpu_anchor.serve.block_manager import BlockManager, InconsistentState
 from gpu_anchor.serve.engine import Engine, EngineConfig
-from gpu_anchor.serve.engine_config import PHASES
 from gpu_anchor.serve.scheduler import Scheduler
 from gpu_anchor.serve.sequence import SamplingParams, Sequence, Status
 from gpu_anchor.testing.tiny import make_tiny_model
-from test_serve_engine import Client, _run
+from test_serve_engine import Client, _run, kill_waves
 
 SYSTEM = [(7 * i) % 370 + 5 for i in range(37)]       # a "system prompt" of 37 tokens
 
@@ -225,21 +224,7 @@ def test_sigkill_campaign_with_shared_prefixes_matches_fault_free(model, host_da
     ref = Client(reqs)
     code, _ = _run(EngineConfig(**dict(base.__dict__, namespace="pc-reference")), ref)
     assert code == 0 and len(ref.done) == len(reqs)
-    rng = random.Random(7)
-    kills = {ph: 0 for ph in PHASES}
-    wave = 0
-    while sum(kills.values()) < 15 or not all(kills.values()):
-        client = Client({f"w{wave}-{rid}": v for rid, v in reqs.items()})
-        while len(client.done) < len(reqs):
-            fault = (rng.randint(0, 4), rng.choice(PHASES)) if sum(kills.values()) < 30 else None
-            code, _ = _run(base, client, fault)
-            if code == -9:
-                kills[fault[1]] += 1
-            else:
-                assert code == 0
-        assert client.mismatch == 0
-        assert [client.out[f"w{wave}-{rid}"] for rid in reqs] == [ref.out[rid] for rid in reqs]
-        wave += 1
+    kill_waves(base, reqs, ref, random.Random(7), 20, last_step=4)
 
 
 @pytest.mark.gpu
@@ -270,29 +255,17 @@ def test_the_server_reports_cached_prompt_tokens_and_a_stream_survives_an_engine
     (``usage.prompt_tokens_details.cached_tokens``, ``vllm:prefix_cache_hits``) and answers what
     the engine answers without caching, also when its stream's engine is SIGKILLed mid-way;
     ``--no-enable-prefix-caching`` reports none cached."""
-    import subprocess
-    import sys
-    import time
-
     import openai
 
-    from tests.test_serve_http import SERVE, _wait_up, scrape, stop_server, stream_across_engine_kill
+    from tests.test_serve_api import start_server
+    from tests.test_serve_http import scrape, stop_server, stream_across_engine_kill
     plain = Engine(EngineConfig(model=model, anchor=False, dtype="float64", block_size=4, num_blocks=200))
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     turn1 = SYSTEM + [201, 202, 203]
 
     def serve(*extra):
-        port = tmp_path / "port"
-        port.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                                 str(port), "--socket", host_daemon[0], *SERVE, "--served-model-name", "tiny", *extra],
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
-        deadline = time.time() + 120
-        while not port.exists():
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{port.read_text()}"
-        _wait_up(url)
+        proc, url, _ = start_server(str(tmp_path), model, "--socket", host_daemon[0], "--served-model-name", "tiny",
+                                    *extra)
         return proc, url
 
     def ask(c, prompt, **kw):
@@ -303,7 +276,7 @@ def test_the_server_reports_cached_prompt_tokens_and_a_stream_survives_an_engine
     def ids(choices_logprobs_tokens):
         return [int(t.split(":")[1]) for t in choices_logprobs_tokens]
 
-    proc, url = serve("--namespace", "pc-on")
+    proc, url = serve("--namespace", "pc-on")       # prefix caching on: the default
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         first = ask(c, turn1)
