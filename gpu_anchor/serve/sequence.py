@@ -159,7 +159,14 @@ class Sequence:
         return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        """Tokens ``[start, end)`` of prompt + output, without joining the two lists (a decode
+        step asks for one token of a long history)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def in_prefill(self) -> bool:
