@@ -208,7 +208,7 @@ def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(mo
     base, ads = models
     torch.backends.cuda.matmul.allow_tf32 = False
     eng = Engine(EngineConfig(model=base, device="cuda:0", dtype="float32", block_size=16, num_blocks=256,
-                              namespace="lora-gpu", socket=cuda_daemon, lora=tuple(ads.items())))
+                              namespace="lora-gpu", socket=cuda_daemon[0], lora=tuple(ads.items())))
     names = ["all", "qv", None]
     jobs = [(p, n) for p in PROMPTS for n in names]
     got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])

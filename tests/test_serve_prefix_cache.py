@@ -237,7 +237,7 @@ def test_on_cuda_shared_prefixes_give_the_tokens_of_an_engine_without_caching(mo
     prompts = [system + list(range(30 + i, 36 + 2 * i)) for i in range(6)]
     kw = dict(model=model, device="cuda:0", dtype="bfloat16", deterministic=True, block_size=16,
               num_blocks=256, max_batched_tokens=64)
-    on = Engine(EngineConfig(**kw, namespace="pc-gpu", socket=cuda_daemon, prefix_caching=True))
+    on = Engine(EngineConfig(**kw, namespace="pc-gpu", socket=cuda_daemon[0], prefix_caching=True))
     off = Engine(EngineConfig(**kw, anchor=False, prefix_caching=False))
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     got = on.generate(prompts[:1], sp) + on.generate(prompts[1:], sp)
