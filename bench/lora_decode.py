@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 
 from bench.common import default_device, write_result
+from bench.protocol import Cell
 
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                 runs[name].append(x)
             print(f"[bench] round {r} {name}: decode step {x['decode_step_ms']:.2f} ms, "
                   f"{x['decode_tokens_per_s']:.0f} tokens/s", flush=True)
-    cells = {k: {m: _cell([x[m] for x in v]) for m in ("decode_step_ms", "decode_tokens_per_s")}
+    cells = {k: {m: Cell([x[m] for x in v]).summary() for m in ("decode_step_ms", "decode_tokens_per_s")}
              for k, v in runs.items()}
     base = cells["plain"]["decode_step_ms"]["median"]
     for k, c in cells.items():
@@ -119,10 +119,6 @@ def main(argv=None) -> int:
                               "adapter_bytes": lora_bytes, "cuda_graphs": served.graphs is not None
                               and served.graphs.capture, "cells": cells}, a.out))
     return 0
-
-
-def _cell(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def title(r: dict) -> str:

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from bench.common import default_device, write_result
+from bench.protocol import Cell
 
 _ids = itertools.count()
 
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
                       f" {x['cached_tokens']} of {x['prompt_tokens']} prompt tokens cached", flush=True)
     cells = []
     for (k, e), xs in runs.items():
-        cells.append({"workload": k, "engine": e, **{m: _cell([x[m] for x in xs]) for m in xs[0]}})
+        cells.append({"workload": k, "engine": e, **{m: Cell([x[m] for x in xs]).summary() for m in xs[0]}})
     name = "prefix_cache" + ("_cpu" if device == "cpu" and not a.tiny else "") + ("_tiny" if a.tiny else "")
     print(write_result(name, {"model": a.model, "layers": mc.num_hidden_layers, "device": device, "dtype": dtype,
                               "requests": a.requests, "system": a.system, "unique": a.unique,
@@ -142,10 +143,6 @@ def summary(cells: list) -> dict:
         out[key + "_ttft_ratio"] = off["ttft_median_s"]["median"] / on["ttft_median_s"]["median"]
         out[key + "_cached_pct"] = on["cached_tokens"]["median"] / on["prompt_tokens"]["median"] * 100
     return out
-
-
-def _cell(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def title(r: dict) -> str:

@@ -69,6 +69,10 @@ class Cell:
     def max(self) -> float:
         return max(self.samples)
 
+    def summary(self) -> dict:
+        """``{"median", "min", "max", "n"}``, as result files store a cell."""
+        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
+
     def text(self, fmt=None, bold: bool = False, show_n: bool = True) -> str:
         """``1.52 s [1.31–1.86]`` (n ≥ 2) or ``1.52 s (n = 1)`` (``show_n``: a table with an n column
         says it there)."""
