@@ -10,7 +10,9 @@
 #   what prefix caching saves (shared system prompts, conversation turns).
 # Each part's output goes to $OUT/<part>.log; the exit codes and test verdicts are printed.
 # The machine has no openai / llguidance: carry their cp312 wheels in .gpu/wheels (pip download
-# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ... llguidance openai).
+# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 ...
+# "llguidance>=1.7" openai): without the manylinux_2_31 tag pip picks llguidance 1.6.1, which takes one
+# end-of-sequence token only, and the hot standby's and structured output's CUDA tests fail at its LLTokenizer.
 set -u
 OUT=${OUT:-/tmp/pending}
 export TOKENIZERS_PARALLELISM=false PYTORCH_NVML_BASED_CUDA_CHECK=1 NCCL_NVLS_ENABLE=0
