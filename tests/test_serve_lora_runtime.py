@@ -1,11 +1,14 @@
 """LoRA adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter, with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): the engine's slots, the server through the ``openai``
 client and plain HTTP, an engine SIGKILL in the middle of a stream on an adapter loaded at run
-time, and every refusal."""
+time, what a restarted engine trusts of a request's KV (its adapter's journal record and
+digest), and every refusal."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import urllib.error
 import urllib.request
 
@@ -69,6 +72,99 @@ def test_loading_needs_the_runtime_switch(models):
                               lora=(("all", ads["all"]),)))
     with pytest.raises(L.AdapterError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
         eng.load_lora_adapter("qv", ads["qv"])
+
+
+def _restart(cfg, table, q):
+    """A new engine on ``cfg``'s namespace (the previous one gone): what it restored, then the
+    frontend's table of adapters loaded while serving (``sync_lora_adapters``), then every
+    restored request run to its end."""
+    eng = Engine(cfg)
+    out = {s.rid: list(s.output_ids) for s in eng.restored}
+    restored = {s.rid: (s.params.lora, s.num_computed) for s in eng.restored}
+    served = dict(eng.model.lora.served)
+    failed = eng.sync_lora_adapters(table)
+    while eng.has_work():
+        for rid, i, ids, _ in eng.step():
+            assert i == len(out[rid]), (rid, i, len(out[rid]))
+            out[rid] += ids
+    q.put((restored, eng.recovery_notes, served, failed, dict(eng.model.lora.served), out))
+
+
+def _run_and_restart(cfg, adapter_path, change, table, on_adapter=True):
+    """An engine loads ``adapter_path`` as ``qv`` while serving and runs two requests (on it, on
+    the base; ``on_adapter=False``: the base one only) four steps; then ``change()`` (the
+    adapter's files), and ``_restart`` in a fresh process."""
+    from forkserver_context import forkserver_context
+    e1 = Engine(cfg)
+    e1.load_lora_adapter("qv", adapter_path)
+    for rid, name in (("on-qv", "qv"), ("on-base", None))[0 if on_adapter else 1:]:
+        e1.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, lora=name))
+    for _ in range(4):
+        e1.step()
+    e1.flush()
+    change()
+    q = forkserver_context(["gpu_anchor.serve.preload"]).Queue()
+    p = forkserver_context(["gpu_anchor.serve.preload"]).Process(target=_restart, args=(cfg, table, q))
+    p.start()
+    got = q.get(timeout=180)
+    p.join()
+    return got
+
+
+def test_a_request_on_an_adapter_loaded_while_serving_resumes_from_its_kv_after_a_restart(models, tmp_path,
+                                                                                            host_daemon):
+    """The adapter's journal record brings it back, into its slot, before the requests are
+    restored: the request on it resumes from its KV (no note, no prefill again) and ends on
+    peft's tokens.  Changed files (another adapter's tensors at the path) make the restarted
+    engine drop that request by name instead of continuing it on KV of other weights; files
+    gone, the same; either way the base model's request resumes.  The frontend's table then
+    loads what is missing and unloads what it no longer serves."""
+    base, ads = models
+    want = {n: _peft_greedy(base, ads[n], PROMPTS[:1], 20)[0] for n in ("qv", "all")}
+    plain = _peft_greedy(base, None, PROMPTS[:1], 20)[0]
+    for case in ("same", "changed", "gone"):
+        path = str(tmp_path / case)
+        shutil.copytree(ads["qv"], path)
+
+        def change():
+            if case == "changed":
+                for f in os.listdir(ads["all"]):
+                    shutil.copy(os.path.join(ads["all"], f), os.path.join(path, f))
+            elif case == "gone":
+                shutil.rmtree(path)
+        cfg = EngineConfig(model=base, socket=host_daemon[0], namespace=f"lora-rt-{case}", dtype="float64",
+                           block_size=4, num_blocks=64, max_batched_tokens=32, runtime_lora=True, max_loras=2)
+        table = [("qv", path)] if case != "gone" else [("qv", path), ("all", ads["all"])]
+        restored, notes, served, failed, after, out = _run_and_restart(cfg, path, change, table)
+        assert restored["on-base"][1] > 0 and out["on-base"] == plain
+        if case == "same":
+            assert not notes and restored["on-qv"][0] == "qv" and restored["on-qv"][1] > len(PROMPTS[0])
+            assert out["on-qv"] == want["qv"] and served["qv"][0] == path and served["qv"][2] and not failed
+        elif case == "changed":     # served again from the new files, for requests that come now
+            assert "on-qv" not in restored and served["qv"][0] == path
+            assert any("request on-qv: LoRA adapter 'qv' is not what its requests' KV was computed with: the tensors "
+                       f"at {path} changed since" in n for n in notes), notes
+        else:
+            assert "on-qv" not in restored and "qv" not in served
+            assert any("request on-qv: LoRA adapter 'qv' (loaded while serving from " in n and
+                       "could not be loaded again" in n for n in notes), notes
+            assert [n for n, _ in failed] == ["qv"] and set(after) == {"all"}
+
+
+def test_the_frontends_table_unloads_an_adapter_it_no_longer_serves(models, host_daemon):
+    """An adapter the new engine restored from the journal that the frontend does not list (it
+    had unloaded it, and the deletion of the record had not landed before the kill: here the
+    record simply stays) is unloaded when the table comes; one a restored request still uses is
+    kept, said in the log, and that request ends on its adapter."""
+    base, ads = models
+    cfg = EngineConfig(model=base, socket=host_daemon[0], namespace="lora-rt-table", dtype="float64",
+                       block_size=4, num_blocks=64, runtime_lora=True, max_loras=2)
+    restored, notes, served, failed, after, out = _run_and_restart(cfg, ads["qv"], lambda: None, [], on_adapter=False)
+    assert set(restored) == {"on-base"} and "qv" in served and not failed and after == {}
+    cfg = dataclasses.replace(cfg, namespace="lora-rt-table-busy")
+    restored, notes, served, failed, after, out = _run_and_restart(cfg, ads["qv"], lambda: None, [])
+    assert restored["on-qv"][0] == "qv" and set(after) == {"qv"} and not failed
+    assert out["on-qv"] == _peft_greedy(base, ads["qv"], PROMPTS[:1], 20)[0]
 
 
 def _post(url, path, body):

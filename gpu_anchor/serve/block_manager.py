@@ -52,7 +52,7 @@ class BlockManager:
         self._digest: dict[int, bytes] = {}            # block -> digest of the tokens up to its end
         self._block: dict[bytes, int] = {}             # digest -> block
         self.epoch = 0       # the engine bumps it per step; a commit of epoch E frees releases <= E
-        self.adapter_tags: dict[str, bytes] = {}       # a LoRA adapter loaded while serving: its name's tag
+        self.adapter_tags: dict[str, bytes] = {}       # LoRA adapter name -> its tensors' digest
 
     @property
     def num_free(self) -> int:

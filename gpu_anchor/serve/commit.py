@@ -10,6 +10,8 @@ Journal keys (namespace of the engine's anchored objects):
 - ``serve/bt/<rid>``   the block table, int32s                       (rewritten when it changed:
                        a decode step adds a block every ``block_size`` tokens)
 - ``serve/out/<rid>/<k>``  output tokens ``[64k, 64k+64)``           (only the last segment changes)
+- ``serve/lora/<name>`` a served LoRA adapter: path, slot, digest (``lora.py``), written before
+                       any request on it can be journaled, deleted when it is unloaded
 
 One ``journal.commit`` per step carries every change of that step, so the journal always
 holds the state as of the end of some step: never a half-applied one.  See
@@ -31,6 +33,7 @@ log = logging.getLogger("gpu_anchor.serve")
 
 P = "serve/"
 LAYOUT, WEIGHTS = P + "layout", P + "weights"
+LORA = P + "lora/"
 
 
 def _req(rid):
@@ -218,6 +221,12 @@ class Pipeline:
         if payload is not None:
             h[0] = self._pool.submit(self._apply_after, h[4], *payload)
         self.times["commit_build"] += time.perf_counter() - t
+
+    def write_now(self, puts, deletes=()) -> None:
+        """Commit ``puts`` and ``deletes`` after every commit handed to the commit thread so far,
+        and return once it landed (between steps: a LoRA adapter's record)."""
+        if self.committer.journal is not None:
+            self._pool.submit(self.committer.apply, puts, list(deletes)).result()
 
     def _apply_after(self, done, puts, deletes) -> None:
         if done is not None:

@@ -15,6 +15,7 @@ import time
 import torch
 
 from . import commit as C
+from . import lora, prefix_cache
 from .async_step import RunAhead
 from .block_manager import BlockManager
 from .model_runner import eos_token_ids
@@ -44,6 +45,7 @@ class TakeOver:
             self.timings = {k if k.startswith("standby_") else "standby_" + k: v for k, v in self.timings.items()}
             self.timings["recheck_s"] = time.perf_counter() - t0
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
+        self._name_adapters()
         eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
         journal = st.journal
@@ -111,9 +113,12 @@ class TakeOver:
         anchored KV, "" if every rank can."""
         bad: list[str] = []       # the damaged requests' records, removed below
         seqs, problems = C.read_sequences(journal, bad)
-        unserved = [s for s in seqs if s.params.lora is not None and s.params.lora not in self.lora_slots]
+        changed, adapter_puts, adapter_deletes = self._restore_adapters(journal, problems)
+        unserved = [s for s in seqs if s.params.lora is not None
+                    and (s.params.lora not in self.lora_slots or s.params.lora in changed)]
         for s in unserved:      # a journal of a server that served other adapters: never the wrong weights
-            problems.append(f"request {s.rid}: LoRA adapter {s.params.lora!r} is not served by this engine")
+            problems.append(f"request {s.rid}: LoRA adapter {s.params.lora!r} "
+                            + changed.get(s.params.lora, "is not served by this engine"))
             bad.append(C.P + "req/" + s.rid)
         gone = {s.rid for s in unserved}
         seqs = [s for s in seqs if s.rid not in gone]
@@ -128,7 +133,7 @@ class TakeOver:
         # KV is gone, every sequence without it.  Were the layout committed first, a crash
         # before the rest would leave it vouching for a KV cache no step ever wrote.
         self.committer.adopt(seqs)
-        puts, deletes = {C.LAYOUT: self.state.layout}, bad
+        puts, deletes = {C.LAYOUT: self.state.layout, **adapter_puts}, bad + adapter_deletes
         if dropped:
             reset = self.committer.prepare(seqs)
             if reset is not None:
@@ -136,3 +141,36 @@ class TakeOver:
                 deletes = deletes + reset[1]
         self.committer.apply(puts, deletes)
         self.restored = seqs
+
+    def _restore_adapters(self, journal, problems: list[str]) -> tuple[dict, dict, list]:
+        """Serve again the LoRA adapters the journal says were loaded while serving (read from
+        their paths, into their slots), and compare every journaled adapter's digest with the
+        one served now.  Returns ``({name: why its requests' KV cannot be trusted}, the adapter
+        records to write, the stale ones to delete)``, committed with the restored layout."""
+        ads = self.model.lora
+        records, changed = lora.parse_records(journal.get_many(prefix=C.LORA), C.LORA)
+        problems += [f"LoRA adapter {name!r} {why}" for name, why in changed.items()]
+        for name, r in records.items():
+            if ads is None or name in ads.served or not r["runtime"]:
+                continue
+            if not self.cfg.runtime_lora:
+                continue        # another server's adapter: its requests are not served here
+            try:
+                ads.put(lora.read(name, r["path"], self.state.weights, self.cfg.max_lora_rank), slot=r["slot"],
+                        runtime=True)
+            except Exception as e:      # noqa: BLE001 — unreadable now: its requests are recomputed, named
+                changed[name] = f"(loaded while serving from {r['path']}) could not be loaded again: {e}"
+        for name, r in records.items():
+            if ads is not None and name in ads.served and ads.served[name][1] != r["digest"]:
+                changed[name] = (f"is not what its requests' KV was computed with: the tensors at "
+                                 f"{ads.served[name][0]} changed since (digest {r['digest'][:12]}, now "
+                                 f"{ads.served[name][1][:12]})")
+        self._name_adapters()
+        served = ads.served if ads is not None else {}
+        return (changed, {C.LORA + n: ads.record(n) for n in served},
+                [C.LORA + n for n in [*records, *changed] if n not in served])
+
+    def _name_adapters(self) -> None:
+        """The prefix cache names a served adapter's blocks by its digest (``prefix_cache``)."""
+        for name, (_, digest, _) in (self.model.lora.served if self.model.lora is not None else {}).items():
+            prefix_cache.adapter_loaded(self.blocks, name, digest)

@@ -22,9 +22,19 @@ product a projection, the same shapes every step, so a CUDA graph replays them. 
 are read from their files at every engine start (they are megabytes; the base weights stay
 anchored), and a request's adapter name is part of its journal record, so a request resumed
 after a SIGKILL goes on with its adapter.
+
+What a restart trusts (``record`` / ``parse_records``): each served adapter has a journal record,
+``serve/lora/<name>``, with its path, slot, whether it was loaded while serving, and the
+BLAKE2b digest of the tensors it serves (``Adapter.digest``).  A new engine loads the ones loaded
+while serving again, from their paths, into their slots, before it restores any request; a
+request whose adapter is gone, or whose adapter's tensors differ from the digest its KV was
+computed with (the files were changed), is dropped by name and recomputed by the frontend,
+never continued on KV from other weights.  The digest is also the adapter's name in the prefix
+cache (``BlockManager.adapter_tags``): blocks computed under other weights are never found.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -50,6 +60,7 @@ class Adapter:
     path: str
     rank: int                                  # the largest of its tensors' ranks
     tensors: dict                              # (layer, projection) -> (A [r, in], B [out, r] * scaling)
+    digest: str = ""                           # of the tensors as served (``_digest``)
 
 
 def parse_modules(values: list[str] | None) -> list[tuple[str, str]]:
@@ -139,7 +150,20 @@ def read(name: str, path: str, weights: dict, max_rank: int) -> Adapter:
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         tensors[(layer, proj)] = (a, b * scaling)
         top = max(top, r)
-    return Adapter(name, path, top, tensors)
+    return Adapter(name, path, top, tensors, _digest(tensors))
+
+
+def _digest(tensors: dict) -> str:
+    """BLAKE2b-128 of every (layer, projection)'s A and scaled B: their dtypes, shapes and bytes."""
+    import torch
+    h = hashlib.blake2b(digest_size=16)
+    for (layer, proj), pair in sorted(tensors.items()):
+        h.update(f"{layer}.{proj}".encode())
+        for t in pair:
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 class Adapters:
@@ -151,6 +175,7 @@ class Adapters:
         import torch
         self.capacity, self.rank = capacity, rank
         self.slots: dict[str, int] = {}
+        self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
         self._linear = linear
         self.columns = torch.arange(capacity * rank, device=device) // rank     # each column's slot
         self.stacked = {key: (torch.zeros(capacity * rank, i, dtype=dtype, device=device),
@@ -162,9 +187,13 @@ class Adapters:
     def names(self) -> list[str]:
         return list(self.slots)
 
-    def put(self, adapter: Adapter) -> int:
-        """Write ``adapter`` into a free slot (its rows and columns zeroed first); returns the slot."""
+    def put(self, adapter: Adapter, slot: int | None = None, runtime: bool = False) -> int:
+        """Write ``adapter`` into a free slot, ``slot`` if it is free (its rows and columns zeroed
+        first); returns the slot.  ``runtime``: loaded while serving (its record says so)."""
         free = sorted(set(range(self.capacity)) - set(self.slots.values()))
+        if slot in free:
+            free.remove(slot)
+            free.insert(0, slot)
         if not free:
             raise AdapterError(f"LoRA adapter {adapter.name!r}: every one of the {self.capacity} slot(s) holds an "
                                f"adapter ({', '.join(self.slots)}); unload one or raise --max-loras")
@@ -180,10 +209,18 @@ class Adapters:
             A[i * R:i * R + a.shape[0]].copy_(a)
             B[:, i * R:i * R + b.shape[1]].copy_(b)
         self.slots[adapter.name] = i
+        self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
         return i
 
     def remove(self, name: str) -> None:
         self._clear(self.slots.pop(name))
+        del self.served[name]
+
+    def record(self, name: str) -> bytes:
+        """``name``'s journal record (``serve/lora/<name>``)."""
+        path, digest, runtime = self.served[name]
+        return json.dumps({"path": path, "slot": self.slots[name], "digest": digest, "runtime": runtime},
+                          sort_keys=True).encode()
 
     def _clear(self, i: int) -> None:
         R = self.rank
@@ -214,6 +251,26 @@ def projection_shapes(weights: dict) -> dict:
 
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"      # vLLM's switch for /v1/load_lora_adapter
+
+
+def parse_records(raw: dict, prefix: str) -> tuple[dict, dict]:
+    """The adapter records among journal entries ``raw`` (keys ``prefix + name``): ``({name:
+    {path, slot, digest, runtime}}, {name: why its record is damaged})``."""
+    out, damaged = {}, {}
+    for key, blob in raw.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        try:
+            r = json.loads(blob)
+            if not (isinstance(r.get("path"), str) and isinstance(r.get("slot"), int)
+                    and isinstance(r.get("digest"), str) and isinstance(r.get("runtime"), bool)):
+                raise ValueError(f"fields {sorted(r)}")
+        except (ValueError, AttributeError) as e:
+            damaged[name] = f"has a damaged journal record ({e})"
+            continue
+        out[name] = r
+    return out, damaged
 
 
 def runtime_updating() -> bool:

@@ -6,14 +6,14 @@ vLLM's ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and ``POS
 and checks the adapter and writes it into a free slot (``Engine.load_lora_adapter``); only then
 is its name served (``/v1/models``, a request's ``model``).
 
-What an engine restart keeps: the frontend remembers every load and unload it answered with
-success and sends them again to each new engine, in order, before it re-sends the open
-requests; so a stream on an adapter loaded at run time goes on after an engine SIGKILL.  The
+What an engine restart keeps: the engine journals each adapter it serves (``lora.py``, "What a
+restart trusts"), and a new engine loads the ones loaded while serving again, into their slots,
+before it restores the open requests, so a request on such an adapter resumes from its KV.  The
+frontend also remembers the adapters it loaded with success and sends that table to each new
+engine (``lora_sync``) before it re-sends the open requests: the engine keeps what it restored,
+loads what it lacks, and unloads any it restored that the frontend had unloaded since.  The
 adapter's files are read again then (a restarted engine that cannot read them any more logs
 why and stops serving that name: its requests get an error, never the base model's tokens).
-A request on such an adapter that the engine had journaled is recomputed from its tokens (the
-new engine restores before the adapter is back, and drops it, naming it), not resumed from its
-KV.
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ log = logging.getLogger("gpu_anchor.serve.frontend")
 class RuntimeAdapters:
     def __init__(self, fe) -> None:
         self.fe = fe
-        self.changes: list[tuple[str, str, str | None]] = []    # ("load", name, path) / ("unload", name, None)
+        self.loaded: dict[str, str] = {}      # name -> path, in load order: loaded with success, not unloaded
         self.calls: dict[str, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ the engine's side
     def on_hello(self) -> None:
-        """A new engine: the changes made since the server started, again (no answer awaited)."""
-        for op, name, path in self.changes:
-            self.fe.send({"t": "lora_" + op, "id": None, "name": name, "path": path})
+        """A new engine: the adapters loaded while serving (no answer awaited; a ``lora_done``
+        with an error comes for each one it could not load)."""
+        self.fe.send({"t": "lora_sync", "adapters": list(self.loaded.items())})
 
     def on_done(self, msg: dict) -> None:
         fut = self.calls.pop(msg.get("id"), None)
@@ -66,9 +66,13 @@ class RuntimeAdapters:
         error = await fut
         if error:
             raise ApiError(400, error)
-        self.changes.append((op, name, path))
+        if op == "load":
+            self.loaded[name] = path
+        else:
+            self.loaded.pop(name, None)
 
     def _forget(self, name: str) -> None:
+        self.loaded.pop(name, None)
         self.fe.surface.adapters.pop(name, None)
         if name in self.fe.surface.served:
             self.fe.surface.served.remove(name)

@@ -3,7 +3,8 @@
 vLLM's automatic prefix caching, on the crash-consistent block manager (``block_manager.py``
 has the block states and why a crash cannot expose a reused block).  A block is named by the
 digest of every token up to its end and of the LoRA adapter its tokens go through: BLAKE2b of
-the previous block's digest, the adapter's name and the block's token ids, 128 bits (a chain,
+the previous block's digest, the adapter's (the digest of its tensors, ``lora.Adapter.digest``)
+and the block's token ids, 128 bits (a chain,
 so equal digests mean equal prefixes, with a collision odds of 2⁻⁶⁴ even after 2³² blocks).
 
 The contract with the scheduler and the engine:
@@ -27,17 +28,14 @@ The contract with the scheduler and the engine:
 from __future__ import annotations
 
 import hashlib
-import itertools
 from array import array
 
 from .block_manager import BlockManager
 
-_loads = itertools.count(1)        # adapter loads in this process: each one's tag is its own
-
 
 def digests(seq, n_blocks: int, block_size: int, adapters: dict | None = None) -> list[bytes]:
     """The digests of ``seq``'s first ``n_blocks`` blocks (kept on the sequence, extended as needed).
-    ``adapters``: adapter name -> the tag of its current load (``BlockManager.adapter_tags``)."""
+    ``adapters``: adapter name -> the digest of its tensors (``BlockManager.adapter_tags``)."""
     have = seq.digests
     h0 = len(have)
     if h0 < n_blocks:
@@ -72,10 +70,10 @@ def remember(blocks: BlockManager, seq, start: int, end: int | None = None) -> N
                 blocks.register(seq.block_table[i], d)
 
 
-def adapter_loaded(blocks: BlockManager, name: str) -> None:
-    """A LoRA adapter was loaded as ``name`` while serving: blocks named under an adapter of that
-    name loaded before are not its (their digests are never found again)."""
-    blocks.adapter_tags[name] = f"{name}\0{next(_loads)}".encode()
+def adapter_loaded(blocks: BlockManager, name: str, digest: str) -> None:
+    """A LoRA adapter is served as ``name``: its blocks are named by its tensors' ``digest``, so
+    blocks computed under another adapter of that name (unloaded, replaced) are never found."""
+    blocks.adapter_tags[name] = bytes.fromhex(digest)
 
 
 def rebuild(blocks: BlockManager, seqs) -> None:

@@ -12,11 +12,15 @@ re-add the request ``from_start``).
 """
 from __future__ import annotations
 
+import logging
 import random
 
+from . import commit as C
 from . import lora, prefix_cache
 from .sampling import token_logprobs
 from .sequence import SamplingParams, Sequence, Status
+
+log = logging.getLogger("gpu_anchor.serve")
 
 
 class Requests:
@@ -98,16 +102,18 @@ class Requests:
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """vLLM's ``/v1/load_lora_adapter``: serve the peft adapter at ``path`` as ``name`` from the
-        next step on (``runtime_lora`` only).  Raises ``lora.AdapterError`` naming what is wrong;
-        nothing changes then."""
+        next step on (``runtime_lora`` only).  Its journal record lands before this returns.
+        Raises ``lora.AdapterError`` naming what is wrong; nothing changes then."""
         ads = self.model.lora
         if ads is None or not self.cfg.runtime_lora:
             raise lora.AdapterError(f"loading LoRA adapters while serving needs --enable-lora and "
                                     f"{lora.RUNTIME_ENV}=True")
         if name in ads.slots:
             raise lora.AdapterError(f"LoRA adapter {name!r} is already loaded")
-        ads.put(lora.read(name, path, self.state.weights, self.cfg.max_lora_rank))
-        prefix_cache.adapter_loaded(self.blocks, name)
+        adapter = lora.read(name, path, self.state.weights, self.cfg.max_lora_rank)
+        ads.put(adapter, runtime=True)
+        prefix_cache.adapter_loaded(self.blocks, name, adapter.digest)
+        self.commits.write_now({C.LORA + name: ads.record(name)})
 
     def unload_lora_adapter(self, name: str) -> None:
         """vLLM's ``/v1/unload_lora_adapter``; refused while a request uses the adapter."""
@@ -119,6 +125,33 @@ class Requests:
             raise lora.AdapterError(f"LoRA adapter {name!r} is in use by {len(users)} request(s) ({', '.join(users[:3])}"
                                     f"{', ...' if len(users) > 3 else ''}); unload it when they are done")
         ads.remove(name)
+        self.blocks.adapter_tags.pop(name, None)
+        self.commits.write_now({}, [C.LORA + name])
+
+    def sync_lora_adapters(self, table) -> list[tuple[str, str]]:
+        """The frontend's adapters loaded while serving, ``[(name, path)]`` in load order, sent to
+        a new engine: the ones it restored from the journal stay, the others are loaded, and
+        any it restored that the frontend had unloaded since (the unload's record had not
+        landed) go.  Returns ``[(name, error)]`` for those that could not be loaded."""
+        ads = self.model.lora
+        want = dict(table)
+        failed = []
+        if ads is not None:
+            for name, (path, _, runtime) in list(ads.served.items()):
+                if runtime and want.get(name) != path:
+                    try:
+                        self.unload_lora_adapter(name)
+                    except lora.AdapterError as e:
+                        log.warning("%s", e)
+        for name, path in want.items():
+            if ads is not None and name in ads.served:
+                continue
+            try:
+                self.load_lora_adapter(name, path)
+            except Exception as e:      # noqa: BLE001 — a bad adapter file must not take the engine down
+                failed.append((name, str(e) if isinstance(e, ValueError) else f"LoRA adapter {name!r}: "
+                               f"{type(e).__name__}: {e}"))
+        return failed
 
     def abort(self, rid: str) -> None:
         if self.scheduler.abort(rid) is not None:

@@ -234,6 +234,9 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                     eng.abort(msg["rid"])
                 elif msg["t"] in ("lora_load", "lora_unload"):
                     sock.sendall(wire.encode(_lora_change(eng, msg)))
+                elif msg["t"] == "lora_sync":
+                    for name, error in eng.sync_lora_adapters(msg["adapters"]):
+                        sock.sendall(wire.encode({"t": "lora_done", "id": None, "name": name, "error": error}))
                 elif msg["t"] == "migrate":
                     try:
                         if mg is not None:
