@@ -131,6 +131,26 @@ def _allowed(masks, k, V=384) -> set[int]:
     return {t for t in range(V) if (int(masks[k, t // 32]) >> (t % 32)) & 1}
 
 
+def test_an_llguidance_too_old_is_named_not_crashed_on(model_dir, monkeypatch, caplog):
+    """llguidance before 1.7 takes one end-of-sequence token only (found on an H100 with 1.6.1:
+    TypeError at ``LLTokenizer``, a hot standby dead while preparing).  With such a version
+    installed, a constrained request is a 400 naming the version and the fix, and an engine's
+    (a standby's) advance build of the vocabulary is skipped with a warning."""
+    import logging
+
+    from gpu_anchor.serve import grammar_matchers
+    monkeypatch.setattr(grammar_matchers, "installed_llguidance", lambda: "1.6.1")
+    with pytest.raises(ApiError, match=r"needs llguidance >= 1.7 on the server \(llguidance 1.6.1 is installed\): "
+                                       r"pip install -U 'llguidance>=1.7'") as e:
+        structured_output.grammar({"guided_json": COLORS})
+    assert e.value.status == 400
+    with caplog.at_level(logging.WARNING, logger="gpu_anchor.serve"):
+        assert Grammars(model_dir, 384, [2]).prepare() is False
+    assert "llguidance 1.6.1 is installed" in caplog.text
+    monkeypatch.setattr(grammar_matchers, "installed_llguidance", lambda: "1.9.1")
+    assert structured_output.grammar({"guided_json": COLORS}) and Grammars(model_dir, 384, [2]).prepare() is True
+
+
 def test_matcher_state_is_a_function_of_the_tokens(model_dir, tok):
     """Masks taken token by token equal those of a new matcher given all the tokens at once (an
     engine that replaced a killed one), and after a rewind or another history under the same id."""

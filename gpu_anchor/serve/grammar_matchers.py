@@ -30,12 +30,36 @@ constrained row's last token (``async_step``): its mask needs that token.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 from collections import OrderedDict
 
 log = logging.getLogger("gpu_anchor.serve")
 PRISTINE = 64          # compiled grammars kept (the most recently used)
+MIN_LLGUIDANCE = (1, 7)    # the first whose LLTokenizer takes a list of end-of-sequence tokens
+
+
+@functools.lru_cache(maxsize=1)
+def installed_llguidance() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("llguidance")
+    except PackageNotFoundError:
+        return None
+
+
+def llguidance_problem() -> str | None:
+    """Why the installed llguidance cannot serve structured output here (too old), or None."""
+    v = installed_llguidance()
+    if v is None:
+        return None         # not installed: the import says so where it is needed
+    if tuple(int(x) for x in re.findall(r"\d+", v)[:2]) < MIN_LLGUIDANCE:
+        need = ".".join(map(str, MIN_LLGUIDANCE))
+        return (f"structured output needs llguidance >= {need} on the server (llguidance {v} is installed): "
+                f"pip install -U 'llguidance>={need}'")
+    return None
 
 
 def words(vocab_size: int) -> int:
@@ -77,6 +101,9 @@ class Grammars:
 
     def _tokenizer(self):
         if self._tok is None:
+            why = llguidance_problem()
+            if why:
+                raise ValueError(why)
             import llguidance
             path = os.path.join(self.tokenizer_dir, "tokenizer.json") if self.tokenizer_dir else None
             if path is None or not os.path.exists(path):
@@ -94,7 +121,7 @@ class Grammars:
         try:
             self._tokenizer()
         except (ImportError, ValueError, OSError) as e:
-            log.info("structured output's vocabulary not built ahead: %s", e)
+            (log.warning if llguidance_problem() else log.info)("structured output's vocabulary not built ahead: %s", e)
             return False
         return True
 

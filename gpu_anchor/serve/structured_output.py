@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 
+from .grammar_matchers import llguidance_problem
 from .openai_checks import ApiError, bad
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -34,6 +35,9 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _llguidance():
+    why = llguidance_problem()
+    if why:
+        raise ApiError(400, why)
     try:
         import llguidance
     except ImportError:
