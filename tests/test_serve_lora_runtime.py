@@ -186,6 +186,14 @@ def _server(base, tmp_path, sock, *extra, runtime=True):
     return proc, url
 
 
+def _restored_with_its_adapter(tmp_path) -> None:
+    """The server's log: the engine after the kill restored the open request (resumed from its
+    KV, not dropped for want of its adapter and recomputed)."""
+    text = (tmp_path / "serve.log").read_text()
+    assert "serving again" in text and "; 1 restored request(s)" in text, text[-3000:]
+    assert "is not served by this engine" not in text and "could not be loaded again" not in text, text[-3000:]
+
+
 def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine_kill(models, tmp_path, host_daemon):
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True gpu-anchor serve --enable-lora --max-loras 1``, no
     adapter at start: ``/v1/load_lora_adapter`` adds one (listed by ``/v1/models``, served by name
@@ -213,6 +221,7 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
         assert [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens] == want
         items = stream_across_engine_kill(url, lambda: ask(stream=True))
         assert [int(t.split(":")[1]) for x in items for t in (x.choices[0].logprobs.tokens if x.choices else [])] == want
+        _restored_with_its_adapter(tmp_path)
         for body, status_want, why in (
                 ({"lora_name": "all", "lora_path": ads["qv"]}, 400, "already been loaded"),
                 ({"lora_name": "qv", "lora_path": ads["qv"]}, 400, "every one of the 1 slot(s) holds an adapter"),
@@ -233,6 +242,37 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
             model="qv", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=0,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens] == \
             _peft_greedy(base, ads["qv"], [PROMPTS[0]], 12)[0]
+    finally:
+        stop_server(proc)
+
+
+def test_a_hot_standby_takes_over_a_stream_on_an_adapter_loaded_while_serving(models, tmp_path, host_daemon):
+    """``--hot-standby``: the standby was built before the adapter was loaded; at its take-over it
+    loads the adapter from the journal's record, into its slot, and the stream on it goes on from
+    its KV with peft's tokens."""
+    import openai
+
+    from gpu_anchor.launch import jobstate
+    from tests.test_serve_daemon_loss import _wait
+    from tests.test_serve_http import _get, stop_server, stream_across_engine_kill
+    base, ads = models
+    want = _peft_greedy(base, ads["all"], [PROMPTS[0]], 24)[0]
+    proc, url = _server(base, tmp_path, host_daemon[0], "--max-loras", "1", "--hot-standby")
+    try:
+        assert _post(url, "/v1/load_lora_adapter", {"lora_name": "all", "lora_path": ads["all"]})[0] == 200
+
+        def standby():
+            sb = [(j.get("standbys") or {}).get("0") for j in jobstate.load_all()]
+            return any(x and x.get("hot") for x in sb)
+        _wait(standby, "an attached hot standby")
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        items = stream_across_engine_kill(url, lambda: c.completions.create(
+            model="all", prompt=PROMPTS[0], max_tokens=24, temperature=0, logprobs=0, stream=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+        assert [int(t.split(":")[1]) for x in items for t in (x.choices[0].logprobs.tokens if x.choices else [])] == want
+        health = json.loads(_get(url + "/health")[1])
+        assert health["last_recovery"]["hot_standby"] == 1, health["last_recovery"]
+        _restored_with_its_adapter(tmp_path)
     finally:
         stop_server(proc)
 
