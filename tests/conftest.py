@@ -47,6 +47,7 @@ def _cuda_ready() -> bool:
 # last would keep one worker busy while the other sits idle.  Only the order changes.
 LONGEST_FIRST = ["test_serve_daemon_loss.py", "test_scope_matrix.py", "test_launch_supervisor.py", "test_readme.py",
                  "test_serve_tp.py", "test_serve_hot_standby.py", "test_train_faults.py", "test_train_hf.py",
+                 "test_train_accelerate.py",
                  "test_bench_baselines.py"]
 
 
