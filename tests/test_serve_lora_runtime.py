@@ -247,9 +247,9 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
 
 
 def test_a_hot_standby_takes_over_a_stream_on_an_adapter_loaded_while_serving(models, tmp_path, host_daemon):
-    """``--hot-standby``: the standby was built before the adapter was loaded; at its take-over it
-    loads the adapter from the journal's record, into its slot, and the stream on it goes on from
-    its KV with peft's tokens."""
+    """``--hot-standby``: the standby was built before the adapter was loaded; while it waits it
+    loads the adapter from the journal's record, into its slot, so its take-over reads no file,
+    and the stream on it goes on from its KV with peft's tokens."""
     import openai
 
     from gpu_anchor.launch import jobstate
@@ -265,6 +265,8 @@ def test_a_hot_standby_takes_over_a_stream_on_an_adapter_loaded_while_serving(mo
             sb = [(j.get("standbys") or {}).get("0") for j in jobstate.load_all()]
             return any(x and x.get("hot") for x in sb)
         _wait(standby, "an attached hot standby")
+        ahead = "LoRA adapter 'all' (loaded while serving) read again from"
+        _wait(lambda: ahead in (tmp_path / "serve.log").read_text(), "the standby loading the adapter ahead")
         c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         items = stream_across_engine_kill(url, lambda: c.completions.create(
             model="all", prompt=PROMPTS[0], max_tokens=24, temperature=0, logprobs=0, stream=True,
@@ -273,6 +275,7 @@ def test_a_hot_standby_takes_over_a_stream_on_an_adapter_loaded_while_serving(mo
         health = json.loads(_get(url + "/health")[1])
         assert health["last_recovery"]["hot_standby"] == 1, health["last_recovery"]
         _restored_with_its_adapter(tmp_path)
+        assert (tmp_path / "serve.log").read_text().count(ahead) == 1      # none at the take-over
     finally:
         stop_server(proc)
 

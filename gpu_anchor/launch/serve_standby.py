@@ -50,6 +50,7 @@ class StandbyKeeper:
         try:
             self.standby = runtime.Standby(lambda: ecli.standby_prepare(cfg, prewarm, hot, fence),
                                            lambda go: ecli.standby_run(cfg, esock, go, worker, progress, fence),
+                                           idle=ecli.standby_idle if hot else None,
                                            before_main=lambda: os.close(life_r))
         finally:
             os.close(life_w)

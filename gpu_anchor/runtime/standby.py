@@ -21,6 +21,7 @@ seen the moment it happens, not at the next poll.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -29,9 +30,17 @@ from gpu_anchor import fdwait
 
 from .fork import fork
 
+log = logging.getLogger("gpu_anchor.runtime")
+
+
+IDLE_EVERY = 1.0      # seconds between a waiting standby's ``idle`` calls
+
 
 class Standby:
-    def __init__(self, prepare, run, **fork_options) -> None:
+    def __init__(self, prepare, run, idle=None, **fork_options) -> None:
+        """``idle``: called in the child about every ``IDLE_EVERY`` seconds while it waits for
+        "go" (work that keeps it current with the active worker; best effort: an exception is
+        logged and the wait goes on)."""
         go_r, go_w = os.pipe()
         ready_r, ready_w = os.pipe()
         self.forked_at = time.time()
@@ -45,7 +54,7 @@ class Standby:
                 caller_before()
 
         try:
-            pid = fork(lambda: _child(prepare, run, go_r, ready_w), before_main=close_parent_ends, **fork_options)
+            pid = fork(lambda: _child(prepare, run, go_r, ready_w, idle), before_main=close_parent_ends, **fork_options)
         except BaseException:
             for fd in (go_r, go_w, ready_r, ready_w):
                 os.close(fd)
@@ -88,7 +97,7 @@ class Standby:
             pass
 
 
-def _child(prepare, run, go_r: int, ready_w: int):
+def _child(prepare, run, go_r: int, ready_w: int, idle=None):
     try:
         t0 = time.time()
         info = dict(prepare() or {}, prepare_s=time.time() - t0, pid=os.getpid())
@@ -97,6 +106,11 @@ def _child(prepare, run, go_r: int, ready_w: int):
         raise
     os.write(ready_w, json.dumps(info).encode())
     os.close(ready_w)
+    while idle is not None and not fdwait.readable([go_r], IDLE_EVERY):
+        try:
+            idle()
+        except Exception:       # noqa: BLE001 — keeping current is an optimisation; the take-over redoes it
+            log.exception("standby %d: its idle work failed", os.getpid())
     data = b""
     while True:             # the message arrives whole or not at all (one write, then close)
         chunk = os.read(go_r, 1 << 16)

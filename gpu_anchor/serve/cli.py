@@ -215,6 +215,12 @@ def _attach(cfg) -> dict:
     return {"hot": True, "attach_s": _hot.timings["standby_attach_s"], "capture_s": _hot.timings["standby_capture_s"]}
 
 
+def standby_idle() -> None:
+    """A waiting hot standby keeps up with the adapters loaded while serving (``follow_adapters``)."""
+    if _hot is not None:
+        _hot.follow_adapters()
+
+
 def standby_run(cfg, esock: str, go: dict, worker, on_progress=None, fence=None) -> None:
     """The standby takes over: what is only known now comes in ``go``.  A hot standby's engine
     is used when it was attached for this placement and fault plan; otherwise it is dropped and

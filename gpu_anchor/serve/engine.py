@@ -120,6 +120,7 @@ class Engine(Requests, TakeOver):
         self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device, self.model._linear, cfg.max_lora_rank,
                                     cfg.max_loras, cfg.runtime_lora)
         self.lora_slots = self.model.lora.slots if self.model.lora is not None else {}
+        self.adapter_records: dict[str, dict] = {}   # journal records of adapters it loaded again (take-over)
         if cfg.fault is not None:     # before any capture: with a hook, each graph is captured in two halves
             self.model.mid_hook = self._mid_forward
         self.steps = 0

@@ -10,6 +10,7 @@ one atomic step with whatever it had to drop, and registers with the step fence.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -144,22 +145,14 @@ class TakeOver:
 
     def _restore_adapters(self, journal, problems: list[str]) -> tuple[dict, dict, list]:
         """Serve again the LoRA adapters the journal says were loaded while serving (read from
-        their paths, into their slots), and compare every journaled adapter's digest with the
-        one served now.  Returns ``({name: why its requests' KV cannot be trusted}, the adapter
-        records to write, the stale ones to delete)``, committed with the restored layout."""
+        their paths, into their slots, unless a hot standby loaded them ahead:
+        ``follow_adapters``), and compare every journaled adapter's digest with the one served
+        now.  Returns ``({name: why its requests' KV cannot be trusted}, the adapter records to
+        write, the stale ones to delete)``, committed with the restored layout."""
         ads = self.model.lora
         records, changed = lora.parse_records(journal.get_many(prefix=C.LORA), C.LORA)
         problems += [f"LoRA adapter {name!r} {why}" for name, why in changed.items()]
-        for name, r in records.items():
-            if ads is None or name in ads.served or not r["runtime"]:
-                continue
-            if not self.cfg.runtime_lora:
-                continue        # another server's adapter: its requests are not served here
-            try:
-                ads.put(lora.read(name, r["path"], self.state.weights, self.cfg.max_lora_rank), slot=r["slot"],
-                        runtime=True)
-            except Exception as e:      # noqa: BLE001 — unreadable now: its requests are recomputed, named
-                changed[name] = f"(loaded while serving from {r['path']}) could not be loaded again: {e}"
+        changed.update(self._follow_records(records, retry=True))
         for name, r in records.items():
             if ads is not None and name in ads.served and ads.served[name][1] != r["digest"]:
                 changed[name] = (f"is not what its requests' KV was computed with: the tensors at "
@@ -169,6 +162,42 @@ class TakeOver:
         served = ads.served if ads is not None else {}
         return (changed, {C.LORA + n: ads.record(n) for n in served},
                 [C.LORA + n for n in [*records, *changed] if n not in served])
+
+    def follow_adapters(self) -> None:
+        """A hot standby, while it waits: load the adapters the live engine loaded while serving
+        since the standby was built (and drop those it unloaded), from the journal's records, so
+        that its take-over reads no adapter file.  Best effort: a failure is logged, and the
+        take-over tries again."""
+        journal = self.state.journal
+        if journal is None or self.model.lora is None or not self.cfg.runtime_lora:
+            return
+        records, _ = lora.parse_records(journal.get_many(prefix=C.LORA), C.LORA)
+        for name, why in self._follow_records(records, retry=False).items():
+            log.warning("hot standby %d: LoRA adapter %r %s", os.getpid(), name, why)
+
+    def _follow_records(self, records: dict, retry: bool) -> dict:
+        """Make the adapters loaded while serving match the journal's ``records``: one whose
+        record is gone or replaced since it was loaded goes, one with a record is loaded into
+        its slot (``retry``: also one whose load failed before).  Returns ``{name: why}`` for
+        those that could not be loaded."""
+        ads, failed = self.model.lora, {}
+        if ads is None or not self.cfg.runtime_lora:
+            return failed       # another server's adapters: their requests are not served here
+        seen = self.adapter_records
+        for name, (_, _, runtime) in list(ads.served.items()):
+            if runtime and records.get(name) != seen.get(name, records.get(name)):
+                ads.remove(name)
+        for name, r in records.items():
+            if not r["runtime"] or name in ads.served or (seen.get(name) == r and not retry):
+                continue
+            seen[name] = r
+            try:
+                ads.put(lora.read(name, r["path"], self.state.weights, self.cfg.max_lora_rank), slot=r["slot"],
+                        runtime=True)
+                log.info("LoRA adapter %r (loaded while serving) read again from %s", name, r["path"])
+            except Exception as e:      # noqa: BLE001 — unreadable now: its requests are recomputed, named
+                failed[name] = f"(loaded while serving from {r['path']}) could not be loaded again: {e}"
+        return failed
 
     def _name_adapters(self) -> None:
         """The prefix cache names a served adapter's blocks by its digest (``prefix_cache``)."""

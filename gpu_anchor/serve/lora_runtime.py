@@ -8,7 +8,8 @@ is its name served (``/v1/models``, a request's ``model``).
 
 What an engine restart keeps: the engine journals each adapter it serves (``lora.py``, "What a
 restart trusts"), and a new engine loads the ones loaded while serving again, into their slots,
-before it restores the open requests, so a request on such an adapter resumes from its KV.  The
+before it restores the open requests, so a request on such an adapter resumes from its KV (a
+hot standby loads them while it waits: ``TakeOver.follow_adapters``).  The
 frontend also remembers the adapters it loaded with success and sends that table to each new
 engine (``lora_sync``) before it re-sends the open requests: the engine keeps what it restored,
 loads what it lacks, and unloads any it restored that the frontend had unloaded since.  The
