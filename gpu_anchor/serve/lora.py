@@ -54,6 +54,12 @@ class AdapterError(ValueError):
     """An adapter that cannot be served as it is; the message names the adapter and why."""
 
 
+def describe_failure(name: str, e: Exception) -> str:
+    """What the client is told when loading or unloading ``name`` failed with ``e`` (a check's
+    own message; anything else, such as an unreadable file, named with its type)."""
+    return str(e) if isinstance(e, ValueError) else f"LoRA adapter {name!r}: {type(e).__name__}: {e}"
+
+
 @dataclass
 class Adapter:
     name: str

@@ -149,8 +149,7 @@ class Requests:
             try:
                 self.load_lora_adapter(name, path)
             except Exception as e:      # noqa: BLE001 — a bad adapter file must not take the engine down
-                failed.append((name, str(e) if isinstance(e, ValueError) else f"LoRA adapter {name!r}: "
-                               f"{type(e).__name__}: {e}"))
+                failed.append((name, lora.describe_failure(name, e)))
         return failed
 
     def abort(self, rid: str) -> None:

@@ -20,7 +20,7 @@ import time
 
 from gpu_anchor import fdwait
 
-from . import wire
+from . import lora, wire
 from .engine import Engine, EngineConfig
 from .sequence import SamplingParams
 from .state import NotAttachable
@@ -87,7 +87,7 @@ def _lora_change(eng, msg) -> dict:
         error = None
     except Exception as e:      # noqa: BLE001 — a bad adapter file must not take the engine down
         log.warning("%s %r refused: %s", msg["t"], msg["name"], e)
-        error = str(e) if isinstance(e, ValueError) else f"LoRA adapter {msg['name']!r}: {type(e).__name__}: {e}"
+        error = lora.describe_failure(msg["name"], e)
     return {"t": "lora_done", "id": msg.get("id"), "name": msg["name"], "error": error}
 
 
