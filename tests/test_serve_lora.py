@@ -200,7 +200,8 @@ def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
 def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(models, cuda_daemon):
     """On CUDA in float32 (the fused decoder kernels, packed projections, CUDA graphs replayed,
     asynchronous scheduling; anchored): the mixed batch's greedy tokens equal transformers +
-    peft's own on the same GPU."""
+    peft's own on the same GPU; then base requests alone replay the graphs captured without the
+    adapters' terms, and their tokens are the base model's too."""
     import torch
 
     from gpu_anchor.serve.engine import Engine, EngineConfig
@@ -213,6 +214,7 @@ def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(mo
     jobs = [(p, n) for p in PROMPTS for n in names]
     got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])
     assert eng.step_counts["graph"] > 0 and eng.model.fused
+    base_want = {}
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     for n in names:
@@ -226,6 +228,12 @@ def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(mo
                                   eos_token_id=None, pad_token_id=0,
                                   attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda:0"))
             assert g == want[0, len(p):].tolist(), (n, p)
+            if n is None:
+                base_want[tuple(p)] = g
+    assert {k for k in eng.graphs._graphs if k[1]} and not {k for k in eng.graphs._graphs if not k[1]}
+    alone = eng.generate(PROMPTS, [SamplingParams(max_tokens=12, ignore_eos=True) for _ in PROMPTS])
+    assert {k for k in eng.graphs._graphs if not k[1]}
+    assert alone == [base_want[tuple(p)] for p in PROMPTS]
 
 
 def _restore_with(cfg, q):

@@ -21,7 +21,9 @@ pointers into the anchored weights and KV cache, whose addresses are fixed for t
 of the process: a restarted engine is a new process and captures its own.  With fault
 injection on (``model.mid_hook``), each size is captured as two graphs, layers
 ``0..mid-1`` and ``mid..L-1``, and the hook runs between their replays, exactly where the
-eager forward calls it.
+eager forward calls it.  An engine serving LoRA adapters captures each size twice, with the
+adapters' terms and without (a step none of whose sequences has an adapter replays the latter
+and pays nothing for them, as an eager step does).
 
 On the CPU (``capture=False``) the same padded static-buffer path runs eagerly: the tests
 check its bookkeeping there against the unpadded eager path.
@@ -73,10 +75,11 @@ class DecodeGraphs:
         self.slots = torch.full((max_bs,), -1, dtype=torch.long, device=dev)
         self.tseq = torch.arange(max_bs, dtype=torch.int32, device=dev)
         self.bt = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
-        # each row's LoRA adapter slot (-1: none), when the model serves adapters: the graphs then
-        # always compute the adapters' terms, zero for rows without one
+        # each row's LoRA adapter slot (-1: none), when the model serves adapters: the graphs with
+        # them compute the adapters' terms of every row, zero for rows without one
         self.lora = torch.full((max_bs,), -1, dtype=torch.long, device=dev) if model.lora is not None else None
-        self._graphs: dict[int, tuple[list, torch.Tensor]] = {}   # bs -> (graphs, static output h)
+        # (bs, with the adapters' terms) -> (graphs, static output h)
+        self._graphs: dict[tuple[int, bool], tuple[list, torch.Tensor]] = {}
         self._pool = None
         # torch.cuda.graph's default capture stream is one per process, made on whichever
         # device was current at the first capture: an engine moved to another GPU in the
@@ -94,13 +97,13 @@ class DecodeGraphs:
     def fits(self, n: int, width: int) -> bool:
         return 0 < n <= self.max_bs and width <= self.max_blocks
 
-    def _meta(self, bs: int, tables=None) -> AttnMeta:
+    def _meta(self, bs: int, tables=None, lora: bool = False) -> AttnMeta:
         n = len(tables) if tables is not None else 0
         # host lists are read by the CPU reference attention only (the emulated path)
         ctx = [int(p) + 1 for p in self.pos[:n].tolist()] if not self.capture else []
         return AttnMeta(self.pos[:bs], self.slots[:bs], self.tseq[:bs], self.bt[:bs],
                         list(range(n)) if not self.capture else [], [1] * n if not self.capture else [],
-                        ctx, tables if not self.capture else [], None if self.lora is None else self.lora[:bs])
+                        ctx, tables if not self.capture else [], self.lora[:bs] if lora else None)
 
     def _segments(self) -> list[tuple[int, int]]:
         m = self.model
@@ -117,13 +120,13 @@ class DecodeGraphs:
         return h
 
     @torch.no_grad()
-    def _capture(self, bs: int) -> None:
+    def _capture(self, bs: int, lora: bool) -> None:
         m = self.model
         t0 = time.perf_counter()
         self.ids[:bs].zero_()
         self.pos[:bs].zero_()
         self.slots[:bs].fill_(-1)          # warm-up and capture write no KV
-        meta = self._meta(bs)
+        meta = self._meta(bs, lora=lora)
         # warm-up on a side stream, as torch.cuda.graph asks: compiles the Triton kernels and
         # sets up cuBLAS outside the capture; the capture's own stream, so that what a kernel
         # keeps per stream (attention's merge counters) is made here, not inside the capture
@@ -148,17 +151,19 @@ class DecodeGraphs:
                 self._pool = g.pool()
             graphs.append(g)
         torch.cuda.synchronize(self.device)
-        self._graphs[bs] = (graphs, state["h"])
+        self._graphs[(bs, lora)] = (graphs, state["h"])
         self.stats["graphs"] += len(graphs)
         self.stats["pool_bytes"] += max(0, torch.cuda.memory_reserved(self.device) - before)
         self.stats["capture_s"] += time.perf_counter() - t0
 
     def capture_all(self) -> None:
-        """Capture every size now, largest first (smaller graphs then reuse its pool memory)."""
+        """Capture every size now, largest first (smaller graphs then reuse its pool memory); with
+        and without the adapters' terms when the model serves adapters."""
         if self.capture:
             for bs in reversed(self.sizes):
-                if bs not in self._graphs:
-                    self._capture(bs)
+                for lora in (False, True) if self.lora is not None else (False,):
+                    if (bs, lora) not in self._graphs:
+                        self._capture(bs, lora)
 
     def run(self, ids, pos: list[int], slots: list[int], tables: list[list[int]], around=None,
             lora: list[int] | None = None) -> torch.Tensor:
@@ -172,12 +177,13 @@ class DecodeGraphs:
         n = len(pos)
         bs = self.size_for(n)
         pad = bs - n
-        if self.capture and bs not in self._graphs:
-            self._capture(bs)          # before the inputs go in: capture clobbers the buffers
+        key = (bs, self.lora is not None and lora is not None)
+        if self.capture and key not in self._graphs:
+            self._capture(*key)        # before the inputs go in: capture clobbers the buffers
         on_device = isinstance(ids, torch.Tensor)
         rows = [[0] * bs if on_device else ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad]
-        if self.lora is not None:
-            rows.append((lora or [-1] * n) + [-1] * pad)
+        if key[1]:
+            rows.append(lora + [-1] * pad)
         host = torch.tensor(rows, dtype=torch.long)
         width = max(map(len, tables))
         host = to_device(host, self.device)           # one copy each, never waiting for the stream
@@ -186,17 +192,17 @@ class DecodeGraphs:
             self.ids[:n].copy_(ids)
         self.pos[:bs].copy_(host[1])
         self.slots[:bs].copy_(host[2])
-        if self.lora is not None:
+        if key[1]:
             self.lora[:bs].copy_(host[3])
         self.bt[:n, :width].copy_(to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                          dtype=torch.int32), self.device))
         before, after = around or (lambda: None, lambda: None)
         if not self.capture:
             before()
-            h = self._run_segments(bs, self._meta(bs, tables), hook=True)[:n]
+            h = self._run_segments(bs, self._meta(bs, tables, key[1]), hook=True)[:n]
             after()
             return h
-        graphs, out = self._graphs[bs]
+        graphs, out = self._graphs[key]
         before()
         for j, g in enumerate(graphs):
             if j and self.model.mid_hook is not None:

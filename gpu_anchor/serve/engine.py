@@ -117,7 +117,8 @@ class Engine(Requests, TakeOver):
                            packed=st.packed)
         if (cfg.lora or cfg.runtime_lora) and cfg.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served with tensor parallelism (the adapters are not sharded)")
-        self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device, self.model._linear, cfg.max_lora_rank,
+        self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device,
+                                    self.model._linear if cfg.deterministic else None, cfg.max_lora_rank,
                                     cfg.max_loras, cfg.runtime_lora)
         self.lora_slots = self.model.lora.slots if self.model.lora is not None else {}
         self.adapter_records: dict[str, dict] = {}   # journal records of adapters it loaded again (take-over)

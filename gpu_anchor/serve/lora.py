@@ -15,10 +15,14 @@ server that answered with part of an adapter would be silently wrong.
 
 On the device (``Adapters``): every adapter is padded to the largest rank ``R`` and stacked, per
 (layer, projection), into ``A`` [S·R, in] and ``B`` [out, S·R] (the scaling folded into ``B``,
-zeros where an adapter does not target the projection).  A step's tokens carry their adapter's
-slot (``AttnMeta.lora``: -1 for none); ``mask`` turns it into a [T, S·R] 0/1 matrix once per
-forward, and each targeted projection adds ``((x Aᵀ) ⊙ mask) Bᵀ``: two small matmuls and a
-product a projection, the same shapes every step, so a CUDA graph replays them.  The adapters
+zeros where an adapter does not target the projection); the ``A`` of projections that read the
+same input (q/k/v, gate/up) are one tensor.  A step's tokens carry their adapter's slot
+(``AttnMeta.lora``: -1 for none); ``masks`` turns it into a 0/1 matrix once per forward, and each
+group of targeted projections adds ``((x Aᵀ) ⊙ mask) Bᵀ`` to its outputs: one matmul and one
+product a group, then one matmul a projection that also accumulates (vLLM's punica kernels do the
+same work in fewer launches).  The shapes are the same every step, so a CUDA graph replays them;
+a decode step whose tokens have no adapter replays a graph captured without them
+(``cuda_graphs.py``).  The adapters
 are read from their files at every engine start (they are megabytes; the base weights stay
 anchored), and a request's adapter name is part of its journal record, so a request resumed
 after a SIGKILL goes on with its adapter.
@@ -43,6 +47,9 @@ from dataclasses import dataclass
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# projections that read the same input, in the order a packed projection (packing.py) stacks them
+GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
+          ("down", ("down_proj",)))
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # adapter_config.json fields that change what the adapter computes, with the value that does not
 _PLAIN = {"use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False, "modules_to_save": None,
@@ -173,21 +180,43 @@ def _digest(tensors: dict) -> str:
 
 
 class Adapters:
-    """The served adapters on the device, stacked per (layer, projection) in ``capacity`` slots of
-    rank ``rank``; ``slots``: name -> slot.  ``shapes``: (layer, projection) -> (in, out) of every
-    projection an adapter may target (all of them when adapters are loaded at run time)."""
+    """The served adapters on the device, in ``capacity`` slots of rank ``rank``; ``slots``: name
+    -> slot.  ``shapes``: (layer, projection) -> (in, out) of every projection an adapter may
+    target (all of them when adapters are loaded at run time).  Projections that read the same
+    input (``GROUPS``) share one ``A`` [members·S·R, in], so that a group's tokens are multiplied
+    by every member's ``A`` in one matmul; each member keeps its own ``B`` [out, S·R].
+    ``linear``: the batch-invariant matmul of the deterministic mode (the terms are then computed
+    by it and added afterwards, so that a row does not depend on the batch); None: cuBLAS, whose
+    expansion accumulates into the projection's output in the same call."""
 
-    def __init__(self, shapes: dict, capacity: int, rank: int, dtype, device, linear) -> None:
+    def __init__(self, shapes: dict, capacity: int, rank: int, dtype, device, linear=None) -> None:
         import torch
         self.capacity, self.rank = capacity, rank
         self.slots: dict[str, int] = {}
         self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
+        import torch.nn.functional as F
         self._linear = linear
-        self.columns = torch.arange(capacity * rank, device=device) // rank     # each column's slot
-        self.stacked = {key: (torch.zeros(capacity * rank, i, dtype=dtype, device=device),
-                              torch.zeros(o, capacity * rank, dtype=dtype, device=device))
-                        for key, (i, o) in sorted(shapes.items())}
-        self.bytes = sum(t.numel() * t.element_size() for ab in self.stacked.values() for t in ab)
+        self._shrink = linear or F.linear
+        SR = capacity * rank
+        # (layer, group) -> (A, [(member's index in the group, its B)]); (layer, proj) -> (group key, row block)
+        self.groups: dict[tuple, tuple] = {}
+        self._where: dict[tuple, tuple] = {}
+        for layer in sorted({k[0] for k in shapes}):
+            for group, members in GROUPS:
+                present = [(j, p) for j, p in enumerate(members) if (layer, p) in shapes]
+                if not present:
+                    continue
+                A = torch.zeros(len(present) * SR, shapes[(layer, present[0][1])][0], dtype=dtype, device=device)
+                Bs = []
+                for block, (j, p) in enumerate(present):
+                    Bs.append((j, torch.zeros(shapes[(layer, p)][1], SR, dtype=dtype, device=device)))
+                    self._where[(layer, p)] = ((layer, group), block)
+                self.groups[(layer, group)] = (A, Bs)
+        # each column's slot, for groups of 1, 2 and 3 members (the mask of a step, ``masks``)
+        self._columns = {n: torch.arange(n * SR, device=device) // rank % capacity
+                         for n in {len(Bs) for _, Bs in self.groups.values()}}
+        self.bytes = sum(A.numel() * A.element_size() + sum(B.numel() * B.element_size() for _, B in Bs)
+                         for A, Bs in self.groups.values())
 
     @property
     def names(self) -> list[str]:
@@ -205,15 +234,17 @@ class Adapters:
                                f"adapter ({', '.join(self.slots)}); unload one or raise --max-loras")
         if adapter.rank > self.rank:
             raise AdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above --max-lora-rank {self.rank}")
-        missing = sorted(set(adapter.tensors) - set(self.stacked))
+        missing = sorted(set(adapter.tensors) - set(self._where))
         if missing:
             raise AdapterError(f"LoRA adapter {adapter.name!r}: layer {missing[0][0]}'s {missing[0][1]} has no room")
         i, R = free[0], self.rank
         self._clear(i)
         for key, (a, b) in adapter.tensors.items():
-            A, B = self.stacked[key]
-            A[i * R:i * R + a.shape[0]].copy_(a)
-            B[:, i * R:i * R + b.shape[1]].copy_(b)
+            group, block = self._where[key]
+            A, Bs = self.groups[group]
+            row = block * self.capacity * R + i * R
+            A[row:row + a.shape[0]].copy_(a)
+            Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b)
         self.slots[adapter.name] = i
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
         return i
@@ -229,21 +260,34 @@ class Adapters:
                           sort_keys=True).encode()
 
     def _clear(self, i: int) -> None:
-        R = self.rank
-        for A, B in self.stacked.values():
-            A[i * R:(i + 1) * R].zero_()
-            B[:, i * R:(i + 1) * R].zero_()
+        R, SR = self.rank, self.capacity * self.rank
+        for A, Bs in self.groups.values():
+            for block, (_, B) in enumerate(Bs):
+                A[block * SR + i * R:block * SR + (i + 1) * R].zero_()
+                B[:, i * R:(i + 1) * R].zero_()
 
-    def mask(self, rows, dtype):
-        """[T, S·R]: 1 where a column belongs to the token's adapter (``rows``: slot per token, -1 none)."""
-        return (rows[:, None] == self.columns[None, :]).to(dtype)
+    def masks(self, rows, dtype) -> dict:
+        """Members -> [T, members·S·R]: 1 where a column belongs to the token's adapter (``rows``:
+        slot per token, -1 none)."""
+        return {n: (rows[:, None] == c[None, :]).to(dtype) for n, c in self._columns.items()}
 
-    def add(self, y, x, layer: int, proj: str, mask):
-        """``y`` (the base projection of ``x``) plus the adapters' terms of its tokens."""
-        ab = self.stacked.get((layer, proj))
-        if ab is None or mask is None:
-            return y
-        return y + self._linear(self._linear(x, ab[0]) * mask, ab[1])
+    def add(self, outs: list, x, layer: int, group: str, masks) -> None:
+        """Add to each of ``outs`` (the group's projections of ``x``, in ``GROUPS`` order, [T, out]
+        each: views of a packed projection's output are fine) the adapters' terms of its tokens,
+        in place."""
+        g = self.groups.get((layer, group))
+        if g is None or masks is None:
+            return
+        A, Bs = g
+        SR = self.capacity * self.rank
+        t = self._shrink(x, A)
+        t.mul_(masks[len(Bs)])
+        for block, (j, B) in enumerate(Bs):
+            tj = t[:, block * SR:(block + 1) * SR]
+            if self._linear is None:
+                outs[j].addmm_(tj, B.t())
+            else:
+                outs[j].add_(self._linear(tj, B))
 
 
 def projection_shapes(weights: dict) -> dict:
@@ -337,7 +381,7 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
          runtime: bool = False) -> Adapters | None:
     """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``; ``capacity``: the slots
     (default: as many as adapters); ``runtime``: room for adapters loaded later (every projection,
-    rank ``max_rank``).  None when there is nothing to serve."""
+    rank ``max_rank``); ``linear``: as ``Adapters``.  None when there is nothing to serve."""
     if not modules and not runtime:
         return None
     adapters = [read(n, p, weights, max_rank) for n, p in modules]

@@ -275,13 +275,13 @@ class Model:
         if self.fused:
             return self._layers_fused(h, cos, sin, meta, lo, hi)
         w, T = self.w, h.shape[0]
-        lora, mask = self._lora(meta, h.dtype)
+        lora, masks = self._lora(meta, h.dtype)
         for i in range(lo, hi):
             p = f"model.layers.{i}."
             x = self._norm(h, w[p + "input_layernorm.weight"], self.eps)
             a = p + "self_attn."
-            q, k, v = (lora(self._linear(x, w[a + n + ".weight"], w.get(a + n + ".bias")), x, i, n, mask)
-                       for n in ("q_proj", "k_proj", "v_proj"))
+            q, k, v = (self._linear(x, w[a + n + ".weight"], w.get(a + n + ".bias")) for n in ("q_proj", "k_proj", "v_proj"))
+            lora([q, k, v], x, i, "qkv", masks)
             q, k, v = q.view(T, self.hq, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
             if a + "q_norm.weight" in w:
                 q = self._norm(q, w[a + "q_norm.weight"], self.eps)
@@ -290,49 +290,53 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             write_kv(self.kv[i], k, v, meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            h = h + lora(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")), o, i, "o_proj", mask)
+            o_out = self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            lora([o_out], o, i, "o", masks)
+            h = h + o_out
             x = self._norm(h, w[p + "post_attention_layernorm.weight"], self.eps)
             m = p + "mlp."
-            up = lora(self._linear(x, w[m + "up_proj.weight"]), x, i, "up_proj", mask)
-            y = self.act(lora(self._linear(x, w[m + "gate_proj.weight"]), x, i, "gate_proj", mask)) * up
-            h = h + lora(self._row(y, w[m + "down_proj.weight"], None), y, i, "down_proj", mask)
+            gate, up = self._linear(x, w[m + "gate_proj.weight"]), self._linear(x, w[m + "up_proj.weight"])
+            lora([gate, up], x, i, "gate_up", masks)
+            y = self.act(gate) * up
+            down = self._row(y, w[m + "down_proj.weight"], None)
+            lora([down], y, i, "down", masks)
+            h = h + down
         return h
 
     def _lora(self, meta: AttnMeta, dtype):
-        """``(add, mask)``: the adapters' ``add`` (``lora.py``) and this step's token mask, or a
-        pass-through when no adapter is served or no token of the step has one."""
+        """``(add, masks)``: the adapters' ``add`` (``lora.py``) and this step's token masks, or
+        nothing to add when no adapter is served or no token of the step has one."""
         if self.lora is None or meta.lora is None:
-            return (lambda y, x, layer, proj, mask: y), None
-        return self.lora.add, self.lora.mask(meta.lora, dtype)
+            return (lambda outs, x, layer, group, masks: None), None
+        return self.lora.add, self.lora.masks(meta.lora, dtype)
 
     def _layers_fused(self, h: torch.Tensor, cos, sin, meta: AttnMeta, lo: int, hi: int) -> torch.Tensor:
         """``layers`` with :mod:`.fused`'s kernels: each residual add is fused with the norm
         that follows it (the last layer's with nothing: a plain add)."""
         w, T = self.w, h.shape[0]
-        lora, mask = self._lora(meta, h.dtype)
+        lora, masks = self._lora(meta, h.dtype)
         x = fused.add_rms_norm(h, w[f"model.layers.{lo}.input_layernorm.weight"], self.eps)[1]
         for i in range(lo, hi):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             q, k, v = self._qkv(x, a, T)
-            if mask is not None:
-                q, k, v = (lora(t.reshape(T, -1), x, i, n, mask).view(t.shape)
-                           for t, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
+            lora([t.view(T, -1) for t in (q, k, v)], x, i, "qkv", masks)
             fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
                                      cos, sin, meta.positions, self.kv[i], meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            h, x = fused.add_rms_norm(lora(self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias")), o, i,
-                                           "o_proj", mask),
-                                      w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
+            o_out = self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
+            lora([o_out], o, i, "o", masks)
+            h, x = fused.add_rms_norm(o_out, w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
             m = p + "mlp."
             gate_up = self.packed.get(m + "gate_up_proj.weight")
             if gate_up is not None:
                 gate, up = self._linear(x, gate_up).chunk(2, dim=1)
             else:
                 gate, up = self._linear(x, w[m + "gate_proj.weight"]), self._linear(x, w[m + "up_proj.weight"])
-            gate, up = lora(gate, x, i, "gate_proj", mask), lora(up, x, i, "up_proj", mask)
+            lora([gate, up], x, i, "gate_up", masks)
             g = fused.silu_mul(gate, up)
-            y = lora(self._row(g, w[m + "down_proj.weight"], None), g, i, "down_proj", mask)
+            y = self._row(g, w[m + "down_proj.weight"], None)
+            lora([y], g, i, "down", masks)
             if i + 1 < hi:
                 h, x = fused.add_rms_norm(y, w[f"model.layers.{i + 1}.input_layernorm.weight"], self.eps, residual=h)
             else:
