@@ -5,8 +5,8 @@ layer (written as peft writes them), and the same engine without adapters, on th
 base weights, decode the same batch of requests, alternating, ``--rounds`` times each:
 
 - ``plain``: no adapter served (the baseline: what the server pays without ``--enable-lora``);
-- ``served, base requests``: the adapters served, no request uses one (the CUDA graphs still
-  compute the adapters' terms, zero for these rows; eager steps skip them);
+- ``served, base requests``: the adapters served, no request uses one (its steps replay the
+  graphs captured without the adapters' terms; eager steps skip them);
 - ``served, one adapter``: every request on the first adapter;
 - ``served, mixed``: request ``i`` on adapter ``i mod adapters``.
 
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
 
 def title(r: dict) -> str:
     return (f"Serving with LoRA adapters: the decode step ({r['model']} shape, {r['streams']} streams, "
-            f"{r['adapters']} adapters of rank {r['rank']}, {r['device']})")
+            f"{r['adapters']} adapters of rank {r['rank']}, {r['device']})"
+            + (f": {r['variant']}" if r.get("variant") else ""))
 
 
 def render(r: dict) -> str:

@@ -182,23 +182,30 @@ def _digest(tensors: dict) -> str:
 class Adapters:
     """The served adapters on the device, in ``capacity`` slots of rank ``rank``; ``slots``: name
     -> slot.  ``shapes``: (layer, projection) -> (in, out) of every projection an adapter may
-    target (all of them when adapters are loaded at run time).  Projections that read the same
-    input (``GROUPS``) share one ``A`` [members·S·R, in], so that a group's tokens are multiplied
-    by every member's ``A`` in one matmul; each member keeps its own ``B`` [out, S·R].
-    ``linear``: the batch-invariant matmul of the deterministic mode (the terms are then computed
-    by it and added afterwards, so that a row does not depend on the batch); None: cuBLAS, whose
-    expansion accumulates into the projection's output in the same call."""
+    target (all of them when adapters are loaded at run time); ``model``: the same for every
+    projection of the model.  Projections that read the same input (``GROUPS``) share one ``A``
+    [members·S·R, in] and one ``B`` [their outs, S·R] (each member's rows a view), so that a
+    group's terms take one matmul and one accumulating matmul a member (on the GPU: one matmul
+    and one ``lora_kernels`` launch).  ``linear``: the batch-invariant matmul of the
+    deterministic mode (the terms are then computed by it and added afterwards, so that a row
+    does not depend on the batch); None: cuBLAS or ``lora_kernels``."""
 
-    def __init__(self, shapes: dict, capacity: int, rank: int, dtype, device, linear=None) -> None:
+    def __init__(self, shapes: dict, capacity: int, rank: int, dtype, device, linear=None,
+                 model: dict | None = None) -> None:
         import torch
+        import torch.nn.functional as F
+
+        from . import lora_kernels
         self.capacity, self.rank = capacity, rank
         self.slots: dict[str, int] = {}
         self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
-        import torch.nn.functional as F
         self._linear = linear
         self._shrink = linear or F.linear
+        model = model or shapes
+        kernels = linear is None and lora_kernels.available(device, dtype)
         SR = capacity * rank
-        # (layer, group) -> (A, [(member's index in the group, its B)]); (layer, proj) -> (group key, row block)
+        # (layer, group) -> (A, [(member's index in the group, its B)], layout for lora_kernels or None);
+        # (layer, proj) -> (group key, its block among the group's stacked members)
         self.groups: dict[tuple, tuple] = {}
         self._where: dict[tuple, tuple] = {}
         for layer in sorted({k[0] for k in shapes}):
@@ -206,17 +213,27 @@ class Adapters:
                 present = [(j, p) for j, p in enumerate(members) if (layer, p) in shapes]
                 if not present:
                     continue
+                outs = [shapes[(layer, p)][1] for _, p in present]
                 A = torch.zeros(len(present) * SR, shapes[(layer, present[0][1])][0], dtype=dtype, device=device)
-                Bs = []
-                for block, (j, p) in enumerate(present):
-                    Bs.append((j, torch.zeros(shapes[(layer, p)][1], SR, dtype=dtype, device=device)))
+                B = torch.zeros(sum(outs), SR, dtype=dtype, device=device)
+                Bs, row = [], 0
+                for block, ((j, p), o) in enumerate(zip(present, outs)):
+                    Bs.append((j, B[row:row + o]))
                     self._where[(layer, p)] = ((layer, group), block)
-                self.groups[(layer, group)] = (A, Bs)
+                    row += o
+                lay = None
+                if kernels and all((layer, p) in model for p in members):
+                    stacked = {j: b for b, (j, _) in enumerate(present)}
+                    starts = dict(zip(stacked, [sum(outs[:b]) for b in range(len(outs))]))
+                    lay = lora_kernels.layout([model[(layer, p)][1] for p in members],
+                                              [stacked.get(j) for j in range(len(members))],
+                                              [starts.get(j, 0) for j in range(len(members))], device)
+                self.groups[(layer, group)] = (A, Bs, B, lay)
         # each column's slot, for groups of 1, 2 and 3 members (the mask of a step, ``masks``)
         self._columns = {n: torch.arange(n * SR, device=device) // rank % capacity
-                         for n in {len(Bs) for _, Bs in self.groups.values()}}
-        self.bytes = sum(A.numel() * A.element_size() + sum(B.numel() * B.element_size() for _, B in Bs)
-                         for A, Bs in self.groups.values())
+                         for n in {len(g[1]) for g in self.groups.values()}}
+        self.bytes = sum(g[0].numel() * g[0].element_size() + g[2].numel() * g[2].element_size()
+                         for g in self.groups.values())
 
     @property
     def names(self) -> list[str]:
@@ -241,7 +258,7 @@ class Adapters:
         self._clear(i)
         for key, (a, b) in adapter.tensors.items():
             group, block = self._where[key]
-            A, Bs = self.groups[group]
+            A, Bs = self.groups[group][:2]
             row = block * self.capacity * R + i * R
             A[row:row + a.shape[0]].copy_(a)
             Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b)
@@ -261,33 +278,55 @@ class Adapters:
 
     def _clear(self, i: int) -> None:
         R, SR = self.rank, self.capacity * self.rank
-        for A, Bs in self.groups.values():
+        for A, Bs, _, _ in self.groups.values():
             for block, (_, B) in enumerate(Bs):
                 A[block * SR + i * R:block * SR + (i + 1) * R].zero_()
                 B[:, i * R:(i + 1) * R].zero_()
 
     def masks(self, rows, dtype) -> dict:
-        """Members -> [T, members·S·R]: 1 where a column belongs to the token's adapter (``rows``:
-        slot per token, -1 none)."""
-        return {n: (rows[:, None] == c[None, :]).to(dtype) for n, c in self._columns.items()}
+        """This step's masks, computed once a forward: members -> [T, members·S·R], 1 where a
+        column belongs to the token's adapter (``rows``: slot per token, -1 none); ``"slots"``:
+        ``rows`` itself, which ``lora_kernels`` reads instead."""
+        out = {n: (rows[:, None] == c[None, :]).to(dtype) for n, c in self._columns.items()}
+        out["slots"] = rows
+        return out
 
     def add(self, outs: list, x, layer: int, group: str, masks) -> None:
         """Add to each of ``outs`` (the group's projections of ``x``, in ``GROUPS`` order, [T, out]
-        each: views of a packed projection's output are fine) the adapters' terms of its tokens,
-        in place."""
+        each) the adapters' terms of its tokens, in place.  When ``outs`` are consecutive column
+        ranges of one tensor (a packed projection's output) on the GPU, ``lora_kernels`` adds
+        them in one launch after the first matmul."""
+        from . import lora_kernels
         g = self.groups.get((layer, group))
         if g is None or masks is None:
             return
-        A, Bs = g
+        A, Bs, B, lay = g
         SR = self.capacity * self.rank
+        packed = _packed(outs) if lay is not None else None
+        if packed is not None and packed.shape[1] == lay.table.shape[0] * lay.block:
+            lora_kernels.expand_(packed, self._shrink(x, A), masks["slots"], B, lay, self.capacity, self.rank)
+            return
         t = self._shrink(x, A)
         t.mul_(masks[len(Bs)])
-        for block, (j, B) in enumerate(Bs):
+        for block, (j, Bj) in enumerate(Bs):
             tj = t[:, block * SR:(block + 1) * SR]
             if self._linear is None:
-                outs[j].addmm_(tj, B.t())
+                outs[j].addmm_(tj, Bj.t())
             else:
-                outs[j].add_(self._linear(tj, B))
+                outs[j].add_(self._linear(tj, Bj))
+
+
+def _packed(outs: list):
+    """The [T, sum of widths] tensor of which ``outs`` are consecutive column ranges, or None."""
+    first = outs[0]
+    if first.stride(-1) != 1:
+        return None
+    at = first.data_ptr()
+    for o in outs:
+        if o.stride() != first.stride() or o.data_ptr() != at or o.shape[0] != first.shape[0]:
+            return None
+        at += o.shape[1] * o.element_size()
+    return first.as_strided((first.shape[0], sum(o.shape[1] for o in outs)), first.stride())
 
 
 def projection_shapes(weights: dict) -> dict:
@@ -386,10 +425,11 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
         return None
     adapters = [read(n, p, weights, max_rank) for n, p in modules]
     capacity = capacity or len(adapters)
+    model = projection_shapes(weights)
     if runtime:
-        out = Adapters(projection_shapes(weights), capacity, max_rank, dtype, device, linear)
+        out = Adapters(model, capacity, max_rank, dtype, device, linear, model)
     else:
-        out = Adapters(_targeted(adapters), capacity, max(a.rank for a in adapters), dtype, device, linear)
+        out = Adapters(_targeted(adapters), capacity, max(a.rank for a in adapters), dtype, device, linear, model)
     for a in adapters:
         out.put(a)
     return out
