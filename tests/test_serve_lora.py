@@ -137,18 +137,21 @@ def test_what_cannot_be_served_is_refused_with_the_reason(models, tmp_path):
             L.parse_modules(bad)
 
 
-def test_the_server_serves_adapters_by_model_name_across_an_engine_kill(models, tmp_path, host_daemon):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_the_server_serves_adapters_by_model_name_across_an_engine_kill(models, tmp_path, host_daemon, tp):
     """``gpu-anchor serve --enable-lora --lora-modules``: ``/v1/models`` lists each adapter with
     its base as parent; the ``openai`` client asks for an adapter by name and gets peft's tokens,
     also on a stream whose engine is SIGKILLed in the middle (the adapter is in the request's
-    journal record); an unknown name is a 404 naming it."""
+    journal record); an unknown name is a 404 naming it.  ``tp2``: two ranks, each serving its
+    cut of the adapters; the kill takes the group down and both ranks load them again."""
     import openai
 
     from tests.test_serve_http import SERVE, _wait_up, stop_server, stream_across_engine_kill
     base, ads = models
     port = tmp_path / "port"
     proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", base, "--port", "0", "--port-file", str(port),
-                             "--socket", host_daemon[0], *SERVE, "--served-model-name", "tiny", "--enable-lora",
+                             "--socket", host_daemon[0], *SERVE, "--tensor-parallel-size", str(tp),
+                             "--served-model-name", "tiny", "--enable-lora",
                              "--lora-modules", f"all={ads['all']}", json.dumps({"name": "qv", "path": ads["qv"]})],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
     try:
@@ -194,6 +197,11 @@ def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
     assert r.returncode == 2 and "--lora-modules gives 2 adapters and --max-loras is 1" in r.stderr
     r = run("--enable-lora")
     assert r.returncode == 2 and "--enable-lora serves the adapters of --lora-modules, and none is given" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu", "--enable-lora",
+                        "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"))
+    assert r.returncode == 2 and "not loaded while serving with tensor parallelism yet; give them with " \
+        "--lora-modules" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.gpu

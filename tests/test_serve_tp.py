@@ -70,7 +70,10 @@ class _ThreadGroup:
         return torch.cat(self._exchange(logits), dim=1)
 
 
-def _forward(path, dtype, rank, n, tp):
+def _forward(path, dtype, rank, n, tp, adapters=(), lora_rows=None):
+    """The whole model's (``n`` = 1) or rank ``rank``'s logits and KV for a fixed mixed step;
+    ``adapters``: ``[(name, path)]`` served in slots 0.., ``lora_rows``: each token's slot."""
+    from gpu_anchor.serve import lora as L
     from gpu_anchor.serve import shards
     from gpu_anchor.serve.attention import step_inputs
     from gpu_anchor.serve.model_runner import Model, head_dim, load_config, load_weights, param_specs
@@ -84,9 +87,13 @@ def _forward(path, dtype, rank, n, tp):
     plan = {"ids": [5, 7, 9, 11, 13, 2, 3], "pos": [0, 1, 2, 3, 4, 0, 1], "slots": [0, 1, 2, 3, 4, 8, 9],
             "tseq": [0] * 5 + [1] * 2, "q_starts": [0, 5], "q_lens": [5, 2], "ctx": [5, 2], "tables": [[0, 1], [2]],
             "rows": [4, 6]}
+    if adapters:
+        plan["lora"] = lora_rows
     ids, meta, rows = step_inputs(plan, "cpu")
-    logits = Model(mc, w, kv, "cpu", tp=tp).forward(ids, meta, rows)
-    return logits, kv
+    model = Model(mc, w, kv, "cpu", tp=tp)
+    model.lora = L.load(list(adapters), w, dtype, "cpu", None, part=(rank, n),
+                        full=L.full_shapes(mc) if n > 1 else None)
+    return model.forward(ids, meta, rows), kv
 
 
 @pytest.mark.parametrize("family,kw", [("qwen2", {}), ("qwen3", {}), ("llama", {"tie_word_embeddings": True,
@@ -96,14 +103,21 @@ def test_sharded_forward_equals_the_whole_model(tmp_path, family, kw):
     does not split evenly (383 = 192 + 191).  Float64: equal to 1e-12; the KV cache of each
     rank is its KV heads' slice of the whole model's."""
     path = make_tiny_model(str(tmp_path / family), family, seed=1, **kw)
-    whole, whole_kv = _forward(path, torch.float64, 0, 1, None)
+    _sharded_equals_whole(path)
+
+
+def _sharded_equals_whole(path, **kw):
+    """``_forward`` on two ranks (threads) equals it on one: logits to 1e-12, each rank's KV its
+    heads' slice of the whole model's."""
+    whole, whole_kv = _forward(path, torch.float64, 0, 1, None, **kw)
     shared = {"barrier": threading.Barrier(2), "parts": {}}
     out, errors = {}, []
 
     def rank(r):
         try:
             from gpu_anchor.serve.model_runner import load_config
-            out[r] = _forward(path, torch.float64, r, 2, _ThreadGroup(r, 2, shared, load_config(path).vocab_size))
+            out[r] = _forward(path, torch.float64, r, 2, _ThreadGroup(r, 2, shared, load_config(path).vocab_size),
+                              **kw)
         except Exception as e:  # noqa: BLE001 — reported below
             errors.append(e)
             shared["barrier"].abort()
@@ -119,6 +133,22 @@ def test_sharded_forward_equals_the_whole_model(tmp_path, family, kw):
         for layer in range(len(kv)):
             mine = whole_kv[layer][:, :, :, r * hkv:(r + 1) * hkv]
             assert (kv[layer] - mine).abs().max().item() < 1e-12
+    return whole
+
+
+@pytest.mark.parametrize("rows", [[0] * 5 + [1] * 2, [-1] * 5 + [0] * 2], ids=["two-adapters", "base-and-one"])
+def test_sharded_lora_adapters_equal_the_whole_model(tmp_path, rows):
+    """peft adapters under two-way tensor parallelism: each rank serves its cut of them (``B``'s
+    rows of a column-parallel projection, ``A``'s columns of a row-parallel one, whose partial
+    terms join the partial output before the all-reduce); the logits equal one whole model's
+    with the same adapters, which differ from the base model's."""
+    pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
+    from test_serve_lora import make_models
+    base, ads = make_models(tmp_path)
+    adapters = [("all", ads["all"]), ("qv", ads["qv"])]
+    with_adapters = _sharded_equals_whole(base, adapters=adapters, lora_rows=rows)
+    plain = _forward(base, torch.float64, 0, 1, None)[0]
+    assert (with_adapters - plain).abs().max().item() > 1e-3
 
 
 def test_shard_rules_and_clear_errors(tmp_path):

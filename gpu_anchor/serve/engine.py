@@ -115,11 +115,7 @@ class Engine(Requests, TakeOver):
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
                            tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic,
                            packed=st.packed)
-        if (cfg.lora or cfg.runtime_lora) and cfg.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not served with tensor parallelism (the adapters are not sharded)")
-        self.model.lora = lora.load(cfg.lora, st.weights, self.dtype, self.device,
-                                    self.model._linear if cfg.deterministic else None, cfg.max_lora_rank,
-                                    cfg.max_loras, cfg.runtime_lora)
+        self.model.lora = lora.load_for(cfg, self.mc, st.weights, self.model, 0)
         self.lora_slots = self.model.lora.slots if self.model.lora is not None else {}
         self.adapter_records: dict[str, dict] = {}   # journal records of adapters it loaded again (take-over)
         if cfg.fault is not None:     # before any capture: with a hook, each graph is captured in two halves
@@ -192,12 +188,13 @@ class Engine(Requests, TakeOver):
         if not g.fits(len(work), max(map(len, tables))):
             return None
         ids, pos, slots = step_plan.decode_inputs(work, self.cfg.block_size, known=ahead_ids is None)
+        adapters = step_plan.lora_slots(work, self.lora_slots)
         t0 = time.perf_counter()
         if self.tp is not None:
             self.tp.send({"t": "graph", "step": index, "prefill": False, "ids": ids, "pos": pos, "slots": slots,
-                          "tables": tables})
+                          "tables": tables, "lora": adapters})
         h = g.run(ids if ahead_ids is None else ahead_ids, pos, slots, tables,
-                  around=(self._mark_launching, self._mark_launched), lora=step_plan.lora_slots(work, self.lora_slots))
+                  around=(self._mark_launching, self._mark_launched), lora=adapters)
         logits = self.model.head(h)
         self.step_times["prepare_inputs"] += t0 - self._t_mark
         self._t_mark = time.perf_counter()

@@ -388,14 +388,13 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
         if given:
             raise AdapterError("--lora-modules needs --enable-lora (as in vLLM)")
         return (), 0, False, 0
-    if (args.tensor_parallel_size or 1) > 1:
-        raise AdapterError("--enable-lora with --tensor-parallel-size > 1: the adapters are not sharded yet")
-    import torch
-
-    from .model_runner import param_specs
-    shapes = {n: torch.empty(shape, device="meta") for n, shape, _ in param_specs(mc, torch.float32)}
+    shapes = full_shapes(mc)
     modules = parse_modules(given)
     runtime = runtime_updating()
+    n = args.tensor_parallel_size or 1
+    if runtime and n > 1:
+        raise AdapterError(f"{RUNTIME_ENV} with --tensor-parallel-size > 1: adapters are not loaded while serving "
+                           "with tensor parallelism yet; give them with --lora-modules")
     if not modules and not runtime:
         raise AdapterError(f"--enable-lora serves the adapters of --lora-modules, and none is given (or set "
                            f"{RUNTIME_ENV}=True to load them while serving, as in vLLM)")
@@ -412,18 +411,54 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     if runtime:
         numel = stacked_numel(projection_shapes(shapes), capacity, args.max_lora_rank)
     else:
-        numel = stacked_numel(_targeted(adapters), capacity, max(a.rank for a in adapters))
+        numel = stacked_numel(shard_shapes(_targeted(adapters), n), capacity, max(a.rank for a in adapters))
     return tuple(modules), capacity, runtime, numel
 
 
+def full_shapes(mc) -> dict:
+    """{hf name: a meta tensor of the whole parameter's shape}: what ``read`` checks an adapter
+    against when the bound weights are one rank's shards."""
+    import torch
+
+    from .model_runner import param_specs
+    return {n: torch.empty(shape, device="meta") for n, shape, _ in param_specs(mc, torch.float32)}
+
+
+def shard(adapter: Adapter, rank: int, n: int) -> Adapter:
+    """Rank ``rank``'s part of ``adapter`` under ``n``-way tensor parallelism, cut as the base
+    weight is (``shards.py``): a column-parallel projection's ``B`` by output rows, a
+    row-parallel one's ``A`` by input columns (its partial terms then join the partial output
+    before the all-reduce: the sum is linear in them).  The digest stays the whole adapter's."""
+    from . import shards
+    if n == 1:
+        return adapter
+    out = {}
+    for (layer, proj), (a, b) in adapter.tensors.items():
+        name = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}.weight"
+        dim, lo, hi = shards.split(name, (b.shape[0], a.shape[1]), 0, rank, n)
+        out[(layer, proj)] = (a, b[lo:hi].contiguous()) if dim == 0 else (a[:, lo:hi].contiguous(), b)
+    return Adapter(adapter.name, adapter.path, adapter.rank, out, adapter.digest)
+
+
+def shard_shapes(shapes: dict, n: int) -> dict:
+    """``shapes`` ((layer, projection) -> (in, out)) as one rank of ``n`` holds them (``shard``)."""
+    from . import shards
+    return {(layer, p): ((i, o // n) if p in shards.COLUMN else (i // n, o)) for (layer, p), (i, o) in shapes.items()}
+
+
 def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capacity: int = 0,
-         runtime: bool = False) -> Adapters | None:
+         runtime: bool = False, part: tuple[int, int] = (0, 1), full: dict | None = None) -> Adapters | None:
     """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``; ``capacity``: the slots
     (default: as many as adapters); ``runtime``: room for adapters loaded later (every projection,
-    rank ``max_rank``); ``linear``: as ``Adapters``.  None when there is nothing to serve."""
+    rank ``max_rank``); ``linear``: as ``Adapters``; ``part``: (rank, ranks) of a tensor-parallel
+    group, whose ``weights`` are that rank's shards (``full``: ``full_shapes``, which the adapters
+    are checked against before each is cut).  None when there is nothing to serve."""
     if not modules and not runtime:
         return None
-    adapters = [read(n, p, weights, max_rank) for n, p in modules]
+    rank, n = part
+    if n > 1 and runtime:
+        raise AdapterError("adapters are not loaded while serving with tensor parallelism yet")
+    adapters = [shard(read(name, p, full if n > 1 else weights, max_rank), rank, n) for name, p in modules]
     capacity = capacity or len(adapters)
     model = projection_shapes(weights)
     if runtime:
@@ -433,3 +468,12 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
     for a in adapters:
         out.put(a)
     return out
+
+
+def load_for(cfg, mc, weights: dict, model, rank: int) -> Adapters | None:
+    """What rank ``rank`` of an engine (``EngineConfig`` ``cfg``; rank 0 without tensor
+    parallelism) serves: ``load`` of its adapters on ``model``'s device, dtype and matmul."""
+    n = cfg.tensor_parallel_size or 1
+    return load(cfg.lora, weights, weights["model.embed_tokens.weight"].dtype, model.device,
+                model._linear if cfg.deterministic else None, cfg.max_lora_rank, cfg.max_loras, cfg.runtime_lora,
+                part=(rank, n), full=full_shapes(mc) if n > 1 else None)

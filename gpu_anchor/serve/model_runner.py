@@ -290,17 +290,15 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             write_kv(self.kv[i], k, v, meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            o_out = self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
-            lora([o_out], o, i, "o", masks)
+            o_out = self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"),
+                              lambda y: lora([y], o, i, "o", masks))
             h = h + o_out
             x = self._norm(h, w[p + "post_attention_layernorm.weight"], self.eps)
             m = p + "mlp."
             gate, up = self._linear(x, w[m + "gate_proj.weight"]), self._linear(x, w[m + "up_proj.weight"])
             lora([gate, up], x, i, "gate_up", masks)
             y = self.act(gate) * up
-            down = self._row(y, w[m + "down_proj.weight"], None)
-            lora([down], y, i, "down", masks)
-            h = h + down
+            h = h + self._row(y, w[m + "down_proj.weight"], None, lambda d: lora([d], y, i, "down", masks))
         return h
 
     def _lora(self, meta: AttnMeta, dtype):
@@ -324,8 +322,8 @@ class Model:
             fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
                                      cos, sin, meta.positions, self.kv[i], meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
-            o_out = self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))
-            lora([o_out], o, i, "o", masks)
+            o_out = self._row(o, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"),
+                              lambda y: lora([y], o, i, "o", masks))
             h, x = fused.add_rms_norm(o_out, w[p + "post_attention_layernorm.weight"], self.eps, residual=h)
             m = p + "mlp."
             gate_up = self.packed.get(m + "gate_up_proj.weight")
@@ -335,8 +333,7 @@ class Model:
                 gate, up = self._linear(x, w[m + "gate_proj.weight"]), self._linear(x, w[m + "up_proj.weight"])
             lora([gate, up], x, i, "gate_up", masks)
             g = fused.silu_mul(gate, up)
-            y = self._row(g, w[m + "down_proj.weight"], None)
-            lora([y], g, i, "down", masks)
+            y = self._row(g, w[m + "down_proj.weight"], None, lambda d: lora([d], g, i, "down", masks))
             if i + 1 < hi:
                 h, x = fused.add_rms_norm(y, w[f"model.layers.{i + 1}.input_layernorm.weight"], self.eps, residual=h)
             else:
@@ -354,12 +351,19 @@ class Model:
             q, k, v = (self._linear(x, w[a + n + ".weight"], w.get(a + n + ".bias")) for n in ("q_proj", "k_proj", "v_proj"))
         return q.view(T, self.hq, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
 
-    def _row(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    def _row(self, x: torch.Tensor, weight: torch.Tensor, bias, terms=None) -> torch.Tensor:
         """A row-parallel linear (o_proj, down_proj): each rank's partial product, summed over
-        the ranks; the (replicated) bias is added once, after the sum."""
+        the ranks; the (replicated) bias is added once, after the sum.  ``terms(y)`` adds the
+        LoRA adapters' terms in place, to the partial product (the rank's part of them)."""
         if self.tp is None:
-            return self._linear(x, weight, bias)
-        y = self.tp.all_reduce(self._linear(x, weight))
+            y = self._linear(x, weight, bias)
+            if terms is not None:
+                terms(y)
+            return y
+        y = self._linear(x, weight)
+        if terms is not None:
+            terms(y)
+        y = self.tp.all_reduce(y)
         return y if bias is None else y + bias
 
     @torch.no_grad()

@@ -10,6 +10,9 @@ Megatron-style sharding of a Llama / Qwen2 / Qwen3 decoder over ``N`` ranks, one
 | ``embed_tokens``, ``lm_head`` | vocabulary (dim 0) | tokens ``[r·c, (r+1)·c)``, ``c = ceil(V / N)`` | embedding: masked lookup + all-reduce; lm_head: all-gather of the logits |
 | norms, ``q_norm`` / ``k_norm``, ``o_proj.bias`` | replicated | all of it | — |
 
+LoRA adapters are cut as their projection is (``lora.shard``): a column-parallel one's ``B`` by
+output rows, a row-parallel one's ``A`` by input columns, the other factor whole.
+
 The KV cache follows the K/V projections: rank ``r`` keeps KV heads
 ``[r·Hkv/N, (r+1)·Hkv/N)`` and the query heads of their GQA groups, so attention needs no
 communication.  A tied ``lm_head`` is the embedding shard itself.  Vocabulary-parallel

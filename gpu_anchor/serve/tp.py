@@ -226,6 +226,7 @@ def fault_due(fault, phase: str, step: int, exact: bool = True) -> bool:
 def serve_rank(cfg) -> None:
     """A rank > 0 of the group, for its whole life: start up with rank 0, then follow plans
     until rank 0 says ``stop`` (exit 0) or goes away (``PeerLost``: exit 1)."""
+    from . import lora
     from .cuda_graphs import decode_graphs
     from .engine import DTYPES
     from .model_runner import Model, load_config
@@ -246,6 +247,7 @@ def serve_rank(cfg) -> None:
     link.send({"t": "ready", "rank": cfg.rank, "why": why, "init_s": time.perf_counter() - t0})
     model = Model(mc, st.weights, st.kv, device, max_positions=cfg.max_model_len, tp=group,
                   deterministic=cfg.deterministic, packed=st.packed)
+    model.lora = lora.load_for(cfg, mc, st.weights, model, cfg.rank)
     graphs = decode_graphs(cfg, model, device, dtype)
     msg = link.recv()
     if msg["t"] != "go":
@@ -277,7 +279,7 @@ def serve_rank(cfg) -> None:
             die_if("between_steps")
             prefill[0] = msg["prefill"]
             if t == "graph":
-                model.head(graphs.run(msg["ids"], msg["pos"], msg["slots"], msg["tables"]))
+                model.head(graphs.run(msg["ids"], msg["pos"], msg["slots"], msg["tables"], lora=msg.get("lora")))
             else:
                 ids, meta, rows = step_inputs(msg, device)
                 model.forward(ids, meta, rows)
