@@ -194,18 +194,21 @@ def _restored_with_its_adapter(tmp_path) -> None:
     assert "is not served by this engine" not in text and "could not be loaded again" not in text, text[-3000:]
 
 
-def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine_kill(models, tmp_path, host_daemon):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine_kill(models, tmp_path, host_daemon,
+                                                                                      tp):
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True gpu-anchor serve --enable-lora --max-loras 1``, no
     adapter at start: ``/v1/load_lora_adapter`` adds one (listed by ``/v1/models``, served by name
     with peft's tokens), a stream on it goes on across an engine SIGKILL (the new engine is given
     the adapter again before the open requests), ``/v1/unload_lora_adapter`` removes it; every
-    bad call is refused naming why, and nothing changes then."""
+    bad call is refused naming why, and nothing changes then.  ``tp2``: rank 1 follows each load
+    and unload, and after the kill loads the adapter again from rank 0's table."""
     import openai
 
     from tests.test_serve_http import stop_server, stream_across_engine_kill
     base, ads = models
     want = _peft_greedy(base, ads["all"], [PROMPTS[0]], 24)[0]
-    proc, url = _server(base, tmp_path, host_daemon[0], "--max-loras", "1")
+    proc, url = _server(base, tmp_path, host_daemon[0], "--max-loras", "1", "--tensor-parallel-size", str(tp))
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]

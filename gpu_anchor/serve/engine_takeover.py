@@ -71,7 +71,7 @@ class TakeOver:
             report("restore")
             self._restore(journal, why)
         if self.tp is not None:     # the decision is committed: the other ranks may record their layout
-            self.tp.send({"t": "go"})
+            self.tp.send({"t": "go", "lora": lora.runtime_table(self.model.lora)})
         self.timings["restore_s"] = time.perf_counter() - t3
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
@@ -192,7 +192,7 @@ class TakeOver:
                 continue
             seen[name] = r
             try:
-                ads.put(lora.read(name, r["path"], self.state.weights, self.cfg.max_lora_rank), slot=r["slot"],
+                ads.put(lora.read_for(self.cfg, self.mc, self.state.weights, name, r["path"], 0), slot=r["slot"],
                         runtime=True)
                 log.info("LoRA adapter %r (loaded while serving) read again from %s", name, r["path"])
             except Exception as e:      # noqa: BLE001 — unreadable now: its requests are recomputed, named

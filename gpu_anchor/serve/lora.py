@@ -392,9 +392,6 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     modules = parse_modules(given)
     runtime = runtime_updating()
     n = args.tensor_parallel_size or 1
-    if runtime and n > 1:
-        raise AdapterError(f"{RUNTIME_ENV} with --tensor-parallel-size > 1: adapters are not loaded while serving "
-                           "with tensor parallelism yet; give them with --lora-modules")
     if not modules and not runtime:
         raise AdapterError(f"--enable-lora serves the adapters of --lora-modules, and none is given (or set "
                            f"{RUNTIME_ENV}=True to load them while serving, as in vLLM)")
@@ -409,7 +406,7 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
                            "otherwise")
     adapters = [read(n, p, shapes, args.max_lora_rank) for n, p in modules]
     if runtime:
-        numel = stacked_numel(projection_shapes(shapes), capacity, args.max_lora_rank)
+        numel = stacked_numel(shard_shapes(projection_shapes(shapes), n), capacity, args.max_lora_rank)
     else:
         numel = stacked_numel(shard_shapes(_targeted(adapters), n), capacity, max(a.rank for a in adapters))
     return tuple(modules), capacity, runtime, numel
@@ -456,8 +453,6 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
     if not modules and not runtime:
         return None
     rank, n = part
-    if n > 1 and runtime:
-        raise AdapterError("adapters are not loaded while serving with tensor parallelism yet")
     adapters = [shard(read(name, p, full if n > 1 else weights, max_rank), rank, n) for name, p in modules]
     capacity = capacity or len(adapters)
     model = projection_shapes(weights)
@@ -477,3 +472,37 @@ def load_for(cfg, mc, weights: dict, model, rank: int) -> Adapters | None:
     return load(cfg.lora, weights, weights["model.embed_tokens.weight"].dtype, model.device,
                 model._linear if cfg.deterministic else None, cfg.max_lora_rank, cfg.max_loras, cfg.runtime_lora,
                 part=(rank, n), full=full_shapes(mc) if n > 1 else None)
+
+
+def read_for(cfg, mc, weights: dict, name: str, path: str, rank: int) -> Adapter:
+    """``read`` for rank ``rank`` of an engine: checked against the whole model, then its cut."""
+    n = cfg.tensor_parallel_size or 1
+    return shard(read(name, path, full_shapes(mc) if n > 1 else weights, cfg.max_lora_rank), rank, n)
+
+
+def runtime_table(ads: Adapters | None) -> list:
+    """``[[name, path, slot, digest]]`` of the adapters loaded while serving: what rank 0 sends
+    the other ranks of a tensor-parallel group after each change (``follow_table``)."""
+    if ads is None:
+        return []
+    return [[n, path, ads.slots[n], digest] for n, (path, digest, runtime) in ads.served.items() if runtime]
+
+
+def follow_table(ads: Adapters | None, table: list, read_one) -> None:
+    """A rank > 0: serve the adapters loaded while serving that rank 0's ``table`` names, in its
+    slots, and no other (``read_one(name, path)``: this rank's cut of the file).  Raises
+    ``AdapterError`` when a file's tensors are not what rank 0 read (their digest): the ranks
+    would serve different weights, so the rank stops and the group starts again."""
+    if ads is None:
+        return
+    want = {n: (path, slot, digest) for n, path, slot, digest in table}
+    for name, (path, digest, runtime) in list(ads.served.items()):
+        if runtime and want.get(name) != (path, ads.slots[name], digest):
+            ads.remove(name)
+    for name, (path, slot, digest) in want.items():
+        if name not in ads.served:
+            adapter = read_one(name, path)
+            if adapter.digest != digest:
+                raise AdapterError(f"LoRA adapter {name!r}: the tensors at {path} are not the ones rank 0 read "
+                                   f"(digest {adapter.digest[:12]}, rank 0's {digest[:12]}): changed in between")
+            ads.put(adapter, slot, runtime=True)

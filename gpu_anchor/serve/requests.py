@@ -110,10 +110,11 @@ class Requests:
                                     f"{lora.RUNTIME_ENV}=True")
         if name in ads.slots:
             raise lora.AdapterError(f"LoRA adapter {name!r} is already loaded")
-        adapter = lora.read(name, path, self.state.weights, self.cfg.max_lora_rank)
+        adapter = lora.read_for(self.cfg, self.mc, self.state.weights, name, path, 0)
         ads.put(adapter, runtime=True)
         prefix_cache.adapter_loaded(self.blocks, name, adapter.digest)
         self.commits.write_now({C.LORA + name: ads.record(name)})
+        self._adapters_to_ranks()
 
     def unload_lora_adapter(self, name: str) -> None:
         """vLLM's ``/v1/unload_lora_adapter``; refused while a request uses the adapter."""
@@ -127,6 +128,13 @@ class Requests:
         ads.remove(name)
         self.blocks.adapter_tags.pop(name, None)
         self.commits.write_now({}, [C.LORA + name])
+        self._adapters_to_ranks()
+
+    def _adapters_to_ranks(self) -> None:
+        """The other ranks of a tensor-parallel group follow the adapters loaded while serving
+        (``lora.follow_table``), before the next step's plan reaches them."""
+        if self.tp is not None:
+            self.tp.send({"t": "lora", "adapters": lora.runtime_table(self.model.lora)})
 
     def sync_lora_adapters(self, table) -> list[tuple[str, str]]:
         """The frontend's adapters loaded while serving, ``[(name, path)]`` in load order, sent to

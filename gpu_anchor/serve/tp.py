@@ -253,6 +253,9 @@ def serve_rank(cfg) -> None:
     if msg["t"] != "go":
         raise PeerLost(f"rank 0 sent {msg['t']!r} before 'go'")
     st.record_layout()          # only now: rank 0's journal holds the decision this layout stands for
+    follow = lambda table: lora.follow_table(        # noqa: E731
+        model.lora, table, lambda name, path: lora.read_for(cfg, mc, st.weights, name, path, cfg.rank))
+    follow(msg.get("lora", []))
     fault, step = cfg.fault, [0]
 
     def die_if(phase: str) -> None:
@@ -274,6 +277,9 @@ def serve_rank(cfg) -> None:
             if t == "capture_all":
                 if graphs is not None:
                     graphs.capture_all()
+                continue
+            if t == "lora":
+                follow(msg["adapters"])
                 continue
             step[0] = msg["step"]
             die_if("between_steps")
