@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from gpu_anchor.serve import lora as L
+from gpu_anchor.serve import lora_slots
 from gpu_anchor.testing.tiny import make_tiny_model
 
 pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
@@ -290,7 +291,7 @@ def test_the_kv_cache_sizing_counts_the_adapters_stacked_tensors(models):
                               tensor_parallel_size=1, max_lora_rank=16, max_loras=None)
     mc = load_config(base)
     modules, capacity, runtime, numel = L.from_options(args, mc, "tiny")
-    stacked = L.load(modules, weights, weights["model.norm.weight"].dtype, "cpu", None, 16, capacity, runtime)
+    stacked = lora_slots.load(modules, weights, weights["model.norm.weight"].dtype, "cpu", None, 16, capacity, runtime)
     assert numel * 4 == stacked.bytes and not runtime
     mc = load_config(base)
     args = argparse.Namespace(tensor_parallel_size=1, block_size=4, num_blocks=None, kv_cache_gib=None,

@@ -1,4 +1,4 @@
-"""The LoRA terms of a group of projections (``lora.Adapters.add``) against a per-token reference:
+"""The LoRA terms of a group of projections (``lora_slots.Adapters.add``) against a per-token reference:
 the torch path (CPU, unpacked outputs, widths no kernel block divides) and ``lora_kernels``'
 launch (interpreted by Triton on the CPU when it is installed; natively on a GPU)."""
 import os
@@ -12,6 +12,7 @@ from test_serve_attention import INTERP
 CASE = '''
 import torch
 from gpu_anchor.serve import lora as L
+from gpu_anchor.serve import lora_slots as LS
 
 
 def case(device, dtype, seed, tokens=9, capacity=3, rank=4, K=48, widths=(("q_proj", 32), ("k_proj", 16),
@@ -26,7 +27,7 @@ def case(device, dtype, seed, tokens=9, capacity=3, rank=4, K=48, widths=(("q_pr
         ads[slot] = L.Adapter(f"a{slot}", "/x", r, {(0, p): (torch.randn(r, K, generator=g),
                                                             torch.randn(o, r, generator=g) / 4)
                                                    for p, o in widths if p in targeted})
-    ad = L.Adapters({k: v for k, v in model.items() if k[1] in targeted}, capacity, rank, dtype, device, None, model)
+    ad = LS.Adapters({k: v for k, v in model.items() if k[1] in targeted}, capacity, rank, dtype, device, None, model)
     for slot, a in ads.items():
         ad.put(a, slot)
     x = torch.randn(tokens, K, generator=g).to(dtype)

@@ -74,6 +74,7 @@ def _forward(path, dtype, rank, n, tp, adapters=(), lora_rows=None):
     """The whole model's (``n`` = 1) or rank ``rank``'s logits and KV for a fixed mixed step;
     ``adapters``: ``[(name, path)]`` served in slots 0.., ``lora_rows``: each token's slot."""
     from gpu_anchor.serve import lora as L
+    from gpu_anchor.serve import lora_slots
     from gpu_anchor.serve import shards
     from gpu_anchor.serve.attention import step_inputs
     from gpu_anchor.serve.model_runner import Model, head_dim, load_config, load_weights, param_specs
@@ -91,7 +92,7 @@ def _forward(path, dtype, rank, n, tp, adapters=(), lora_rows=None):
         plan["lora"] = lora_rows
     ids, meta, rows = step_inputs(plan, "cpu")
     model = Model(mc, w, kv, "cpu", tp=tp)
-    model.lora = L.load(list(adapters), w, dtype, "cpu", None, part=(rank, n),
+    model.lora = lora_slots.load(list(adapters), w, dtype, "cpu", None, part=(rank, n),
                         full=L.full_shapes(mc) if n > 1 else None)
     return model.forward(ids, meta, rows), kv
 

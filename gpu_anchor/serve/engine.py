@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from . import lora, step_plan, step_sampling
+from . import lora_slots, step_plan, step_sampling
 from .anchor import Anchor
 from .async_step import Launched, RunAhead
 from .attention import step_inputs
@@ -115,7 +115,7 @@ class Engine(Requests, TakeOver):
         self.model = Model(self.mc, st.weights, st.kv, self.device, max_positions=cfg.max_model_len,
                            tp=self.tp.group if self.tp is not None else None, deterministic=cfg.deterministic,
                            packed=st.packed)
-        self.model.lora = lora.load_for(cfg, self.mc, st.weights, self.model, 0)
+        self.model.lora = lora_slots.load_for(cfg, self.mc, st.weights, self.model, 0)
         self.lora_slots = self.model.lora.slots if self.model.lora is not None else {}
         self.adapter_records: dict[str, dict] = {}   # journal records of adapters it loaded again (take-over)
         if cfg.fault is not None:     # before any capture: with a hook, each graph is captured in two halves

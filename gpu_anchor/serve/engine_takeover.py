@@ -16,7 +16,7 @@ import time
 import torch
 
 from . import commit as C
-from . import lora, prefix_cache
+from . import lora, lora_slots, prefix_cache
 from .async_step import RunAhead
 from .block_manager import BlockManager
 from .model_runner import eos_token_ids
@@ -71,7 +71,7 @@ class TakeOver:
             report("restore")
             self._restore(journal, why)
         if self.tp is not None:     # the decision is committed: the other ranks may record their layout
-            self.tp.send({"t": "go", "lora": lora.runtime_table(self.model.lora)})
+            self.tp.send({"t": "go", "lora": lora_slots.runtime_table(self.model.lora)})
         self.timings["restore_s"] = time.perf_counter() - t3
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []

@@ -1,6 +1,6 @@
 """A Triton kernel for the LoRA terms of a decode step: one launch per group of projections.
 
-``lora.Adapters`` computes, for a group of projections that read the same input ``x`` (q/k/v,
+``lora_slots.Adapters`` computes, for a group of projections that read the same input ``x`` (q/k/v,
 o, gate/up, down) and whose outputs are consecutive column ranges of one packed output ``y``:
 
     t = (x Aᵀ) ⊙ mask          A [members·S·R, in]: every member's slots, stacked

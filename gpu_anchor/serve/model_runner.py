@@ -302,7 +302,7 @@ class Model:
         return h
 
     def _lora(self, meta: AttnMeta, dtype):
-        """``(add, masks)``: the adapters' ``add`` (``lora.py``) and this step's token masks, or
+        """``(add, masks)``: the adapters' ``add`` (``lora_slots.py``) and this step's token masks, or
         nothing to add when no adapter is served or no token of the step has one."""
         if self.lora is None or meta.lora is None:
             return (lambda outs, x, layer, group, masks: None), None
@@ -392,4 +392,4 @@ class Model:
         return self.head(h[sample_rows])
 
     mid_hook = None   # fault injection: called once per forward, halfway through the layers
-    lora = None       # lora.Adapters, when the engine serves adapters
+    lora = None       # lora_slots.Adapters, when the engine serves adapters

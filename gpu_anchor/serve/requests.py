@@ -16,7 +16,7 @@ import logging
 import random
 
 from . import commit as C
-from . import lora, prefix_cache
+from . import lora, lora_slots, prefix_cache
 from .sampling import token_logprobs
 from .sequence import SamplingParams, Sequence, Status
 
@@ -132,9 +132,9 @@ class Requests:
 
     def _adapters_to_ranks(self) -> None:
         """The other ranks of a tensor-parallel group follow the adapters loaded while serving
-        (``lora.follow_table``), before the next step's plan reaches them."""
+        (``lora_slots.follow_table``), before the next step's plan reaches them."""
         if self.tp is not None:
-            self.tp.send({"t": "lora", "adapters": lora.runtime_table(self.model.lora)})
+            self.tp.send({"t": "lora", "adapters": lora_slots.runtime_table(self.model.lora)})
 
     def sync_lora_adapters(self, table) -> list[tuple[str, str]]:
         """The frontend's adapters loaded while serving, ``[(name, path)]`` in load order, sent to

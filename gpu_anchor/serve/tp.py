@@ -226,7 +226,7 @@ def fault_due(fault, phase: str, step: int, exact: bool = True) -> bool:
 def serve_rank(cfg) -> None:
     """A rank > 0 of the group, for its whole life: start up with rank 0, then follow plans
     until rank 0 says ``stop`` (exit 0) or goes away (``PeerLost``: exit 1)."""
-    from . import lora
+    from . import lora, lora_slots
     from .cuda_graphs import decode_graphs
     from .engine import DTYPES
     from .model_runner import Model, load_config
@@ -247,13 +247,13 @@ def serve_rank(cfg) -> None:
     link.send({"t": "ready", "rank": cfg.rank, "why": why, "init_s": time.perf_counter() - t0})
     model = Model(mc, st.weights, st.kv, device, max_positions=cfg.max_model_len, tp=group,
                   deterministic=cfg.deterministic, packed=st.packed)
-    model.lora = lora.load_for(cfg, mc, st.weights, model, cfg.rank)
+    model.lora = lora_slots.load_for(cfg, mc, st.weights, model, cfg.rank)
     graphs = decode_graphs(cfg, model, device, dtype)
     msg = link.recv()
     if msg["t"] != "go":
         raise PeerLost(f"rank 0 sent {msg['t']!r} before 'go'")
     st.record_layout()          # only now: rank 0's journal holds the decision this layout stands for
-    follow = lambda table: lora.follow_table(        # noqa: E731
+    follow = lambda table: lora_slots.follow_table(        # noqa: E731
         model.lora, table, lambda name, path: lora.read_for(cfg, mc, st.weights, name, path, cfg.rank))
     follow(msg.get("lora", []))
     fault, step = cfg.fault, [0]
