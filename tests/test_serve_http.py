@@ -255,10 +255,11 @@ class _Choice:
         self.text, self.ids, self.lps, self.finish = "", [], [], None
 
 
-def stream_across_engine_kill(base: str, open_stream, after: int = 3) -> list:
+def stream_across_engine_kill(base: str, open_stream, after: int = 3, victim=None) -> list:
     """Read the stream ``open_stream()`` returns (an iterable) in a thread; once ``after`` items
-    came, SIGKILL the server's engine from outside.  Returns every item of the stream, having
-    checked that it was still open at the kill, ended without error, and that another engine serves."""
+    came, SIGKILL the server's engine from outside (``victim(engine pid)``: the pid to kill instead,
+    another rank of its group).  Returns every item of the stream, having checked that it was
+    still open at the kill, ended without error, and that another engine serves."""
     items, ended, failed = [], [], []
 
     def read():
@@ -275,7 +276,7 @@ def stream_across_engine_kill(base: str, open_stream, after: int = 3) -> list:
         assert time.time() < deadline and t.is_alive(), f"the stream did not start ({failed})"
         time.sleep(0.005)
     pid = json.loads(_get(base + "/health")[1])["engine_pid"]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(victim(pid) if victim is not None else pid, signal.SIGKILL)
     open_at_kill = t.is_alive()
     t.join(180)
     assert not failed and ended, failed or "the stream did not end"

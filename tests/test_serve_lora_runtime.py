@@ -194,6 +194,16 @@ def _restored_with_its_adapter(tmp_path) -> None:
     assert "is not served by this engine" not in text and "could not be loaded again" not in text, text[-3000:]
 
 
+def _other_rank(engine_pid: int) -> int:
+    """The pid of rank 1 of the engine group whose rank 0 is ``engine_pid`` (the job records)."""
+    from gpu_anchor.launch import jobstate
+    for job in jobstate.load_all():
+        ranks = {int(r): info["pid"] for r, info in (job.get("ranks") or {}).items()}
+        if ranks.get(0) == engine_pid and 1 in ranks:
+            return ranks[1]
+    raise AssertionError(f"no engine group with rank 0 at pid {engine_pid}")
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine_kill(models, tmp_path, host_daemon,
                                                                                       tp):
@@ -202,7 +212,8 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
     with peft's tokens), a stream on it goes on across an engine SIGKILL (the new engine is given
     the adapter again before the open requests), ``/v1/unload_lora_adapter`` removes it; every
     bad call is refused naming why, and nothing changes then.  ``tp2``: rank 1 follows each load
-    and unload, and after the kill loads the adapter again from rank 0's table."""
+    and unload, and after each kill (of rank 0, then of rank 1 alone) loads the adapter again from
+    rank 0's table."""
     import openai
 
     from tests.test_serve_http import stop_server, stream_across_engine_kill
@@ -225,6 +236,10 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
         items = stream_across_engine_kill(url, lambda: ask(stream=True))
         assert [int(t.split(":")[1]) for x in items for t in (x.choices[0].logprobs.tokens if x.choices else [])] == want
         _restored_with_its_adapter(tmp_path)
+        if tp == 2:          # rank 1 alone: the group starts again, and rank 1 loads the adapter from the table
+            items = stream_across_engine_kill(url, lambda: ask(stream=True), victim=_other_rank)
+            assert [int(t.split(":")[1]) for x in items
+                    for t in (x.choices[0].logprobs.tokens if x.choices else [])] == want
         for body, status_want, why in (
                 ({"lora_name": "all", "lora_path": ads["qv"]}, 400, "already been loaded"),
                 ({"lora_name": "qv", "lora_path": ads["qv"]}, 400, "every one of the 1 slot(s) holds an adapter"),
