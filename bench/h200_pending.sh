@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks this tree still owes (stop 55 got no device), one H200 or H100 call each, <= 10 min:
+# The serving and training GPU checks, one H200 or H100 call each, <= 10 min (all three parts last
+# passed on one H100 on 2026-12-06 at b6d4686; LoRA's tests and the serve engine's, fused and
+# deterministic ones again on one H200 at 243e721):
 #   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then PART=train, PART=bench
 # - serve: the serving GPU tests at this tree (the engine split into step_sampling / engine_takeover,
 #   structured output's standby warm-up, LoRA through the fused kernels and the CUDA graphs, prefix
@@ -31,7 +33,7 @@ part() {   # name, timeout (s), command...
 }
 case ${PART:-serve} in
 serve)
-  part serve 560 python -m pytest -v -m gpu -p no:cacheprovider --durations=8 tests/test_serve_prefix_cache.py tests/test_serve_lora.py \
+  part serve 560 python -m pytest -v -m gpu -p no:cacheprovider --durations=8 tests/test_serve_prefix_cache.py tests/test_serve_lora.py tests/test_serve_lora_kernels.py \
     tests/test_serve_gpu.py tests/test_serve_structured.py tests/test_takeover_fences.py \
     tests/test_serve_hot_standby.py tests/test_serve_api.py tests/test_serve_async.py tests/test_serve_sampling.py \
     tests/test_serve_fused.py tests/test_serve_attention.py tests/test_serve_daemon_loss.py \
