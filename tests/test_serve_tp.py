@@ -493,3 +493,31 @@ def test_two_gpus_nccl_rank_kills_token_identical(serve, tmp_path, mode):
         for dev in ("cuda:0", "cuda:1"):          # the daemons serve started hold GPU memory: stop them
             if control.ping(dev, default_socket(dev)) is not None:
                 control.stop(dev, default_socket(dev))
+
+
+def test_a_rank_follows_rank_0s_adapter_table_or_stops_naming_why(tmp_path):
+    """``lora_slots.follow_table`` on a rank > 0: it loads what rank 0's table names into the
+    same slot, drops what the table no longer names, and raises, naming the adapter, when the
+    file's tensors are not what rank 0 read or rank 0's slot is taken here."""
+    pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
+    from safetensors.torch import load_file
+
+    from gpu_anchor.serve import lora as L
+    from gpu_anchor.serve import lora_slots
+    from test_serve_lora import make_models
+    base, ads = make_models(tmp_path)
+    w = load_file(os.path.join(base, "model.safetensors"))
+    read = lambda name, path: L.read(name, path, w, 16)          # noqa: E731
+    digest = {n: read(n, p).digest for n, p in ads.items()}
+    mine = lora_slots.load([], w, torch.float32, "cpu", None, 16, 2, runtime=True)
+    lora_slots.follow_table(mine, [["qv", ads["qv"], 1, digest["qv"]]], read)
+    assert mine.slots == {"qv": 1}
+    lora_slots.follow_table(mine, [["all", ads["all"], 0, digest["all"]]], read)
+    assert mine.slots == {"all": 0}
+    with pytest.raises(L.AdapterError, match="'qv': the tensors at .* are not the ones rank 0 read"):
+        lora_slots.follow_table(mine, [["all", ads["all"], 0, digest["all"]], ["qv", ads["qv"], 1, digest["all"]]],
+                                read)
+    other = lora_slots.load([], w, torch.float32, "cpu", None, 16, 2, runtime=True)
+    other.put(read("all", ads["all"]), 1)          # given at start here (not in the table), where rank 0 has none
+    with pytest.raises(L.AdapterError, match="'qv': slot 1 is not free on this rank"):
+        lora_slots.follow_table(other, [["qv", ads["qv"], 1, digest["qv"]]], read)

@@ -230,4 +230,6 @@ def follow_table(ads: Adapters | None, table: list, read_one) -> None:
             if adapter.digest != digest:
                 raise AdapterError(f"LoRA adapter {name!r}: the tensors at {path} are not the ones rank 0 read "
                                    f"(digest {adapter.digest[:12]}, rank 0's {digest[:12]}): changed in between")
-            ads.put(adapter, slot, runtime=True)
+            if ads.put(adapter, slot, runtime=True) != slot:       # rank 0's slot was not free here
+                raise AdapterError(f"LoRA adapter {name!r}: slot {slot} is not free on this rank "
+                                   f"({', '.join(f'{n}: {i}' for n, i in ads.slots.items())})")
