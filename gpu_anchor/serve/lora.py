@@ -230,7 +230,7 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     shapes = full_shapes(mc)
     modules = parse_modules(given)
     runtime = runtime_updating()
-    n = args.tensor_parallel_size or 1
+    ranks = args.tensor_parallel_size or 1
     if not modules and not runtime:
         raise AdapterError(f"--enable-lora serves the adapters of --lora-modules, and none is given (or set "
                            f"{RUNTIME_ENV}=True to load them while serving, as in vLLM)")
@@ -245,9 +245,9 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
                            "otherwise")
     adapters = [read(n, p, shapes, args.max_lora_rank) for n, p in modules]
     if runtime:
-        numel = stacked_numel(shard_shapes(projection_shapes(shapes), n), capacity, args.max_lora_rank)
+        numel = stacked_numel(shard_shapes(projection_shapes(shapes), ranks), capacity, args.max_lora_rank)
     else:
-        numel = stacked_numel(shard_shapes(targeted_shapes(adapters), n), capacity, max(a.rank for a in adapters))
+        numel = stacked_numel(shard_shapes(targeted_shapes(adapters), ranks), capacity, max(a.rank for a in adapters))
     return tuple(modules), capacity, runtime, numel
 
 

@@ -318,7 +318,8 @@ class Model:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             q, k, v = self._qkv(x, a, T)
-            lora([t.view(T, -1) for t in (q, k, v)], x, i, "qkv", masks)
+            if masks is not None:
+                lora([t.view(T, -1) for t in (q, k, v)], x, i, "qkv", masks)
             fused.qk_norm_rope_store(q, k, v, w.get(a + "q_norm.weight"), w.get(a + "k_norm.weight"), self.eps,
                                      cos, sin, meta.positions, self.kv[i], meta.slots)
             o = self._attend(q, self.kv[i], meta, self.scale).reshape(T, self.hq * self.d)
