@@ -253,8 +253,10 @@ def serve_rank(cfg) -> None:
     if msg["t"] != "go":
         raise PeerLost(f"rank 0 sent {msg['t']!r} before 'go'")
     st.record_layout()          # only now: rank 0's journal holds the decision this layout stands for
-    follow = lambda table: lora_slots.follow_table(        # noqa: E731
-        model.lora, table, lambda name, path: lora.read_for(cfg, mc, st.weights, name, path, cfg.rank))
+    def follow(table: list) -> None:       # rank 0's adapters loaded while serving (lora_slots.runtime_table)
+        lora_slots.follow_table(model.lora, table,
+                                lambda name, path: lora.read_for(cfg, mc, st.weights, name, path, cfg.rank))
+
     follow(msg.get("lora", []))
     fault, step = cfg.fault, [0]
 
