@@ -64,6 +64,27 @@ def test_the_engine_loads_and_unloads_adapters_between_steps(models):
     with pytest.raises(L.AdapterError, match="no adapter_config.json"):
         eng.load_lora_adapter("gone", "/nonexistent")
     assert set(eng.lora_slots) == {"all", "qv"}
+    # load_inplace (vLLM's): the weights under a name change while a request on it runs, which
+    # goes on; a bad file changes nothing
+    slot, before = eng.lora_slots["all"], eng.model.lora.served["all"]
+    eng.add_request("running", PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True, lora="all"))
+    eng.step()
+    with pytest.raises(L.AdapterError, match="no adapter_config.json"):
+        eng.load_lora_adapter("all", "/nonexistent", inplace=True)
+    assert eng.model.lora.served["all"] == before
+    eng.load_lora_adapter("all", ads["qv"], inplace=True)
+    assert eng.lora_slots["all"] == slot and eng.model.lora.served["all"][0] == ads["qv"]
+    while eng.has_work():
+        eng.step()
+    assert eng.generate(PROMPTS[:2], sp["all"]) == want["qv"]
+
+
+def test_an_adapter_given_at_start_is_not_replaced_in_place(models):
+    base, ads = models
+    eng = _engine(base, max_loras=2, lora=(("given", ads["all"]),))
+    with pytest.raises(L.AdapterError, match="'given' was given at start .--lora-modules. and is not replaced"):
+        eng.load_lora_adapter("given", ads["qv"], inplace=True)
+    assert eng.model.lora.served["given"][0] == ads["all"]
 
 
 def test_loading_needs_the_runtime_switch(models):
@@ -245,10 +266,20 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
                 ({"lora_name": "qv", "lora_path": ads["qv"]}, 400, "every one of the 1 slot(s) holds an adapter"),
                 ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
                 ({"lora_name": "tiny", "lora_path": ads["qv"]}, 400, "base model's served name"),
-                ({"lora_name": "qv"}, 400, "lora_path"), ({"lora_name": "qv", "lora_path": 3}, 400, "lora_path")):
+                ({"lora_name": "qv"}, 400, "lora_path"), ({"lora_name": "qv", "lora_path": 3}, 400, "lora_path"),
+                ({"lora_name": "all", "lora_path": ads["qv"], "load_inplace": "yes"}, 400, "load_inplace"),
+                ({"lora_name": "all", "lora_path": str(tmp_path), "load_inplace": True}, 400, "no adapter_config.json")):
             status, text = _post(url, "/v1/load_lora_adapter", body)
             assert status == status_want and why in text, (body, status, text)
         assert set(m.id for m in c.models.list().data) == {"tiny", "all"}
+        assert [int(t.split(":")[1]) for t in ask().choices[0].logprobs.tokens] == want     # unchanged by the refusals
+        # load_inplace: the same name now serves the other adapter's weights
+        status, text = _post(url, "/v1/load_lora_adapter", {"lora_name": "all", "lora_path": ads["qv"],
+                                                            "load_inplace": True})
+        assert status == 200, text
+        assert {m.id: m for m in c.models.list().data}["all"].root == ads["qv"]
+        assert [int(t.split(":")[1]) for t in ask().choices[0].logprobs.tokens] == \
+            _peft_greedy(base, ads["qv"], [PROMPTS[0]], 24)[0]
         status, text = _post(url, "/v1/unload_lora_adapter", {"lora_name": "all"})
         assert status == 200 and "removed successfully" in text
         assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "all"})[0] == 404

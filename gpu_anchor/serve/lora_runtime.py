@@ -1,6 +1,8 @@
 """LoRA adapters loaded and unloaded while serving: the frontend's side (torch-free).
 
-vLLM's ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and ``POST
+vLLM's ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``; ``"load_inplace": true``
+replaces an adapter loaded while serving under that name, the requests on it going on with the
+new weights, as in vLLM) and ``POST
 /v1/unload_lora_adapter`` (``{"lora_name"}``), there when the server starts with
 ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (as in vLLM).  The engine reads
 and checks the adapter and writes it into a free slot (``Engine.load_lora_adapter``); only then
@@ -58,12 +60,12 @@ class RuntimeAdapters:
                 fut.set_result("the engine was lost before it answered; nothing changed, try again")
         self.calls.clear()
 
-    async def _call(self, op: str, name: str, path: str | None) -> None:
+    async def _call(self, op: str, name: str, path: str | None, inplace: bool = False) -> None:
         if self.fe.writer is None:
             raise ApiError(503, "no engine is connected; try again when /health says ok")
         cid = uuid.uuid4().hex
         fut = self.calls[cid] = asyncio.get_running_loop().create_future()
-        self.fe.send({"t": "lora_" + op, "id": cid, "name": name, "path": path})
+        self.fe.send({"t": "lora_" + op, "id": cid, "name": name, "path": path, "inplace": inplace})
         error = await fut
         if error:
             raise ApiError(400, error)
@@ -80,18 +82,19 @@ class RuntimeAdapters:
 
     # ------------------------------------------------------------------ routes
     async def load(self, request):
-        name, path = await self._names(request, "lora_path")
+        name, path, inplace = await self._names(request, "lora_path")
         if name == self.fe.model_name:
             raise ApiError(400, f"'{name}' is the base model's served name; name the adapter otherwise", "lora_name")
-        if name in self.fe.surface.served:
+        if name in self.fe.surface.served and not inplace:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        await self._call("load", name, path)
+        await self._call("load", name, path, inplace)
         self.fe.surface.adapters[name] = path
-        self.fe.surface.served.append(name)
+        if name not in self.fe.surface.served:
+            self.fe.surface.served.append(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request):
-        name, _ = await self._names(request, None)
+        name, _, _ = await self._names(request, None)
         if name not in self.fe.surface.adapters:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         await self._call("unload", name, None)
@@ -99,7 +102,8 @@ class RuntimeAdapters:
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     @staticmethod
-    async def _names(request, path_field: str | None) -> tuple[str, str | None]:
+    async def _names(request, path_field: str | None) -> tuple[str, str | None, bool]:
+        """``(lora_name, the path field or None, load_inplace)`` of a checked request body."""
         try:
             body = await request.json()
         except Exception:
@@ -113,9 +117,9 @@ class RuntimeAdapters:
         extra = set(body) - set(fields) - {"lora_int_id", "load_inplace"}
         if extra:
             raise bad(sorted(extra)[0], "not a field of this request")
-        if body.get("load_inplace"):
-            raise bad("load_inplace", "not supported: unload the adapter, then load it again")
-        return body["lora_name"], body.get(path_field) if path_field else None
+        if not isinstance(body.get("load_inplace", False), bool):
+            raise bad("load_inplace", "give load_inplace as true or false")
+        return body["lora_name"], body.get(path_field) if path_field else None, body.get("load_inplace", False)
 
 
 def add_routes(app: web.Application, adapters: RuntimeAdapters) -> None:

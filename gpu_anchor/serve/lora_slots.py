@@ -94,11 +94,7 @@ class Adapters:
         if not free:
             raise AdapterError(f"LoRA adapter {adapter.name!r}: every one of the {self.capacity} slot(s) holds an "
                                f"adapter ({', '.join(self.slots)}); unload one or raise --max-loras")
-        if adapter.rank > self.rank:
-            raise AdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above --max-lora-rank {self.rank}")
-        missing = sorted(set(adapter.tensors) - set(self._where))
-        if missing:
-            raise AdapterError(f"LoRA adapter {adapter.name!r}: layer {missing[0][0]}'s {missing[0][1]} has no room")
+        self._check(adapter)
         i, R = free[0], self.rank
         self._clear(i)
         for key, (a, b) in adapter.tensors.items():
@@ -110,6 +106,21 @@ class Adapters:
         self.slots[adapter.name] = i
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
         return i
+
+    def replace(self, adapter: Adapter) -> int:
+        """Write ``adapter`` over the one served under its name, in its slot (vLLM's
+        ``load_inplace``); it is checked before anything is written.  Returns the slot."""
+        self._check(adapter)
+        slot = self.slots.pop(adapter.name)
+        del self.served[adapter.name]
+        return self.put(adapter, slot, runtime=True)
+
+    def _check(self, adapter: Adapter) -> None:
+        if adapter.rank > self.rank:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above --max-lora-rank {self.rank}")
+        missing = sorted(set(adapter.tensors) - set(self._where))
+        if missing:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: layer {missing[0][0]}'s {missing[0][1]} has no room")
 
     def remove(self, name: str) -> None:
         self._clear(self.slots.pop(name))

@@ -100,18 +100,27 @@ class Requests:
             return [(seq.rid, len(out), [], reason)]
         return []
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> None:
         """vLLM's ``/v1/load_lora_adapter``: serve the peft adapter at ``path`` as ``name`` from the
-        next step on (``runtime_lora`` only).  Its journal record lands before this returns.
+        next step on (``runtime_lora`` only).  ``inplace`` (vLLM's ``load_inplace``): an adapter
+        loaded while serving under that name is replaced in its slot, and the requests using it
+        go on with the new weights (as in vLLM: an RL trainer's policy update); their journal
+        records then name the new digest.  Its journal record lands before this returns.
         Raises ``lora.AdapterError`` naming what is wrong; nothing changes then."""
         ads = self.model.lora
         if ads is None or not self.cfg.runtime_lora:
             raise lora.AdapterError(f"loading LoRA adapters while serving needs --enable-lora and "
                                     f"{lora.RUNTIME_ENV}=True")
-        if name in ads.slots:
+        if name in ads.slots and not inplace:
             raise lora.AdapterError(f"LoRA adapter {name!r} is already loaded")
+        if name in ads.slots and not ads.served[name][2]:
+            raise lora.AdapterError(f"LoRA adapter {name!r} was given at start (--lora-modules) and is not replaced "
+                                    "in place; start the server with the new path, or load it under another name")
         adapter = lora.read_for(self.cfg, self.mc, self.state.weights, name, path, 0)
-        ads.put(adapter, runtime=True)
+        if name in ads.slots:
+            ads.replace(adapter)
+        else:
+            ads.put(adapter, runtime=True)
         prefix_cache.adapter_loaded(self.blocks, name, adapter.digest)
         self.commits.write_now({C.LORA + name: ads.record(name)})
         self._adapters_to_ranks()

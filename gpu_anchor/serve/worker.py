@@ -81,7 +81,7 @@ def _lora_change(eng, msg) -> dict:
     """Load or unload a LoRA adapter (``lora_runtime``); the answer names what failed."""
     try:
         if msg["t"] == "lora_load":
-            eng.load_lora_adapter(msg["name"], msg["path"])
+            eng.load_lora_adapter(msg["name"], msg["path"], msg.get("inplace", False))
         else:
             eng.unload_lora_adapter(msg["name"])
         error = None
