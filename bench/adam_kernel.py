@@ -1,7 +1,7 @@
 """The fused anchored Adam kernel alone against torch's AdamW kernels, on one device.
 
     python -m bench adam_kernel [--tiny] [--device cuda:0] [--reps 10] [--chunks 76] [--graph]
-                                [--variants 1024x8,2048x4] [--registers 64,56]
+                                [--variants 1024x8,1024x8nh,1024x4x8r96] [--registers 64,56]
 
 A 1.24 B bf16 parameter set (llama3.2-1b's) in 76 chunks, as the step protocol runs it: per
 chunk one launch of ``fused_adam``'s kernel (reads p, g, m, v; writes the new p, m, v in place,
@@ -12,10 +12,11 @@ fused kernel (what the protocol runs without its own kernel: a copy step).  Each
 median of ``--reps`` passes over every chunk, CUDA events, after one warm-up pass.  The
 bandwidth column counts the bytes each variant must move to memory (7 tensor passes for the
 anchored kernel and for torch's fused one: the ring's stores are meant to stay in L2), not what
-it moved.  ``--variants BxP,...``: the kernel with blocks (one tag each) of ``B`` elements
-(``fused_adam.BLOCK``) and ``P`` persistent programs a SM (``fused_adam.PROGRAMS_PER_SM``), each
-capped at ``fused_adam.REGISTERS`` registers; ``--registers N,...`` adds the shipped one capped
-at each N (Triton's ``maxnreg``).  ``--chunks``: the same parameters in another number of
+it moved.  ``--variants BxP[xW][pf][rR],...``: the kernel with blocks (one tag each) of ``B``
+elements (``fused_adam.BLOCK``), ``P`` persistent programs a SM (``fused_adam.PROGRAMS_PER_SM``)
+of ``W`` warps (default 4); ``nh``: without the L2 eviction hints (``fused_adam.L2_HINTS``);
+capped at ``R`` registers a thread (default ``fused_adam.REGISTERS``).  ``--registers N,...`` adds the shipped one capped at each N (Triton's
+``maxnreg``).  ``--chunks``: the same parameters in another number of
 chunks.  Launched from Python, a chunk costs the host about 20 µs, so ``--graph`` captures each
 variant's pass in a CUDA graph and times its replays (torch's foreach AdamW, which reads its
 step counts on the host, is left out there).  Without CUDA and Triton (``--tiny`` on a CPU)
@@ -24,6 +25,7 @@ only the torch variants run, on a small set.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 
@@ -31,19 +33,39 @@ import torch
 
 from bench.common import default_device, int_list, write_result
 
-VARIANTS = [(1024, 8), (1024, 4), (1024, 16), (512, 8), (512, 16), (2048, 4)]     # (BLOCK, programs a SM)
+# (BLOCK, programs a SM, warps, L2 hints, registers a thread or None: fused_adam.REGISTERS)
+VARIANTS = [(1024, 8, 4, True, None), (1024, 8, 4, False, None), (1024, 6, 4, True, None), (1024, 8, 8, True, None),
+            (512, 8, 4, True, None)]
+_SPEC = re.compile(r"(\d+)x(\d+)(?:x(\d+))?(nh)?(?:r(\d+))?")
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, foreach=None,
           fused=None, capturable=False, differentiable=False, decoupled_weight_decay=True)
 
 
-def variant(block: int, programs: int, regs: int | None) -> str:
-    return f"anchored_ring_block{block}_pps{programs}" + (f"_regs{regs}" if regs else "")
+def variant(block: int, programs: int, regs: int | None, warps: int = 4, hints: bool = True) -> str:
+    return (f"anchored_ring_block{block}_pps{programs}" + (f"_w{warps}" if warps != 4 else "")
+            + ("" if hints else "_nohints") + (f"_regs{regs}" if regs else ""))
 
 
 def shipped() -> str:
     """The variant name of the launch ``fused_adam`` makes (its registers cap only on NVIDIA)."""
     from gpu_anchor.train import fused_adam
-    return variant(fused_adam.BLOCK, fused_adam.PROGRAMS_PER_SM, None if torch.version.hip else fused_adam.REGISTERS)
+    return variant(fused_adam.BLOCK, fused_adam.PROGRAMS_PER_SM, None if torch.version.hip else fused_adam.REGISTERS,
+                   hints=fused_adam.L2_HINTS)
+
+
+def parse_variants(text: str) -> list[tuple] | None:
+    """``BxP[xW][nh][rR],...`` as ``VARIANTS`` rows, or None where one is malformed."""
+    out = []
+    for v in (v.strip() for v in text.split(",")):
+        m = _SPEC.fullmatch(v)
+        if not v or m is None:
+            return None
+        block, pps, warps, nh, regs = m.groups()
+        out.append((int(block), int(pps), int(warps or 4), nh is None, int(regs) if regs else None))
+        if out[-1][0] < 128 or out[-1][0] & (out[-1][0] - 1) or out[-1][1] < 1 or out[-1][2] not in (1, 2, 4, 8, 16) \
+                or (regs is not None and not 16 <= int(regs) <= 255):
+            return None
+    return out or None
 
 
 def _captured(fn):
@@ -94,9 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=None, help="chunks of the parameter set (default 76, the "
                     "optimizer's default for llama3.2-1b)")
     ap.add_argument("--graph", action="store_true", help="time each pass as a CUDA graph's replay (CUDA only)")
-    ap.add_argument("--variants", default=None, metavar="BxP,...",
-                    help="kernel variants: blocks of B elements (a power of two from 128), P programs a SM "
-                         "(default: a sweep around the shipped one)")
+    ap.add_argument("--variants", default=None, metavar="BxP[xW][nh][rR],...",
+                    help="kernel variants: blocks of B elements (a power of two from 128), P programs a SM of "
+                         "W warps (1 to 16, a power of two; default 4), nh: without the L2 eviction hints, R "
+                         "registers a thread (16 to 255) (default: a sweep around the shipped one)")
     ap.add_argument("--registers", default="", metavar="N,...",
                     help="also the shipped launch capped at N registers a thread (maxnreg), per N")
     ap.add_argument("--out", default=None)
@@ -106,13 +129,10 @@ def main(argv=None) -> int:
         ap.error(f"--registers: each cap must be from 16 to 255, got {a.registers!r}")
     variants = VARIANTS
     if a.variants is not None:
-        try:
-            variants = [tuple(int(x) for x in v.split("x")) for v in a.variants.split(",") if v.strip()]
-        except ValueError:
-            variants = []
-        if not variants or any(len(v) != 2 or v[0] < 128 or v[0] & (v[0] - 1) or v[1] < 1 for v in variants):
-            ap.error(f"--variants takes BxP pairs (B a power of two from 128, P >= 1) separated by commas, "
-                     f"got {a.variants!r}")
+        variants = parse_variants(a.variants)
+        if variants is None:
+            ap.error(f"--variants takes BxP[xW][nh][rR] (B a power of two from 128, P >= 1, W a power of two "
+                     f"up to 16, R from 16 to 255) separated by commas, got {a.variants!r}")
     device = "cpu" if a.tiny and not torch.cuda.is_available() else default_device(a.device)
     if a.graph and not device.startswith("cuda"):
         ap.error(f"--graph needs a CUDA device, got {device}")
@@ -157,11 +177,12 @@ def main(argv=None) -> int:
     if why is None:
         from gpu_anchor.train import fused_adam
         cap = None if torch.version.hip else fused_adam.REGISTERS     # ROCm's Triton has no maxnreg
-        launches = [(bl, pps, cap) for bl, pps in variants]
-        launches += [(fused_adam.BLOCK, fused_adam.PROGRAMS_PER_SM, c) for c in sorted(set(caps) - {cap}, reverse=True)]
-        for block, pps, regs in launches:
-            name = variant(block, pps, regs)
-            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, n, block, pps, device, regs))
+        launches = [(bl, pps, w, h, cap if r is None or torch.version.hip else r) for bl, pps, w, h, r in variants]
+        launches += [(fused_adam.BLOCK, fused_adam.PROGRAMS_PER_SM, 4, fused_adam.L2_HINTS, c)
+                     for c in sorted(set(caps) - {cap}, reverse=True)]
+        for block, pps, warps, hints, regs in launches:
+            name = variant(block, pps, regs, warps, hints)
+            ms[name] = time_ms(_anchored(fused_adam, P, G, M, V, n, block, pps, device, regs, warps, hints))
             passes[name] = 7
     gbps = {k: round(passes[k] * 2 * n * chunks / (v * 1e-3) / 1e9, 1) for k, v in ms.items() if k in passes}
     result = {"params": n * chunks, "chunks": chunks, "dtype": "bfloat16", "device": device, "reps": a.reps,
@@ -181,8 +202,9 @@ def _kernel_unavailable(device: str) -> str | None:
     return fused_adam.unavailable_reason(torch.device(device))
 
 
-def _anchored(fused_adam, P, G, M, V, n, block, pps, device, regs=None):
-    """One pass of the kernel over every chunk, blocks of ``block`` elements, ``pps`` programs a SM."""
+def _anchored(fused_adam, P, G, M, V, n, block, pps, device, regs=None, warps=4, hints=True):
+    """One pass of the kernel over every chunk, blocks of ``block`` elements, ``pps`` programs a SM
+    of ``warps`` warps, with or without the L2 eviction hints."""
     import triton.language as tl
     from gpu_anchor.train.fused_adam_kernel import adam_ring
     key = fused_adam.structure(HP, torch.bfloat16)
@@ -201,7 +223,7 @@ def _anchored(fused_adam, P, G, M, V, n, block, pps, device, regs=None):
                                    sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"], sc["omb2"],
                                    sc["step_size"], sc["bc2_sqrt"], sc["eps"], T=tl.bfloat16, AMSGRAD=False,
                                    MAXIMIZE=False, WD=1, LERP_SMALL=key[4], FMA=True, VEC=block, RS=3 * block,
-                                   FAULT=False, num_warps=4, maxnreg=regs, enable_fp_fusion=False)
+                                   FAULT=False, HINTS=hints, num_warps=warps, maxnreg=regs, enable_fp_fusion=False)
     return run
 
 

@@ -14,7 +14,9 @@ One fence a block: the program's next started tag (its release covers this block
 stores) is what says this block is done, and the block after that — the first to overwrite
 this block's ring slot — stores nothing before that tag has landed.  After its last block a
 program tags that one ``finished`` (release).  The ring is ``2G`` slots, about 13 MB, so that its
-stores can be overwritten in L2 instead of costing memory bandwidth.
+stores can be overwritten in L2 instead of costing memory bandwidth; ``HINTS`` asks L2 to keep
+them (``evict_last``) and to let the streamed tensors go first (``evict_first``): without the
+hints the ring's stores reach memory (docs/training.md, "Fused undo").
 
 Every arithmetic step mirrors one op of torch's ``_multi_tensor_adam`` (named beside it);
 ``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so the only
@@ -90,7 +92,8 @@ def _tag(tags, tag_idx, value):
 @triton.jit
 def _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, beta2, omb2, step_size,
            bc2_sqrt, eps, T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
-           LERP_SMALL: tl.constexpr, FMA: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, HALTED):
+           LERP_SMALL: tl.constexpr, FMA: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, HINTS: tl.constexpr,
+           HALTED):
     pp = tl.multiple_of(tl.load(base + 0).to(tl.pointer_type(T)), 16)
     gp = tl.multiple_of(tl.load(base + 1).to(tl.pointer_type(T)), 16)
     mp = tl.multiple_of(tl.load(base + 2).to(tl.pointer_type(T)), 16)
@@ -100,19 +103,23 @@ def _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, be
     mask = None
     if MASKED:
         mask = offs < n
-    p0 = tl.load(pp + offs, mask=mask)
-    g0 = tl.load(gp + offs, mask=mask)
-    m0 = tl.load(mp + offs, mask=mask)
-    v0 = tl.load(vp + offs, mask=mask)
-    tl.store(slot + ar, p0, mask=mask)
-    tl.store(slot + VEC + ar, m0, mask=mask)
-    tl.store(slot + 2 * VEC + ar, v0, mask=mask)
+    # HINTS: the streamed tensors leave L2 first, the ring's slots last (they are rewritten
+    # every other block, so their stores are meant to be overwritten in L2, not written back)
+    STREAM: tl.constexpr = "evict_first" if HINTS else ""
+    KEEP: tl.constexpr = "evict_last" if HINTS else ""
+    p0 = tl.load(pp + offs, mask=mask, eviction_policy=STREAM)
+    g0 = tl.load(gp + offs, mask=mask, eviction_policy=STREAM)
+    m0 = tl.load(mp + offs, mask=mask, eviction_policy=STREAM)
+    v0 = tl.load(vp + offs, mask=mask, eviction_policy=STREAM)
+    tl.store(slot + ar, p0, mask=mask, eviction_policy=KEEP)
+    tl.store(slot + VEC + ar, m0, mask=mask, eviction_policy=KEEP)
+    tl.store(slot + 2 * VEC + ar, v0, mask=mask, eviction_policy=KEEP)
     x0 = v0
     xp = pp
     if AMSGRAD:
         xp = tl.multiple_of(tl.load(base + 4).to(tl.pointer_type(T)), 16)
-        x0 = tl.load(xp + offs, mask=mask)
-        tl.store(slot + 3 * VEC + ar, x0, mask=mask)
+        x0 = tl.load(xp + offs, mask=mask, eviction_policy=STREAM)
+        tl.store(slot + 3 * VEC + ar, x0, mask=mask, eviction_policy=KEEP)
     p, m, v, x = _new_values(p0, g0, m0, v0, x0, decay, wd, w1, omw1, beta2, omb2, step_size, bc2_sqrt,
                              eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA)
     _tag(tags, tag_idx, started)
@@ -120,17 +127,17 @@ def _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, be
         nan = tl.full(p.shape, float("nan"), tl.float32)
         p, m, v, x = nan, nan, nan, nan
     if AMSGRAD:
-        tl.store(xp + offs, x.to(T), mask=mask)
-    tl.store(mp + offs, m.to(T), mask=mask)
-    tl.store(vp + offs, v.to(T), mask=mask)
-    tl.store(pp + offs, p.to(T), mask=mask)
+        tl.store(xp + offs, x.to(T), mask=mask, eviction_policy=STREAM)
+    tl.store(mp + offs, m.to(T), mask=mask, eviction_policy=STREAM)
+    tl.store(vp + offs, v.to(T), mask=mask, eviction_policy=STREAM)
+    tl.store(pp + offs, p.to(T), mask=mask, eviction_policy=STREAM)
 
 
 @triton.jit
 def adam_ring(rows, blks, nblk, tags, ring, started_base, stop, decay, wd, w1, omw1, beta2, omb2,
               step_size, bc2_sqrt, eps, T: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
               WD: tl.constexpr, LERP_SMALL: tl.constexpr, FMA: tl.constexpr, VEC: tl.constexpr,
-              RS: tl.constexpr, FAULT: tl.constexpr):
+              RS: tl.constexpr, FAULT: tl.constexpr, HINTS: tl.constexpr):
     r = tl.program_id(0)
     G = tl.num_programs(0)
     b = r
@@ -156,10 +163,10 @@ def adam_ring(rows, blks, nblk, tags, ring, started_base, stop, decay, wd, w1, o
             started = started_base - 2 * k.to(tl.int64)      # fused_adam.tag_code(v, first + k, STARTED)
             if start + VEC <= n:    # full blocks take the unmasked (vectorised) path
                 _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, beta2, omb2,
-                       step_size, bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, False, VEC, halted)
+                       step_size, bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, False, VEC, HINTS, halted)
             else:
                 _block(base, start, n, slot, tags, tag_idx, started, decay, wd, w1, omw1, beta2, omb2,
-                       step_size, bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, True, VEC, halted)
+                       step_size, bc2_sqrt, eps, T, AMSGRAD, MAXIMIZE, WD, LERP_SMALL, FMA, True, VEC, HINTS, halted)
             last = tag_idx
             started_last = started
             h = 1 - h
