@@ -15,7 +15,8 @@ window's torch peak above what was allocated when it began, plus the anchored by
 Protocol blocking per step = host time inside the protocol that the training loop
 waits for: journal commits + waits on the device (``opt.stats``).  ``--no-fused``: the
 undo copy + torch's update instead of the fused Adam kernel (``StepProtocolConfig.fused_update``);
-the result records which one ran (``fused_update``, ``fused_steps``).  ``--torch-fused``:
+the result records which one ran (``fused_update``, ``fused_steps``); ``--no-l2-hints``: that
+kernel without its L2 eviction hints (``fused_adam.L2_HINTS``, recorded as ``l2_hints``).  ``--torch-fused``:
 both models use ``AdamW(fused=True)`` (torch's own one-kernel update; other roundings than
 foreach, so the anchored side runs the undo copy + that kernel).  ``--profile K``: after the
 timed windows, ``K`` more steps of each mode under ``torch.profiler``, their device time per
@@ -250,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="plain/anchored window pairs")
     ap.add_argument("--no-fused", action="store_true", help="undo copies + torch's update, not the fused kernel")
     ap.add_argument("--torch-fused", action="store_true", help="AdamW(fused=True) on both sides")
+    ap.add_argument("--no-l2-hints", action="store_true",
+                    help="the fused Adam kernel without its L2 eviction hints (fused_adam.L2_HINTS)")
     ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
                     help="StepProtocolConfig.lend_grad_bytes: lend up to N bytes of the gradient buffers "
                          "to the forward's last saved activations")
@@ -271,7 +274,10 @@ def main(argv=None) -> int:
 
     import gpu_anchor
     from gpu_anchor.client import control
-    from gpu_anchor.train import AnchoredOptimizer, StepProtocolConfig, anchor_module
+    from gpu_anchor.train import AnchoredOptimizer, StepProtocolConfig, anchor_module, fused_adam
+
+    hints = fused_adam.L2_HINTS
+    fused_adam.L2_HINTS = hints and not args.no_l2_hints
 
     adamw = {"lr": 1e-5, **({"fused": True} if args.torch_fused else {})}
     tmp = tempfile.mkdtemp(prefix="ga-train-overhead-")
@@ -366,6 +372,7 @@ def main(argv=None) -> int:
             "progress": opt.progress, "chunks": opt.num_chunks, "undo_bytes": opt.undo_bytes, "rounds": args.rounds,
             "fused_update": opt.stats["fused_steps"] - before["fused_steps"] == n and n > 0,
             "fused_steps": opt.stats["fused_steps"], "copy_steps": opt.stats["copy_steps"],
+            "l2_hints": fused_adam.L2_HINTS,
             "fused_off_reason": opt.fused_reason,
             "undo_side_stream": (opt.progress == "device" and device.startswith("cuda") and not opt.stats["fused_steps"]
                                  and os.environ.get("GPU_ANCHOR_UNDO_STREAM", "1") != "0"),
@@ -436,11 +443,12 @@ def main(argv=None) -> int:
                         "undo_pct_of_plain_peak": 100 * opt.undo_bytes / peak_none})
         client.drop_namespace()
     finally:
+        fused_adam.L2_HINTS = hints
         control.stop(device, sock)
         daemon.wait(timeout=30)
     from bench.common import write_result
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("losses_")}, indent=1))
-    name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_nofused" if args.no_fused else "") + ("_torchfused" if args.torch_fused else "") + (
+    name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_nofused" if args.no_fused else "") + ("_torchfused" if args.torch_fused else "") + ("_nohints" if args.no_l2_hints else "") + (
         f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
         "_profile" if args.profile else "") + ("_hostfwd" if args.host_forward else "") + (
         f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + ("_tiny" if args.tiny else "")

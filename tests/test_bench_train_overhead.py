@@ -162,3 +162,11 @@ def test_train_peak_finds_the_blocks_alive_at_the_peak():
     assert r["alive_by_site_mib"] == {"model.py:20:forward": 350.0, BACKWARD: 250.0}
     assert [b["site"] for b in r["largest_alive_mib"]] == ["model.py:20:forward", BACKWARD, "model.py:20:forward"]
     assert analyse([])["peak_bytes"] == 0
+
+
+def test_no_l2_hints_is_recorded_and_set_back(tmp_path):
+    from gpu_anchor.train import fused_adam
+    args = ["--tiny", "--steps", "1", "--warmup", "1", "--rounds", "1", "--no-l2-hints", "--out", str(tmp_path)]
+    assert T.main(args) == 0
+    r = json.loads((tmp_path / "train_overhead_nohints_tiny.json").read_text())
+    assert r["l2_hints"] is False and fused_adam.L2_HINTS is True
