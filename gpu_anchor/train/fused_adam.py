@@ -37,7 +37,7 @@ RING_SLOTS = 1 << 14    # ring slots a tag can name (the encoding's range)
 RING_MIN_BYTES = 64 * RING_STRIDE   # an undo slot holds at least this many bytes of ring
 STARTED, FINISHED = 0, 1
 REGISTERS: int | None = 64   # registers a thread (Triton maxnreg, NVIDIA only); None: ptxas chooses
-L2_HINTS = True         # eviction hints: the ring's stores stay in L2, the streamed tensors leave it first
+L2_HINTS = True         # eviction hints (NVIDIA): the ring's stores stay in L2, the streamed tensors leave first
 DTYPES = (torch.bfloat16, torch.float32)
 # (structure key, device) -> the fma flag verified in this process, or None (not reproducible):
 # a variant is verified once per process, with the first hyper-parameters it meets (a standby
@@ -157,12 +157,13 @@ def launch(rows: torch.Tensor, blks: torch.Tensor, nblocks: int, tags: torch.Ten
     es = dtype.itemsize
     view = ring_elements(ring, dtype, first)
     regs = {} if REGISTERS is None or torch.version.hip else {"maxnreg": REGISTERS}
+    hints = bool(L2_HINTS and not torch.version.hip)
     adam_ring[(programs,)](rows, blks, nblocks, tags, view, tag_code(tag_value, first, STARTED),
                            -1 if stop is None else stop, sc["decay"], sc["wd"], sc["w1"], sc["omw1"], sc["beta2"],
                            sc["omb2"], sc["step_size"], sc["bc2_sqrt"], sc["eps"],
                            T=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, AMSGRAD=amsgrad,
                            MAXIMIZE=maximize, WD=wd, LERP_SMALL=small, FMA=fma, VEC=BLOCK, RS=RING_STRIDE // es,
-                           FAULT=stop is not None, HINTS=L2_HINTS, num_warps=4, enable_fp_fusion=False, **regs)
+                           FAULT=stop is not None, HINTS=hints, num_warps=4, enable_fp_fusion=False, **regs)
 
 
 class FusedAdam:
