@@ -12,12 +12,12 @@ fused kernel (what the protocol runs without its own kernel: a copy step).  Each
 median of ``--reps`` passes over every chunk, CUDA events, after one warm-up pass.  The
 bandwidth column counts the bytes each variant must move to memory (7 tensor passes for the
 anchored kernel and for torch's fused one: the ring's stores are meant to stay in L2), not what
-it moved.  ``--variants BxP[xW][pf][rR],...``: the kernel with blocks (one tag each) of ``B``
+it moved.  ``--variants BxP[xW][nh][rR],...``: the kernel with blocks (one tag each) of ``B``
 elements (``fused_adam.BLOCK``), ``P`` persistent programs a SM (``fused_adam.PROGRAMS_PER_SM``)
 of ``W`` warps (default 4); ``nh``: without the L2 eviction hints (``fused_adam.L2_HINTS``);
-capped at ``R`` registers a thread (default ``fused_adam.REGISTERS``).  ``--registers N,...`` adds the shipped one capped at each N (Triton's
-``maxnreg``).  ``--chunks``: the same parameters in another number of
-chunks.  Launched from Python, a chunk costs the host about 20 µs, so ``--graph`` captures each
+capped at ``R`` registers a thread (default ``fused_adam.REGISTERS``).  ``--registers N,...``
+adds the shipped one capped at each N (Triton's ``maxnreg``).  ``--chunks``: the same parameters
+in another number of chunks.  Launched from Python, a chunk costs the host about 20 µs, so ``--graph`` captures each
 variant's pass in a CUDA graph and times its replays (torch's foreach AdamW, which reads its
 step counts on the host, is left out there).  Without CUDA and Triton (``--tiny`` on a CPU)
 only the torch variants run, on a small set.
