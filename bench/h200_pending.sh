@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The serving and training GPU checks, one H200 or H100 call each, <= 10 min (all three parts last
-# passed on one H100 on 2026-12-06 at b6d4686; LoRA's tests and the serve engine's, fused and
-# deterministic ones again on one H200 at 243e721):
+# The serving and training GPU checks, one H200 or H100 call each, <= 10 min (all three parts
+# passed on one H100 on 2026-12-06 at b6d4686; serve again there at dd02e58, 33 of 33; the fused
+# Adam tests with the kernel's L2 hints at 27bcf0e; the hints' timings on an H200 are
+# bench/h200_hints.sh's call):
 #   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then PART=train, PART=bench
 # - serve: the serving GPU tests at this tree (the engine split into step_sampling / engine_takeover,
 #   structured output's standby warm-up, LoRA through the fused kernels and the CUDA graphs, prefix
