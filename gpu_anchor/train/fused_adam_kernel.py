@@ -16,7 +16,7 @@ this block's ring slot — stores nothing before that tag has landed.  After its
 program tags that one ``finished`` (release).  The ring is ``2G`` slots, about 13 MB, so that its
 stores can be overwritten in L2 instead of costing memory bandwidth; ``HINTS`` asks L2 to keep
 them (``evict_last``) and to let the streamed tensors go first (``evict_first``): without the
-hints the ring's stores reach memory (docs/training.md, "Fused undo").
+hints the ring's stores reach memory (docs/training.md, "L2 hints").
 
 Every arithmetic step mirrors one op of torch's ``_multi_tensor_adam`` (named beside it);
 ``enable_fp_fusion=False`` at launch keeps Triton from contracting anything itself, so the only
