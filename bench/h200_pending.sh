@@ -3,7 +3,7 @@
 # passed on one H100 on 2026-12-06 at b6d4686; serve again there at dd02e58, 33 of 33; the fused
 # Adam tests with the kernel's L2 hints at 27bcf0e; the hints' timings on an H200 are
 # bench/h200_hints.sh's call):
-#   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then PART=train, PART=bench
+#   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then PART=train, PART=bench, PART=firsts
 # - serve: the serving GPU tests at this tree (the engine split into step_sampling / engine_takeover,
 #   structured output's standby warm-up, LoRA through the fused kernels and the CUDA graphs, prefix
 #   caching, on by default since 2026-12-06, under every serving GPU test);
@@ -43,6 +43,15 @@ train)
   part train 240 python -m pytest -v -m gpu -p no:cacheprovider tests/test_train_grads.py \
     tests/test_train_grad_lending.py tests/test_train_fused_adam.py
   part accelerate_fp16 320 python -m pytest -v -m gpu -p no:cacheprovider tests/test_train_accelerate.py -k fp16 ;;
+firsts)   # GPU tests that had run on the CPU only: Trainer's fp16 fix (5af5e16), lending under
+          # inductor, adapters loaded while serving through the graphs, Qwen2 / Mistral greedy
+  part firsts_serve 200 python -m pytest -v -m gpu -p no:cacheprovider tests/test_serve_lora_runtime.py \
+    tests/test_serve_lora.py "tests/test_serve_gpu.py::test_greedy_equals_hf_generate_on_cuda"
+  part firsts_compile 150 python -m pytest -v -m gpu -p no:cacheprovider tests/test_train_grad_lending.py -k compile
+  part firsts_trainer 420 python -m pytest -v -m gpu -p no:cacheprovider --durations=4 tests/test_train_hf.py ;;
+firsts2)  # what did not finish in the first call of `firsts` (one H100, 2026-12-06)
+  part firsts_compile 150 python -m pytest -v -m gpu -p no:cacheprovider tests/test_train_grad_lending.py -k compile
+  part firsts_trainer 420 python -m pytest -v -m gpu -p no:cacheprovider --durations=4 tests/test_train_hf.py -k fp16 ;;
 bench)
   part lora_decode 300 python -m bench lora_decode --device cuda:0 --out "$OUT"
   part prefix_cache 240 python -m bench prefix_cache --device cuda:0 --out "$OUT" ;;

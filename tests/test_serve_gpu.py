@@ -23,10 +23,10 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu-models")
     # head_dim 32 and block_size 16: the shapes the Triton kernel takes
     return {f: make_tiny_model(str(d / f), f, seed=i, hidden=128, heads=4, kv_heads=2, head_dim=32)
-            for i, f in enumerate(("llama", "qwen3"))}
+            for i, f in enumerate(("llama", "qwen3", "qwen2", "mistral"))}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 def test_greedy_equals_hf_generate_on_cuda(models, family, cuda_daemon):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(models[family]).cuda()

@@ -53,17 +53,20 @@ def make_models(d):
     return base, {"all": a, "qv": b}
 
 
-def _peft_greedy(base: str, adapter: str | None, prompts, max_tokens: int) -> list[list[int]]:
+def _peft_greedy(base: str, adapter: str | None, prompts, max_tokens: int, device: str = "cpu",
+                 dtype: str = "float64") -> list[list[int]]:
+    """transformers + peft's own greedy ``generate`` of each prompt alone (``adapter`` None: the base)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype)).to(device)
     if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
+        model = PeftModel.from_pretrained(model, adapter).to(device)
     out = []
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        ids = model.generate(torch.tensor([p], device=device), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device))
         out.append(ids[0, len(p):].tolist())
     return out
 
@@ -219,19 +222,11 @@ def test_on_cuda_adapters_go_through_the_fused_kernels_and_the_graphs_as_peft(mo
     got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])
     assert eng.step_counts["graph"] > 0 and eng.model.fused
     base_want = {}
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     for n in names:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to("cuda:0")
-        if n is not None:
-            model = PeftModel.from_pretrained(model, ads[n]).to("cuda:0")
-        for (p, m), g in zip(jobs, got):
-            if m != n:
-                continue
-            want = model.generate(torch.tensor([p], device="cuda:0"), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0,
-                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda:0"))
-            assert g == want[0, len(p):].tolist(), (n, p)
+        mine = [(p, g) for (p, m), g in zip(jobs, got) if m == n]
+        want = _peft_greedy(base, ads.get(n), [p for p, _ in mine], 12, "cuda:0", "float32")
+        for (p, g), w in zip(mine, want):
+            assert g == w, (n, p)
             if n is None:
                 base_want[tuple(p)] = g
     assert {k for k in eng.graphs._graphs if k[1]} and not {k for k in eng.graphs._graphs if not k[1]}

@@ -337,3 +337,40 @@ def test_without_the_switch_the_routes_are_not_there(models, tmp_path, host_daem
         assert _post(url, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": ads["qv"]})[0] == 404
     finally:
         stop_server(proc)
+
+
+@pytest.mark.gpu
+def test_on_cuda_adapters_loaded_while_serving_reach_the_graphs(models, cuda_daemon):
+    """On CUDA in float32 (fused decoder kernels, CUDA graphs, anchored): graphs captured before
+    any adapter was loaded, then an adapter loaded while serving, another put into the slot the
+    first one freed, and an in-place replacement under a running request's name.  Each time the
+    greedy tokens are transformers + peft's on the same GPU: a graph replay that read a slot's old
+    weights, or a slot the kernels do not see, would give the other adapter's tokens."""
+    import torch
+
+    from test_serve_lora import _peft_greedy
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    base, ads = models
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eng = Engine(EngineConfig(model=base, device="cuda:0", dtype="float32", block_size=16, num_blocks=256,
+                              namespace="lora-runtime-gpu", socket=cuda_daemon[0], runtime_lora=True, max_loras=1))
+    want = {n: _peft_greedy(base, ads.get(n), PROMPTS, 12, "cuda:0", "float32") for n in ("all", "qv", None)}
+    sp = lambda n: SamplingParams(max_tokens=12, ignore_eos=True, lora=n)   # noqa: E731
+    assert eng.generate(PROMPTS, sp(None)) == want[None]
+    assert eng.step_counts["graph"] > 0 and eng.model.fused
+    eng.load_lora_adapter("a", ads["all"])
+    slot = eng.lora_slots["a"]
+    assert eng.generate(PROMPTS + PROMPTS, [sp("a")] * 4 + [sp(None)] * 4) == want["all"] + want[None]
+    graphs = eng.step_counts["graph"]
+    eng.unload_lora_adapter("a")
+    eng.load_lora_adapter("b", ads["qv"])
+    assert eng.lora_slots["b"] == slot
+    assert eng.generate(PROMPTS, sp("b")) == want["qv"]
+    eng.add_request("running", PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True, lora="b"))
+    eng.step()
+    eng.load_lora_adapter("b", ads["all"], inplace=True)
+    while eng.has_work():
+        eng.step()
+    assert eng.generate(PROMPTS, sp("b")) == want["all"]
+    assert eng.step_counts["graph"] > graphs
