@@ -27,6 +27,7 @@ one() {   # name, timeout (s), command...
   grep -o '"step_overhead_vs_fastest_plain_pct": [0-9.-]*' "$R/$name.json" 2>/dev/null
   pack
 }
-one long_h1 100 $H $L; one long_n1 100 $N $L; one long_h2 100 $H $L
-one short_h1 60 $H $S; one short_n1 60 $N $S; one short_h2 60 $H $S
+# one run of each kind first, so that a call cut short still has a pair at each size
+one long_h1 100 $H $L; one long_n1 100 $N $L; one short_h1 60 $H $S; one short_n1 60 $N $S
+one long_h2 100 $H $L; one short_h2 60 $H $S
 one long_n2 100 $N $L; one long_h3 100 $H $L; one short_h3 60 $H $S

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The serving and training GPU checks, one H200 or H100 call each, <= 10 min (all three parts
 # passed on one H100 on 2026-12-06 at b6d4686; serve again there at dd02e58, 33 of 33; the fused
-# Adam tests with the kernel's L2 hints at 27bcf0e; the hints' timings on an H200 are
-# bench/h200_hints.sh's call):
-#   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then PART=train, PART=bench, PART=firsts
+# Adam tests with the kernel's L2 hints at 27bcf0e; `firsts` (tests that had run on the CPU only)
+# and `rest` (the one-GPU test files of no other part) on one H100 at bd28a83; the hints' timings
+# on an H200 are bench/h200_hints.sh's call):
+#   OUT=/some/dir PYTHONPATH=. PART=serve bash bench/h200_pending.sh     # then train, bench, firsts, rest
 # - serve: the serving GPU tests at this tree (the engine split into step_sampling / engine_takeover,
 #   structured output's standby warm-up, LoRA through the fused kernels and the CUDA graphs, prefix
 #   caching, on by default since 2026-12-06, under every serving GPU test);
@@ -52,6 +53,12 @@ firsts)   # GPU tests that had run on the CPU only: Trainer's fp16 fix (5af5e16)
 firsts2)  # what did not finish in the first call of `firsts` (one H100, 2026-12-06)
   part firsts_compile 150 python -m pytest -v -m gpu -p no:cacheprovider tests/test_train_grad_lending.py -k compile
   part firsts_trainer 420 python -m pytest -v -m gpu -p no:cacheprovider --durations=4 tests/test_train_hf.py -k fp16 ;;
+rest)     # the GPU test files no other part runs (one GPU; the two-GPU tests skip themselves)
+  part rest_cuda 60 python -m pytest -v -m gpu -p no:cacheprovider tests/test_cuda_gpu.py
+  part rest_scope 150 python -m pytest -v -m gpu -p no:cacheprovider --durations=5 tests/test_scope_gpu.py
+  part rest_checkpoint 120 python -m pytest -v -m gpu -p no:cacheprovider --durations=5 tests/test_checkpoint_gpu.py
+  part rest_launch 150 python -m pytest -v -m gpu -p no:cacheprovider --durations=5 tests/test_launch_gpu.py \
+    tests/test_launch_auto_prewarm.py ;;
 bench)
   part lora_decode 300 python -m bench lora_decode --device cuda:0 --out "$OUT"
   part prefix_cache 240 python -m bench prefix_cache --device cuda:0 --out "$OUT" ;;
