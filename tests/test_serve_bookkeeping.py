@@ -91,6 +91,27 @@ def test_a_recovery_first_step_only_decodes():
     assert [(w.seq.rid, w.n) for w in s2.schedule(decodes_only=True)] == [("c", 6)]
 
 
+def test_a_request_whose_adapter_needs_a_slot_held_by_running_ones_waits_in_arrival_order():
+    """``lora_capacity`` 1: a request on another adapter than the running ones' waits, and so do
+    the requests behind it (a base-model one included); it is admitted once no running request
+    uses the first adapter.  With two slots both adapters run together."""
+    def run(capacity):
+        s = Scheduler(BlockManager(64, 4), max_batched_tokens=64)
+        s.lora_capacity = capacity
+        for i, (rid, lora) in enumerate((("a1", "a"), ("b1", "b"), ("n", None), ("a2", "a"))):
+            s.add(seq(rid, 3, max_tokens=2, arrival=i, lora=lora))
+        admitted = []
+        while s.has_work():
+            w = s.schedule()
+            admitted.append(sorted(x.seq.rid for x in w if x.start == 0))
+            assert len(s.running_adapters()) <= capacity
+            s.finish_step(w, {x.seq.rid: 7 for x in w if x.sample})
+            s.blocks.on_commit()
+        return [a for a in admitted if a]
+    assert run(1) == [["a1"], ["b1", "n"], ["a2"]]
+    assert run(2) == [["a1", "a2", "b1", "n"]]
+
+
 def test_scheduler_stops_on_eos_and_length():
     bm = BlockManager(16, 4)
     s = Scheduler(bm, eos_token_ids=[99])

@@ -71,20 +71,26 @@ def _peft_greedy(base: str, adapter: str | None, prompts, max_tokens: int, devic
     return out
 
 
+@pytest.mark.parametrize("slots", [0, 1], ids=["a-slot-each", "one-slot"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
-def test_a_batch_mixing_adapters_and_the_base_decodes_as_peft_does(models, graphs):
+def test_a_batch_mixing_adapters_and_the_base_decodes_as_peft_does(models, graphs, slots):
     """Four prompts, each run with the first adapter, the second, and none, all twelve in one
-    engine (so steps mix them): each equals transformers + peft's greedy ``generate``."""
+    engine (so steps mix them): each equals transformers + peft's greedy ``generate``.
+    ``one-slot`` (``--max-loras 1``): the second adapter waits on the host; its requests wait
+    until no running request uses the first, whose slot it then takes (and so on, in arrival
+    order), and the base model's requests run beside either."""
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     base, ads = models
     eng = Engine(EngineConfig(model=base, anchor=False, dtype="float64", block_size=4, num_blocks=200,
-                              cuda_graphs=graphs, graph_after_steps=0, lora=tuple(ads.items())))
+                              cuda_graphs=graphs, graph_after_steps=0, lora=tuple(ads.items()), max_loras=slots))
     names = ["all", "qv", None]
     jobs = [(p, n) for p in PROMPTS for n in names]
     got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])
     if graphs:
         assert eng.step_counts["graph"] > 0
+    if slots:       # arrival order alternates the adapters: each request on one of them waited for a slot
+        assert eng.model.lora.capacity == 1 and eng.model.lora.stats["swaps"] == 2 * len(PROMPTS) - 1
     for n in names:
         want = _peft_greedy(base, ads.get(n), PROMPTS, 12)
         assert [g for g, (_, m) in zip(got, jobs) if m == n] == want, n
@@ -197,8 +203,10 @@ def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
     assert r.returncode == 2 and "rank 4 at model.layers.0.mlp.down_proj is above --max-lora-rank 2" in r.stderr
     r = run("--enable-lora", "--lora-modules", f"{os.path.basename(base)}={ads['all']}")
     assert r.returncode == 2 and "is the base model's served name" in r.stderr
-    r = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}")
-    assert r.returncode == 2 and "--lora-modules gives 2 adapters and --max-loras is 1" in r.stderr
+    r = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}",
+            "--tensor-parallel-size", "2")
+    assert r.returncode == 2 and "--lora-modules gives 2 adapters and --max-loras is 1: with --tensor-parallel-size" \
+        in r.stderr, r.stderr[-2000:]
     r = run("--enable-lora")
     assert r.returncode == 2 and "--enable-lora serves the adapters of --lora-modules, and none is given" in r.stderr
 

@@ -45,8 +45,16 @@ def test_the_engine_loads_and_unloads_adapters_between_steps(models):
     assert got == want["all"] + want["qv"]
     with pytest.raises(L.AdapterError, match="already loaded"):
         eng.load_lora_adapter("all", ads["qv"])
-    with pytest.raises(L.AdapterError, match="every one of the 2 slot.s. holds an adapter .*raise --max-loras"):
-        eng.load_lora_adapter("third", ads["qv"])
+    # a third adapter with both slots taken waits on the host; a request on it takes the slot of
+    # the least recently used adapter no running request uses ("all": both last used together,
+    # the name breaks the tie), and a request on that one takes it back
+    eng.load_lora_adapter("third", ads["qv"])
+    assert eng.model.lora.parked == ["third"] and json.loads(eng.model.lora.record("third"))["slot"] == -1
+    assert eng.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True, lora="third")) == want["qv"]
+    assert eng.model.lora.parked == ["all"] and eng.model.lora.stats["swaps"] == 1
+    assert eng.generate(PROMPTS[:2], sp["all"]) == want["all"]
+    assert eng.model.lora.parked == ["qv"] and eng.model.lora.stats["swaps"] == 2
+    eng.unload_lora_adapter("third")
     eng.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=30, lora="qv"))
     with pytest.raises(L.AdapterError, match="in use by 1 request"):
         eng.unload_lora_adapter("qv")
@@ -172,6 +180,62 @@ def test_a_request_on_an_adapter_loaded_while_serving_resumes_from_its_kv_after_
             assert [n for n, _ in failed] == ["qv"] and set(after) == {"all"}
 
 
+def test_a_request_on_an_adapter_that_waited_on_the_host_resumes_after_a_restart(models, host_daemon):
+    """``--max-loras 1`` with two adapters given at start: a request on the second one (parked at
+    start) took the slot, and one on the first waits for it.  A restarted engine starts with the
+    first in the slot again; the restored request's adapter takes it back before its first step,
+    and both requests end on peft's tokens."""
+    from forkserver_context import forkserver_context
+    base, ads = models
+    want = {n: _peft_greedy(base, ads[n], PROMPTS[:1], 20)[0] for n in ("qv", "all")}
+    cfg = EngineConfig(model=base, socket=host_daemon[0], namespace="lora-parked-restart", dtype="float64",
+                       block_size=4, num_blocks=64, max_batched_tokens=32, max_loras=1,
+                       lora=(("all", ads["all"]), ("qv", ads["qv"])))
+    e1 = Engine(cfg)
+    assert e1.model.lora.parked == ["qv"]
+    for rid, name in (("on-qv", "qv"), ("on-all", "all")):
+        e1.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, lora=name))
+    for _ in range(4):
+        e1.step()
+    assert e1.model.lora.parked == ["all"] and e1.scheduler.running_adapters() == {"qv"}
+    e1.flush()
+    q = forkserver_context(["gpu_anchor.serve.preload"]).Queue()
+    p = forkserver_context(["gpu_anchor.serve.preload"]).Process(target=_restart, args=(cfg, [], q))
+    p.start()
+    restored, notes, served, failed, after, out = q.get(timeout=180)
+    p.join()
+    assert not notes and not failed and restored["on-qv"][0] == "qv" and restored["on-qv"][1] > len(PROMPTS[0])
+    assert out == {"on-qv": want["qv"], "on-all": want["all"]}
+
+
+def test_a_restart_with_fewer_slots_than_the_running_requests_adapters_drops_the_younger_by_name(models,
+                                                                                                  host_daemon):
+    """Two requests running on two adapters, then a restart with ``--max-loras 1``: the older
+    request resumes from its KV; the younger one's adapter has no slot, so it is dropped by name
+    (the frontend recomputes it), never left running on another adapter's slot."""
+    from forkserver_context import forkserver_context
+    base, ads = models
+    cfg = EngineConfig(model=base, socket=host_daemon[0], namespace="lora-fewer-slots", dtype="float64",
+                       block_size=4, num_blocks=64, max_batched_tokens=32, max_loras=2,
+                       lora=(("all", ads["all"]), ("qv", ads["qv"])))
+    e1 = Engine(cfg)
+    for rid, name in (("old", "qv"), ("young", "all")):
+        e1.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, lora=name))
+    for _ in range(4):
+        e1.step()
+    assert e1.scheduler.running_adapters() == {"qv", "all"}
+    e1.flush()
+    q = forkserver_context(["gpu_anchor.serve.preload"]).Queue()
+    p = forkserver_context(["gpu_anchor.serve.preload"]).Process(target=_restart,
+                                                                 args=(dataclasses.replace(cfg, max_loras=1), [], q))
+    p.start()
+    restored, notes, served, failed, after, out = q.get(timeout=180)
+    p.join()
+    assert set(restored) == {"old"} and out == {"old": _peft_greedy(base, ads["qv"], PROMPTS[:1], 20)[0]}
+    assert notes == ["request young: LoRA adapter 'all' needs a slot, and the 1 of --max-loras hold the older "
+                     "requests' adapters"], notes
+
+
 def test_the_frontends_table_unloads_an_adapter_it_no_longer_serves(models, host_daemon):
     """An adapter the new engine restored from the journal that the frontend does not list (it
     had unloaded it, and the deletion of the record had not landed before the kill: here the
@@ -263,7 +327,9 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
                     for t in (x.choices[0].logprobs.tokens if x.choices else [])] == want
         for body, status_want, why in (
                 ({"lora_name": "all", "lora_path": ads["qv"]}, 400, "already been loaded"),
-                ({"lora_name": "qv", "lora_path": ads["qv"]}, 400, "every one of the 1 slot(s) holds an adapter"),
+                *([({"lora_name": "qv", "lora_path": ads["qv"]}, 400,
+                    "every one of the 1 slot(s) holds an adapter (all), and with --tensor-parallel-size none is "
+                    "parked")] if tp == 2 else []),
                 ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
                 ({"lora_name": "tiny", "lora_path": ads["qv"]}, 400, "base model's served name"),
                 ({"lora_name": "qv"}, 400, "lora_path"), ({"lora_name": "qv", "lora_path": 3}, 400, "lora_path"),
@@ -271,6 +337,15 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
                 ({"lora_name": "all", "lora_path": str(tmp_path), "load_inplace": True}, 400, "no adapter_config.json")):
             status, text = _post(url, "/v1/load_lora_adapter", body)
             assert status == status_want and why in text, (body, status, text)
+        if tp == 1:     # a second adapter, the one slot taken: it waits on the host, and a request takes the slot
+            status, text = _post(url, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": ads["qv"]})
+            assert status == 200, text
+            assert [int(t.split(":")[1]) for t in c.completions.create(
+                model="qv", prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens] == \
+                _peft_greedy(base, ads["qv"], [PROMPTS[0]], 12)[0]
+            assert [int(t.split(":")[1]) for t in ask().choices[0].logprobs.tokens] == want
+            assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "qv"})[0] == 200
         assert set(m.id for m in c.models.list().data) == {"tiny", "all"}
         assert [int(t.split(":")[1]) for t in ask().choices[0].logprobs.tokens] == want     # unchanged by the refusals
         # load_inplace: the same name now serves the other adapter's weights
@@ -343,9 +418,10 @@ def test_without_the_switch_the_routes_are_not_there(models, tmp_path, host_daem
 def test_on_cuda_adapters_loaded_while_serving_reach_the_graphs(models, cuda_daemon):
     """On CUDA in float32 (fused decoder kernels, CUDA graphs, anchored): graphs captured before
     any adapter was loaded, then an adapter loaded while serving, another put into the slot the
-    first one freed, and an in-place replacement under a running request's name.  Each time the
-    greedy tokens are transformers + peft's on the same GPU: a graph replay that read a slot's old
-    weights, or a slot the kernels do not see, would give the other adapter's tokens."""
+    first one freed, an in-place replacement under a running request's name, and a third adapter
+    waiting on the host for the one slot and taking it in turns.  Each time the greedy tokens are
+    transformers + peft's on the same GPU: a graph replay that read a slot's old weights, or a
+    slot the kernels do not see, would give the other adapter's tokens."""
     import torch
 
     from test_serve_lora import _peft_greedy
@@ -374,3 +450,9 @@ def test_on_cuda_adapters_loaded_while_serving_reach_the_graphs(models, cuda_dae
         eng.step()
     assert eng.generate(PROMPTS, sp("b")) == want["all"]
     assert eng.step_counts["graph"] > graphs
+    # more adapters than the one slot: "c" waits on the host, then takes the slot, then "b" takes it back
+    eng.load_lora_adapter("c", ads["qv"])
+    assert eng.model.lora.parked == ["c"]
+    assert eng.generate(PROMPTS, sp("c")) == want["qv"]
+    assert eng.generate(PROMPTS, sp("b")) == want["all"]
+    assert eng.model.lora.stats["swaps"] == 2

@@ -81,10 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "save_pretrained writes it (LoRA on the decoder's projections)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     p.add_argument("--max-loras", type=int, default=None,
-                   help="the most adapters served at once (every one is on the device and any mix of them shares a "
-                        "step; default: as many as --lora-modules gives, at least 1). With "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, /v1/load_lora_adapter loads more while serving, up "
-                        "to this many, each projection having room for one of --max-lora-rank")
+                   help="the adapters on the device at once, the most that running requests use together (any "
+                        "mix of them shares a step; default: as many as --lora-modules gives, at least 1). On one "
+                        "GPU more may be served (given, or loaded with /v1/load_lora_adapter when "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): they wait on the host, and one is put in the slot "
+                        "of the least recently used adapter no running request uses when a request needs it; "
+                        "each projection has room for one of --max-lora-rank in each slot")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")

@@ -231,6 +231,8 @@ class Engine(Requests, TakeOver):
         st, clock = self.step_times, time.perf_counter
         index = self.steps + (ahead_ids is not None)
         self._prefill_step = prefill = any(w.n > 1 or not w.sample for w in work)
+        if self.model.lora is not None:      # a parked adapter this step needs takes a slot now
+            self._adapters_in_slots(work)
         # The step fence marks only the launch of the kernels that write the KV (the graph's
         # replay; the eager forward), not the inputs' preparation: an engine killed in between
         # leaves the marker short, and its successor then waits for its exit (~0.1 s on an H200).
@@ -271,6 +273,15 @@ class Engine(Requests, TakeOver):
         st["sample"] += clock() - self._t_mark
         self._t_mark = clock()
         return la
+
+    def _adapters_in_slots(self, work: list[Work]) -> None:
+        """Put the adapters of ``work`` in slots (``lora_slots.Adapters.make_resident``); the slots
+        are written on this stream, after the steps already enqueued, which use no adapter moved."""
+        names = sorted({w.seq.params.lora for w in work if w.seq.params.lora is not None})
+        if names:
+            moved = self.model.lora.make_resident(names, self.scheduler.running_adapters())
+            if moved:
+                log.info("LoRA adapter(s) %s put in a slot (%d parked)", ", ".join(moved), len(self.model.lora.parked))
 
     def _complete(self, la: Launched | None) -> list[tuple]:
         """Read a launched step's tokens (``la`` None: a step with no work), finish it, snapshot

@@ -21,7 +21,7 @@ from .async_step import RunAhead
 from .block_manager import BlockManager
 from .model_runner import eos_token_ids
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 log = logging.getLogger("gpu_anchor.serve")
 
@@ -49,6 +49,7 @@ class TakeOver:
         self._name_adapters()
         eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
+        self.scheduler.lora_capacity = self.model.lora.capacity if self.model.lora is not None else 0
         journal = st.journal
         self.committer = C.Committer(journal)
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
@@ -115,13 +116,24 @@ class TakeOver:
         bad: list[str] = []       # the damaged requests' records, removed below
         seqs, problems = C.read_sequences(journal, bad)
         changed, adapter_puts, adapter_deletes = self._restore_adapters(journal, problems)
+        served = self.model.lora.served if self.model.lora is not None else {}
         unserved = [s for s in seqs if s.params.lora is not None
-                    and (s.params.lora not in self.lora_slots or s.params.lora in changed)]
+                    and (s.params.lora not in served or s.params.lora in changed)]
         for s in unserved:      # a journal of a server that served other adapters: never the wrong weights
             problems.append(f"request {s.rid}: LoRA adapter {s.params.lora!r} "
                             + changed.get(s.params.lora, "is not served by this engine"))
             bad.append(C.P + "req/" + s.rid)
         gone = {s.rid for s in unserved}
+        held: set = set()       # adapters the running restored requests hold slots for, oldest first
+        for s in sorted((s for s in seqs if s.rid not in gone and s.params.lora is not None
+                         and s.status is Status.RUNNING), key=lambda s: (s.arrival, s.rid)):
+            if s.params.lora in held or len(held) < self.scheduler.lora_capacity:
+                held.add(s.params.lora)
+                continue
+            problems.append(f"request {s.rid}: LoRA adapter {s.params.lora!r} needs a slot, and the "
+                            f"{self.scheduler.lora_capacity} of --max-loras hold the older requests' adapters")
+            bad.append(C.P + "req/" + s.rid)
+            gone.add(s.rid)
         seqs = [s for s in seqs if s.rid not in gone]
         dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
         notes = problems + dropped
@@ -192,8 +204,8 @@ class TakeOver:
                 continue
             seen[name] = r
             try:
-                ads.put(lora.read_for(self.cfg, self.mc, self.state.weights, name, r["path"], 0), slot=r["slot"],
-                        runtime=True)
+                ads.serve(lora.read_for(self.cfg, self.mc, self.state.weights, name, r["path"], 0),
+                          slot=r["slot"] if r["slot"] >= 0 else None, runtime=True)
                 log.info("LoRA adapter %r (loaded while serving) read again from %s", name, r["path"])
             except Exception as e:      # noqa: BLE001 — unreadable now: its requests are recomputed, named
                 failed[name] = f"(loaded while serving from {r['path']}) could not be loaded again: {e}"

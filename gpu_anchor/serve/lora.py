@@ -221,7 +221,8 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     elements their stacked tensors take on the device (``stacked_numel``).  Each adapter is read
     and checked against the model's shapes now, so that a server never starts with an adapter it
     would refuse or serve wrong.  At run time every projection gets ``--max-loras`` slots of
-    ``--max-lora-rank`` (an adapter loaded later may target any)."""
+    ``--max-lora-rank`` (an adapter loaded later may target any).  On one GPU more adapters than
+    ``--max-loras`` may be given: the others wait on the host for a free slot (``lora_slots``)."""
     given = getattr(args, "lora_modules", None)
     if not getattr(args, "enable_lora", False):
         if given:
@@ -236,10 +237,10 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
                            f"{RUNTIME_ENV}=True to load them while serving, as in vLLM)")
     most = getattr(args, "max_loras", None)
     capacity = most if most is not None else max(len(modules), 1)
-    if len(modules) > capacity:
-        raise AdapterError(f"--lora-modules gives {len(modules)} adapters and --max-loras is {most}: every adapter "
-                           "is kept on the device here (none is swapped in per batch, as vLLM does beyond "
-                           "--max-loras), so give at most that many or raise it")
+    if len(modules) > capacity and ranks > 1:
+        raise AdapterError(f"--lora-modules gives {len(modules)} adapters and --max-loras is {most}: with "
+                           "--tensor-parallel-size every adapter keeps a slot (none is swapped in per batch, as "
+                           "on one GPU), so give at most that many or raise it")
     if any(name == served_name for name, _ in modules):
         raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
                            "otherwise")

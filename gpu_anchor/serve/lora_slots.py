@@ -10,8 +10,18 @@ on the GPU one ``lora_kernels`` launch for the rest, elsewhere a mask product an
 matmul a member.  The shapes are the same every step, so a CUDA graph replays them; a decode step
 whose tokens have no adapter replays a graph captured without them (``cuda_graphs.py``).
 
+More adapters than slots (one GPU): every served adapter keeps its tensors on the host; those in no
+slot are *parked*, and a step that needs one puts it in a free slot or in the slot of the least
+recently used adapter that no running request uses (``make_resident``), which is parked in its
+place.  The scheduler admits a request only while the adapters of the running ones leave it a slot
+(``Scheduler.lora_capacity``), so such a slot always exists.  Slot positions carry no meaning
+beyond a step: a step's tokens name their adapter's slot as it is when the step is launched, and
+the stacked tensors are written in place on the step's stream, after the steps already enqueued,
+so CUDA graphs replay them as they are then (docs/serving.md, "More adapters than --max-loras").
+
 With tensor parallelism each rank holds its cut of every adapter (``lora.shard``), and the other
-ranks follow rank 0's adapters loaded while serving (``runtime_table`` / ``follow_table``).
+ranks follow rank 0's adapters loaded while serving (``runtime_table`` / ``follow_table``); there
+every served adapter keeps a slot (nothing is parked).
 """
 from __future__ import annotations
 
@@ -42,8 +52,12 @@ class Adapters:
 
         from . import lora_kernels
         self.capacity, self.rank = capacity, rank
-        self.slots: dict[str, int] = {}
+        self.slots: dict[str, int] = {}                         # the adapters in a slot
         self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
+        self.host: dict[str, Adapter] = {}     # every served adapter's tensors (a parked one's only copy)
+        self.stats = {"swaps": 0}              # parked adapters put in a slot
+        self._used: dict[str, int] = {}        # name -> the last make_resident call that needed it
+        self._clock = 0
         self._linear = linear
         self._shrink = linear or F.linear
         model = model or shapes
@@ -84,6 +98,44 @@ class Adapters:
     def names(self) -> list[str]:
         return list(self.slots)
 
+    def serve(self, adapter: Adapter, slot: int | None = None, runtime: bool = False) -> int | None:
+        """Serve ``adapter``: in a free slot (``slot`` if it is free) if there is one, else parked
+        until a step needs it.  Returns its slot, or None (parked)."""
+        self._check(adapter)
+        if len(self.slots) < self.capacity:
+            return self.put(adapter, slot, runtime)
+        self.host[adapter.name] = adapter
+        self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
+        return None
+
+    @property
+    def parked(self) -> list[str]:
+        return [n for n in self.served if n not in self.slots]
+
+    def make_resident(self, names, pinned) -> list[str]:
+        """Put each of ``names`` (served adapters a step uses) in a slot: a parked one takes a free
+        slot, else the slot of the least recently used adapter that is neither in ``names`` nor in
+        ``pinned`` (the adapters of running requests), parked in its place.  Returns the adapters
+        put in a slot.  Raises ``AdapterError`` when no slot can be freed."""
+        self._clock += 1
+        for n in names:
+            self._used[n] = self._clock
+        moved = []
+        for n in names:
+            if n in self.slots:
+                continue
+            if len(self.slots) >= self.capacity:
+                idle = [m for m in self.slots if m not in pinned and m not in names]
+                if not idle:
+                    raise AdapterError(f"LoRA adapter {n!r} needs a slot, and the {self.capacity} slot(s) hold "
+                                       f"adapters of running requests ({', '.join(self.slots)}): raise --max-loras")
+                victim = min(idle, key=lambda m: (self._used.get(m, 0), m))
+                self._clear(self.slots.pop(victim))
+            self.put(self.host[n], runtime=self.served[n][2])
+            self.stats["swaps"] += 1
+            moved.append(n)
+        return moved
+
     def put(self, adapter: Adapter, slot: int | None = None, runtime: bool = False) -> int:
         """Write ``adapter`` into a free slot, ``slot`` if it is free (its rows and columns zeroed
         first); returns the slot.  ``runtime``: loaded while serving (its record says so)."""
@@ -105,12 +157,18 @@ class Adapters:
             Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b)
         self.slots[adapter.name] = i
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
+        self.host[adapter.name] = adapter
         return i
 
-    def replace(self, adapter: Adapter) -> int:
+    def replace(self, adapter: Adapter) -> int | None:
         """Write ``adapter`` over the one served under its name, in its slot (vLLM's
-        ``load_inplace``); it is checked before anything is written.  Returns the slot."""
+        ``load_inplace``), or in its place among the parked ones; it is checked before anything
+        is written.  Returns the slot (None: parked)."""
         self._check(adapter)
+        if adapter.name not in self.slots:
+            self.host[adapter.name] = adapter
+            self.served[adapter.name] = (adapter.path, adapter.digest, True)
+            return None
         slot = self.slots.pop(adapter.name)
         del self.served[adapter.name]
         return self.put(adapter, slot, runtime=True)
@@ -123,13 +181,15 @@ class Adapters:
             raise AdapterError(f"LoRA adapter {adapter.name!r}: layer {missing[0][0]}'s {missing[0][1]} has no room")
 
     def remove(self, name: str) -> None:
-        self._clear(self.slots.pop(name))
-        del self.served[name]
+        if name in self.slots:
+            self._clear(self.slots.pop(name))
+        del self.served[name], self.host[name]
+        self._used.pop(name, None)
 
     def record(self, name: str) -> bytes:
         """``name``'s journal record (``serve/lora/<name>``)."""
         path, digest, runtime = self.served[name]
-        return json.dumps({"path": path, "slot": self.slots[name], "digest": digest, "runtime": runtime},
+        return json.dumps({"path": path, "slot": self.slots.get(name, -1), "digest": digest, "runtime": runtime},
                           sort_keys=True).encode()
 
     def _clear(self, i: int) -> None:
@@ -187,8 +247,8 @@ def _packed(outs: list):
 
 def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capacity: int = 0,
          runtime: bool = False, part: tuple[int, int] = (0, 1), full: dict | None = None) -> Adapters | None:
-    """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``; ``capacity``: the slots
-    (default: as many as adapters); ``runtime``: room for adapters loaded later (every projection,
+    """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``, those beyond
+    ``capacity`` parked (one GPU only); ``capacity``: the slots (default: as many as adapters); ``runtime``: room for adapters loaded later (every projection,
     rank ``max_rank``); ``linear``: as ``Adapters``; ``part``: (rank, ranks) of a tensor-parallel
     group, whose ``weights`` are that rank's shards (``full``: ``full_shapes``, which the adapters
     are checked against before each is cut).  None when there is nothing to serve."""
@@ -197,13 +257,16 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
     rank, n = part
     adapters = [shard(read(name, p, full if n > 1 else weights, max_rank), rank, n) for name, p in modules]
     capacity = capacity or len(adapters)
+    if n > 1 and len(adapters) > capacity:
+        raise AdapterError(f"{len(adapters)} LoRA adapters and {capacity} slot(s): with tensor parallelism every "
+                           "adapter keeps a slot (none is parked); give at most that many or raise --max-loras")
     model = projection_shapes(weights)
     if runtime:
         out = Adapters(model, capacity, max_rank, dtype, device, linear, model)
     else:
         out = Adapters(targeted_shapes(adapters), capacity, max(a.rank for a in adapters), dtype, device, linear, model)
     for a in adapters:
-        out.put(a)
+        out.serve(a)
     return out
 
 
@@ -221,7 +284,7 @@ def runtime_table(ads: Adapters | None) -> list:
     the other ranks of a tensor-parallel group after each change (``follow_table``)."""
     if ads is None:
         return []
-    return [[n, path, ads.slots[n], digest] for n, (path, digest, runtime) in ads.served.items() if runtime]
+    return [[n, path, ads.slots.get(n, -1), digest] for n, (path, digest, runtime) in ads.served.items() if runtime]
 
 
 def follow_table(ads: Adapters | None, table: list, read_one) -> None:

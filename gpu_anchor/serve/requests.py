@@ -30,9 +30,10 @@ class Requests:
         if params.seed is None and not params.greedy:
             params.seed = random.getrandbits(62)
         self._check_ids(list(prompt_ids) + list(output_ids) + [t for t, _ in params.logit_bias])
-        if params.lora is not None and params.lora not in self.lora_slots:
+        served = self.model.lora.served if self.model.lora is not None else {}
+        if params.lora is not None and params.lora not in served:
             raise ValueError(f"LoRA adapter {params.lora!r} is not served here (served: "
-                             f"{', '.join(self.lora_slots) or 'none'})")
+                             f"{', '.join(served) or 'none'})")
         seq = Sequence(rid, [int(t) for t in prompt_ids], params, output_ids=[int(t) for t in output_ids],
                        arrival=self._arrivals)
         reason = self.scheduler.stop_reason(seq) if seq.output_ids else None
@@ -111,16 +112,20 @@ class Requests:
         if ads is None or not self.cfg.runtime_lora:
             raise lora.AdapterError(f"loading LoRA adapters while serving needs --enable-lora and "
                                     f"{lora.RUNTIME_ENV}=True")
-        if name in ads.slots and not inplace:
+        if name in ads.served and not inplace:
             raise lora.AdapterError(f"LoRA adapter {name!r} is already loaded")
-        if name in ads.slots and not ads.served[name][2]:
+        if name in ads.served and not ads.served[name][2]:
             raise lora.AdapterError(f"LoRA adapter {name!r} was given at start (--lora-modules) and is not replaced "
                                     "in place; start the server with the new path, or load it under another name")
         adapter = lora.read_for(self.cfg, self.mc, self.state.weights, name, path, 0)
-        if name in ads.slots:
+        if name not in ads.served and self.tp is not None and len(ads.slots) >= ads.capacity:
+            raise lora.AdapterError(f"LoRA adapter {name!r}: every one of the {ads.capacity} slot(s) holds an adapter "
+                                    f"({', '.join(ads.slots)}), and with --tensor-parallel-size none is parked; "
+                                    "unload one or raise --max-loras")
+        if name in ads.served:
             ads.replace(adapter)
         else:
-            ads.put(adapter, runtime=True)
+            ads.serve(adapter, runtime=True)
         prefix_cache.adapter_loaded(self.blocks, name, adapter.digest)
         self.commits.write_now({C.LORA + name: ads.record(name)})
         self._adapters_to_ranks()
@@ -128,7 +133,7 @@ class Requests:
     def unload_lora_adapter(self, name: str) -> None:
         """vLLM's ``/v1/unload_lora_adapter``; refused while a request uses the adapter."""
         ads = self.model.lora
-        if ads is None or name not in ads.slots:
+        if ads is None or name not in ads.served:
             raise lora.AdapterError(f"LoRA adapter {name!r} is not loaded")
         users = sorted(s.rid for s in self.scheduler.seqs.values() if s.params.lora == name)
         if users:

@@ -6,6 +6,11 @@ sequence's last token, the step's logits for it are sampled.  Decode steps are t
 case ``n == 1``.  The schedule is a pure function of the sequences' state, their arrival
 order and ``decodes_only`` (set for a recovery's first step), so a recovered engine decides
 as the one that crashed would have, but for that first step, which only decodes.
+
+LoRA adapters: with ``lora_capacity`` slots, a waiting request is admitted only if its adapter
+is one a running request uses or the running requests' adapters leave a slot free; otherwise it
+waits, and so do the requests behind it (first come, first served, as for KV blocks).  So the
+adapters of the running requests always fit the slots (``lora_slots.Adapters.make_resident``).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class Scheduler:
         self.preempted: list[Sequence] = []     # by the last schedule() (their KV state changed)
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens admitted / found cached (prefix caching)
         self.cached_tokens: dict[str, int] = {}      # rid -> tokens found cached, until its first token
+        self.lora_capacity = 0                       # adapter slots (0: no adapters, no limit)
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -126,11 +132,16 @@ class Scheduler:
         rows = PROMPT_LOGPROB_ROWS          # prompt positions whose logits this step may compute
         candidates = [s for s in self._ordered(Status.RUNNING) if s.rid not in scheduled]
         candidates += self._ordered(Status.WAITING)
+        adapters = self.running_adapters()
         for seq in candidates:
             if budget < 1:
                 break
             if seq.status is Status.WAITING and n_running >= self.max_num_seqs:
                 break
+            lora = seq.params.lora
+            if (seq.status is Status.WAITING and self.lora_capacity and lora is not None and lora not in adapters
+                    and len(adapters) >= self.lora_capacity):
+                break            # its adapter needs a slot that running requests' adapters hold
             hits = prefix_cache.take(self.blocks, seq) if seq.status is Status.WAITING else None
             if seq.status is Status.WAITING and not self.blocks.can_take(hits or [], seq.num_tokens + 1):
                 break            # admit only what fits whole: partial admissions thrash with preemption
@@ -158,11 +169,17 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 seq.status = Status.RUNNING
                 n_running += 1
+                if lora is not None:
+                    adapters.add(lora)
             rows -= prompt_logprob_rows(seq, n)
             work.append(Work(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
             prefix_cache.remember(self.blocks, seq, seq.num_computed, seq.num_computed + n)
             budget -= n
         return work
+
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters the running requests use (they hold slots)."""
+        return {s.params.lora for s in self.seqs.values() if s.status is Status.RUNNING and s.params.lora is not None}
 
     def stop_reason(self, seq: Sequence) -> str | None:
         """Why ``seq`` is complete with its last output token, or None."""
