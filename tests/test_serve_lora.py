@@ -207,6 +207,9 @@ def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
             "--tensor-parallel-size", "2")
     assert r.returncode == 2 and "--lora-modules gives 2 adapters and --max-loras is 1: with --tensor-parallel-size" \
         in r.stderr, r.stderr[-2000:]
+    r = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}", "--deterministic")
+    assert r.returncode == 2 and "--max-loras is 1: with --deterministic every adapter keeps a slot" in r.stderr, \
+        r.stderr[-2000:]
     r = run("--enable-lora")
     assert r.returncode == 2 and "--enable-lora serves the adapters of --lora-modules, and none is given" in r.stderr
 

@@ -328,8 +328,8 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
         for body, status_want, why in (
                 ({"lora_name": "all", "lora_path": ads["qv"]}, 400, "already been loaded"),
                 *([({"lora_name": "qv", "lora_path": ads["qv"]}, 400,
-                    "every one of the 1 slot(s) holds an adapter (all), and with --tensor-parallel-size none is "
-                    "parked")] if tp == 2 else []),
+                    "every one of the 1 slot(s) holds an adapter (all), and with --tensor-parallel-size every "
+                    "adapter keeps a slot")] if tp == 2 else []),
                 ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
                 ({"lora_name": "tiny", "lora_path": ads["qv"]}, 400, "base model's served name"),
                 ({"lora_name": "qv"}, 400, "lora_path"), ({"lora_name": "qv", "lora_path": 3}, 400, "lora_path"),

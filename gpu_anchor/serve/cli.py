@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=None,
                    help="the adapters on the device at once, the most that running requests use together (any "
                         "mix of them shares a step; default: as many as --lora-modules gives, at least 1). On one "
-                        "GPU more may be served (given, or loaded with /v1/load_lora_adapter when "
+                        "GPU, without --deterministic, more may be served (given, or loaded with /v1/load_lora_adapter when "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): they wait on the host, and one is put in the slot "
                         "of the least recently used adapter no running request uses when a request needs it; "
                         "each projection has room for one of --max-lora-rank in each slot")

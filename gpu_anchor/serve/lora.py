@@ -200,6 +200,17 @@ def parse_records(raw: dict, prefix: str) -> tuple[dict, dict]:
     return out, damaged
 
 
+def unparked_because(tensor_parallel_size: int, deterministic: bool) -> str | None:
+    """Why every served adapter must keep a slot here (None: more than ``--max-loras`` may be
+    served, the others parked on the host: ``lora_slots``)."""
+    if (tensor_parallel_size or 1) > 1:
+        return "with --tensor-parallel-size every adapter keeps a slot (the ranks' slot tables must match)"
+    if deterministic:
+        return ("with --deterministic every adapter keeps a slot (the batch-invariant matmul sums over every "
+                "slot's columns, so an adapter's bits could change with its slot)")
+    return None
+
+
 def runtime_updating() -> bool:
     """Whether adapters may be loaded and unloaded while serving (vLLM's environment variable)."""
     return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true", "yes")
@@ -237,10 +248,10 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
                            f"{RUNTIME_ENV}=True to load them while serving, as in vLLM)")
     most = getattr(args, "max_loras", None)
     capacity = most if most is not None else max(len(modules), 1)
-    if len(modules) > capacity and ranks > 1:
-        raise AdapterError(f"--lora-modules gives {len(modules)} adapters and --max-loras is {most}: with "
-                           "--tensor-parallel-size every adapter keeps a slot (none is swapped in per batch, as "
-                           "on one GPU), so give at most that many or raise it")
+    why = unparked_because(ranks, getattr(args, "deterministic", False))
+    if len(modules) > capacity and why:
+        raise AdapterError(f"--lora-modules gives {len(modules)} adapters and --max-loras is {most}: {why}, so give "
+                           "at most that many or raise it")
     if any(name == served_name for name, _ in modules):
         raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
                            "otherwise")

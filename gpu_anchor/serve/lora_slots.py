@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 
-from .lora import Adapter, AdapterError, full_shapes, projection_shapes, read, shard, targeted_shapes
+from .lora import Adapter, AdapterError, full_shapes, projection_shapes, read, shard, targeted_shapes, unparked_because
 
 # projections that read the same input, in the order a packed projection (packing.py) stacks them
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
@@ -56,6 +56,7 @@ class Adapters:
         self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
         self.host: dict[str, Adapter] = {}     # every served adapter's tensors (a parked one's only copy)
         self.stats = {"swaps": 0}              # parked adapters put in a slot
+        self.unparked: str | None = None       # why every adapter must keep a slot (None: some may be parked)
         self._used: dict[str, int] = {}        # name -> the last make_resident call that needed it
         self._clock = 0
         self._linear = linear
@@ -104,6 +105,10 @@ class Adapters:
         self._check(adapter)
         if len(self.slots) < self.capacity:
             return self.put(adapter, slot, runtime)
+        if self.unparked:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: every one of the {self.capacity} slot(s) holds an "
+                               f"adapter ({', '.join(self.slots)}), and {self.unparked}; unload one or raise "
+                               "--max-loras")
         self.host[adapter.name] = adapter
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
         return None
@@ -246,25 +251,28 @@ def _packed(outs: list):
 
 
 def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capacity: int = 0,
-         runtime: bool = False, part: tuple[int, int] = (0, 1), full: dict | None = None) -> Adapters | None:
+         runtime: bool = False, part: tuple[int, int] = (0, 1), full: dict | None = None,
+         unparked: str | None = None) -> Adapters | None:
     """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``, those beyond
     ``capacity`` parked (one GPU only); ``capacity``: the slots (default: as many as adapters); ``runtime``: room for adapters loaded later (every projection,
     rank ``max_rank``); ``linear``: as ``Adapters``; ``part``: (rank, ranks) of a tensor-parallel
     group, whose ``weights`` are that rank's shards (``full``: ``full_shapes``, which the adapters
-    are checked against before each is cut).  None when there is nothing to serve."""
+    are checked against before each is cut); ``unparked``: why every adapter must keep a slot
+    (``lora.unparked_because``).  None when there is nothing to serve."""
     if not modules and not runtime:
         return None
     rank, n = part
     adapters = [shard(read(name, p, full if n > 1 else weights, max_rank), rank, n) for name, p in modules]
     capacity = capacity or len(adapters)
-    if n > 1 and len(adapters) > capacity:
-        raise AdapterError(f"{len(adapters)} LoRA adapters and {capacity} slot(s): with tensor parallelism every "
-                           "adapter keeps a slot (none is parked); give at most that many or raise --max-loras")
+    if unparked and len(adapters) > capacity:
+        raise AdapterError(f"{len(adapters)} LoRA adapters and {capacity} slot(s): {unparked}; give at most that "
+                           "many or raise --max-loras")
     model = projection_shapes(weights)
     if runtime:
         out = Adapters(model, capacity, max_rank, dtype, device, linear, model)
     else:
         out = Adapters(targeted_shapes(adapters), capacity, max(a.rank for a in adapters), dtype, device, linear, model)
+    out.unparked = unparked
     for a in adapters:
         out.serve(a)
     return out
@@ -276,7 +284,8 @@ def load_for(cfg, mc, weights: dict, model, rank: int) -> Adapters | None:
     n = cfg.tensor_parallel_size or 1
     return load(cfg.lora, weights, weights["model.embed_tokens.weight"].dtype, model.device,
                 model._linear if cfg.deterministic else None, cfg.max_lora_rank, cfg.max_loras, cfg.runtime_lora,
-                part=(rank, n), full=full_shapes(mc) if n > 1 else None)
+                part=(rank, n), full=full_shapes(mc) if n > 1 else None,
+                unparked=unparked_because(n, cfg.deterministic))
 
 
 def runtime_table(ads: Adapters | None) -> list:

@@ -118,10 +118,6 @@ class Requests:
             raise lora.AdapterError(f"LoRA adapter {name!r} was given at start (--lora-modules) and is not replaced "
                                     "in place; start the server with the new path, or load it under another name")
         adapter = lora.read_for(self.cfg, self.mc, self.state.weights, name, path, 0)
-        if name not in ads.served and self.tp is not None and len(ads.slots) >= ads.capacity:
-            raise lora.AdapterError(f"LoRA adapter {name!r}: every one of the {ads.capacity} slot(s) holds an adapter "
-                                    f"({', '.join(ads.slots)}), and with --tensor-parallel-size none is parked; "
-                                    "unload one or raise --max-loras")
         if name in ads.served:
             ads.replace(adapter)
         else:
