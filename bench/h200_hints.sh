@@ -27,7 +27,13 @@ one() {   # name, timeout (s), command...
   grep -o '"step_overhead_vs_fastest_plain_pct": [0-9.-]*' "$R/$name.json" 2>/dev/null
   pack
 }
-# one run of each kind first, so that a call cut short still has a pair at each size
-one long_h1 100 $H $L; one long_n1 100 $N $L; one short_h1 60 $H $S; one short_n1 60 $N $S
-one long_h2 100 $H $L; one short_h2 60 $H $S
-one long_n2 100 $N $L; one long_h3 100 $H $L; one short_h3 60 $H $S
+# one run of each kind first, so that a call cut short still has a pair at each size;
+# RUNS="short_h1 short_n1 ..." runs those instead, in that order (a call with little device time left)
+RUNS=${RUNS:-long_h1 long_n1 short_h1 short_n1 long_h2 short_h2 long_n2 long_h3 short_h3}
+for r in $RUNS; do
+  case $r in
+    long_h*) one "$r" 100 $H $L ;; long_n*) one "$r" 100 $N $L ;;
+    short_h*) one "$r" 60 $H $S ;; short_n*) one "$r" 60 $N $S ;;
+    *) echo "unknown run $r" ;;
+  esac
+done
