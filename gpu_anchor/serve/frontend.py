@@ -98,7 +98,7 @@ class Frontend(EngineSide):
         self.last_timings: dict = {}
         self.loading: dict | None = None     # the starting engine's last progress report
         self.preemptions_seen = 0
-        self.prefix_seen: dict = {}
+        self.counts_seen: dict = {}
         self.down_since = time.monotonic()
         self.migrations: dict[str, asyncio.Future] = {}   # mid -> cut-over report
         self.last_migration: dict = {}

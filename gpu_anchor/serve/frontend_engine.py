@@ -87,7 +87,7 @@ class EngineSide:
         held = set(hello["rids"])
         self.writer = writer
         self.preemptions_seen = 0
-        self.prefix_seen: dict = {}          # the new engine's prefix-cache counts start from 0
+        self.counts_seen: dict = {}          # the new engine's counters (prefix cache, LoRA swaps) start from 0
         m.engine_up.set(1)
         if self.runtime_lora is not None:
             self.runtime_lora.on_hello()      # before the requests below: some may name those adapters
@@ -132,8 +132,13 @@ class EngineSide:
             m.num_preemptions.inc(max(0, msg["preemptions"] - self.preemptions_seen))
             self.preemptions_seen = msg["preemptions"]
             for k, c in (("prefix_queries", m.prefix_queries), ("prefix_hits", m.prefix_hits)):
-                c.inc(max(0, msg.get(k, 0) - self.prefix_seen.get(k, 0)))
-                self.prefix_seen[k] = msg.get(k, 0)
+                c.inc(max(0, msg.get(k, 0) - self.counts_seen.get(k, 0)))
+                self.counts_seen[k] = msg.get(k, 0)
+            lora = msg.get("lora")
+            if lora is not None:
+                m.set_lora(lora["running"], lora["waiting"], lora["max"])
+                m.lora_swaps.inc(max(0, lora["swaps"] - self.counts_seen.get("lora_swaps", 0)))
+                self.counts_seen["lora_swaps"] = lora["swaps"]
         elif t == "err":
             r = self.reqs.get(msg["rid"])
             if r is not None:

@@ -63,8 +63,14 @@ class Metrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request arrival to its last token.", E2E_BUCKETS)
         self.tpot = hist("vllm:request_time_per_output_token_seconds", "Per finished request: first to last token "
                                                                        "over the tokens after the first.", ITL_BUCKETS)
+        self.lora_info = prom.Gauge("vllm:lora_requests_info", "The LoRA adapters of the running and the waiting "
+                                    "requests and the slots (--max-loras), as labels; the value is when they were "
+                                    "last set.", ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+                                    registry=r)
         # --- ours
         p = "gpu_anchor_serve_"
+        self.lora_swaps = counter(p + "lora_swaps", "LoRA adapters put in a slot from the host (more served than "
+                                                    "--max-loras), by the engines of this server.")
         self.requests = counter(p + "requests", "Requests accepted.")
         self.finished = counter(p + "requests_finished", "Requests that finished (not aborted).")
         self.open = gauge(p + "requests_open", "Requests with an open client connection.")
@@ -99,6 +105,12 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_used / kv_total if kv_total else 0.0)
+
+    def set_lora(self, running: list, waiting: list, slots: int) -> None:
+        """vLLM's ``vllm:lora_requests_info``: one series, the adapters as comma-separated labels."""
+        import time
+        self.lora_info.clear()
+        self.lora_info.labels(",".join(running), str(slots), ",".join(waiting)).set(time.time())
 
     def set_last_recovery(self, timings: dict) -> None:
         self.last_recovery.clear()

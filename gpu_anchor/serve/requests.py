@@ -183,12 +183,20 @@ class Requests:
     def load(self) -> dict:
         """What the scheduler holds now: requests running (holding KV) and waiting, and the
         KV blocks in use (blocks released by a step count until its commit lands; cached ones,
-        free to reuse, do not), and the prefix cache's prompt tokens looked up and found."""
-        running = sum(s.status is Status.RUNNING for s in self.scheduler.seqs.values())
-        return {"running": running, "waiting": len(self.scheduler.seqs) - running,
-                "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
-                "preemptions": self.scheduler.preemptions, "prefix_queries": self.scheduler.prefix_queries,
-                "prefix_hits": self.scheduler.prefix_hits}
+        free to reuse, do not), and the prefix cache's prompt tokens looked up and found; with
+        LoRA adapters, those of the running and the waiting requests, the slots and the swaps."""
+        seqs = self.scheduler.seqs.values()
+        running = sum(s.status is Status.RUNNING for s in seqs)
+        out = {"running": running, "waiting": len(self.scheduler.seqs) - running,
+               "kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free, "kv_blocks": self.blocks.num_blocks,
+               "preemptions": self.scheduler.preemptions, "prefix_queries": self.scheduler.prefix_queries,
+               "prefix_hits": self.scheduler.prefix_hits}
+        ads = self.model.lora
+        if ads is not None:
+            waiting = {s.params.lora for s in seqs if s.status is not Status.RUNNING and s.params.lora is not None}
+            out["lora"] = {"running": sorted(self.scheduler.running_adapters()), "waiting": sorted(waiting),
+                           "max": ads.capacity, "swaps": ads.stats["swaps"]}
+        return out
 
     def _hold_prompt_logprobs(self, la, live) -> None:
         """The prompt log-probabilities of a completed step's prompt rows (``la.plp``), held per
