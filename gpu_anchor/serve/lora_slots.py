@@ -255,7 +255,8 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
          unparked: str | None = None) -> Adapters | None:
     """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``, those beyond
     ``capacity`` parked; ``capacity``: the slots (default: as many as adapters); ``runtime``:
-    room for adapters loaded later (every projection, rank ``max_rank``); ``linear``: as ``Adapters``; ``part``: (rank, ranks) of a tensor-parallel
+    room for adapters loaded later (every projection, rank ``max_rank``); ``linear``: as
+    ``Adapters``; ``part``: (rank, ranks) of a tensor-parallel
     group, whose ``weights`` are that rank's shards (``full``: ``full_shapes``, which the adapters
     are checked against before each is cut); ``unparked``: why every adapter must keep a slot
     (``lora.unparked_because``).  None when there is nothing to serve."""
