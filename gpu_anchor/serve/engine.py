@@ -279,9 +279,11 @@ class Engine(Requests, TakeOver):
         are written on this stream, after the steps already enqueued, which use no adapter moved."""
         names = sorted({w.seq.params.lora for w in work if w.seq.params.lora is not None})
         if names:
-            moved = self.model.lora.make_resident(names, self.scheduler.running_adapters())
+            ads = self.model.lora      # the running requests' adapters matter only when one must move
+            pinned = self.scheduler.running_adapters() if any(n not in ads.slots for n in names) else set()
+            moved = ads.make_resident(names, pinned)
             if moved:
-                log.info("LoRA adapter(s) %s put in a slot (%d parked)", ", ".join(moved), len(self.model.lora.parked))
+                log.info("LoRA adapter(s) %s put in a slot (%d parked)", ", ".join(moved), len(ads.parked))
 
     def _complete(self, la: Launched | None) -> list[tuple]:
         """Read a launched step's tokens (``la`` None: a step with no work), finish it, snapshot

@@ -10,6 +10,8 @@ messages); while no engine is connected every open request counts as waiting.
 """
 from __future__ import annotations
 
+import time
+
 try:
     import prometheus_client as prom
 except ImportError as e:      # the serve extra brings it
@@ -108,7 +110,6 @@ class Metrics:
 
     def set_lora(self, running: list, waiting: list, slots: int) -> None:
         """vLLM's ``vllm:lora_requests_info``: one series, the adapters as comma-separated labels."""
-        import time
         self.lora_info.clear()
         self.lora_info.labels(",".join(running), str(slots), ",".join(waiting)).set(time.time())
 

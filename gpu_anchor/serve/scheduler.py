@@ -132,7 +132,7 @@ class Scheduler:
         rows = PROMPT_LOGPROB_ROWS          # prompt positions whose logits this step may compute
         candidates = [s for s in self._ordered(Status.RUNNING) if s.rid not in scheduled]
         candidates += self._ordered(Status.WAITING)
-        adapters = self.running_adapters()
+        adapters = self.running_adapters() if self.lora_capacity else set()   # no scan without adapters
         for seq in candidates:
             if budget < 1:
                 break
