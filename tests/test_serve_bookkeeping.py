@@ -91,25 +91,47 @@ def test_a_recovery_first_step_only_decodes():
     assert [(w.seq.rid, w.n) for w in s2.schedule(decodes_only=True)] == [("c", 6)]
 
 
-def test_a_request_whose_adapter_needs_a_slot_held_by_running_ones_waits_in_arrival_order():
-    """``lora_capacity`` 1: a request on another adapter than the running ones' waits, and so do
-    the requests behind it (a base-model one included); it is admitted once no running request
-    uses the first adapter.  With two slots both adapters run together."""
+def _admissions(s):
+    """Run ``s`` to the end (every sampled token 7): the requests each step admitted."""
+    admitted = []
+    while s.has_work():
+        w = s.schedule()
+        admitted.append(sorted(x.seq.rid for x in w if x.start == 0))
+        assert len(s.running_adapters()) <= s.lora_capacity
+        s.finish_step(w, {x.seq.rid: 7 for x in w if x.sample})
+        s.blocks.on_commit()
+    return [a for a in admitted if a]
+
+
+def test_a_request_whose_adapter_needs_a_slot_held_by_running_ones_lets_others_pass():
+    """``lora_capacity`` 1: a request on another adapter than the running ones' waits; younger
+    requests on the base model or on the running adapter pass it (as vLLM's scheduler lets them:
+    first come, first served made them wait too, and ran mixed adapters one request at a time);
+    it is admitted once no running request uses the first adapter.  With two slots both
+    adapters run together."""
     def run(capacity):
         s = Scheduler(BlockManager(64, 4), max_batched_tokens=64)
         s.lora_capacity = capacity
-        for i, (rid, lora) in enumerate((("a1", "a"), ("b1", "b"), ("n", None), ("a2", "a"))):
+        for i, (rid, lora) in enumerate((("a1", "a"), ("b1", "b"), ("n", None), ("a2", "a"), ("b2", "b"))):
             s.add(seq(rid, 3, max_tokens=2, arrival=i, lora=lora))
-        admitted = []
-        while s.has_work():
-            w = s.schedule()
-            admitted.append(sorted(x.seq.rid for x in w if x.start == 0))
-            assert len(s.running_adapters()) <= capacity
-            s.finish_step(w, {x.seq.rid: 7 for x in w if x.sample})
-            s.blocks.on_commit()
-        return [a for a in admitted if a]
-    assert run(1) == [["a1"], ["b1", "n"], ["a2"]]
-    assert run(2) == [["a1", "a2", "b1", "n"]]
+        return _admissions(s)
+    assert run(1) == [["a1", "a2", "n"], ["b1", "b2"]]
+    assert run(2) == [["a1", "a2", "b1", "b2", "n"]]
+
+
+def test_only_the_next_max_num_seqs_arrivals_pass_a_held_request():
+    """A steady stream on the running adapter does not hold a request on another one for ever:
+    of the requests that arrived after it, only the next ``max_num_seqs`` may pass it; then the
+    running adapter drains and it takes the slot (vLLM lets every one pass)."""
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_batched_tokens=64)
+    s.lora_capacity = 1
+    s.add(seq("a0", 3, max_tokens=6, arrival=0, lora="a"))     # the running adapter's longest
+    s.add(seq("b", 3, max_tokens=2, arrival=1, lora="b"))
+    for i in range(1, 6):
+        s.add(seq(f"a{i}", 3, max_tokens=2, arrival=1 + i, lora="a"))
+    # a1 and a2 (arrivals 2 and 3) pass b, each as a seat frees; a3 (4) may not, though a0 still
+    # runs on adapter a: b runs before it
+    assert _admissions(s) == [["a0", "a1"], ["a2"], ["b"], ["a3", "a4"], ["a5"]]
 
 
 def test_scheduler_stops_on_eos_and_length():

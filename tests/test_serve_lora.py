@@ -71,26 +71,28 @@ def _peft_greedy(base: str, adapter: str | None, prompts, max_tokens: int, devic
     return out
 
 
-@pytest.mark.parametrize("slots", [0, 1], ids=["a-slot-each", "one-slot"])
+@pytest.mark.parametrize("slots,seats,swaps", [(0, 64, 0), (1, 64, 1), (1, 2, 4)],
+                         ids=["a-slot-each", "one-slot", "one-slot-two-seats"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
-def test_a_batch_mixing_adapters_and_the_base_decodes_as_peft_does(models, graphs, slots):
+def test_a_batch_mixing_adapters_and_the_base_decodes_as_peft_does(models, graphs, slots, seats, swaps):
     """Four prompts, each run with the first adapter, the second, and none, all twelve in one
     engine (so steps mix them): each equals transformers + peft's greedy ``generate``.
-    ``one-slot`` (``--max-loras 1``): the second adapter waits on the host; its requests wait
-    until no running request uses the first, whose slot it then takes (and so on, in arrival
-    order), and the base model's requests run beside either."""
+    ``one-slot`` (``--max-loras 1``): the second adapter waits on the host; its first request is
+    held until no running request uses the first adapter, and the younger requests on the first
+    adapter or the base model pass it (one swap).  ``one-slot-two-seats`` (``--max-num-seqs 2``):
+    only the next two arrivals may pass a held request, so the adapters take the slot in turns."""
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     base, ads = models
     eng = Engine(EngineConfig(model=base, anchor=False, dtype="float64", block_size=4, num_blocks=200,
-                              cuda_graphs=graphs, graph_after_steps=0, lora=tuple(ads.items()), max_loras=slots))
+                              max_num_seqs=seats, cuda_graphs=graphs, graph_after_steps=0, lora=tuple(ads.items()),
+                              max_loras=slots))
     names = ["all", "qv", None]
     jobs = [(p, n) for p in PROMPTS for n in names]
     got = eng.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, ignore_eos=True, lora=n) for _, n in jobs])
     if graphs:
         assert eng.step_counts["graph"] > 0
-    if slots:       # arrival order alternates the adapters: each request on one of them waited for a slot
-        assert eng.model.lora.capacity == 1 and eng.model.lora.stats["swaps"] == 2 * len(PROMPTS) - 1
+    assert eng.model.lora.capacity == (slots or 2) and eng.model.lora.stats["swaps"] == swaps
     for n in names:
         want = _peft_greedy(base, ads.get(n), PROMPTS, 12)
         assert [g for g, (_, m) in zip(got, jobs) if m == n] == want, n
