@@ -150,6 +150,8 @@ def main(argv=None) -> int:
 def title(r: dict) -> str:
     return (f"Serving with LoRA adapters: the decode step ({r['model']} shape, {r['streams']} streams, "
             f"{r['adapters']} adapters of rank {r['rank']}, {r['device']})"
+            + (f": {r['slots']} slots (--max-loras {r['slots']}), the other adapters parked, against a slot each"
+               if r.get("slots") else "")
             + (f": {r['variant']}" if r.get("variant") else ""))
 
 
