@@ -346,13 +346,14 @@ def test_the_server_loads_an_adapter_while_serving_and_keeps_it_across_an_engine
                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens] == \
                 _peft_greedy(base, ads["qv"], [PROMPTS[0]], 12)[0]
             assert [int(t.split(":")[1]) for t in ask().choices[0].logprobs.tokens] == want
-            # /metrics: the swaps (qv in, all back) and vLLM's lora_requests_info with the one slot
+            # /metrics: the swaps (qv in, all back) and vLLM's lora_requests_info with the one slot and
+            # nothing running (the engine's statistics reach the frontend after the tokens do: wait)
+            idle = ['vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}']
             deadline = time.time() + 30
-            while (got := scrape(url)).get("gpu_anchor_serve_lora_swaps_total") != 2.0:
+            while ((got := scrape(url)).get("gpu_anchor_serve_lora_swaps_total") != 2.0
+                   or [k for k in got if k.startswith("vllm:lora_requests_info")] != idle):
                 assert time.time() < deadline, {k: v for k, v in got.items() if "lora" in k}
                 time.sleep(0.2)
-            assert [k for k in got if k.startswith("vllm:lora_requests_info")] == [
-                'vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}']
             assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "qv"})[0] == 200
         assert set(m.id for m in c.models.list().data) == {"tiny", "all"}
         assert [int(t.split(":")[1]) for t in ask().choices[0].logprobs.tokens] == want     # unchanged by the refusals
