@@ -17,7 +17,7 @@ import pytest
 
 from gpu_anchor.serve import lora as L
 from gpu_anchor.serve.engine import Engine, EngineConfig
-from gpu_anchor.serve.sequence import SamplingParams
+from gpu_anchor.serve.sequence import SamplingParams, Status
 from test_serve_lora import PROMPTS, _peft_greedy, make_models
 
 pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
@@ -183,9 +183,10 @@ def test_a_request_on_an_adapter_loaded_while_serving_resumes_from_its_kv_after_
 
 def test_a_request_on_an_adapter_that_waited_on_the_host_resumes_after_a_restart(models, host_daemon):
     """``--max-loras 1`` with two adapters given at start: a request on the second one (parked at
-    start) took the slot, and one on the first waits for it.  A restarted engine starts with the
-    first in the slot again; the restored request's adapter takes it back before its first step,
-    and both requests end on peft's tokens."""
+    start) took the slot, and one on the first waits for it, passed by a younger request on the
+    second.  A restarted engine starts with the first in the slot again; the restored requests'
+    adapter takes it back before their first step, the held request runs once they are done, and
+    all three end on peft's tokens."""
     from forkserver_context import forkserver_context
     base, ads = models
     want = {n: _peft_greedy(base, ads[n], PROMPTS[:1], 20)[0] for n in ("qv", "all")}
@@ -194,11 +195,12 @@ def test_a_request_on_an_adapter_that_waited_on_the_host_resumes_after_a_restart
                        lora=(("all", ads["all"]), ("qv", ads["qv"])))
     e1 = Engine(cfg)
     assert e1.model.lora.parked == ["qv"]
-    for rid, name in (("on-qv", "qv"), ("on-all", "all")):
+    for rid, name in (("on-qv", "qv"), ("on-all", "all"), ("on-qv-2", "qv")):
         e1.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, lora=name))
     for _ in range(4):
         e1.step()
     assert e1.model.lora.parked == ["all"] and e1.scheduler.running_adapters() == {"qv"}
+    assert {s.rid for s in e1.scheduler.seqs.values() if s.status is Status.RUNNING} == {"on-qv", "on-qv-2"}
     e1.flush()
     q = forkserver_context(["gpu_anchor.serve.preload"]).Queue()
     p = forkserver_context(["gpu_anchor.serve.preload"]).Process(target=_restart, args=(cfg, [], q))
@@ -206,7 +208,8 @@ def test_a_request_on_an_adapter_that_waited_on_the_host_resumes_after_a_restart
     restored, notes, served, failed, after, out = q.get(timeout=180)
     p.join()
     assert not notes and not failed and restored["on-qv"][0] == "qv" and restored["on-qv"][1] > len(PROMPTS[0])
-    assert out == {"on-qv": want["qv"], "on-all": want["all"]}
+    assert restored["on-qv-2"][0] == "qv" and restored["on-qv-2"][1] > len(PROMPTS[0])
+    assert out == {"on-qv": want["qv"], "on-all": want["all"], "on-qv-2": want["qv"]}
 
 
 def test_a_restart_with_fewer_slots_than_the_running_requests_adapters_drops_the_younger_by_name(models,
