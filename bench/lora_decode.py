@@ -10,14 +10,15 @@ base weights, decode the same batch of requests, alternating, ``--rounds`` times
 - ``served, one adapter``: every request on the first adapter;
 - ``served, mixed``: request ``i`` on adapter ``i mod adapters``;
 - ``--slots N`` (fewer than ``--adapters``) replaces the cases above by three engines (three 8B
-  engines fit one 80 GB GPU, five do not): ``served, mixed`` (a slot each, the baseline), and
+  engines and their KV fit one 80 GB GPU): ``served, mixed`` (a slot each, the baseline), and
   with ``--max-loras N`` (the other adapters parked on the host) the same mixed requests, once as
   the scheduler admits them (a request held for a slot lets the next ``max_num_seqs`` arrivals on
   running adapters pass) and once first come, first served (``lora_pass_window`` 0: the rule
   before 2026-12-06).
 
 Each cell: decode step ms and decode tokens/s, median [min–max] over the rounds (decode-only
-steps, ``serve_decode.decode_run``), the step's extra over ``plain``, and the whole run's
+steps, ``serve_decode.decode_run``), the step's extra over the baseline (``plain``; with
+``--slots``, ``served, mixed``), and the whole run's
 tokens/s (prefills, swaps and the steps of smaller batches included: what parking costs).
 
     python -m bench lora_decode --device cuda:0            # Qwen3-8B shape, 64 streams, 4 x rank 16
