@@ -98,16 +98,19 @@ def test_save_state_and_load_state_checkpoint_it_as_they_do_accelerates_own_loop
     assert moved.returncode == 0, moved.stderr          # from accelerate's own loop's checkpoint
     assert moved.stdout.splitlines() == list(plain[4:])
 
-    lines = []
+    lines, runs = [], []
     for fault, kill_after_load in [(None, 1), ("mid_chunk@0:0", 0), ("after_commit@1:0", 0), (None, 0)]:
         run = _run("anchored", "acc-ckpt-killed", fault, ckpt=tmp_path / "killed", resume=checkpoint,
                    kill_after_load=kill_after_load)
         assert run.returncode == (0 if fault is None and not kill_after_load else -9), run.stderr
         lines += run.stdout.splitlines()
+        runs.append((fault, kill_after_load, run.returncode, run.stdout, run.stderr[-2000:]))
     # the protocol's step numbers count from the load (0 is the checkpoint's step 5); every
-    # step printed is the fault-free one, and the job ends where it does
-    assert set(lines) <= set(plain[4:]), sorted(set(lines) - set(plain))
-    assert lines[-1] == plain[-1] and len(set(lines)) >= len(plain) - 4 - 2
+    # step printed is the fault-free one, and the job ends where it does.  (This sequence failed
+    # once in CI and once in 162 harness runs, unexplained: docs/training.md; every run's output
+    # is in the message, for the next time.)
+    assert set(lines) <= set(plain[4:]) and lines[-1] == plain[-1], (sorted(set(lines) - set(plain)), plain, runs)
+    assert len(set(lines)) >= len(plain) - 4 - 2
 
 
 def test_the_daemon_killed_it_resumes_from_accelerates_checkpoint(host_daemon, tmp_path):
