@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import chunking
-from .kinds import AdamKind
+from .kinds import AdamKind, settle_cpu_sqrt
 from .protocol import slot_of
 
 
@@ -23,6 +23,8 @@ class ChunkExecutor:
         self._params = params
         self._chunks = chunks
         self._kind = kind
+        if params and params[0].flat.device.type == "cpu":     # before any chunk is updated here
+            settle_cpu_sqrt({q.flat.dtype for q in params})
         self._views, self._undo_src, self._undo_dst = [], [], []
         per_slice = []
         for i, chunk in enumerate(chunks):

@@ -79,6 +79,28 @@ class LegacyAdamWKind(AdamKind):
         return []
 
 
+_settled: set = set()
+
+
+def settle_cpu_sqrt(dtypes) -> None:
+    """Have oneMKL pick its ``sqrt`` kernel for each float dtype on this thread alone, once.
+
+    On the CPU, torch takes a float32 / float64 ``sqrt`` to oneMKL's VML, which picks a
+    function's kernel at its first call.  When that first call runs on several intra-op threads
+    at once, one thread can run a low-accuracy kernel over its whole share of the tensor
+    (pytorch/pytorch#188792: oneMKL 2024.2, which torch's CPU wheels bundle; fixed in oneMKL
+    2025).  A restarted worker's recovery makes exactly that first call: it redoes the
+    interrupted step's Adam update before anything in the process took a square root, and the
+    update then differs from the fault-free one in the low bits of one thread's share (seen on
+    this project's 2-core CI machine: the second half of an embedding's 4 096 elements, in 4 to 8 % of
+    kill-and-rerun runs).  A one-element ``sqrt`` runs on this thread only, and settles it.
+    """
+    for dtype in dtypes:
+        if dtype in (torch.float32, torch.float64) and dtype not in _settled:
+            torch.ones(1, dtype=dtype).sqrt()
+            _settled.add(dtype)
+
+
 def kind_of(optimizer: torch.optim.Optimizer) -> Kind:
     if isinstance(optimizer, torch.optim.AdamW) and not issubclass(torch.optim.AdamW, Adam):
         return LegacyAdamWKind()
