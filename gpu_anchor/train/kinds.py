@@ -88,11 +88,11 @@ def settle_cpu_sqrt(dtypes) -> None:
     On the CPU, torch takes a float32 / float64 ``sqrt`` to oneMKL's VML, which picks a
     function's kernel at its first call.  When that first call runs on several intra-op threads
     at once, one thread can run a low-accuracy kernel over its whole share of the tensor
-    (pytorch/pytorch#188792: oneMKL 2024.2, which torch's CPU wheels bundle; fixed in oneMKL
-    2025).  A restarted worker's recovery makes exactly that first call: it redoes the
+    (pytorch/pytorch#188792: oneMKL 2024.2, which torch's wheels bundle; not seen there with
+    oneMKL 2025).  A restarted worker's recovery makes exactly that first call: it redoes the
     interrupted step's Adam update before anything in the process took a square root, and the
-    update then differs from the fault-free one in the low bits of one thread's share (seen on
-    this project's 2-core CI machine: the second half of an embedding's 4 096 elements, in 4 to 8 % of
+    update then differs from the fault-free one in the low bits of one thread's share (on this
+    project's 2-core CI machine: the second half of an embedding's 4 096 elements, in 11 of 250
     kill-and-rerun runs).  A one-element ``sqrt`` runs on this thread only, and settles it.
     """
     for dtype in dtypes:
