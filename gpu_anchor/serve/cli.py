@@ -87,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): they wait on the host, and one is put in the slot "
                         "of the least recently used adapter no running request uses when a request needs it; "
                         "each projection has room for one of --max-lora-rank in each slot")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="the adapters whose tensors the host keeps, at least --max-loras (as in vLLM; default: "
+                        "every served one); a parked adapter beyond them is read again from its files when a "
+                        "request needs it, and its requests are refused, naming it, if the files changed")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $VLLM_API_KEY, if set)")
     p.add_argument("--namespace", default=None, help="anchor namespace (default: serve-<model name>)")
@@ -295,7 +299,7 @@ def engine_config(args, mc):
     num_blocks = options.kv_cache_blocks(args, mc, device, dtype, lora_numel * (2 if args.hot_standby else 1))
     return EngineConfig(model=args.model, random_weights=args.random_weights, seed=args.seed, device=device,
                         tokenizer=args.tokenizer, lora=lora, max_lora_rank=args.max_lora_rank,
-                        max_loras=max_loras, runtime_lora=runtime_lora,
+                        max_loras=max_loras, runtime_lora=runtime_lora, max_cpu_loras=args.max_cpu_loras,
                         dtype=dtype, block_size=args.block_size, num_blocks=num_blocks,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, anchor=not args.no_anchor,

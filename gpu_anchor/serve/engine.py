@@ -214,6 +214,8 @@ class Engine(Requests, TakeOver):
         if cur is None:
             t0 = time.perf_counter()
             work = self.scheduler.schedule(decodes_only=self._urgent)
+            if work and self.model.lora is not None and self.model.lora.host_capacity is not None:
+                work = self._fetch_adapters(work)
             self._t_mark = t1 = time.perf_counter()
             self.step_times["schedule"] += t1 - t0
             if work:
@@ -273,6 +275,27 @@ class Engine(Requests, TakeOver):
         st["sample"] += clock() - self._t_mark
         self._t_mark = clock()
         return la
+
+    def _fetch_adapters(self, work: list[Work]) -> list[Work]:
+        """Read again the parked adapters of ``work`` whose tensors the host dropped
+        (``--max-cpu-loras``: ``lora_slots.Adapters.fetch``).  A request whose adapter cannot be
+        served (its files gone or changed) is ended with the reason (``failures``) and left out."""
+        ads = self.model.lora
+        reads = ads.stats["reads"]
+        failed = ads.fetch({w.seq.params.lora for w in work if w.seq.params.lora is not None})
+        if ads.stats["reads"] > reads:
+            log.info("LoRA adapter(s) read again from their files (%d read in all; the host keeps %d of %d)",
+                     ads.stats["reads"], len(ads.host), ads.host_capacity)
+        if not failed:
+            return work
+        for w in work:
+            why = failed.get(w.seq.params.lora)
+            if why is not None:
+                log.warning("request %s: %s", w.seq.rid, why)
+                self.abort(w.seq.rid)
+                self.failures.append((w.seq.rid, why))
+        self._added += self.scheduler.preempted     # journaled even if no step runs now
+        return [w for w in work if w.seq.params.lora not in failed]
 
     def _adapters_in_slots(self, work: list[Work]) -> None:
         """Put the adapters of ``work`` in slots (``lora_slots.Adapters.make_resident``); the slots
@@ -377,4 +400,8 @@ class Engine(Requests, TakeOver):
         while self.has_work():
             for rid, _, toks, _ in self.step():
                 out[rid] += toks
+            if self.failures:
+                rid, why = self.failures[0]
+                self.failures.clear()
+                raise ValueError(f"request {rid}: {why}")
         return [out[r] for r in rids]

@@ -61,6 +61,9 @@ class EngineConfig:
     # (Engine.load_lora_adapter), every projection having room for one of rank max_lora_rank
     max_loras: int = 0
     runtime_lora: bool = False
+    # the adapters whose tensors the host keeps (vLLM's --max-cpu-loras; None: every served one): a
+    # parked adapter beyond them is read again from its files when a request needs it
+    max_cpu_loras: int | None = None
     # prefix caching (prefix_cache.py, vLLM's --enable-prefix-caching, on by default as there): a
     # request whose first blocks of tokens another request computed shares their KV instead of
     # computing it again

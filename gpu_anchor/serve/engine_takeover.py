@@ -77,6 +77,7 @@ class TakeOver:
         self._arrivals = max([s.arrival for s in self.restored], default=-1) + 1
         self._gone: list[str] = []
         self._added: list[Sequence] = []     # admitted or rewound since the last commit
+        self.failures: list[tuple[str, str]] = []      # (request, why) ended by the engine, not yet told
         self._urgent = True       # the next step lands its commit at once (see ``step``)
         self._prefill_step = False
         self.tokens_generated = 0

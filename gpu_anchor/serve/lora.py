@@ -233,7 +233,9 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     and checked against the model's shapes now, so that a server never starts with an adapter it
     would refuse or serve wrong.  At run time every projection gets ``--max-loras`` slots of
     ``--max-lora-rank`` (an adapter loaded later may target any).  On one GPU more adapters than
-    ``--max-loras`` may be given: the others wait on the host for a free slot (``lora_slots``)."""
+    ``--max-loras`` may be given: the others wait on the host for a free slot (``lora_slots``);
+    ``--max-cpu-loras`` (vLLM's, at least ``--max-loras``) bounds the adapters whose tensors the
+    host keeps, the others being read again from their files when a request needs them."""
     given = getattr(args, "lora_modules", None)
     if not getattr(args, "enable_lora", False):
         if given:
@@ -255,11 +257,19 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     if any(name == served_name for name, _ in modules):
         raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
                            "otherwise")
-    adapters = [read(n, p, shapes, args.max_lora_rank) for n, p in modules]
+    host = getattr(args, "max_cpu_loras", None)
+    if host is not None and host < capacity:
+        raise AdapterError(f"--max-cpu-loras ({host}) must be at least --max-loras ({capacity}), as in vLLM: the "
+                           "host keeps at least the adapters of the slots")
+    targeted, top = {}, 0
+    for n, p in modules:              # one at a time: only their shapes are kept
+        a = read(n, p, shapes, args.max_lora_rank)
+        targeted.update(targeted_shapes([a]))
+        top = max(top, a.rank)
     if runtime:
         numel = stacked_numel(shard_shapes(projection_shapes(shapes), ranks), capacity, args.max_lora_rank)
     else:
-        numel = stacked_numel(shard_shapes(targeted_shapes(adapters), ranks), capacity, max(a.rank for a in adapters))
+        numel = stacked_numel(shard_shapes(targeted, ranks), capacity, top)
     return tuple(modules), capacity, runtime, numel
 
 

@@ -10,10 +10,13 @@ on the GPU one ``lora_kernels`` launch for the rest, elsewhere a mask product an
 matmul a member.  The shapes are the same every step, so a CUDA graph replays them; a decode step
 whose tokens have no adapter replays a graph captured without them (``cuda_graphs.py``).
 
-More adapters than slots (one GPU): every served adapter keeps its tensors on the host; those in no
-slot are *parked*, and a step that needs one puts it in a free slot or in the slot of the least
-recently used adapter that no running request uses (``make_resident``), which is parked in its
-place.  The scheduler admits a request only while the adapters of the running ones leave it a slot
+More adapters than slots (one GPU): those in no slot are *parked*, and a step that needs one puts
+it in a free slot or in the slot of the least recently used adapter that no running request uses
+(``make_resident``), which is parked in its place.  The host keeps the tensors of the
+``host_capacity`` adapters used last (vLLM's ``--max-cpu-loras``; None: of every served adapter);
+a parked adapter whose tensors it dropped is read again from its files before the step that needs
+it (``fetch``), and served only if they are still the tensors it was served with (its digest).
+The scheduler admits a request only while the adapters of the running ones leave it a slot
 (``Scheduler.lora_capacity``), so such a slot always exists.  Slot positions carry no meaning
 beyond a step: a step's tokens name their adapter's slot as it is when the step is launched, and
 the stacked tensors are written in place on the step's stream, after the steps already enqueued,
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import json
 
-from .lora import Adapter, AdapterError, full_shapes, projection_shapes, read, shard, targeted_shapes, unparked_because
+from .lora import (Adapter, AdapterError, describe_failure, full_shapes, projection_shapes, read, shard,
+                   targeted_shapes, unparked_because)
 
 # projections that read the same input, in the order a packed projection (packing.py) stacks them
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
@@ -46,7 +50,7 @@ class Adapters:
     does not depend on the batch); None: cuBLAS or ``lora_kernels``."""
 
     def __init__(self, shapes: dict, capacity: int, rank: int, dtype, device, linear=None,
-                 model: dict | None = None) -> None:
+                 model: dict | None = None, host_capacity: int | None = None, reader=None) -> None:
         import torch
         import torch.nn.functional as F
 
@@ -54,8 +58,12 @@ class Adapters:
         self.capacity, self.rank = capacity, rank
         self.slots: dict[str, int] = {}                         # the adapters in a slot
         self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
-        self.host: dict[str, Adapter] = {}     # every served adapter's tensors (a parked one's only copy)
-        self.stats = {"swaps": 0}              # parked adapters put in a slot
+        # served adapters' tensors on the host, least recently used first: a parked one's only copy
+        # unless it was dropped (``host_capacity``), then read again by ``fetch`` (``reader(name,
+        # path)``: the adapter as ``lora.read`` gives it)
+        self.host: dict[str, Adapter] = {}
+        self.host_capacity, self._reader = host_capacity, reader
+        self.stats = {"swaps": 0, "reads": 0}  # parked adapters put in a slot; re-read from their files
         self.unparked: str | None = None       # why every adapter must keep a slot (None: some may be parked)
         self._used: dict[str, int] = {}        # name -> the last make_resident call that needed it
         self._clock = 0
@@ -109,13 +117,58 @@ class Adapters:
             raise AdapterError(f"LoRA adapter {adapter.name!r}: every one of the {self.capacity} slot(s) holds an "
                                f"adapter ({', '.join(self.slots)}), and {self.unparked}; unload one or raise "
                                "--max-loras")
-        self.host[adapter.name] = adapter
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
+        self._hold(adapter)
         return None
+
+    def serve_from_disk(self, name: str, path: str, digest: str, runtime: bool = False) -> None:
+        """Serve an adapter already read and checked (its ``digest``) without its tensors: parked,
+        ``fetch`` reads them from ``path`` when a step needs it.  Only when every slot is taken."""
+        if len(self.slots) < self.capacity or self.unparked:
+            raise AdapterError(f"LoRA adapter {name!r}: served from disk only when every slot is taken and "
+                               "adapters may be parked")
+        self.served[name] = (path, digest, runtime)
 
     @property
     def parked(self) -> list[str]:
         return [n for n in self.served if n not in self.slots]
+
+    def _hold(self, adapter: Adapter, keep=()) -> None:
+        """Keep ``adapter``'s tensors on the host as the most recently used, then drop the least
+        recently used others beyond ``host_capacity`` (never one of ``keep``)."""
+        self.host.pop(adapter.name, None)
+        self.host[adapter.name] = adapter
+        if self.host_capacity is None:
+            return
+        for name in [n for n in self.host if n != adapter.name and n not in keep]:
+            if len(self.host) <= self.host_capacity:
+                break
+            del self.host[name]
+
+    def fetch(self, names) -> dict[str, str]:
+        """Read again from its files each of ``names`` (served adapters a step uses) that is in no
+        slot and whose tensors the host dropped (``host_capacity``).  Returns ``{name: why it
+        cannot be served}`` for those that could not be read or whose tensors are no longer the
+        ones it was served with (the files changed): the step must not run their requests."""
+        failed = {}
+        names = list(names)
+        for n in names:
+            if n in self.slots or n in self.host:
+                continue
+            path, digest, _ = self.served[n]
+            try:
+                adapter = self._reader(n, path)
+            except Exception as e:                    # a file gone or unreadable: the requests learn why
+                failed[n] = describe_failure(n, e)
+                continue
+            if adapter.digest != digest:
+                failed[n] = (f"LoRA adapter {n!r}: its tensors at {path} are not the ones it was served with "
+                             f"(digest {adapter.digest[:12]}, served {digest[:12]}): the files changed while it "
+                             "waited on disk; load it again (load_inplace) or restart the server with them")
+                continue
+            self.stats["reads"] += 1
+            self._hold(adapter, keep=names)
+        return failed
 
     def make_resident(self, names, pinned) -> list[str]:
         """Put each of ``names`` (served adapters a step uses) in a slot: a parked one takes a free
@@ -136,14 +189,17 @@ class Adapters:
                                        f"adapters of running requests ({', '.join(self.slots)}): raise --max-loras")
                 victim = min(idle, key=lambda m: (self._used.get(m, 0), m))
                 self._clear(self.slots.pop(victim))
-            self.put(self.host[n], runtime=self.served[n][2])
+            if n not in self.host:
+                raise AdapterError(f"LoRA adapter {n!r}: its tensors are not on the host (fetch reads them first)")
+            self.put(self.host[n], runtime=self.served[n][2], keep=names)
             self.stats["swaps"] += 1
             moved.append(n)
         return moved
 
-    def put(self, adapter: Adapter, slot: int | None = None, runtime: bool = False) -> int:
+    def put(self, adapter: Adapter, slot: int | None = None, runtime: bool = False, keep=()) -> int:
         """Write ``adapter`` into a free slot, ``slot`` if it is free (its rows and columns zeroed
-        first); returns the slot.  ``runtime``: loaded while serving (its record says so)."""
+        first); returns the slot.  ``runtime``: loaded while serving (its record says so);
+        ``keep``: adapters whose host tensors must stay (``_hold``)."""
         free = sorted(set(range(self.capacity)) - set(self.slots.values()))
         if slot in free:
             free.remove(slot)
@@ -162,7 +218,7 @@ class Adapters:
             Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b)
         self.slots[adapter.name] = i
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
-        self.host[adapter.name] = adapter
+        self._hold(adapter, keep)
         return i
 
     def replace(self, adapter: Adapter) -> int | None:
@@ -171,8 +227,8 @@ class Adapters:
         is written.  Returns the slot (None: parked)."""
         self._check(adapter)
         if adapter.name not in self.slots:
-            self.host[adapter.name] = adapter
             self.served[adapter.name] = (adapter.path, adapter.digest, True)
+            self._hold(adapter)
             return None
         slot = self.slots.pop(adapter.name)
         del self.served[adapter.name]
@@ -188,7 +244,8 @@ class Adapters:
     def remove(self, name: str) -> None:
         if name in self.slots:
             self._clear(self.slots.pop(name))
-        del self.served[name], self.host[name]
+        del self.served[name]
+        self.host.pop(name, None)
         self._used.pop(name, None)
 
     def record(self, name: str) -> bytes:
@@ -252,30 +309,47 @@ def _packed(outs: list):
 
 def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capacity: int = 0,
          runtime: bool = False, part: tuple[int, int] = (0, 1), full: dict | None = None,
-         unparked: str | None = None) -> Adapters | None:
+         unparked: str | None = None, host_capacity: int | None = None) -> Adapters | None:
     """``modules``: ``[(name, path)]`` (``parse_modules``) in slots ``0..``, those beyond
     ``capacity`` parked; ``capacity``: the slots (default: as many as adapters); ``runtime``:
     room for adapters loaded later (every projection, rank ``max_rank``); ``linear``: as
     ``Adapters``; ``part``: (rank, ranks) of a tensor-parallel
     group, whose ``weights`` are that rank's shards (``full``: ``full_shapes``, which the adapters
     are checked against before each is cut); ``unparked``: why every adapter must keep a slot
-    (``lora.unparked_because``).  None when there is nothing to serve."""
+    (``lora.unparked_because``); ``host_capacity``: the adapters whose tensors the host keeps
+    (None: all; at least ``capacity``): each adapter is read and checked here, and beyond the
+    first ``host_capacity`` only its digest is kept, so the host never holds more.  None when
+    there is nothing to serve."""
     if not modules and not runtime:
         return None
     rank, n = part
-    adapters = [shard(read(name, p, full if n > 1 else weights, max_rank), rank, n) for name, p in modules]
-    capacity = capacity or len(adapters)
-    if unparked and len(adapters) > capacity:
-        raise AdapterError(f"{len(adapters)} LoRA adapters and {capacity} slot(s): {unparked}; give at most that "
+    capacity = capacity or len(modules)
+    if unparked and len(modules) > capacity:
+        raise AdapterError(f"{len(modules)} LoRA adapters and {capacity} slot(s): {unparked}; give at most that "
                            "many or raise --max-loras")
+    if host_capacity is not None and host_capacity < capacity:
+        raise AdapterError(f"--max-cpu-loras {host_capacity} is below --max-loras {capacity}: the host keeps at "
+                           "least the adapters of the slots")
+
+    def reader(name: str, path: str) -> Adapter:
+        return shard(read(name, path, full if n > 1 else weights, max_rank), rank, n)
+
+    adapters, shapes, top = [], {}, 0
+    for i, (name, path) in enumerate(modules):
+        a = reader(name, path)
+        shapes.update(targeted_shapes([a]))
+        top = max(top, a.rank)
+        adapters.append(a if host_capacity is None or i < host_capacity else (name, path, a.digest))
     model = projection_shapes(weights)
     if runtime:
-        out = Adapters(model, capacity, max_rank, dtype, device, linear, model)
-    else:
-        out = Adapters(targeted_shapes(adapters), capacity, max(a.rank for a in adapters), dtype, device, linear, model)
+        shapes, top = model, max_rank
+    out = Adapters(shapes, capacity, top, dtype, device, linear, model, host_capacity, reader)
     out.unparked = unparked
     for a in adapters:
-        out.serve(a)
+        if isinstance(a, Adapter):
+            out.serve(a)
+        else:
+            out.serve_from_disk(*a)
     return out
 
 
@@ -286,7 +360,7 @@ def load_for(cfg, mc, weights: dict, model, rank: int) -> Adapters | None:
     return load(cfg.lora, weights, weights["model.embed_tokens.weight"].dtype, model.device,
                 model._linear if cfg.deterministic else None, cfg.max_lora_rank, cfg.max_loras, cfg.runtime_lora,
                 part=(rank, n), full=full_shapes(mc) if n > 1 else None,
-                unparked=unparked_because(n, cfg.deterministic))
+                unparked=unparked_because(n, cfg.deterministic), host_capacity=cfg.max_cpu_loras)
 
 
 def runtime_table(ads: Adapters | None) -> list:

@@ -267,6 +267,9 @@ def run(cfg: EngineConfig, frontend_socket: str, started_at: float | None = None
                 if not published:
                     published = True
                     progress("tokens")
+            for rid, why in eng.failures:       # requests the engine could not run (their adapter's files)
+                sock.sendall(wire.encode({"t": "err", "rid": rid, "msg": why}))
+            eng.failures.clear()
             if first_step:
                 first_step = False
                 sock.sendall(wire.encode({"t": "stats", "first_step_s": time.perf_counter() - ts,
