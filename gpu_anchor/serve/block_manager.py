@@ -20,14 +20,25 @@ instead of computing them again.  Each block is in exactly one state:
   recently released first) when no plain free block is left;
 - *free*: no digest; handed out lowest id first.
 
-Digests are this process's knowledge, not committed state: a recovered engine knows the
-digests of its live sequences' full, computed blocks only (``rebuild``).  Reusing a *cached*
-block overwrites KV that no sequence of the committed state owns (it left through a committed
-release), so the crash rule above holds as it did without caching.
+Reusing a *cached* block overwrites KV that no sequence of the committed state owns (it left
+through a committed release), so the crash rule above holds as it did without caching.
+
+Cached blocks across a restart (``recording``: an anchored engine journals them, ``serve/pc/<b>``
+in ``commit.py``): a block that becomes cached is *to record*; the next commit records its digest
+(``take_records``) and it is *recorded* until the deletion of that record is durable.  The rule
+that makes a record trustworthy: **no block is written while a record of it is in the journal or
+on its way there** — before ``grow`` hands out a recorded block, or ``writable_from`` lets a table
+rewrite one, ``unrecord`` (the engine's) commits the deletion of its record, and of the records of
+the next least recently released cached blocks with it (``UNRECORD_BATCH``: one journal round trip
+per that many reused blocks), and returns once it landed.  So a recovered engine trusts every
+record of a block no committed table holds: its KV is what its digest names
+(``adopt_records``); the live sequences' digests are named again from their tokens (``rebuild``).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+UNRECORD_BATCH = 256     # cached blocks whose records one ``unrecord`` deletes at most (the reused ones first)
 
 
 class OutOfBlocks(RuntimeError):
@@ -53,6 +64,13 @@ class BlockManager:
         self._block: dict[bytes, int] = {}             # digest -> block
         self.epoch = 0       # the engine bumps it per step; a commit of epoch E frees releases <= E
         self.adapter_tags: dict[str, bytes] = {}       # LoRA adapter name -> its tensors' digest
+        # records of cached blocks (module docstring): ``unrecord(blocks)`` makes the deletion of
+        # their records durable before it returns
+        self.recording = False
+        self.unrecord = None
+        self._to_record: OrderedDict[int, None] = OrderedDict()  # cached, no record yet, oldest first
+        self._recorded: set[int] = set()               # a record of it is in the journal or on its way
+        self.unrecorded = 0                            # records deleted before their blocks were written
 
     @property
     def num_free(self) -> int:
@@ -73,6 +91,7 @@ class BlockManager:
         need = self.blocks_needed(len(table), num_tokens)
         if need > self.num_free:
             raise OutOfBlocks(f"{rid} needs {need} blocks, {self.num_free} free")
+        new = []
         for _ in range(need):
             if self._free:
                 b = self._free.pop()
@@ -80,7 +99,9 @@ class BlockManager:
                 b, _ = self._cached.popitem(last=False)      # the least recently released
                 self._forget(b)
             self.refs[b] = 1
-            table.append(b)
+            new.append(b)
+        self._before_writing(new)
+        table.extend(new)
 
     def release(self, table: list[int]) -> None:
         """Give blocks back; those no other table holds become reusable after the next commit."""
@@ -100,6 +121,8 @@ class BlockManager:
                 del self._pending[b]
                 if b in self._digest:
                     self._cached[b] = None
+                    if self.recording and b not in self._recorded:
+                        self._to_record[b] = None
                 else:
                     self._free.append(b)
             self._free.sort(reverse=True)
@@ -131,6 +154,7 @@ class BlockManager:
                 self.refs[b] = 1
                 if self._pending.pop(b, None) is None:
                     del self._cached[b]
+                    self._to_record.pop(b, None)    # owned again: recorded if it comes back cached
             table.append(b)
 
     def register(self, block: int, digest: bytes) -> None:
@@ -143,20 +167,78 @@ class BlockManager:
         where it may start so that it writes no block another table holds or a digest names.
         A block only this table holds loses its digest; from the first shared one on, the table
         lets go of its blocks and its positions are recomputed from that block's start."""
+        kept = []
         for i in range(start // self.block_size, len(table)):
             b = table[i]
             if self.refs.get(b, 0) > 1:
                 rest = table[i:]
                 del table[i:]
                 self.release(rest)
+                self._before_writing(kept)
                 return min(start, i * self.block_size)
             self._forget(b)
+            kept.append(b)
+        self._before_writing(kept)
         return start
 
     def _forget(self, b: int) -> None:
         d = self._digest.pop(b, None)
         if d is not None:
             del self._block[d]
+        self._to_record.pop(b, None)
+
+    def _before_writing(self, blocks: list[int]) -> None:
+        """``blocks`` are about to be written: no record of theirs may stay in the journal (module
+        docstring).  The deletion also takes the records of the next cached blocks in reuse order,
+        up to ``UNRECORD_BATCH`` in all, so that the next reuses need no journal round trip."""
+        hit = [b for b in blocks if b in self._recorded]
+        if not hit:
+            return
+        more = [b for b in self._cached if b in self._recorded][:max(0, UNRECORD_BATCH - len(hit))]
+        self.unrecord(hit + more)
+        self._recorded.difference_update(hit + more)
+        self.unrecorded += len(hit) + len(more)
+
+    # ------------------------------------------------------------------ records of cached blocks
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def has_unrecorded(self) -> bool:
+        return bool(self._to_record)
+
+    def take_records(self) -> list[tuple[int, bytes]]:
+        """The cached blocks to record in the next commit, oldest first, as ``(block, digest)``:
+        recorded from now on (the commit carrying them is on its way)."""
+        out = [(b, self._digest[b]) for b in self._to_record]
+        self._recorded.update(b for b, _ in out)
+        self._to_record.clear()
+        return out
+
+    def adopt_records(self, records: list[tuple[int, bytes]]) -> list[int]:
+        """After ``adopt`` and ``rebuild`` (recovery): the committed records of cached blocks, in
+        the order they were recorded.  A block no table holds becomes *cached* with its digest
+        (its KV is what the digest names: module docstring); one a table holds stays recorded
+        if its digest is the one its tokens give.  Returns the blocks whose records must be
+        deleted (out of range, a digest known already, another digest than the tokens')."""
+        stale = []
+        for b, d in records:
+            if not (self.recording and 0 <= b < self.num_blocks) or b in self._recorded:
+                stale.append(b)
+            elif b in self.refs:
+                if self._digest.get(b) == d:
+                    self._recorded.add(b)
+                else:
+                    stale.append(b)
+            elif d in self._block:
+                stale.append(b)
+            else:
+                self._free.remove(b)
+                self._cached[b] = None
+                self._digest[b], self._block[d] = d, b
+                self._recorded.add(b)
+        return stale
 
     # ------------------------------------------------------------------ recovery
     def adopt(self, tables: dict[str, list[int]], shared_below: dict[str, int] | None = None) -> None:
@@ -177,6 +259,7 @@ class BlockManager:
         refs = {b: len(hs) for b, hs in holders.items()}
         self.refs = refs
         self._pending, self._cached, self._digest, self._block = {}, OrderedDict(), {}, {}
+        self._to_record, self._recorded = OrderedDict(), set()
         self._free = sorted((b for b in range(self.num_blocks) if b not in refs), reverse=True)
 
     def check(self) -> None:
@@ -190,3 +273,6 @@ class BlockManager:
                 any(self._block[d] != b for b, d in self._digest.items()) or \
                 any(b not in self._digest for b in self._cached) or any(n < 1 for n in self.refs.values()):
             raise InconsistentState("prefix-cache accounting broken")
+        if any(b not in self._cached or b in self._recorded for b in self._to_record) or \
+                any(b in set(self._free) for b in self._recorded):
+            raise InconsistentState("prefix-cache record accounting broken")

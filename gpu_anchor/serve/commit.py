@@ -12,6 +12,9 @@ Journal keys (namespace of the engine's anchored objects):
 - ``serve/out/<rid>/<k>``  output tokens ``[64k, 64k+64)``           (only the last segment changes)
 - ``serve/lora/<name>`` a served LoRA adapter: path, slot, digest (``lora.py``), written before
                        any request on it can be journaled, deleted when it is unloaded
+- ``serve/pc/<block>`` a cached block's digest (16 bytes) and when it was recorded (u64): written
+                       in the commit after the block became cached, deleted (and landed) before
+                       the block is written again (``block_manager.py``, "Cached blocks across a restart")
 
 One ``journal.commit`` per step carries every change of that step, so the journal always
 holds the state as of the end of some step: never a half-applied one.  See
@@ -34,6 +37,7 @@ log = logging.getLogger("gpu_anchor.serve")
 P = "serve/"
 LAYOUT, WEIGHTS = P + "layout", P + "weights"
 LORA = P + "lora/"
+PC = P + "pc/"
 
 
 def _req(rid):
@@ -63,6 +67,7 @@ class Committer:
         self._keys: dict[str, tuple] = {}    # rid -> its journal keys (st, bt, out prefix)
         self.commits = 0
         self.bytes = 0
+        self.pc_clock = 0       # the order cached blocks were recorded in (read back by ``read_cached``)
 
     def adopt(self, seqs) -> None:
         """After recovery: what the journal already holds for each sequence (its state and
@@ -95,7 +100,7 @@ class Committer:
         changed (``build(snapshot(...))``)."""
         return self.build(self.snapshot(live, gone))
 
-    def snapshot(self, live, gone=()):
+    def snapshot(self, live, gone=(), cached=()):
         """What changed since the last snapshot, cheaply (compares, no encoding): the part of
         a commit that must run at the end of the step.  Updates the record caches as if the
         commit landed: build and apply every snapshot, in order, or die.
@@ -104,7 +109,8 @@ class Committer:
         step's scheduled, preempted and newly added ones); the others' records stand.  The
         snapshot stays valid while the sequences move on: it copies the changed block table
         (a later step may clear it) and keeps only a prefix length of the output ids, which
-        are append-only."""
+        are append-only.  ``cached``: ``(block, digest)`` of blocks to record
+        (``BlockManager.take_records``)."""
         if self.journal is None:
             return None
         rows = []
@@ -138,17 +144,21 @@ class Committer:
             heads.pop(rid, None)
             tables.pop(rid, None)
             self._keys.pop(rid, None)
-        if not rows and not deletes:
+        pcs = []
+        for b, d in cached:
+            self.pc_clock += 1
+            pcs.append((b, d, self.pc_clock))
+        if not rows and not deletes and not pcs:
             return None
-        return rows, deletes
+        return rows, deletes, pcs
 
     def build(self, snap):
         """Encode a snapshot into ``(puts, deletes)`` (the engine runs this while the next
         step's forward is on the GPU); ``None`` for an empty snapshot."""
         if snap is None:
             return None
-        rows, deletes = snap
-        puts: dict[str, bytes] = {}
+        rows, deletes, pcs = snap
+        puts: dict[str, bytes] = {PC + str(b): d + t.to_bytes(8, "little") for b, d, t in pcs}
         keys = self._keys
         for seq, rid, head, table, out, n0, n in rows:
             if seq is not None:
@@ -227,6 +237,12 @@ class Pipeline:
         and return once it landed (between steps: a LoRA adapter's record)."""
         if self.committer.journal is not None:
             self._pool.submit(self.committer.apply, puts, list(deletes)).result()
+
+    def unrecord(self, blocks) -> None:
+        """Delete the records of cached ``blocks`` (``BlockManager.unrecord``): the held commit
+        (which may carry some of them) is sent first, and this returns once the deletion landed."""
+        self.send()
+        self.write_now({}, [PC + str(b) for b in blocks])
 
     def _apply_after(self, done, puts, deletes) -> None:
         if done is not None:
@@ -313,6 +329,24 @@ def restore_kv(seqs: list[Sequence], blocks: BlockManager, kv_valid: bool, why: 
         s.reset_kv()
     blocks.adopt({})
     return notes
+
+
+def read_cached(raw: dict) -> tuple[list[tuple[int, bytes]], list[str], int]:
+    """The records of cached blocks among journal entries ``raw`` (``serve/...``), in the order
+    they were recorded, the keys of damaged ones, and the last record's order (``pc_clock``)."""
+    out, damaged = [], []
+    for key, blob in raw.items():
+        if key.startswith(PC):
+            try:
+                b = int(key[len(PC):])
+            except ValueError:
+                b = None
+            if b is None or len(blob) != 24:
+                damaged.append(key)
+            else:
+                out.append((int.from_bytes(blob[16:], "little"), b, bytes(blob[:16])))
+    out.sort()
+    return [(b, d) for _, b, d in out], damaged, out[-1][0] if out else 0
 
 
 def layout_record(d: dict) -> bytes:

@@ -345,7 +345,7 @@ class Engine(Requests, TakeOver):
             seen = set()
             touched = [q for q in [w.seq for w in work] + (la.preempted if la is not None else []) + self._added
                        if live.get(q.rid) is q and not (id(q) in seen or seen.add(id(q)))]
-            snap = self.committer.snapshot(touched, self._gone + [s.rid for s in finished])
+            snap = self.committer.snapshot(touched, self._gone + [s.rid for s in finished], self.blocks.take_records())
         self._added = []
         self._gone = []
         epoch = self.blocks.epoch
@@ -361,6 +361,7 @@ class Engine(Requests, TakeOver):
             if self.run_ahead is not None:
                 self.run_ahead.drop()           # launched ahead, and every row of it finished
             published += self.commits.land()    # nothing left to overlap with: land it now
+            self._record_cached()
         elif self._urgent:
             # a recovery's first step (this engine's first, or one that resumes a request from its
             # delivered tokens): its tokens are not held back a step
@@ -370,6 +371,14 @@ class Engine(Requests, TakeOver):
         self.tokens_generated += len(grown)
         self._prefill_step = la is not None and la.prefill
         return published
+
+    def _record_cached(self) -> None:
+        """Record now the blocks that became cached when the last commit landed (no step follows
+        to carry them: an idle engine's cache is found again after a restart)."""
+        if self.blocks.recording and self.blocks.has_unrecorded:
+            payload = self.committer.build(self.committer.snapshot([], (), self.blocks.take_records()))
+            if payload is not None:
+                self.commits.write_now(*payload)
 
     def flush(self) -> list[tuple]:
         """Complete a step launched ahead, land the in-flight commit and return the tokens they

@@ -55,6 +55,9 @@ class TakeOver:
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",
                                          "finish", "commit_prepare", "commit_wait"), 0.0)
         self.commits = C.Pipeline(self.committer, self.blocks, self.step_times)
+        # cached blocks recorded in the journal, so that a restarted engine finds them again
+        self.blocks.recording = journal is not None and cfg.prefix_caching
+        self.blocks.unrecord = self.commits.unrecord
         t3 = time.perf_counter()
         self.recovery_notes: list[str] = []
         self.restored: list[Sequence] = []
@@ -137,6 +140,12 @@ class TakeOver:
             gone.add(s.rid)
         seqs = [s for s in seqs if s.rid not in gone]
         dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
+        # the cached blocks of the previous engines: trusted only on the KV the tables were
+        records, damaged, self.committer.pc_clock = C.read_cached(journal.get_many(prefix=C.PC))
+        stale = self.blocks.adopt_records(records) if not why and not dropped else [b for b, _ in records]
+        bad += damaged + [C.PC + str(b) for b in stale]
+        if self.blocks.num_cached:
+            log.info("%d cached block(s) of the previous engine found again (prefix cache)", self.blocks.num_cached)
         notes = problems + dropped
         for n in notes:
             log.warning("%s", n)
