@@ -32,6 +32,7 @@ import os
 import tempfile
 
 from bench.common import default_device, write_result
+from bench import models
 from bench.protocol import Cell
 
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -60,10 +61,7 @@ def write_adapter(path: str, weights_shapes: dict, layers: int, rank: int, seed:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-8b", help="a bench.models shape (random weights)")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    models.add_shape_args(ap)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -77,7 +75,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from bench import models
     from bench.serve_decode import decode_run
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.model_runner import param_specs

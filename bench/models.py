@@ -42,6 +42,14 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=2048)
 
 
+def add_shape_args(ap, default: str = "qwen3-8b") -> None:
+    """``--model --layers --device --dtype``: the serving benchmarks' model shape (random weights)."""
+    ap.add_argument("--model", default=default, help="a bench.models shape (random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+
+
 def config(name: str, tiny: bool = False, layers: int | None = None):
     """A ``transformers`` config for shape ``name`` (``tiny``: same architecture, toy sizes;
     ``layers``: that many decoder layers, every other dimension unchanged)."""

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from bench.common import default_device, write_result
+from bench import models
 from bench.protocol import Cell
 
 _ids = itertools.count()
@@ -77,10 +78,7 @@ def _workload(eng, kind: str, a, rng, vocab: int, sp) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-8b", help="a bench.models shape (random weights)")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    models.add_shape_args(ap)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--system", type=int, default=1024, help="tokens of the shared system prompt / a conversation's start")
     ap.add_argument("--unique", type=int, default=64, help="tokens of each request's own (each turn's new) part")
@@ -93,7 +91,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import random
 
-    from bench import models
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
     device = default_device(a.device)

@@ -204,6 +204,7 @@ class Pipeline:
             else _Immediate()
         # [future, snapshot not yet sent, events it makes publishable, epoch, device work to wait for]
         self._held = None
+        self.unrecords, self.unrecord_s = 0, 0.0       # ``unrecord`` calls and the seconds they waited
 
     def start(self, initializer) -> None:
         """Run ``initializer`` on the commit thread, started now (else the thread starts at the
@@ -241,8 +242,11 @@ class Pipeline:
     def unrecord(self, blocks) -> None:
         """Delete the records of cached ``blocks`` (``BlockManager.unrecord``): the held commit
         (which may carry some of them) is sent first, and this returns once the deletion landed."""
+        t = time.perf_counter()
         self.send()
         self.write_now({}, [PC + str(b) for b in blocks])
+        self.unrecords += 1
+        self.unrecord_s += time.perf_counter() - t
 
     def _apply_after(self, done, puts, deletes) -> None:
         if done is not None:
