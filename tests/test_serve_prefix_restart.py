@@ -9,6 +9,7 @@ compared with the KV the fault-free run computed for the same digest: a block wr
 engine's last steps would hold other tokens' KV.  The streams end as the fault-free run's."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -152,7 +153,7 @@ def test_a_block_is_written_only_once_no_record_of_it_remains():
     bm.grow("b", t2, 10)                # the 5 plain free blocks first, nothing recorded touched
     assert t2 == [3, 4, 5, 6, 7] and not deleted
     bm.grow("b", t2, 12)                # the least recently released cached block: its record goes first
-    assert t2[-1] == 0 and deleted == [[0, 1, 2]] and not journal
+    assert t2[-1] == 0 and deleted == [[0]] and sorted(journal) == [1, 2]   # (a sixteenth of 2 cached: no more)
     bm.check()
     # a restart: the records of the blocks no table holds are trusted, the others' kept or dropped
     bm2 = BlockManager(8, 2, prefix_caching=True)
@@ -176,8 +177,8 @@ def test_a_block_is_written_only_once_no_record_of_it_remains():
 
 def _gpu_first_engine(cfg, batches, conn):
     """On CUDA: the first batch to its end (the engine idle: its cached blocks recorded), then
-    the second one, SIGKILLed in its fourth decode step, when it had reused recorded blocks."""
-    import dataclasses
+    the second one, SIGKILLed in a decode step after it reused recorded blocks (``cfg.fault``, set
+    far away, only installs the mid-forward hook)."""
     eng = Engine(cfg)
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     eng.generate(batches[0], sp)
@@ -194,12 +195,13 @@ def test_on_cuda_cached_blocks_are_found_again_after_a_sigkill(model, cuda_daemo
     an engine serves requests sharing one system prompt, goes idle, then serves requests on
     another one in a KV cache too small for both (recorded blocks reused) and is SIGKILLed mid
     decode.  The next engine trusts only blocks whose KV is bit for bit the fault-free engine's
-    for their digest, and a request on the first system prompt takes the blocks found and gets
-    the tokens of an engine without caching."""
+    for their digest, and a request on the first system prompt, beside the six restored ones,
+    takes the blocks found and gets the tokens of an engine without caching.  (The same test on
+    the CPU in float64 with the emulated graph path passed before it ran on a GPU.)"""
     systems = [[(11 * i + k) % 370 + 5 for i in range(100)] for k in (0, 1)]
     batches = [[s + list(range(30 + i, 36 + 2 * i)) for i in range(6)] for s in systems]
     kw = dict(model=model, device="cuda:0", dtype="bfloat16", deterministic=True, block_size=16,
-              num_blocks=36, max_batched_tokens=64, max_num_seqs=6)
+              num_blocks=30, max_batched_tokens=64, max_num_seqs=7)
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = Engine(EngineConfig(**kw, anchor=False))
     known = {}
@@ -207,7 +209,7 @@ def test_on_cuda_cached_blocks_are_found_again_after_a_sigkill(model, cuda_daemo
         ref.generate(batch, sp)
         for b, d in ref.blocks._digest.items():
             known.setdefault(d, _block_kv(ref, b))
-    cfg = EngineConfig(**kw, namespace="pc-restart-gpu", socket=cuda_daemon[0])
+    cfg = EngineConfig(**kw, namespace="pc-restart-gpu", socket=cuda_daemon[0], fault=(10**9, "mid_decode"))
     a, b = _ctx().Pipe()
     p = _ctx().Process(target=_gpu_first_engine, args=(cfg, batches, b))
     p.start()
@@ -220,11 +222,14 @@ def test_on_cuda_cached_blocks_are_found_again_after_a_sigkill(model, cuda_daemo
             break
     p.join()
     assert p.exitcode == -9 and said[0][0] == "idle" and said[0][1] > 0, (p.exitcode, said)
-    eng = Engine(cfg)
+    eng = Engine(dataclasses.replace(cfg, fault=None))
     trusted = {d: _block_kv(eng, b) for b, d in eng.blocks._digest.items() if b in eng.blocks._cached}
-    assert trusted and all(torch.equal(kv, known[d]) for d, kv in trusted.items())
-    turn = systems[0] + [7, 8, 9]
-    hits = eng.scheduler.prefix_hits
-    got = eng.generate([turn], sp)
+    # fewer than the idle engine's: the blocks the second batch reused lost their records first
+    assert 0 < len(trusted) < said[0][1] and all(torch.equal(kv, known[d]) for d, kv in trusted.items())
+    turn = systems[0] + [7, 8, 9]           # beside the killed engine's requests, restored
+    eng.add_request("turn", turn, sp)
+    got = []
+    while eng.has_work():
+        got += [t for rid, _, ids, _ in eng.step() if rid == "turn" for t in ids]
     off = Engine(EngineConfig(**kw, anchor=False, prefix_caching=False))
-    assert got == off.generate([turn], sp) and eng.scheduler.prefix_hits - hits == 96
+    assert eng.scheduler.cached_tokens["turn"] == 96 and [got] == off.generate([turn], sp)

@@ -29,8 +29,8 @@ in ``commit.py``): a block that becomes cached is *to record*; the next commit r
 that makes a record trustworthy: **no block is written while a record of it is in the journal or
 on its way there** — before ``grow`` hands out a recorded block, or ``writable_from`` lets a table
 rewrite one, ``unrecord`` (the engine's) commits the deletion of its record, and of the records of
-the next least recently released cached blocks with it (``UNRECORD_BATCH``: one journal round trip
-per that many reused blocks), and returns once it landed.  So a recovered engine trusts every
+the next least recently released cached blocks with it (up to ``UNRECORD_BATCH`` or a sixteenth of
+the cached blocks: one journal round trip per that many reused blocks), and returns once it landed.  So a recovered engine trusts every
 record of a block no committed table holds: its KV is what its digest names
 (``adopt_records``); the live sequences' digests are named again from their tokens (``rebuild``).
 """
@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-UNRECORD_BATCH = 256     # cached blocks whose records one ``unrecord`` deletes at most (the reused ones first)
+# the records one ``unrecord`` deletes at most, the reused blocks' first: 256, or a sixteenth of the cached blocks
+UNRECORD_BATCH = 256
 
 
 class OutOfBlocks(RuntimeError):
@@ -194,7 +195,8 @@ class BlockManager:
         hit = [b for b in blocks if b in self._recorded]
         if not hit:
             return
-        more = [b for b in self._cached if b in self._recorded][:max(0, UNRECORD_BATCH - len(hit))]
+        room = min(UNRECORD_BATCH, len(self._cached) // 16) - len(hit)
+        more = [b for b in self._cached if b in self._recorded][:max(0, room)]
         self.unrecord(hit + more)
         self._recorded.difference_update(hit + more)
         self.unrecorded += len(hit) + len(more)
