@@ -19,7 +19,8 @@ Per step (``attach`` wires it into the engine's commit pipeline):
   reads a slot a later step has overwritten.
 
 On restart (``_kv``) the device cache is zeroed (fresh memory is undefined, as for the
-engine's own KV) and only the blocks named by the committed block tables are copied back:
+engine's own KV) and only the blocks named by the committed block tables, and the cached blocks
+the journal records (the engine's prefix cache, found again as with gpu-anchor), are copied back:
 gathered per layer from the mirror into pinned buffers by a few threads while earlier layers
 are copied to the GPU and scattered there on a copy stream.
 """
@@ -61,10 +62,14 @@ class KVMemoryAnchor(ReplayAnchor):
 
     # ------------------------------------------------------------------ restart
     def _live_blocks(self) -> list[int]:
-        """Every block a committed request's block table names (what the engine will resume on)."""
-        from gpu_anchor.serve.commit import read_sequences
+        """Every block a committed request's block table names (what the engine will resume on),
+        and every cached block the journal records (the engine trusts those too: a prefix cache
+        found again; their KV reached the mirror while their requests ran, and a block's record
+        is deleted before the block is written again)."""
+        from gpu_anchor.serve.commit import PC, read_cached, read_sequences
         seqs, _ = read_sequences(self.journal)
-        return sorted({b for s in seqs for b in s.block_table})
+        cached, _, _ = read_cached(self.journal.get_many(prefix=PC))
+        return sorted({b for s in seqs for b in s.block_table} | {b for b, _ in cached})
 
     def _copy_back(self, blocks: list[int]) -> None:
         for d in self.dev:
@@ -122,15 +127,18 @@ class KVMemoryAnchor(ReplayAnchor):
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         committer = engine.committer
         snapshot, apply = committer.snapshot, committer.apply
+        from gpu_anchor.serve.commit import PC
 
-        def snapshot_and_capture(live, gone=()):
-            snap = snapshot(live, gone)
+        def snapshot_and_capture(live, gone=(), cached=()):
+            snap = snapshot(live, gone, cached)
             if snap is not None:          # exactly the snapshots that become commits, in order
                 self._pending.append(self.capture())
             return snap
 
         def land_then_apply(puts, deletes):
-            self.land(self._pending.popleft())
+            # a deletion of cached blocks' records alone (``Pipeline.unrecord``) is no step's commit
+            if puts or not all(k.startswith(PC) for k in deletes):
+                self.land(self._pending.popleft())
             apply(puts, deletes)
 
         committer.snapshot, committer.apply = snapshot_and_capture, land_then_apply
