@@ -6,11 +6,16 @@ The campaign SIGKILLs engines at every phase over requests sharing a system prom
 cache small enough that cached blocks are reused every few steps (each reuse of a recorded block
 first deletes its record).  After each restart, the KV of every block the new engine trusts is
 compared with the KV the fault-free run computed for the same digest: a block written by the dead
-engine's last steps would hold other tokens' KV.  The streams end as the fault-free run's."""
+engine's last steps would hold other tokens' KV.  The streams end as the fault-free run's.
+Also: an engine migrated to another daemon and a hot standby's take-over find the blocks; on
+CUDA (marked ``gpu``), an engine SIGKILLed mid decode after it reused recorded blocks."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
@@ -233,3 +238,76 @@ def test_on_cuda_cached_blocks_are_found_again_after_a_sigkill(model, cuda_daemo
         got += [t for rid, _, ids, _ in eng.step() if rid == "turn" for t in ids]
     off = Engine(EngineConfig(**kw, anchor=False, prefix_caching=False))
     assert eng.scheduler.cached_tokens["turn"] == 96 and [got] == off.generate([turn], sp)
+
+
+def test_a_migrated_engine_finds_the_cached_blocks(model, tmp_path, host_daemon):
+    """``EngineMigration`` to another daemon: the destination's engine finds the source's cached
+    blocks (the journal's records came along with the KV), their KV equal to the source's, and a
+    request on the same system prompt takes them and gets the tokens of an engine without caching."""
+    from gpu_anchor.checkpoint import migrate
+    from gpu_anchor.client import control
+    from gpu_anchor.serve.migration import EngineMigration, provide
+    provide(migrate)
+    other = os.path.join(os.environ["GPU_ANCHOR_SOCKET_DIR"], "pc-other.sock")
+    proc = control.start("cpu", other)
+    try:
+        sp = SamplingParams(max_tokens=8, ignore_eos=True)
+        kw = dict(model=model, dtype="float64", block_size=4, num_blocks=64, max_batched_tokens=16, cpu_threads=1)
+        src = Engine(EngineConfig(**kw, namespace="pc-migrate", socket=host_daemon[0]))
+        src.generate([SYSTEM + [5, 6], SYSTEM + [7, 8, 9]], sp)          # idle: its cached blocks recorded
+        cached = {d: _block_kv(src, b) for b, d in src.blocks._digest.items() if b in src.blocks._cached}
+        assert len(cached) >= 9
+        mig = EngineMigration(src, "cpu", socket=other, background=False)
+        mig.start()
+        deadline = time.time() + 120
+        while not mig.ready():               # the pre-copy (the engine idle meanwhile)
+            assert time.time() < deadline
+            time.sleep(0.01)
+        eng, _ = mig.cutover()
+        found = {d: _block_kv(eng, b) for b, d in eng.blocks._digest.items() if b in eng.blocks._cached}
+        assert found.keys() == cached.keys() and all(torch.equal(found[d], cached[d]) for d in found)
+        hits = eng.scheduler.prefix_hits
+        turn = SYSTEM + [11, 12, 13]
+        got = eng.generate([turn], sp)
+        assert eng.scheduler.prefix_hits - hits == 36
+        mig.finish()
+        assert got == Engine(EngineConfig(**kw, anchor=False, prefix_caching=False)).generate([turn], sp)
+    finally:
+        control.stop("cpu", other)
+        proc.wait(timeout=10)
+
+
+def _live_until_killed(cfg, prompts, conn):
+    eng = Engine(cfg)
+    eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    conn.send({d: _block_kv(eng, b) for b, d in eng.blocks._digest.items() if b in eng.blocks._cached})
+    time.sleep(600)                      # SIGKILLed here, idle
+
+
+def test_a_hot_standby_takes_over_the_cached_blocks(model, host_daemon):
+    """A hot standby attached beside a live engine that went idle with cached blocks; the live
+    engine is SIGKILLed; the standby's take-over finds those blocks, KV equal, and a request on
+    the same system prompt takes them and gets the tokens of an engine without caching."""
+    kw = dict(model=model, dtype="float64", block_size=4, num_blocks=64, max_batched_tokens=16, cpu_threads=1)
+    cfg = EngineConfig(**kw, namespace="pc-standby", socket=host_daemon[0])
+    a, b = _ctx().Pipe()
+    live = _ctx().Process(target=_live_until_killed, args=(cfg, [SYSTEM + [5, 6], SYSTEM + [7, 8, 9]], b))
+    live.start()
+    try:
+        assert a.poll(120), "the live engine did not finish"
+        cached = a.recv()
+        assert len(cached) >= 9
+        hot = Engine(cfg, standby=True)
+        os.kill(live.pid, signal.SIGKILL)
+        live.join()
+    finally:
+        if live.is_alive():
+            live.kill()
+    hot.take_over()
+    found = {d: _block_kv(hot, b) for b, d in hot.blocks._digest.items() if b in hot.blocks._cached}
+    assert found.keys() == cached.keys() and all(torch.equal(found[d], cached[d]) for d in found)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    turn = SYSTEM + [11, 12, 13]
+    got = hot.generate([turn], sp)
+    assert hot.scheduler.prefix_hits == 36
+    assert got == Engine(EngineConfig(**kw, anchor=False, prefix_caching=False)).generate([turn], sp)
