@@ -37,6 +37,7 @@ record of a block no committed table holds: its KV is what its digest names
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 # the records one ``unrecord`` deletes at most, the reused blocks' first: 256, or a sixteenth of the cached blocks
 UNRECORD_BATCH = 256
@@ -196,7 +197,7 @@ class BlockManager:
         if not hit:
             return
         room = min(UNRECORD_BATCH, len(self._cached) // 16) - len(hit)
-        more = [b for b in self._cached if b in self._recorded][:max(0, room)]
+        more = list(islice((b for b in self._cached if b in self._recorded), max(0, room)))
         self.unrecord(hit + more)
         self._recorded.difference_update(hit + more)
         self.unrecorded += len(hit) + len(more)

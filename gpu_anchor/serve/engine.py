@@ -276,38 +276,6 @@ class Engine(Requests, TakeOver):
         self._t_mark = clock()
         return la
 
-    def _fetch_adapters(self, work: list[Work]) -> list[Work]:
-        """Read again the parked adapters of ``work`` whose tensors the host dropped
-        (``--max-cpu-loras``: ``lora_slots.Adapters.fetch``).  A request whose adapter cannot be
-        served (its files gone or changed) is ended with the reason (``failures``) and left out."""
-        ads = self.model.lora
-        reads = ads.stats["reads"]
-        failed = ads.fetch({w.seq.params.lora for w in work if w.seq.params.lora is not None})
-        if ads.stats["reads"] > reads:
-            log.info("LoRA adapter(s) read again from their files (%d read in all; the host keeps %d of %d)",
-                     ads.stats["reads"], len(ads.host), ads.host_capacity)
-        if not failed:
-            return work
-        for w in work:
-            why = failed.get(w.seq.params.lora)
-            if why is not None:
-                log.warning("request %s: %s", w.seq.rid, why)
-                self.abort(w.seq.rid)
-                self.failures.append((w.seq.rid, why))
-        self._added += self.scheduler.preempted     # journaled even if no step runs now
-        return [w for w in work if w.seq.params.lora not in failed]
-
-    def _adapters_in_slots(self, work: list[Work]) -> None:
-        """Put the adapters of ``work`` in slots (``lora_slots.Adapters.make_resident``); the slots
-        are written on this stream, after the steps already enqueued, which use no adapter moved."""
-        names = sorted({w.seq.params.lora for w in work if w.seq.params.lora is not None})
-        if names:
-            ads = self.model.lora      # the running requests' adapters matter only when one must move
-            pinned = self.scheduler.running_adapters() if any(n not in ads.slots for n in names) else set()
-            moved = ads.make_resident(names, pinned)
-            if moved:
-                log.info("LoRA adapter(s) %s put in a slot (%d parked)", ", ".join(moved), len(ads.parked))
-
     def _complete(self, la: Launched | None) -> list[tuple]:
         """Read a launched step's tokens (``la`` None: a step with no work), finish it, snapshot
         its commit, land the previous commit and return the tokens that one made publishable."""

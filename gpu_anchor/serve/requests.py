@@ -4,7 +4,7 @@ is held (a part of ``engine.Engine``, which mixes this in).
 Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``, ``lora_slots``,
 ``model.lora``, ``state.weights``, ``cfg``, ``blocks``,
 ``mc`` (the model config), ``_arrivals``, ``_added`` (sequences the next commit records),
-``_gone`` (rids it deletes), ``_urgent`` (the next step lands its commit at once),
+``_gone`` (rids it deletes), ``failures`` (requests ended by the engine, not yet told), ``_urgent`` (the next step lands its commit at once),
 ``_logprobs`` (log-probabilities of tokens not yet published), ``_prompt_lps`` (prompt
 log-probabilities, gathered chunk by chunk and sent with the first token, whole or not at all:
 a first token without them, a replay or after a restore in mid-prefill, makes the frontend
@@ -145,6 +145,38 @@ class Requests:
         (``lora_slots.follow_table``), before the next step's plan reaches them."""
         if self.tp is not None:
             self.tp.send({"t": "lora", "adapters": lora_slots.runtime_table(self.model.lora)})
+
+    def _fetch_adapters(self, work: list) -> list:
+        """Read again the parked adapters of ``work`` whose tensors the host dropped
+        (``--max-cpu-loras``: ``lora_slots.Adapters.fetch``).  A request whose adapter cannot be
+        served (its files gone or changed) is ended with the reason (``failures``) and left out."""
+        ads = self.model.lora
+        reads = ads.stats["reads"]
+        failed = ads.fetch({w.seq.params.lora for w in work if w.seq.params.lora is not None})
+        if ads.stats["reads"] > reads:
+            log.info("LoRA adapter(s) read again from their files (%d read in all; the host keeps %d of %d)",
+                     ads.stats["reads"], len(ads.host), ads.host_capacity)
+        if not failed:
+            return work
+        for w in work:
+            why = failed.get(w.seq.params.lora)
+            if why is not None:
+                log.warning("request %s: %s", w.seq.rid, why)
+                self.abort(w.seq.rid)
+                self.failures.append((w.seq.rid, why))
+        self._added += self.scheduler.preempted     # journaled even if no step runs now
+        return [w for w in work if w.seq.params.lora not in failed]
+
+    def _adapters_in_slots(self, work: list) -> None:
+        """Put the adapters of ``work`` in slots (``lora_slots.Adapters.make_resident``); the slots
+        are written on this stream, after the steps already enqueued, which use no adapter moved."""
+        names = sorted({w.seq.params.lora for w in work if w.seq.params.lora is not None})
+        if names:
+            ads = self.model.lora      # the running requests' adapters matter only when one must move
+            pinned = self.scheduler.running_adapters() if any(n not in ads.slots for n in names) else set()
+            moved = ads.make_resident(names, pinned)
+            if moved:
+                log.info("LoRA adapter(s) %s put in a slot (%d parked)", ", ".join(moved), len(ads.parked))
 
     def sync_lora_adapters(self, table) -> list[tuple[str, str]]:
         """The frontend's adapters loaded while serving, ``[(name, path)]`` in load order, sent to
