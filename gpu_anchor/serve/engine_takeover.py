@@ -140,7 +140,7 @@ class TakeOver:
             gone.add(s.rid)
         seqs = [s for s in seqs if s.rid not in gone]
         dropped = C.restore_kv(seqs, self.blocks, kv_valid=not why, why=why)
-        # the cached blocks of the previous engines: trusted only on the KV the tables were
+        # the previous engines' cached blocks: trusted only where their tables' KV is (none dropped)
         records, damaged, self.committer.pc_clock = C.read_cached(journal.get_many(prefix=C.PC))
         stale = self.blocks.adopt_records(records) if not why and not dropped else [b for b, _ in records]
         bad += damaged + [C.PC + str(b) for b in stale]
