@@ -257,10 +257,7 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     if any(name == served_name for name, _ in modules):
         raise AdapterError(f"--lora-modules: {served_name!r} is the base model's served name; name the adapter "
                            "otherwise")
-    host = getattr(args, "max_cpu_loras", None)
-    if host is not None and host < capacity:
-        raise AdapterError(f"--max-cpu-loras ({host}) must be at least --max-loras ({capacity}), as in vLLM: the "
-                           "host keeps at least the adapters of the slots")
+    check_host_capacity(getattr(args, "max_cpu_loras", None), capacity)
     targeted, top = {}, 0
     for n, p in modules:              # one at a time: only their shapes are kept
         a = read(n, p, shapes, args.max_lora_rank)
@@ -271,6 +268,13 @@ def from_options(args, mc, served_name: str) -> tuple[tuple, int, bool, int]:
     else:
         numel = stacked_numel(shard_shapes(targeted, ranks), capacity, top)
     return tuple(modules), capacity, runtime, numel
+
+
+def check_host_capacity(host: int | None, capacity: int) -> None:
+    """``--max-cpu-loras`` (None: unbounded) against the slots, as vLLM checks it."""
+    if host is not None and host < capacity:
+        raise AdapterError(f"--max-cpu-loras ({host}) must be at least --max-loras ({capacity}), as in vLLM: the "
+                           "host keeps at least the adapters of the slots")
 
 
 def full_shapes(mc) -> dict:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 
-from .lora import (Adapter, AdapterError, describe_failure, full_shapes, projection_shapes, read, shard,
-                   targeted_shapes, unparked_because)
+from .lora import (Adapter, AdapterError, check_host_capacity, describe_failure, full_shapes, projection_shapes,
+                   read, shard, targeted_shapes, unparked_because)
 
 # projections that read the same input, in the order a packed projection (packing.py) stacks them
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
@@ -327,9 +327,7 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
     if unparked and len(modules) > capacity:
         raise AdapterError(f"{len(modules)} LoRA adapters and {capacity} slot(s): {unparked}; give at most that "
                            "many or raise --max-loras")
-    if host_capacity is not None and host_capacity < capacity:
-        raise AdapterError(f"--max-cpu-loras {host_capacity} is below --max-loras {capacity}: the host keeps at "
-                           "least the adapters of the slots")
+    check_host_capacity(host_capacity, capacity)
 
     def reader(name: str, path: str) -> Adapter:
         return shard(read(name, path, full if n > 1 else weights, max_rank), rank, n)

@@ -4,7 +4,8 @@ is held (a part of ``engine.Engine``, which mixes this in).
 Fields of the engine they use: ``scheduler``, ``committer``, ``commits``, ``run_ahead``, ``lora_slots``,
 ``model.lora``, ``state.weights``, ``cfg``, ``blocks``,
 ``mc`` (the model config), ``_arrivals``, ``_added`` (sequences the next commit records),
-``_gone`` (rids it deletes), ``failures`` (requests ended by the engine, not yet told), ``_urgent`` (the next step lands its commit at once),
+``_gone`` (rids it deletes), ``failures`` (requests ended by the engine, not yet told),
+``_urgent`` (the next step lands its commit at once),
 ``_logprobs`` (log-probabilities of tokens not yet published), ``_prompt_lps`` (prompt
 log-probabilities, gathered chunk by chunk and sent with the first token, whole or not at all:
 a first token without them, a replay or after a restore in mid-prefill, makes the frontend
