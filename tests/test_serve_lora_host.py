@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -70,11 +72,11 @@ def test_adapters_beyond_the_host_bound_are_read_again_and_decode_as_peft(models
     assert not failures
     for rid, _, n in jobs:
         assert got[rid] == want[n][int(rid.rsplit("-", 1)[1])], rid
-    assert lo.stats["swaps"] >= 2 and lo.stats["reads"] >= 2, lo.stats
+    assert lo.stats["swaps"] >= 2 and lo.host.stats["reads"] >= 2, (lo.stats, lo.host.stats)
     # unbounded (the default): nothing is read again, the same tokens
     eng = _engine(base, ads.items(), max_loras=1)
     again, failures = _run(eng, jobs)
-    assert again == got and not failures and eng.model.lora.stats["reads"] == 0 and len(eng.model.lora.host) == 3
+    assert again == got and not failures and eng.model.lora.host.stats["reads"] == 0 and len(eng.model.lora.host) == 3
 
 
 def test_a_parked_adapter_whose_files_changed_or_went_is_refused_by_name(models, want, tmp_path):
@@ -113,6 +115,99 @@ def test_a_parked_adapter_whose_files_changed_or_went_is_refused_by_name(models,
         eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4, lora="all"))
 
 
+def test_a_request_waits_for_its_adapters_files_while_the_others_decode(models, want):
+    """``mlp``'s files are read on a thread of their own, held there until the test lets them
+    go: meanwhile its request waits and the requests on ``all`` and on the base model decode
+    step after step; once read, ``mlp``'s request is admitted and ends on peft's tokens, and its
+    files were read once, by that thread (the step that puts it in a slot reads nothing)."""
+    base, ads = models
+    eng = _engine(base, ads.items(), max_loras=2, max_cpu_loras=2)
+    lo = eng.model.lora
+    assert lo.parked == ["mlp"] and "mlp" not in lo.host
+    gate, reads, inner = threading.Event(), [], lo.host._reader
+
+    def gated(name, path):
+        reads.append((name, threading.current_thread().name))
+        assert gate.wait(120), "the test never let the read finish"
+        return inner(name, path)
+    lo.host._reader = gated
+    jobs = [("on-all", PROMPTS[0], "all"), ("on-mlp", PROMPTS[1], "mlp"), ("on-base", PROMPTS[2], None)]
+    out = {rid: [] for rid, _, _ in jobs}
+    for rid, p, n in jobs:
+        eng.add_request(rid, p, SamplingParams(max_tokens=10, ignore_eos=True, lora=n))
+    for _ in range(6):
+        for rid, _, toks, _ in eng.step():
+            out[rid] += toks
+    assert len(out["on-all"]) >= 5 and len(out["on-base"]) >= 5 and out["on-mlp"] == [], out
+    assert eng.load()["lora"]["waiting"] == ["mlp"] and reads == [("mlp", "lora-read-mlp")]
+    gate.set()
+    while eng.has_work():
+        for rid, _, toks, _ in eng.step():
+            out[rid] += toks
+    assert not eng.failures
+    assert out == {"on-all": want["all"][0], "on-mlp": want["mlp"][1], "on-base": want[None][2]}
+    assert reads == [("mlp", "lora-read-mlp")] and lo.host.stats["read_ahead"] == 1 and lo.host.stats["reads"] == 1
+    assert lo.slots.keys() >= {"mlp"} and len(lo.host) <= 2
+
+
+def _host(capacity=1):
+    """A ``HostCopies`` over fake adapters whose reads the test finishes (``go[name].set()``)."""
+    from gpu_anchor.serve.lora import Adapter
+    from gpu_anchor.serve.lora_host import HostCopies
+    served, go, calls, files = {}, {}, [], {}
+
+    def reader(name, path):
+        calls.append(name)
+        assert go.setdefault(name, threading.Event()).wait(60)
+        if files.get(name) is None:
+            raise FileNotFoundError(f"no adapter_config.json in {path}")
+        return Adapter(name, path, 4, {}, files[name])
+    return HostCopies(capacity, reader, served), served, go, calls, files
+
+
+def _settle(host):
+    host._ahead.done.wait(60)
+
+
+def test_reads_ahead_go_one_at_a_time_and_join_the_lru_only_as_served():
+    host, served, go, calls, files = _host(capacity=1)
+    for n in "abc":
+        served[n], files[n], go[n] = (f"/ads/{n}", f"d-{n}", False), f"d-{n}", threading.Event()
+    assert not host.ready("a") and not host.ready("b") and calls == ["a"]    # b waits its turn
+    go["a"].set()
+    _settle(host)
+    assert host.ready("a")
+    assert not host.ready("b")                  # a's read, not taken by a step, joins the LRU
+    assert list(host) == ["a"] and calls == ["a", "b"]
+    served["b"] = ("/ads/b", "d-b2", True)      # replaced (load_inplace) while its old files were read
+    go["b"].set()
+    _settle(host)
+    assert not host.ready("c") and list(host) == ["a"]     # b's read is not what b is served as now
+    assert host.fetch(["a"]) == {} and host.stats["wait_s"] == 0.0
+    go["c"].set()
+    assert host.fetch(["c"]) == {} and list(host) == ["c"]    # the read under way, waited for; a dropped
+    assert calls == ["a", "b", "c"] and host.stats["reads"] == 1 and host.stats["read_ahead"] == 3
+
+
+def test_a_failed_read_ahead_is_read_again_by_the_step():
+    host, served, go, calls, files = _host()
+    served["a"] = ("/ads/a", "d-a", False)
+    go["a"] = threading.Event()
+    go["a"].set()
+    assert not host.ready("a")
+    _settle(host)
+    assert host.ready("a")                      # the read ended: the step learns how
+    files["a"] = "d-a"                          # the files came back meanwhile
+    assert host.fetch(["a"]) == {} and calls == ["a", "a"] and "a" in host
+    served["b"], go["b"] = ("/ads/b", "d-b", False), go["a"]
+    assert not host.ready("b")
+    _settle(host)
+    assert host.fetch(["b"]) == {"b": "LoRA adapter 'b': FileNotFoundError: no adapter_config.json in /ads/b"}
+    files["b"] = "other"
+    assert "its tensors at /ads/b are not the ones it was served with" in host.fetch(["b"])["b"]
+    assert list(host) == ["a"] and host.stats["reads"] == 1
+
+
 def test_the_bound_is_checked_before_anything_starts(models):
     base, ads = models
     run = lambda *extra: subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu",
@@ -134,7 +229,7 @@ def test_the_server_reads_a_parked_adapter_again_across_an_engine_kill(models, w
     from safetensors.torch import load_file, save_file
 
     from tests.test_serve_api import start_server
-    from tests.test_serve_http import stop_server, stream_across_engine_kill
+    from tests.test_serve_http import scrape, stop_server, stream_across_engine_kill
     base, ads = models
     qv = shutil.copytree(ads["qv"], tmp_path / "qv")
     proc, url, log = start_server(str(tmp_path), base, "--socket", host_daemon[0], "--served-model-name", "tiny",
@@ -160,6 +255,13 @@ def test_the_server_reads_a_parked_adapter_again_across_an_engine_kill(models, w
         with pytest.raises(openai.BadRequestError, match="LoRA adapter 'qv': its tensors at .* are not the ones"):
             c.completions.create(model="qv", max_tokens=10, **kw)
         assert ids(c.completions.create(model="all", max_tokens=10, **kw)) == want["all"][0]
+        # /metrics: the reads of files (the first engine's and its successor's, summed) and the
+        # seconds steps waited for them, a counter (the engine's statistics come after the tokens)
+        deadline = time.time() + 30
+        while (got := scrape(url)).get("gpu_anchor_serve_lora_reads_total", 0) < 2:
+            assert time.time() < deadline, {k: v for k, v in got.items() if "lora" in k}
+            time.sleep(0.2)
+        assert got["gpu_anchor_serve_lora_read_wait_seconds_total"] >= 0
     finally:
         stop_server(proc)
 
@@ -178,7 +280,7 @@ def test_on_cuda_adapters_read_again_reach_the_graphs_as_peft(models, cuda_daemo
     jobs = [(f"{n}-{i}", p, n) for i, p in enumerate(PROMPTS) for n in ("all", "qv", "mlp", None)]
     got, failures = _run(eng, jobs, max_tokens=12)
     assert not failures and eng.step_counts["graph"] > 0 and eng.model.fused
-    assert eng.model.lora.stats["reads"] >= 2, eng.model.lora.stats
+    assert eng.model.lora.host.stats["reads"] >= 2, eng.model.lora.host.stats
     for n in ("all", "qv", "mlp", None):
         want = _peft_greedy(base, ads.get(n), PROMPTS, 12, "cuda:0", "float32")
         assert [got[f"{n}-{i}"] for i in range(len(PROMPTS))] == want, n

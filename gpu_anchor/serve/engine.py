@@ -220,6 +220,8 @@ class Engine(Requests, TakeOver):
             self.step_times["schedule"] += t1 - t0
             if work:
                 cur = self._launch(work, self.scheduler.preempted)
+            elif self.model.lora is not None:
+                self.model.lora.host.wait(0.01)     # held for an adapter's files alone: no spinning
         if cur is not None and self.run_ahead is not None:
             self.run_ahead.launch_next(cur)
         self.commits.send()                  # the previous step's, encoded while the GPU works

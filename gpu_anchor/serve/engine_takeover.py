@@ -49,7 +49,10 @@ class TakeOver:
         self._name_adapters()
         eos = eos_token_ids(self.mc, cfg.model)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batched_tokens, cfg.max_model_len, eos)
-        self.scheduler.lora_capacity = self.model.lora.capacity if self.model.lora is not None else 0
+        ads = self.model.lora
+        self.scheduler.lora_capacity = ads.capacity if ads is not None else 0
+        if ads is not None and ads.host_capacity is not None:    # adapters on disk: read before admitted
+            self.scheduler.lora_ready = ads.ready
         journal = st.journal
         self.committer = C.Committer(journal)
         self.step_times = dict.fromkeys(("schedule", "prepare_inputs", "forward", "commit_build", "sample",

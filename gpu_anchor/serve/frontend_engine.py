@@ -137,8 +137,9 @@ class EngineSide:
             lora = msg.get("lora")
             if lora is not None:
                 m.set_lora(lora["running"], lora["waiting"], lora["max"])
-                m.lora_swaps.inc(max(0, lora["swaps"] - self.counts_seen.get("lora_swaps", 0)))
-                self.counts_seen["lora_swaps"] = lora["swaps"]
+                for k, c in (("swaps", m.lora_swaps), ("reads", m.lora_reads), ("read_wait_s", m.lora_read_wait)):
+                    c.inc(max(0, lora.get(k, 0) - self.counts_seen.get("lora_" + k, 0)))
+                    self.counts_seen["lora_" + k] = lora.get(k, 0)
         elif t == "err":
             r = self.reqs.get(msg["rid"])
             if r is not None:

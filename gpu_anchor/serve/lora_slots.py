@@ -14,8 +14,9 @@ More adapters than slots (one GPU): those in no slot are *parked*, and a step th
 it in a free slot or in the slot of the least recently used adapter that no running request uses
 (``make_resident``), which is parked in its place.  The host keeps the tensors of the
 ``host_capacity`` adapters used last (vLLM's ``--max-cpu-loras``; None: of every served adapter);
-a parked adapter whose tensors it dropped is read again from its files before the step that needs
-it (``fetch``), and served only if they are still the tensors it was served with (its digest).
+a parked adapter whose tensors it dropped is read again from its files, on a thread of its own
+while its requests wait (``ready``), and served only if they are still the tensors it was served
+with (its digest; ``lora_host.py``).
 The scheduler admits a request only while the adapters of the running ones leave it a slot
 (``Scheduler.lora_capacity``), so such a slot always exists.  Slot positions carry no meaning
 beyond a step: a step's tokens name their adapter's slot as it is when the step is launched, and
@@ -30,8 +31,9 @@ from __future__ import annotations
 
 import json
 
-from .lora import (Adapter, AdapterError, check_host_capacity, describe_failure, full_shapes, projection_shapes,
-                   read, shard, targeted_shapes, unparked_because)
+from .lora import (Adapter, AdapterError, check_host_capacity, full_shapes, projection_shapes, read, shard,
+                   targeted_shapes, unparked_because)
+from .lora_host import HostCopies
 
 # projections that read the same input, in the order a packed projection (packing.py) stacks them
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
@@ -58,12 +60,10 @@ class Adapters:
         self.capacity, self.rank = capacity, rank
         self.slots: dict[str, int] = {}                         # the adapters in a slot
         self.served: dict[str, tuple[str, str, bool]] = {}     # name -> (path, digest, loaded while serving)
-        # served adapters' tensors on the host, least recently used first: a parked one's only copy
-        # unless it was dropped (``host_capacity``), then read again by ``fetch`` (``reader(name,
-        # path)``: the adapter as ``lora.read`` gives it)
-        self.host: dict[str, Adapter] = {}
-        self.host_capacity, self._reader = host_capacity, reader
-        self.stats = {"swaps": 0, "reads": 0}  # parked adapters put in a slot; re-read from their files
+        # served adapters' tensors on the host: a parked one's only copy unless it was dropped
+        # (``host_capacity``), then read again (``reader(name, path)``: as ``lora.read`` gives it)
+        self.host = HostCopies(host_capacity, reader, self.served)
+        self.stats = {"swaps": 0}              # parked adapters put in a slot
         self.unparked: str | None = None       # why every adapter must keep a slot (None: some may be parked)
         self._used: dict[str, int] = {}        # name -> the last make_resident call that needed it
         self._clock = 0
@@ -107,6 +107,10 @@ class Adapters:
     def names(self) -> list[str]:
         return list(self.slots)
 
+    @property
+    def host_capacity(self) -> int | None:
+        return self.host.capacity
+
     def serve(self, adapter: Adapter, slot: int | None = None, runtime: bool = False) -> int | None:
         """Serve ``adapter``: in a free slot (``slot`` if it is free) if there is one, else parked
         until a step needs it.  Returns its slot, or None (parked)."""
@@ -118,7 +122,7 @@ class Adapters:
                                f"adapter ({', '.join(self.slots)}), and {self.unparked}; unload one or raise "
                                "--max-loras")
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
-        self._hold(adapter)
+        self.host.hold(adapter)
         return None
 
     def serve_from_disk(self, name: str, path: str, digest: str, runtime: bool = False) -> None:
@@ -133,42 +137,19 @@ class Adapters:
     def parked(self) -> list[str]:
         return [n for n in self.served if n not in self.slots]
 
-    def _hold(self, adapter: Adapter, keep=()) -> None:
-        """Keep ``adapter``'s tensors on the host as the most recently used, then drop the least
-        recently used others beyond ``host_capacity`` (never one of ``keep``)."""
-        self.host.pop(adapter.name, None)
-        self.host[adapter.name] = adapter
-        if self.host_capacity is None:
-            return
-        for name in [n for n in self.host if n != adapter.name and n not in keep]:
-            if len(self.host) <= self.host_capacity:
-                break
-            del self.host[name]
+    def ready(self, name: str) -> bool:
+        """Whether a step may take a request on ``name`` without waiting for its files (in a
+        slot, its tensors on the host, or their read ended); else its files are being read
+        (``lora_host.HostCopies.ready``), and the scheduler holds the request."""
+        return name in self.slots or self.host.ready(name)
 
     def fetch(self, names) -> dict[str, str]:
-        """Read again from its files each of ``names`` (served adapters a step uses) that is in no
-        slot and whose tensors the host dropped (``host_capacity``).  Returns ``{name: why it
-        cannot be served}`` for those that could not be read or whose tensors are no longer the
-        ones it was served with (the files changed): the step must not run their requests."""
-        failed = {}
+        """Make sure the tensors of each of ``names`` (served adapters a step uses) in no slot
+        are on the host, read again from their files if the host dropped them
+        (``lora_host.HostCopies.fetch``).  Returns ``{name: why it cannot be served}``: the step
+        must not run their requests."""
         names = list(names)
-        for n in names:
-            if n in self.slots or n in self.host:
-                continue
-            path, digest, _ = self.served[n]
-            try:
-                adapter = self._reader(n, path)
-            except Exception as e:                    # a file gone or unreadable: the requests learn why
-                failed[n] = describe_failure(n, e)
-                continue
-            if adapter.digest != digest:
-                failed[n] = (f"LoRA adapter {n!r}: its tensors at {path} are not the ones it was served with "
-                             f"(digest {adapter.digest[:12]}, served {digest[:12]}): the files changed while it "
-                             "waited on disk; load it again (load_inplace) or restart the server with them")
-                continue
-            self.stats["reads"] += 1
-            self._hold(adapter, keep=names)
-        return failed
+        return self.host.fetch([n for n in names if n not in self.slots], keep=names)
 
     def make_resident(self, names, pinned) -> list[str]:
         """Put each of ``names`` (served adapters a step uses) in a slot: a parked one takes a free
@@ -199,7 +180,7 @@ class Adapters:
     def put(self, adapter: Adapter, slot: int | None = None, runtime: bool = False, keep=()) -> int:
         """Write ``adapter`` into a free slot, ``slot`` if it is free (its rows and columns zeroed
         first); returns the slot.  ``runtime``: loaded while serving (its record says so);
-        ``keep``: adapters whose host tensors must stay (``_hold``)."""
+        ``keep``: adapters whose host tensors must stay (``HostCopies.hold``)."""
         free = sorted(set(range(self.capacity)) - set(self.slots.values()))
         if slot in free:
             free.remove(slot)
@@ -218,7 +199,7 @@ class Adapters:
             Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b)
         self.slots[adapter.name] = i
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
-        self._hold(adapter, keep)
+        self.host.hold(adapter, keep)
         return i
 
     def replace(self, adapter: Adapter) -> int | None:
@@ -228,7 +209,7 @@ class Adapters:
         self._check(adapter)
         if adapter.name not in self.slots:
             self.served[adapter.name] = (adapter.path, adapter.digest, True)
-            self._hold(adapter)
+            self.host.hold(adapter)
             return None
         slot = self.slots.pop(adapter.name)
         del self.served[adapter.name]
@@ -245,7 +226,7 @@ class Adapters:
         if name in self.slots:
             self._clear(self.slots.pop(name))
         del self.served[name]
-        self.host.pop(name, None)
+        self.host.drop(name)
         self._used.pop(name, None)
 
     def record(self, name: str) -> bytes:

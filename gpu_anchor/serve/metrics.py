@@ -73,6 +73,10 @@ class Metrics:
         p = "gpu_anchor_serve_"
         self.lora_swaps = counter(p + "lora_swaps", "LoRA adapters put in a slot from the host (more served than "
                                                     "--max-loras), by the engines of this server.")
+        self.lora_reads = counter(p + "lora_reads", "LoRA adapters read again from their files (beyond "
+                                                    "--max-cpu-loras), by the engines of this server.")
+        self.lora_read_wait = counter(p + "lora_read_wait_seconds", "Seconds steps waited for those reads (a "
+                                                                    "read ahead of its requests' step costs none).")
         self.requests = counter(p + "requests", "Requests accepted.")
         self.finished = counter(p + "requests_finished", "Requests that finished (not aborted).")
         self.open = gauge(p + "requests_open", "Requests with an open client connection.")

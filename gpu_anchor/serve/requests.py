@@ -152,11 +152,13 @@ class Requests:
         (``--max-cpu-loras``: ``lora_slots.Adapters.fetch``).  A request whose adapter cannot be
         served (its files gone or changed) is ended with the reason (``failures``) and left out."""
         ads = self.model.lora
-        reads = ads.stats["reads"]
+        stats = ads.host.stats
+        reads, waited = stats["reads"], stats["wait_s"]
         failed = ads.fetch({w.seq.params.lora for w in work if w.seq.params.lora is not None})
-        if ads.stats["reads"] > reads:
-            log.info("LoRA adapter(s) read again from their files (%d read in all; the host keeps %d of %d)",
-                     ads.stats["reads"], len(ads.host), ads.host_capacity)
+        if stats["reads"] > reads:
+            log.info("LoRA adapter(s) read again from their files (%d read in all, %d ahead of their step; the "
+                     "host keeps %d of %d; this step waited %.1f ms for them)", stats["reads"],
+                     stats["read_ahead"], len(ads.host), ads.host_capacity, (stats["wait_s"] - waited) * 1e3)
         if not failed:
             return work
         for w in work:
@@ -217,7 +219,8 @@ class Requests:
         """What the scheduler holds now: requests running (holding KV) and waiting, and the
         KV blocks in use (blocks released by a step count until its commit lands; cached ones,
         free to reuse, do not), and the prefix cache's prompt tokens looked up and found; with
-        LoRA adapters, those of the running and the waiting requests, the slots and the swaps."""
+        LoRA adapters, those of the running and the waiting requests, the slots, the swaps, the
+        adapters read again from their files and the seconds steps waited for such reads."""
         seqs = self.scheduler.seqs.values()
         running = sum(s.status is Status.RUNNING for s in seqs)
         out = {"running": running, "waiting": len(self.scheduler.seqs) - running,
@@ -228,7 +231,8 @@ class Requests:
         if ads is not None:
             waiting = {s.params.lora for s in seqs if s.status is not Status.RUNNING and s.params.lora is not None}
             out["lora"] = {"running": sorted(self.scheduler.running_adapters()), "waiting": sorted(waiting),
-                           "max": ads.capacity, "swaps": ads.stats["swaps"]}
+                           "max": ads.capacity, "swaps": ads.stats["swaps"], "reads": ads.host.stats["reads"],
+                           "read_wait_s": ads.host.stats["wait_s"]}
         return out
 
     def _hold_prompt_logprobs(self, la, live) -> None:

@@ -18,6 +18,11 @@ the held request's.  Its wait is bounded by the longest of those passers, where 
 bound under a steady stream of requests on the running adapters; and where first come, first
 served alone (before 2026-12-06) ran 64 requests on four adapters with two slots two at a time.
 The rule reads only the sequences' arrival order and adapters, as the rest of the schedule.
+
+One input is not the sequences' state: with ``--max-cpu-loras`` an adapter whose tensors the host
+dropped must have its files read before a step can take it (``lora_ready``, ``lora_host.py``), and
+a waiting request on it is held, as above, until they are; so which step admits it depends on
+how long its files take.  Nothing else does, and without that option nothing does.
 """
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ class Scheduler:
         self.cached_tokens: dict[str, int] = {}      # rid -> tokens found cached, until its first token
         self.lora_capacity = 0                       # adapter slots (0: no adapters, no limit)
         self.lora_pass_window = max_num_seqs         # arrivals that may pass a held request (0: none)
+        self.lora_ready = None                       # adapter name -> whether its tensors are at hand (None: all are)
 
     # ------------------------------------------------------------------ admission
     def add(self, seq: Sequence) -> None:
@@ -154,6 +160,9 @@ class Scheduler:
                     and len(adapters) >= self.lora_capacity):
                 held = held or seq
                 continue         # its adapter needs a slot that running requests' adapters hold
+            if seq.status is Status.WAITING and lora is not None and self.lora_ready and not self.lora_ready(lora):
+                held = held or seq
+                continue         # its adapter's files are being read (lora_host.py): the others go on
             hits = prefix_cache.take(self.blocks, seq) if seq.status is Status.WAITING else None
             if seq.status is Status.WAITING and not self.blocks.can_take(hits or [], seq.num_tokens + 1):
                 break            # admit only what fits whole: partial admissions thrash with preemption
