@@ -59,6 +59,19 @@ def write_adapter(path: str, weights_shapes: dict, layers: int, rank: int, seed:
     return path
 
 
+def model_and_adapters(mc, count: int, rank: int, prefix: str) -> tuple[str, tuple]:
+    """A temporary directory holding ``mc``'s config and ``count`` random adapters of rank ``rank``
+    (``write_adapter``): ``(directory, ((name, path), ...))``, named ``a0``, ``a1``, ..."""
+    import torch
+
+    from gpu_anchor.serve.model_runner import param_specs
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    mc.save_pretrained(tmp)
+    shapes = {n: s for n, s, _ in param_specs(mc, torch.float32)}
+    return tmp, tuple((f"a{i}", write_adapter(os.path.join(tmp, f"a{i}"), shapes, mc.num_hidden_layers, rank, i))
+                      for i in range(count))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     models.add_shape_args(ap)
@@ -77,7 +90,6 @@ def main(argv=None) -> int:
 
     from bench.serve_decode import decode_run
     from gpu_anchor.serve.engine import Engine, EngineConfig
-    from gpu_anchor.serve.model_runner import param_specs
     from gpu_anchor.serve.sequence import SamplingParams
     device = default_device(a.device)
     if a.tiny:
@@ -87,11 +99,7 @@ def main(argv=None) -> int:
         ap.error(f"--slots must be between 1 and --adapters - 1 ({a.adapters - 1}), not {a.slots}")
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
-    tmp = tempfile.mkdtemp(prefix="lora-decode-")
-    mc.save_pretrained(tmp)
-    shapes = {n: s for n, s, _ in param_specs(mc, torch.float32)}
-    adapters = tuple((f"a{i}", write_adapter(os.path.join(tmp, f"a{i}"), shapes, mc.num_hidden_layers, a.rank, i))
-                     for i in range(a.adapters))
+    tmp, adapters = model_and_adapters(mc, a.adapters, a.rank, "lora-decode-")
     ctx = a.prompt_len + a.max_tokens
     blocks = a.streams * -(-ctx // 16) + 16
     common = dict(model=os.path.join(tmp, "config.json"), random_weights=True, seed=0, device=device, dtype=dtype,

@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 from bench import models
 from bench.common import default_device, write_result
-from bench.lora_decode import write_adapter
+from bench.lora_decode import model_and_adapters
 from bench.protocol import Cell
 
 ARMS = ("read ahead", "read in the step")
@@ -103,7 +102,6 @@ def main(argv=None) -> int:
     import torch
 
     from gpu_anchor.serve.engine import Engine, EngineConfig
-    from gpu_anchor.serve.model_runner import param_specs
     device = default_device(a.device)
     if a.tiny:
         a.streams, a.prompt_len, a.adapters, a.rank, a.every, a.arrivals, a.rounds = 4, 16, 4, 4, 4, 3, 1
@@ -111,11 +109,7 @@ def main(argv=None) -> int:
         ap.error(f"--adapters must be at least 3 (two stay on the host), not {a.adapters}")
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
-    tmp = tempfile.mkdtemp(prefix="lora-reads-")
-    mc.save_pretrained(tmp)
-    shapes = {n: s for n, s, _ in param_specs(mc, torch.float32)}
-    adapters = tuple((f"a{i}", write_adapter(os.path.join(tmp, f"a{i}"), shapes, mc.num_hidden_layers, a.rank, i))
-                     for i in range(a.adapters))
+    tmp, adapters = model_and_adapters(mc, a.adapters, a.rank, "lora-reads-")
     file_bytes = os.path.getsize(os.path.join(adapters[0][1], "adapter_model.safetensors"))
     ctx = a.prompt_len + a.arrivals * a.every + a.tail + 8
     eng = Engine(EngineConfig(model=os.path.join(tmp, "config.json"), random_weights=True, seed=0, device=device,
