@@ -287,3 +287,24 @@ def test_on_cuda_adapters_read_again_reach_the_graphs_as_peft(models, cuda_daemo
     for n in ("all", "qv", "mlp", None):
         want = _peft_greedy(base, ads.get(n), PROMPTS, 12, "cuda:0", "float32")
         assert [got[f"{n}-{i}"] for i in range(len(PROMPTS))] == want, n
+
+
+def test_the_digest_is_the_one_journals_hold():
+    """``lora._digest`` hashes in chunks: the value must stay the one a tensor-by-tensor hash
+    gives (journal records of adapters written before the change are compared with it)."""
+    import hashlib
+
+    import torch
+
+    from gpu_anchor.serve.lora import _digest
+    g = torch.Generator().manual_seed(0)
+    tensors = {(layer, p): (torch.randn(4, 32, generator=g).to(dt), torch.randn(48, 4, generator=g).to(dt))
+               for layer, dt in ((0, torch.bfloat16), (1, torch.float32), (10, torch.float16))
+               for p in ("q_proj", "down_proj")}
+    h = hashlib.blake2b(digest_size=16)
+    for (layer, p), pair in sorted(tensors.items()):
+        h.update(f"{layer}.{p}".encode())
+        for t in pair:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    assert _digest(tensors) == _digest(tensors, chunk=1) == _digest(tensors, chunk=1 << 30) == h.hexdigest()

@@ -154,16 +154,33 @@ def read(name: str, path: str, weights: dict, max_rank: int) -> Adapter:
     return Adapter(name, path, top, tensors, _digest(tensors))
 
 
-def _digest(tensors: dict) -> str:
-    """BLAKE2b-128 of every (layer, projection)'s A and scaled B: their dtypes, shapes and bytes."""
+def _digest(tensors: dict, chunk: int = 8 << 20) -> str:
+    """BLAKE2b-128 of every (layer, projection)'s A and scaled B: their dtypes, shapes and bytes.
+
+    The bytes are hashed ``chunk`` at a time (concatenated), not tensor by tensor: hashing
+    releases the GIL, and a reading thread (``lora_host.py``) that released and took it back
+    some 500 times an adapter slowed the thread beside it (an 8B model's rank-16 adapter, the
+    2-core development machine: a Python loop took 1.06 to 1.22 ms a pass during the read
+    against 0.71 alone; 0.71 to 0.77 with the chunks).  The digest is the same."""
     import torch
     h = hashlib.blake2b(digest_size=16)
+    parts, size = [], 0
+
+    def text(s: str):
+        return torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8)
     for (layer, proj), pair in sorted(tensors.items()):
-        h.update(f"{layer}.{proj}".encode())
+        parts.append(text(f"{layer}.{proj}"))
         for t in pair:
             t = t.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            parts.append(text(f"{t.dtype}{tuple(t.shape)}"))
+            if t.numel():
+                parts.append(t.view(-1).view(torch.uint8))
+                size += t.numel() * t.element_size()
+        if size >= chunk:
+            h.update(torch.cat(parts).numpy())
+            parts, size = [], 0
+    if parts:
+        h.update(torch.cat(parts).numpy())
     return h.hexdigest()
 
 
