@@ -282,8 +282,6 @@ def test_on_cuda_adapters_read_again_reach_the_graphs_as_peft(models, cuda_daemo
     assert not failures and eng.step_counts["graph"] > 0 and eng.model.fused
     host = eng.model.lora.host
     assert host.stats["reads"] >= 2, host.stats
-    # the host's copies are page-locked (a slot's write is copies the host does not wait for)
-    assert len(host) and all(t.is_pinned() for n in host for pair in host[n].tensors.values() for t in pair)
     for n in ("all", "qv", "mlp", None):
         want = _peft_greedy(base, ads.get(n), PROMPTS, 12, "cuda:0", "float32")
         assert [got[f"{n}-{i}"] for i in range(len(PROMPTS))] == want, n

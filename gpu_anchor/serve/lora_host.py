@@ -42,26 +42,6 @@ def _read(reader, name: str, path: str) -> tuple[Adapter | None, Exception | Non
         return None, e, time.perf_counter() - t0
 
 
-def pinned(adapter: Adapter, device) -> Adapter:
-    """``adapter`` with its tensors in one page-locked host buffer (made for CUDA ``device``, so a
-    reading thread makes no context on another GPU): a slot's write from it is copies that the
-    host does not wait for (``Adapters.put``), where from pageable memory each copy waits for the
-    steps already enqueued and then for itself."""
-    import torch
-    flat = [t for pair in adapter.tensors.values() for t in pair]
-    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in flat]
-    with torch.cuda.device(device):
-        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-    views, at = [], 0
-    for t, size in zip(flat, sizes):
-        v = buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        v.copy_(t)
-        views.append(v)
-        at += size
-    tensors = {key: (views[2 * i], views[2 * i + 1]) for i, key in enumerate(adapter.tensors)}
-    return Adapter(adapter.name, adapter.path, adapter.rank, tensors, adapter.digest)
-
-
 class _Read:
     """One adapter's files read on a daemon thread (an unanswering network disk must not hold
     the process at exit); ``done`` is set once ``adapter`` (None: the read failed) and

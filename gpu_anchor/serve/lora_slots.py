@@ -33,7 +33,7 @@ import json
 
 from .lora import (Adapter, AdapterError, check_host_capacity, full_shapes, projection_shapes, read, shard,
                    targeted_shapes, unparked_because)
-from .lora_host import HostCopies, pinned
+from .lora_host import HostCopies
 
 # projections that read the same input, in the order a packed projection (packing.py) stacks them
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
@@ -195,8 +195,8 @@ class Adapters:
             group, block = self._where[key]
             A, Bs = self.groups[group][:2]
             row = block * self.capacity * R + i * R
-            A[row:row + a.shape[0]].copy_(a, non_blocking=True)       # the host's copies are never changed
-            Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b, non_blocking=True)
+            A[row:row + a.shape[0]].copy_(a)
+            Bs[block][1][:, i * R:i * R + b.shape[1]].copy_(b)
         self.slots[adapter.name] = i
         self.served[adapter.name] = (adapter.path, adapter.digest, runtime)
         self.host.hold(adapter, keep)
@@ -311,8 +311,7 @@ def load(modules, weights: dict, dtype, device, linear, max_rank: int = 16, capa
     check_host_capacity(host_capacity, capacity)
 
     def reader(name: str, path: str) -> Adapter:
-        adapter = shard(read(name, path, full if n > 1 else weights, max_rank), rank, n)
-        return pinned(adapter, device) if str(device).startswith("cuda") else adapter
+        return shard(read(name, path, full if n > 1 else weights, max_rank), rank, n)
 
     adapters, shapes, top = [], {}, 0
     for i, (name, path) in enumerate(modules):
