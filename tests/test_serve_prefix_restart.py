@@ -311,3 +311,37 @@ def test_a_hot_standby_takes_over_the_cached_blocks(model, host_daemon):
     got = hot.generate([turn], sp)
     assert hot.scheduler.prefix_hits == 36
     assert got == Engine(EngineConfig(**kw, anchor=False, prefix_caching=False)).generate([turn], sp)
+
+
+def test_the_kv_memory_baseline_keeps_the_cached_blocks_across_a_restart(model, tmp_path, monkeypatch):
+    """bench's KV-memory baseline (each step's KV mirrored in host memory, copied back at a
+    restart): an engine on it goes idle with cached blocks and is closed; the next engine on the
+    same state copies back the cached blocks the journal records beside the live ones, trusts
+    them with the KV the first one computed, and a request on the same system prompt takes them
+    and gets the tokens of an engine without caching.  So its benchmark rows keep the prefix
+    cache across a restart, as gpu-anchor's do."""
+    import gpu_anchor.serve.engine as E
+    from bench.baselines.kv_memory import KVMemoryAnchor
+    monkeypatch.setattr(KVMemoryAnchor, "model_dir", model)
+    monkeypatch.setattr(KVMemoryAnchor, "state_dir", str(tmp_path))
+    monkeypatch.setattr(E, "Anchor", KVMemoryAnchor)
+    kw = dict(model=model, dtype="float64", block_size=4, num_blocks=64, max_batched_tokens=16, cpu_threads=1,
+              anchor=False)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    src = Engine(EngineConfig(**kw))
+    src.anchor.attach(src)
+    src.generate([SYSTEM + [5, 6], SYSTEM + [7, 8, 9]], sp)          # idle: its cached blocks recorded
+    cached = {d: _block_kv(src, b) for b, d in src.blocks._digest.items() if b in src.blocks._cached}
+    assert len(cached) >= 9
+    src.close()
+    eng = Engine(EngineConfig(**kw))
+    eng.anchor.attach(eng)
+    assert KVMemoryAnchor.timings["kv_blocks_restored"] >= 9 and not eng.restored
+    found = {d: _block_kv(eng, b) for b, d in eng.blocks._digest.items() if b in eng.blocks._cached}
+    assert found.keys() == cached.keys() and all(torch.equal(found[d], cached[d]) for d in found)
+    turn = SYSTEM + [11, 12, 13]
+    got = eng.generate([turn], sp)
+    assert eng.scheduler.prefix_hits == 36
+    eng.close()
+    monkeypatch.undo()
+    assert got == Engine(EngineConfig(**kw, prefix_caching=False)).generate([turn], sp)
