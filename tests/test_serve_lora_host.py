@@ -206,6 +206,13 @@ def test_a_failed_read_ahead_is_read_again_by_the_step():
     files["b"] = "other"
     assert "its tensors at /ads/b are not the ones it was served with" in host.fetch(["b"])["b"]
     assert list(host) == ["a"] and host.stats["reads"] == 1
+    # read ahead, then the files and the adapter replaced (load_inplace of the same path) before a
+    # step takes the read: the step reads the new files instead of refusing the stale tensors
+    assert not host.ready("b")
+    _settle(host)
+    served["b"], files["b"] = ("/ads/b", "new", True), "new"
+    calls.clear()
+    assert host.fetch(["b"]) == {} and calls == ["b"] and host["b"].digest == "new"
 
 
 def test_the_bound_is_checked_before_anything_starts(models):

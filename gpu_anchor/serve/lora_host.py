@@ -18,8 +18,9 @@ adapter finds no slot (``Scheduler.lora_pass_window``).  The contract:
   being read.
 - **Never other tensors.**  A read's tensors are used only if their digest is the one the name
   is served with *when they are used* (an adapter replaced or unloaded meanwhile drops them).
-  A read that failed is not trusted for later: ``fetch`` reads those files once more itself (they
-  may be back) and reports that read's failure.
+  A read that failed, or whose tensors are not those the adapter is served with (files replaced
+  with ``load_inplace`` while it ran), is not trusted: ``fetch`` reads the files once more itself
+  and reports what that read finds.
 - **The step waits only for what it must.**  A request that became running before its adapter
   was read (a restored one, say) makes ``fetch`` wait for the read under way or read the files
   itself; ``stats["wait_s"]`` is the time steps spent so, ``stats["read_s"]`` that of every read
@@ -148,7 +149,7 @@ class HostCopies:
                 r.done.wait()
                 adapter = r.adapter
                 self.stats["read_s"] += r.seconds
-            if adapter is None:                    # no read under way, or it failed: this step reads
+            if adapter is None or adapter.digest != digest:    # none under way, failed or stale: this step reads
                 adapter, error, seconds = _read(self._reader, n, path)
                 self.stats["read_s"] += seconds
             self.stats["wait_s"] += time.perf_counter() - t0
