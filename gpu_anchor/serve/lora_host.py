@@ -6,9 +6,9 @@ served with (``lora_slots.Adapters.served``).  Before a step puts such an adapte
 files must be read again (``fetch``), and it is served only if they still hold the tensors of
 that digest.
 
-Reading in the step would stall every stream of the batch for as long as the files take (tens of
-milliseconds for an 8B model's rank-16 adapter from the page cache, seconds from a slow network
-disk).  So the scheduler admits a waiting request whose adapter is on disk only once its files
+Reading in the step would stall every stream of the batch for as long as the files take (on one
+H100's host, 165 to 340 ms for an 8B model's rank-16 adapter of 87 MB from the page cache, most of
+it the digest: ``bench lora_reads``; more from a network disk).  So the scheduler admits a waiting request whose adapter is on disk only once its files
 are read (``ready``), which starts reading them on a thread of their own the first time it is
 asked; the request is held meanwhile, and the others pass it as they pass a request whose
 adapter finds no slot (``Scheduler.lora_pass_window``).  The contract:
