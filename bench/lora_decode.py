@@ -31,7 +31,7 @@ import json
 import os
 import tempfile
 
-from bench.common import default_device, write_result
+from bench.common import write_result
 from bench import models
 from bench.protocol import Cell
 
@@ -82,22 +82,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--slots", type=int, default=0,
                     help="also serve the adapters with this many slots (--max-loras), the rest parked")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=None)
+    models.add_run_args(ap)
     a = ap.parse_args(argv)
     import torch
 
     from bench.serve_decode import decode_run
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
-    device = default_device(a.device)
+    device, dtype = models.device_and_dtype(a)
     if a.tiny:
         a.streams, a.prompt_len, a.max_tokens, a.adapters, a.rank, a.rounds = 4, 16, 8, 2, 4, 1
         a.slots = min(a.slots, 1)
     if a.slots and not 0 < a.slots < a.adapters:
         ap.error(f"--slots must be between 1 and --adapters - 1 ({a.adapters - 1}), not {a.slots}")
-    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
     tmp, adapters = model_and_adapters(mc, a.adapters, a.rank, "lora-decode-")
     ctx = a.prompt_len + a.max_tokens

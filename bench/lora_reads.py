@@ -30,7 +30,7 @@ import statistics
 import time
 
 from bench import models
-from bench.common import default_device, write_result
+from bench.common import write_result
 from bench.lora_decode import model_and_adapters
 from bench.protocol import Cell
 
@@ -95,19 +95,16 @@ def main(argv=None) -> int:
     ap.add_argument("--arrivals", type=int, default=6, help="adapter requests a round")
     ap.add_argument("--adapter-tokens", type=int, default=4)
     ap.add_argument("--tail", type=int, default=8, help="decode steps after the last arrival")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=None)
+    models.add_run_args(ap)
     a = ap.parse_args(argv)
     import torch
 
     from gpu_anchor.serve.engine import Engine, EngineConfig
-    device = default_device(a.device)
+    device, dtype = models.device_and_dtype(a)
     if a.tiny:
         a.streams, a.prompt_len, a.adapters, a.rank, a.every, a.arrivals, a.rounds = 4, 16, 4, 4, 4, 3, 1
     if a.adapters < 3:
         ap.error(f"--adapters must be at least 3 (two stay on the host), not {a.adapters}")
-    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
     tmp, adapters = model_and_adapters(mc, a.adapters, a.rank, "lora-reads-")
     file_bytes = os.path.getsize(os.path.join(adapters[0][1], "adapter_model.safetensors"))

@@ -50,6 +50,21 @@ def add_shape_args(ap, default: str = "qwen3-8b") -> None:
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
 
 
+def add_run_args(ap, rounds: int = 3) -> None:
+    """``--rounds --tiny --out``: the serving benchmarks' repetitions, smoke size and results folder."""
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default=None)
+
+
+def device_and_dtype(a) -> tuple[str, str]:
+    """``(device, dtype)`` of ``add_shape_args``' options: ``--device`` or the default one, and
+    ``--dtype`` or bfloat16 on CUDA, float32 elsewhere."""
+    from bench.common import default_device
+    device = default_device(a.device)
+    return device, a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
+
 def config(name: str, tiny: bool = False, layers: int | None = None):
     """A ``transformers`` config for shape ``name`` (``tiny``: same architecture, toy sizes;
     ``layers``: that many decoder layers, every other dimension unchanged)."""

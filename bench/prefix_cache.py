@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, write_result
+from bench.common import write_result
 from bench import models
 from bench.protocol import Cell
 
@@ -85,18 +85,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=None)
+    models.add_run_args(ap)
     a = ap.parse_args(argv)
     import random
 
     from gpu_anchor.serve.engine import Engine, EngineConfig
     from gpu_anchor.serve.sequence import SamplingParams
-    device = default_device(a.device)
+    device, dtype = models.device_and_dtype(a)
     if a.tiny:
         a.requests, a.system, a.unique, a.max_tokens, a.conversations, a.turns, a.rounds = 8, 64, 8, 8, 4, 3, 1
-    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
     tmp = tempfile.mkdtemp(prefix="prefix-cache-")
     mc.save_pretrained(tmp)

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 
-from bench.common import default_device, private_daemon, write_result
+from bench.common import private_daemon, write_result
 from bench import models
 from bench.protocol import Cell
 
@@ -126,16 +126,13 @@ def main(argv=None) -> int:
     ap.add_argument("--history", type=int, default=2048, help="tokens of each conversation's start")
     ap.add_argument("--unique", type=int, default=64, help="new tokens of each turn")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spare-blocks", type=int, default=64,
                     help="KV blocks beyond turn 1's (turn 2 then reuses some recorded cached blocks)")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=None)
+    models.add_run_args(ap)
     a = ap.parse_args(argv)
-    device = default_device(a.device)
+    device, dtype = models.device_and_dtype(a)
     if a.tiny:
         a.conversations, a.history, a.unique, a.max_tokens, a.rounds = 4, 64, 8, 8, 1
-    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     mc = models.config(a.model, tiny=a.tiny, layers=a.layers)
     tmp = tempfile.mkdtemp(prefix="prefix-restart-")
     mc.save_pretrained(tmp)
