@@ -139,8 +139,7 @@ def main(argv=None) -> int:
     base = cells[base_case]["decode_step_ms"]["median"]
     for k, c in cells.items():
         c["extra_step_pct"] = (c["decode_step_ms"]["median"] / base - 1) * 100
-    name = ("lora_decode" + (f"_slots{a.slots}" if a.slots else "") + ("_cpu" if device == "cpu" and not a.tiny else "")
-            + ("_tiny" if a.tiny else ""))
+    name = models.result_name("lora_decode" + (f"_slots{a.slots}" if a.slots else ""), device, a.tiny)
     print(write_result(name, {"model": a.model, "layers": mc.num_hidden_layers, "device": device, "dtype": dtype,
                               "streams": a.streams, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
                               "adapters": a.adapters, "rank": a.rank, "rounds": a.rounds, "slots": a.slots,

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                   f"({x['read_s'] * 1e3:.1f} ms of reading); adapter TTFT {x['adapter_ttft_ms_median']:.1f} ms",
                   flush=True)
     cells = {arm: {m: Cell([x[m] for x in v]).summary() for m in v[0]} for arm, v in runs.items()}
-    name = "lora_reads" + ("_cpu" if device == "cpu" and not a.tiny else "") + ("_tiny" if a.tiny else "")
+    name = models.result_name("lora_reads", device, a.tiny)
     print(write_result(name, {"model": a.model, "layers": mc.num_hidden_layers, "device": device, "dtype": dtype,
                               "streams": a.streams, "prompt_len": a.prompt_len, "adapters": a.adapters,
                               "rank": a.rank, "every": a.every, "arrivals": a.arrivals,

@@ -57,6 +57,11 @@ def add_run_args(ap, rounds: int = 3) -> None:
     ap.add_argument("--out", default=None)
 
 
+def result_name(base: str, device: str, tiny: bool) -> str:
+    """``base``, ``_cpu`` when run on the CPU at full size, ``_tiny`` at the smoke size."""
+    return base + ("_cpu" if device == "cpu" and not tiny else "") + ("_tiny" if tiny else "")
+
+
 def device_and_dtype(a) -> tuple[str, str]:
     """``(device, dtype)`` of ``add_shape_args``' options: ``--device`` or the default one, and
     ``--dtype`` or bfloat16 on CUDA, float32 elsewhere."""

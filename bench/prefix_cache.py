@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     cells = []
     for (k, e), xs in runs.items():
         cells.append({"workload": k, "engine": e, **{m: Cell([x[m] for x in xs]).summary() for m in xs[0]}})
-    name = "prefix_cache" + ("_cpu" if device == "cpu" and not a.tiny else "") + ("_tiny" if a.tiny else "")
+    name = models.result_name("prefix_cache", device, a.tiny)
     print(write_result(name, {"model": a.model, "layers": mc.num_hidden_layers, "device": device, "dtype": dtype,
                               "requests": a.requests, "system": a.system, "unique": a.unique,
                               "max_tokens": a.max_tokens, "conversations": a.conversations, "turns": a.turns,

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     summary = {"turn2_wall_ratio": med("forgotten", "wall_s") / med("found again", "wall_s"),
                "turn2_ttft_ratio": med("forgotten", "ttft_median_s") / med("found again", "ttft_median_s"),
                "turn1_recording_pct": 100 * (med("found again", "a_wall_s") / med("forgotten", "a_wall_s") - 1)}
-    name = "prefix_restart" + ("_cpu" if device == "cpu" and not a.tiny else "") + ("_tiny" if a.tiny else "")
+    name = models.result_name("prefix_restart", device, a.tiny)
     print(write_result(name, {"model": a.model, "layers": mc.num_hidden_layers, "device": device, "dtype": dtype,
                               "conversations": a.conversations, "history": a.history, "unique": a.unique,
                               "max_tokens": a.max_tokens, "num_blocks": blocks, "rounds": a.rounds, "cells": cells,

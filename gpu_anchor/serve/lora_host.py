@@ -8,10 +8,11 @@ that digest.
 
 Reading in the step would stall every stream of the batch for as long as the files take (on one
 H100's host, 165 to 340 ms for an 8B model's rank-16 adapter of 87 MB from the page cache, most of
-it the digest: ``bench lora_reads``; more from a network disk).  So the scheduler admits a waiting request whose adapter is on disk only once its files
-are read (``ready``), which starts reading them on a thread of their own the first time it is
-asked; the request is held meanwhile, and the others pass it as they pass a request whose
-adapter finds no slot (``Scheduler.lora_pass_window``).  The contract:
+it the digest: ``bench lora_reads``; more from a network disk).  So the scheduler admits a
+waiting request whose adapter is on disk only once its files are read (``ready``), which starts
+reading them on a thread of their own the first time it is asked; the request is held meanwhile,
+and the others pass it as they pass a request whose adapter finds no slot
+(``Scheduler.lora_pass_window``).  The contract:
 
 - **Bounded.**  One read at a time; a read's tensors join the LRU only through ``fetch`` or
   ``ready`` on the engine's thread, so the host holds at most ``capacity`` adapters plus the one
