@@ -256,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
                     help="StepProtocolConfig.lend_grad_bytes: lend up to N bytes of the gradient buffers "
                          "to the forward's last saved activations")
+    ap.add_argument("--grads-in-place", action="store_true",
+                    help="StepProtocolConfig.grads_in_place: Linear layers write their weight gradients into the "
+                         "anchored buffers (no copy home)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="then K profiled steps of each mode: device time by kind of kernel")
     ap.add_argument("--host-forward", type=int, default=0, metavar="K",
@@ -313,7 +316,8 @@ def main(argv=None) -> int:
         opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), **adamw), model=model, client=client,
                                 config=StepProtocolConfig(chunk_bytes=args.chunk_bytes, progress=args.progress,
                                                           fused_update=not args.no_fused,
-                                                          lend_grad_bytes=args.lend_grad_bytes))
+                                                          lend_grad_bytes=args.lend_grad_bytes,
+                                                          grads_in_place=args.grads_in_place))
         # the peak over the warm-up steps after the first (the first is where gradient lending
         # learns the forward; without lending it is the same measurement)
         win.run(model, opt, 1, 0)
@@ -396,6 +400,9 @@ def main(argv=None) -> int:
             "commit_ms_per_step": commit_ms, "host_wait_ms_per_step": wait_ms,
             "anchored_bytes": anchored,
             "lend_grad_bytes": args.lend_grad_bytes,
+            "grads_in_place": args.grads_in_place,
+            # gradients written in place and copied home, over the whole run (warm-up and profile included)
+            "grads_written": dict(opt._grads.stats),
             **({"lent_bytes_last_step": opt.lender.stats["last_lent_bytes"],
                 "lent_tensors_per_window": opt.lender.stats["lent_tensors"] / max(1, opt.lender.stats["windows"]),
                 "lend_evicted_bytes": opt.lender.stats["evicted_bytes"],
@@ -451,7 +458,8 @@ def main(argv=None) -> int:
     name = "train_overhead" + (f"_{args.progress}" if args.progress else "") + ("_nofused" if args.no_fused else "") + ("_torchfused" if args.torch_fused else "") + ("_nohints" if args.no_l2_hints else "") + (
         f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
         "_profile" if args.profile else "") + ("_hostfwd" if args.host_forward else "") + (
-        f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + ("_tiny" if args.tiny else "")
+        f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + (
+        "_inplace" if args.grads_in_place else "") + ("_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0
 

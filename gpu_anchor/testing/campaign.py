@@ -46,6 +46,7 @@ class CampaignConfig:
     device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
                                     # forking process must not have initialised CUDA)
     lend_grad_bytes: int = 0        # StepProtocolConfig.lend_grad_bytes (the log then says what the last worker lent in all)
+    grads_in_place: bool = False    # StepProtocolConfig.grads_in_place (the log then says what the last worker wrote in place)
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -121,7 +122,8 @@ def _log(fd: int, step: int, loss: torch.Tensor, scaler=None) -> None:
 
 def _protocol(cfg: CampaignConfig):
     from gpu_anchor.train.config import StepProtocolConfig
-    return StepProtocolConfig(chunk_bytes=cfg.chunk_bytes, progress=cfg.progress, lend_grad_bytes=cfg.lend_grad_bytes)
+    return StepProtocolConfig(chunk_bytes=cfg.chunk_bytes, progress=cfg.progress, lend_grad_bytes=cfg.lend_grad_bytes,
+                              grads_in_place=cfg.grads_in_place)
 
 
 def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None = None) -> int:
@@ -162,6 +164,9 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
         if opt.lender is not None:
             st = opt.lender.stats
             os.write(fd, f"lending lent_total={st['lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
+        if cfg.grads_in_place:
+            st = opt._grads.stats
+            os.write(fd, f"grads in_place={st['in_place']} copied={st['copied']} modules={st['modules']}\n".encode())
     finally:
         os.close(fd)
     return start

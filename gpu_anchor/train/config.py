@@ -27,7 +27,13 @@ class StepProtocolConfig:
     ``set_to_none=True``, lend up to this many bytes of the anchored gradient buffers, which hold
     nothing between ``zero_grad()`` and the next backward, to the last activations the forward
     saves (``grad_lending``): the peak falls by what is lent, and each byte lent is copied once
-    a step; a budget of at least the gradients' size lends all that fits.  0 (the default): off."""
+    a step; a budget of at least the gradients' size lends all that fits.  0 (the default): off.
+    ``grads_in_place``: in that same setting, ``nn.Linear`` layers over the anchored parameters
+    write their weight's gradient with the GEMM that makes it straight into its anchored buffer,
+    instead of torch making it elsewhere and the optimizer copying it home (``grads_in_place``):
+    one read and one write of those gradients' bytes fewer a step, the same values.  The layers'
+    ``forward`` is replaced on the instances (found during the first forward).  False (the
+    default): off."""
 
     prefix: str = "train"
     chunk_bytes: int | None = None
@@ -35,6 +41,7 @@ class StepProtocolConfig:
     track_rng: bool = True
     fused_update: bool = True
     lend_grad_bytes: int = 0
+    grads_in_place: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
@@ -44,7 +51,8 @@ class StepProtocolConfig:
         if isinstance(self.lend_grad_bytes, bool) or not isinstance(self.lend_grad_bytes, int) \
                 or self.lend_grad_bytes < 0:
             raise ValueError(f"lend_grad_bytes must be a byte count >= 0, got {self.lend_grad_bytes!r}")
-        if not isinstance(self.fused_update, bool):
-            raise ValueError(f"fused_update must be True or False, got {self.fused_update!r}")
+        for name in ("fused_update", "grads_in_place"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.progress is not None and self.progress not in PROGRESS:
             raise ValueError(f"progress must be one of {PROGRESS} or None, got {self.progress!r}")

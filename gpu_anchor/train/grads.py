@@ -14,6 +14,10 @@ final gradients, because they are the redo log of the step in flight.
 - otherwise (DDP's buckets and FSDP2's sharded gradients own ``p.grad``'s life), and with
   ``zero(cleared=False)``: the buffers are zeroed in place and ``p.grad`` keeps pointing at them.
 
+With ``in_place`` (``fresh`` only), the weight gradients of ``nn.Linear`` layers are written into
+their buffers by the GEMM that makes them (``grads_in_place``); the hook then finds ``p.grad``
+already home.  ``stats`` counts gradients written in place and copied home.
+
 Either way the buffers keep the last step's gradients until the next backward writes them, or,
 with a ``grad_lending.GradientLender`` (``fresh`` only), until ``zero(cleared=True)`` lends them
 to the next forward's saved activations: nothing here clears a redo log before the step it
@@ -24,21 +28,28 @@ the last ``zero`` — the step skips the others, as torch skips ``grad is None``
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 
+from . import grads_in_place
 from .fsdp import local as _local
 
 
 class GradientBuffers:
-    def __init__(self, params, fresh: bool, lender=None) -> None:
+    def __init__(self, params, fresh: bool, lender=None, in_place: bool = False) -> None:
         if lender is not None and not fresh:
             raise ValueError("gradient lending needs the fresh gradients of one process")
+        if in_place and not fresh:
+            raise ValueError("gradients written in place need the fresh gradients of one process")
         self.params, self.fresh, self.lender = params, fresh, lender
         self.cleared = [True] * len(params)
+        self.stats = {"in_place": 0, "copied": 0, "modules": 0}
         assert all(q is params[q.index] for q in params)
         self.hooks = [q.p.register_post_accumulate_grad_hook(self._hook(q)) for q in params if q.p.requires_grad]
+        # the layers are found during the first forward; the global hook goes at the first step
+        self._discovering = grads_in_place.discover(self) if in_place else None
 
     def zero(self, cleared: bool = True) -> None:
         if cleared and self.fresh:
@@ -58,6 +69,13 @@ class GradientBuffers:
     def finalize(self) -> list[bool]:
         """The gradient-finalization boundary: the buffers hold the final gradients; returns
         which parameters got one."""
+        if self._discovering is not None:
+            self._discovering.remove()
+            self._discovering = None
+            if not self.stats["modules"]:
+                warnings.warn("gpu_anchor: StepProtocolConfig.grads_in_place writes no gradient in place: the first "
+                              "step's forward called no nn.Linear layer (of exactly that type, outside torch.compile) over the "
+                              "optimizer's parameters; their gradients are copied home as without it", RuntimeWarning, stacklevel=4)
         if self.lender is not None:
             self.lender.finalize()
         mask = []
@@ -77,6 +95,7 @@ class GradientBuffers:
                 mask.append(False)
             elif _local(g).data_ptr() != q.grad.data_ptr():
                 q.grad.copy_(_local(g))      # someone replaced p.grad: bring it home
+                self.stats["copied"] += 1
                 q.p.grad = q.gview
                 mask.append(True)
             else:
@@ -103,3 +122,21 @@ class GradientBuffers:
                 self.lender.arrived(q)
             q.grad.copy_(g)          # this backward's gradient: home now, its buffer freed
             p.grad = q.gview
+            self.stats["copied"] += 1
+
+    def in_place(self, index: int, accumulator) -> "torch.Tensor | None":
+        """A fresh view of parameter ``index``'s buffer for its gradient's GEMM to write into, or
+        None: the gradient is made elsewhere (``grads_in_place``).  ``accumulator``: the
+        parameter's ``AccumulateGrad`` node in the running backward."""
+        q = self.params[index]
+        if q.p.grad is not None or torch.is_grad_enabled():
+            return None            # a later micro-batch accumulates; create_graph builds a graph
+        try:
+            if not torch._C._will_engine_execute_node(accumulator):
+                return None        # a backward(inputs=...) that leaves this parameter out
+        except RuntimeError:
+            return None            # autograd.grad(): the gradient is returned, not accumulated
+        if self.lender is not None:
+            self.lender.arrived(q)
+        self.stats["in_place"] += 1
+        return q.grad.view(q.p.shape)

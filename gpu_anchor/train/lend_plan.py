@@ -104,6 +104,7 @@ class ForwardPlan:
     # ------------------------------------------------------------------ the plan
     def arrived_in(self, arrivals: list[int]) -> None:
         """This backward's arrival order (the parameters that got no gradient last)."""
+        arrivals = list(dict.fromkeys(arrivals))     # a gradient written in place, then copied: once
         seen = set(arrivals)
         order = arrivals + [q.index for q in self.params if q.index not in seen]
         if order != self.order:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Linear weight gradients written in place (StepProtocolConfig.grads_in_place) on one GPU, one
+# device call (about 9 min): the GPU tests of grads_in_place (bit for bit against torch), then the
+# 1B AdamW step at 4 x 1 024 with every gradient byte lent, with the gradients written in place
+# (i) and copied home (n), alternating; `long_*` runs are the 8 x 2 048 step (H200 only: it does
+# not fit an H100's 80 GB beside its three plain twins); `prof_*` adds `--profile 3`.
+#   OUT=/some/dir PYTHONPATH=. bash bench/h200_in_place.sh
+#   RUNS="long_i1 long_n1" OUT=/some/dir PYTHONPATH=. bash bench/h200_in_place.sh
+#   BENCH_EXTRA=--tiny TESTS=0 OUT=/tmp/x PYTHONPATH=. bash bench/h200_in_place.sh   # CPU dry run
+# Writes $OUT/in_place.tgz (re-made after each run, so a call cut short keeps what finished),
+# holding gpu_tests.txt and {short,long,prof}_{i,n}N.json / .log, named as they are to be stored.
+set -u
+X=${BENCH_EXTRA:-}
+export PYTORCH_NVML_BASED_CUDA_CHECK=1 TOKENIZERS_PARALLELISM=false
+t0=$(date +%s); say() { echo "== $* after $(( $(date +%s) - t0 )) s"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+R=/tmp/in_place; mkdir -p "$R"
+pack() { tar czf "$OUT/in_place.tgz" -C "$R" .; }
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout -k 5 "${TESTS_S:-120}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_train_grads_in_place.py \
+    2>&1 | grep -v Warning | tail -15 > "$R/gpu_tests.txt"; say "tests rc=$?"; tail -3 "$R/gpu_tests.txt"; pack
+fi
+LEND=--lend-grad-bytes=2471628800
+L="--rounds 3 $LEND"; S="--rounds 5 --batch 4 --seq 1024 $LEND"
+B="python -m bench train_overhead"
+one() {   # name, timeout (s), command...
+  local name=$1 limit=$2; shift 2; mkdir -p "$R/$name"
+  timeout -k 5 "$limit" "$@" $X --out "$R/$name" > "$R/$name.log" 2>&1; say "$name rc=$?"
+  mv "$R/$name"/train_overhead*.json "$R/$name.json" 2>/dev/null && rmdir "$R/$name"
+  grep -o '"step_overhead_vs_fastest_plain_pct": [0-9.-]*' "$R/$name.json" 2>/dev/null
+  pack
+}
+RUNS=${RUNS:-short_i1 short_n1 short_i2 short_n2 short_i3 short_n3}
+for r in $RUNS; do
+  case $r in
+    short_i*) one "$r" 65 $B $S --grads-in-place ;; short_n*) one "$r" 65 $B $S ;;
+    long_i*) one "$r" 100 $B $L --grads-in-place ;; long_n*) one "$r" 100 $B $L ;;
+    prof_i*) one "$r" 90 $B $S --grads-in-place --profile 3 ;; prof_n*) one "$r" 90 $B $S --profile 3 ;;
+    *) echo "unknown run $r" ;;
+  esac
+done

@@ -1,0 +1,130 @@
+"""Linear layers whose weight gradient is written by its GEMM straight into the anchored buffer.
+
+At a step's boundary every gradient must lie in its anchored buffer: the buffers are the redo
+log of the step in flight (``grads``).  Torch's backward makes each gradient in memory of its
+own, and ``GradientBuffers`` copies it home as it arrives: one read and one write of every
+gradient byte, every step.  An ``nn.Linear`` weight's gradient is one GEMM,
+``grad_output^T @ input``; here that GEMM writes into the buffer, and the copy is gone.  For an
+LLM nearly every parameter byte is such a weight.
+
+Contract (``StepProtocolConfig.grads_in_place``; off by default):
+
+- **Where.** Only with the fresh gradients of one process (``GradientBuffers.fresh``: no DDP
+  or FSDP2, ``zero_grad()`` freeing them), as gradient lending.  The layers are found at their
+  calls during the first forward after the optimizer is built: a global module pre-hook, removed
+  at the first ``step()``.  A layer is taken if its type is exactly ``nn.Linear`` (a subclass may
+  compute something else), its weight is one of the optimizer's anchored parameters, and it has
+  no ``forward`` of its own already (accelerate's hooks put one there), and is not called inside
+  a ``torch.compile``'d frame (whose graph makes its gradients itself).  Its ``forward`` becomes
+  an instance method (``stats["modules"]``); a layer first called later keeps torch's, and if
+  that first step took none, ``step()`` warns.
+- **Which calls.**  Grad mode on, the weight requiring grad, an input that is a plain
+  contiguous tensor of 2 or 3 dimensions with the weight's dtype and device, no autocast for it,
+  no tracing (``torch.compile``, ``jit.trace``), no functorch transform.  Any other call is
+  ``nn.Linear.forward`` itself.
+- **Which backwards.**  The GEMM writes into the buffer only when the weight has no gradient yet
+  (``p.grad`` is None: the first since ``zero_grad()``), the engine will accumulate into
+  ``p.grad`` (``.backward()``, not ``autograd.grad``, which returns gradients instead; torch's
+  ``_will_engine_execute_node`` says which), and the backward builds no graph
+  (``create_graph``).  The gradient then reaches autograd as a fresh view of the buffer, which
+  ``AccumulateGrad`` takes as ``p.grad`` without a copy; otherwise it is made as torch makes it
+  and copied home as before.  A tied weight (Llama's ``lm_head``) summed with another gradient
+  before it is accumulated is thus summed into torch memory and copied home.
+- **The same bits.**  The forward is ``F.linear``; the backward runs what torch's autograd runs
+  for a linear layer (``grad @ W`` for the input; ``grad^T @ x`` into an (out, in) row-major
+  result for the weight; the bias's ``sum_to_size``), with the buffer as the weight's output.  Tested bit for bit
+  against ``nn.Linear`` on the CPU and on CUDA.
+- **Nothing lent is overwritten.**  Before the GEMM the gradient lender moves any lent tensor
+  still alive out of the buffer's bytes, as before a copy (``GradientLender.arrived``).
+- **Held weakly.**  A patched layer holds the buffers through a weak reference: once the
+  optimizer is gone its calls are ``nn.Linear.forward``.  A copy of the model (``deepcopy``) and a
+  pickled one hold no buffers: the method is named ``forward``, so pickle restores
+  ``nn.Linear.forward``, and a copy's weight is not an anchored parameter.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# patched module -> (weakref to its GradientBuffers, index of its weight among them)
+_targets: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _functorch_active() -> bool:
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
+def _qualifies(module: nn.Linear, x) -> bool:
+    w = module.weight
+    b = module.bias
+    return (torch.is_grad_enabled() and w.requires_grad and type(x) is torch.Tensor
+            and (b is None or (type(b) in (torch.Tensor, nn.Parameter) and b.dtype == w.dtype and b.dim() == 1))
+            and x.dim() in (2, 3) and x.is_contiguous() and x.dtype == w.dtype and x.device == w.device
+            and min(w.shape) > 1 and not torch.is_autocast_enabled(x.device.type)
+            and not torch._C._get_tracing_state()
+            and not _functorch_active())
+
+
+def forward(self, input):
+    """``nn.Linear.forward``, with the weight's gradient written in place where it qualifies."""
+    if not torch.compiler.is_compiling():      # first: a traced frame skips the lookups too
+        target = _targets.get(self)
+        if target is not None:
+            buffers = target[0]()
+            if buffers is not None and buffers.params[target[1]].p is self.weight and _qualifies(self, input):
+                return _Linear.apply(input, self.weight, self.bias, target)
+    return nn.Linear.forward(self, input)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target):
+        ctx.target, ctx.shape = target, x.shape
+        ctx.bias_shape = bias.shape if bias is not None else None
+        x2 = x.view(-1, x.shape[-1])
+        # what torch's mm saves: the input (2-D) for the weight's gradient, the weight for the input's
+        ctx.save_for_backward(x2, weight if ctx.needs_input_grad[0] else None)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = g2.mm(weight).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        buffers = ctx.target[0]()
+        out = buffers.in_place(ctx.target[1], ctx.next_functions[1][0]) if buffers is not None else None
+        gw = g2.t().mm(x2) if out is None else torch.mm(g2.t(), x2, out=out)
+        # autograd's engine reduces addmm's broadcast bias gradient with sum_to
+        gb = g2.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def discover(buffers) -> "object":
+    """Takes the qualifying ``nn.Linear`` layers over ``buffers``' parameters as they are called;
+    returns the global hook's handle (``remove()`` it at the first step)."""
+    ref = weakref.ref(buffers)
+    index = {id(q.p): q.index for q in buffers.params if q.p.requires_grad}
+
+    def pre_hook(module, args):
+        if type(module) is not nn.Linear or "forward" in module.__dict__ or torch.compiler.is_compiling():
+            return
+        i = index.get(id(module.weight))
+        b = ref()
+        if i is None or b is None or b.params[i].p is not module.weight:
+            return
+        _targets[module] = (ref, i)
+        module.forward = forward.__get__(module)
+        b.stats["modules"] += 1
+        weakref.finalize(b, _restore, weakref.ref(module))
+
+    return nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+
+def _restore(module_ref) -> None:
+    module = module_ref()
+    if module is not None and getattr(module.__dict__.get("forward"), "__func__", None) is forward:
+        del module.__dict__["forward"]

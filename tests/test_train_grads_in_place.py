@@ -1,0 +1,292 @@
+"""Weight gradients written in place (``gpu_anchor.train.grads_in_place``): ``nn.Linear`` layers
+over anchored parameters write their weight's gradient with the GEMM that makes it into the
+anchored buffer, so nothing copies it home.
+
+    PYTHONPATH=. python -m pytest -q tests/test_train_grads_in_place.py       # the CUDA cases: -m gpu
+
+A user's transformers Llama (tied embeddings), with and without gradient lending, must equal
+plain PyTorch bit for bit with the gradients written in place; so must a biased MLP, and the
+calls and backwards that do not qualify (autocast, non-contiguous inputs, ``autograd.grad``,
+``backward(inputs=...)``, ``create_graph``) must leave the buffers alone.  A copy or a pickle
+of the model holds no buffers.  Then the step protocol: SIGKILLs at every protocol point and
+at random instants, compared with a fault-free run that copies its gradients home.
+"""
+import copy
+import io
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gpu_anchor
+from gpu_anchor.testing import campaign as C
+from gpu_anchor.train import grad_lending
+from gpu_anchor.train.config import StepProtocolConfig
+
+from test_train_grads import CASES, llama, same_state, train_side_by_side
+
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _anchored(model, client, **config):
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    anchor_module(model, client)
+    return AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                             config=StepProtocolConfig(grads_in_place=True, **config))
+
+
+def _client(request, device, namespace):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    request.getfixturevalue(CASES[device][0])
+    return gpu_anchor.connect("cuda:0" if device == "cuda" else "cpu", namespace=namespace)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lend", [False, True])
+def test_a_llama_writes_its_linear_gradients_in_place_bit_for_bit(request, monkeypatch, device, lend):
+    """Three micro-batches a step and ``clip_grad_norm_``: the first micro-batch's Linear
+    gradients are written in place, the later ones accumulate as torch does; the tied
+    ``lm_head`` / embedding gradient is summed by autograd and copied home."""
+    _, vocab, hidden, layers, shape = CASES[device]
+    client = _client(request, device, f"inplace-{lend}")
+    if lend:
+        monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    ref, model = (llama(0, vocab, hidden, layers, device) for _ in range(2))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client, lend_grad_bytes=(1 << 40) if lend else 0)
+    st = opt._grads.stats
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    assert len(linears) == 7 * layers + 1
+    train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=1)
+    assert st["modules"] == len(linears) and all("forward" in m.__dict__ for m in linears)
+    before = dict(st)
+    train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=4)
+    same_state(ref, ropt, model, opt)
+    # a step: every Linear weight written in place (lm_head too), then copied: the norms, and the
+    # tied weight once autograd summed lm_head's gradient with the embedding's
+    assert st["in_place"] - before["in_place"] == 4 * len(linears), st
+    assert st["copied"] - before["copied"] == 4 * (2 * layers + 1 + 1), st
+    if lend:
+        assert opt.lender.stats["lent_tensors"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dims", [2, 3])
+def test_a_biased_mlp_bit_for_bit(request, device, dims):
+    """Linear layers with a bias, 2-D and 3-D inputs: weights, biases and Adam states equal
+    plain torch's; every weight gradient after the first step written in place."""
+    client = _client(request, device, f"inplace-mlp-{dims}")
+
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(),
+                             nn.Linear(64, 8)).to(device)
+    ref, model = make(), make()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client)
+    gen = torch.Generator(device=device).manual_seed(4)
+    for step in range(5):
+        x = torch.randn((6, 32) if dims == 2 else (2, 3, 32), device=device, generator=gen)
+        losses = []
+        for m, o in ((ref, ropt), (model, opt)):
+            loss = m(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            o.step()
+            o.zero_grad()
+        assert torch.equal(*losses), step
+    same_state(ref, ropt, model, opt)
+    assert opt._grads.stats["in_place"] == 4 * 3
+
+
+def _pair(host_daemon, namespace, **config):
+    client = gpu_anchor.connect("cpu", namespace=namespace)
+
+    def make():
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 4, bias=False))
+    ref, model = make(), make()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client, **config)
+    x = torch.randn(8, 16)
+    for m, o in ((ref, ropt), (model, opt)):       # the first step finds the layers
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+    return ref, ropt, model, opt
+
+
+def test_autograd_grad_and_a_partial_backward_leave_the_buffers_alone(host_daemon):
+    """``autograd.grad`` returns gradients and ``backward(inputs=...)`` skips the weights: the
+    buffers are not written, ``p.grad`` stays None, the values are torch's; a full backward
+    after them writes in place."""
+    ref, ropt, model, opt = _pair(host_daemon, "inplace-grad")
+    st = opt._grads.stats
+    n = st["in_place"]
+    x = torch.randn(8, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    want = torch.autograd.grad(ref(xr).square().sum(), list(ref.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert st["in_place"] == n and all(p.grad is None for p in model.parameters())
+    bufs = [q.grad for q in opt._params]
+    assert all(g.data_ptr() != b.data_ptr() for g, b in zip(got, bufs))
+    model(x).square().sum().backward(inputs=[x])
+    ref(xr).square().sum().backward(inputs=[xr])
+    assert torch.equal(x.grad, xr.grad) and st["in_place"] == n
+    assert all(p.grad is None for p in model.parameters())
+    for m, o in ((ref, ropt), (model, opt)):
+        m(torch.ones(8, 16)).sum().backward()
+        o.step()
+        o.zero_grad()
+    assert st["in_place"] == n + 2
+    same_state(ref, ropt, model, opt)
+
+
+def test_calls_and_backwards_that_do_not_qualify_run_as_torch(host_daemon):
+    """Autocast, a non-contiguous input (the next layer's is contiguous: that one qualifies), a
+    4-D input and a ``create_graph`` backward write nothing in place and give torch's bits."""
+    ref, ropt, model, opt = _pair(host_daemon, "inplace-not")
+    st = opt._grads.stats
+    cases = [lambda m, x: m(x),
+             lambda m, x: m(x.t().contiguous().t()),
+             lambda m, x: m(x.view(2, 2, 2, 16))]
+    for i, run in enumerate(cases):
+        n = st["in_place"]
+        x = torch.randn(16, 8).t() if i == 1 else torch.randn(8, 16)
+        for m, o in ((ref, ropt), (model, opt)):
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if i == 0 else torch.enable_grad()
+            with ctx:
+                out = run(m, x)
+            out.float().square().sum().backward()
+            o.step()
+            o.zero_grad()
+        assert st["in_place"] == n + (i == 1), i
+        same_state(ref, ropt, model, opt)
+    n = st["in_place"]
+    for m, o in ((ref, ropt), (model, opt)):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(9)).requires_grad_(True)
+        loss = m(x).square().sum()
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        assert st["in_place"] == n        # that backward builds a graph: nothing in place
+        (loss + g.square().sum()).backward()
+        o.step()
+        o.zero_grad()
+    same_state(ref, ropt, model, opt)
+
+
+def test_a_copy_or_a_pickle_of_the_model_holds_no_buffers(host_daemon):
+    ref, ropt, model, opt = _pair(host_daemon, "inplace-copy")
+    st = opt._grads.stats
+    n = st["in_place"]
+    twin = copy.deepcopy(model)
+    twin(torch.randn(8, 16)).sum().backward()
+    assert st["in_place"] == n and all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert all(m.forward.__func__ is nn.Linear.forward for m in loaded.modules() if type(m) is nn.Linear)
+    loaded(torch.randn(8, 16)).sum().backward()
+    assert st["in_place"] == n
+    layers = [m for m in model.modules() if type(m) is nn.Linear]
+    assert all("forward" in m.__dict__ for m in layers)
+    del opt, st
+    import gc
+    gc.collect()
+    assert not any("forward" in m.__dict__ for m in layers)      # the optimizer gone: torch's forward again
+
+
+def test_no_linear_layer_says_so(host_daemon):
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    client = gpu_anchor.connect("cpu", namespace="inplace-none")
+    model = nn.Sequential(nn.Conv1d(4, 4, 3))
+    anchor_module(model, client)
+    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model, client=client,
+                            config=StepProtocolConfig(grads_in_place=True))
+    model(torch.randn(2, 4, 8)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="grads_in_place writes no gradient in place"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        model(torch.randn(2, 4, 8)).sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_config_refuses_a_non_boolean(bad):
+    with pytest.raises(ValueError, match="grads_in_place must be True or False"):
+        StepProtocolConfig(grads_in_place=bad)
+
+
+# ---------------------------------------------------------------------- the step protocol, killed
+PROTOCOL_POINTS = ["between_steps@2", "before_boundary@3", "after_boundary@4", "before_update@5:0",
+                   "mid_chunk@5:1", "after_update@6:0", "after_commit@6:1"]
+
+
+@pytest.mark.usefixtures("host_daemon")
+def test_kills_end_where_a_run_that_copies_its_gradients_ends(tmp_path):
+    """Workers killed at each protocol point and at 20 random instants (inside backwards among
+    them, with gradients half written in place): every loss and every anchored object equals a
+    fault-free run whose gradients are copied home, bit for bit."""
+    ref = C.run("inplace-ref", C.CampaignConfig(steps=10), str(tmp_path / "ref.log"))
+    cfg = C.CampaignConfig(steps=10, grads_in_place=True)
+    res = C.run("inplace-pts", cfg, str(tmp_path / "pts.log"), faults_seq=PROTOCOL_POINTS)
+    assert res.kills == len(PROTOCOL_POINTS)
+    assert C.trajectory(res.log) == C.trajectory(ref.log)
+    assert C.compare(gpu_anchor.connect("cpu", namespace="inplace-ref"),
+                     gpu_anchor.connect("cpu", namespace="inplace-pts")) == []
+    assert "grads in_place=" in res.log and "in_place=0 " not in res.log, res.log[-300:]
+    rng = random.Random(20261206)
+    kills = runs = 0
+    while kills < 20:
+        ns = f"inplace-rand-{runs}"
+        client = gpu_anchor.connect("cpu", namespace=ns)
+        r = C.run(ns, cfg, str(tmp_path / f"{ns}.log"), random_kills=20 - kills, max_delay_s=ref.wall_s * 0.8,
+                  rng=rng, client=client)
+        assert C.trajectory(r.log) == C.trajectory(ref.log)
+        assert C.compare(gpu_anchor.connect("cpu", namespace="inplace-ref"), client) == []
+        kills, runs = kills + r.kills, runs + 1
+        client.drop_namespace()
+
+
+@pytest.mark.parametrize("how", ["model", "blocks"])
+def test_under_torch_compile(request, how):
+    """A layer called inside a compiled frame is not taken (the graph makes its gradients):
+    the whole model compiled takes none and ``step()`` says so; decoder layers compiled in place
+    (torchtitan's way) leave ``lm_head`` to be written in place.  Every step has the bits of the
+    plain twin compiled alike (``aot_eager``: no C++ compiler here)."""
+    _, vocab, hidden, layers, shape = CASES["cpu"]
+    client = _client(request, "cpu", f"inplace-compile-{how}")
+    ref, model = (llama(0, vocab, hidden, layers, "cpu") for _ in range(2))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client)
+    if how == "model":
+        run_ref, run_model = torch.compile(ref, backend="aot_eager"), torch.compile(model, backend="aot_eager")
+    else:
+        for m in (ref, model):
+            for layer in m.model.layers:
+                layer.compile(backend="aot_eager")
+        run_ref, run_model = ref, model
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(11))
+    for step in range(3):
+        seen = []
+        for m, o in ((run_ref, ropt), (run_model, opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                o.step()
+            o.zero_grad()
+            seen.append(loss.detach())
+        assert torch.equal(*seen), step
+        said = [w for w in caught if "grads_in_place writes no gradient" in str(w.message)]
+        assert len(said) == (how == "model" and step == 0), said
+    assert opt._grads.stats["modules"] == (0 if how == "model" else 1)
+    assert opt._grads.stats["in_place"] == (0 if how == "model" else 2)
+    same_state(ref, ropt, model, opt)
