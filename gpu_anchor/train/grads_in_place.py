@@ -58,43 +58,43 @@ def _functorch_active() -> bool:
     return level is not None and level() is not None
 
 
-def _qualifies(module: nn.Linear, x) -> bool:
-    w = module.weight
-    b = module.bias
-    return (torch.is_grad_enabled() and w.requires_grad and type(x) is torch.Tensor
-            and (b is None or (type(b) in (torch.Tensor, nn.Parameter) and b.dtype == w.dtype and b.dim() == 1))
-            and x.dim() in (2, 3) and x.is_contiguous() and x.dtype == w.dtype and x.device == w.device
-            and min(w.shape) > 1 and not torch.is_autocast_enabled(x.device.type)
-            and not torch._C._get_tracing_state()
-            and not _functorch_active())
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+
+
+def _qualifies(module: nn.Linear, x, target) -> bool:
+    # per call, in about a microsecond: the weight's dtype and device were read when it was taken
+    ref, index, dtype, device = target
+    buffers, w, b = ref(), module.weight, module.bias
+    return (buffers is not None and buffers.params[index].p is w and torch.is_grad_enabled() and w.requires_grad
+            and type(x) is torch.Tensor and x.dtype is dtype and x.get_device() == device and x.dim() in (2, 3)
+            and x.is_contiguous() and (b is None or (type(b) in (torch.Tensor, nn.Parameter) and b.dtype is dtype
+                                                     and b.dim() == 1))
+            and not _any_autocast() and not torch._C._get_tracing_state() and not _functorch_active())
 
 
 def forward(self, input):
     """``nn.Linear.forward``, with the weight's gradient written in place where it qualifies."""
     if not torch.compiler.is_compiling():      # first: a traced frame skips the lookups too
         target = _targets.get(self)
-        if target is not None:
-            buffers = target[0]()
-            if buffers is not None and buffers.params[target[1]].p is self.weight and _qualifies(self, input):
-                return _Linear.apply(input, self.weight, self.bias, target)
+        if target is not None and _qualifies(self, input, target):
+            return _Linear.apply(input, self.weight, self.bias, target)
     return nn.Linear.forward(self, input)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target):
-        ctx.target, ctx.shape = target, x.shape
-        ctx.bias_shape = bias.shape if bias is not None else None
-        x2 = x.view(-1, x.shape[-1])
-        # what torch's mm saves: the input (2-D) for the weight's gradient, the weight for the input's
-        ctx.save_for_backward(x2, weight if ctx.needs_input_grad[0] else None)
+        ctx.target, ctx.bias_shape = target, bias.shape if bias is not None else None
+        # what torch's mm saves: the input for the weight's gradient, the weight for the input's
+        ctx.save_for_backward(x, weight if ctx.needs_input_grad[0] else None)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x2, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = g2.mm(weight).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        x, weight = ctx.saved_tensors
+        x2, g2 = x.view(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        gx = g2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
         buffers = ctx.target[0]()
         out = buffers.in_place(ctx.target[1], ctx.next_functions[1][0]) if buffers is not None else None
         gw = g2.t().mm(x2) if out is None else torch.mm(g2.t(), x2, out=out)
@@ -112,11 +112,11 @@ def discover(buffers) -> "object":
     def pre_hook(module, args):
         if type(module) is not nn.Linear or "forward" in module.__dict__ or torch.compiler.is_compiling():
             return
-        i = index.get(id(module.weight))
+        i, w = index.get(id(module.weight)), module.weight
         b = ref()
-        if i is None or b is None or b.params[i].p is not module.weight:
+        if i is None or b is None or b.params[i].p is not w or min(w.shape) < 2:
             return
-        _targets[module] = (ref, i)
+        _targets[module] = (ref, i, w.dtype, w.get_device())
         module.forward = forward.__get__(module)
         b.stats["modules"] += 1
         weakref.finalize(b, _restore, weakref.ref(module))
