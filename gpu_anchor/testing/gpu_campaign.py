@@ -4,6 +4,9 @@
     python -m gpu_anchor.testing.gpu_campaign --device cpu --tiny      # the same on a toy model
     PYTHONPATH=. python -m gpu_anchor.testing.gpu_campaign --every-chunk   # the MLP, bit for bit
 
+``--lend-grad-bytes N`` / ``--grads-in-place``: the killed runs lend their gradient buffers /
+write their Linear layers' weight gradients in place (``StepProtocolConfig``).
+
 ``--every-chunk``: the CPU campaign's MLP (``campaign.py``, fp32 AdamW, so the fused update
 on CUDA) killed at the four chunk phases of every chunk, each phase once more while the
 previous kill is recovered, then compared with a fault-free run bit for bit (every loss,
@@ -70,7 +73,8 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 5))
     opt = AnchoredOptimizer(inner, model=model, client=client, schedulers=[sched],
                             config=StepProtocolConfig(chunk_bytes=a["chunk_bytes"],
-                                                      lend_grad_bytes=a.get("lend_grad_bytes", 0)))
+                                                      lend_grad_bytes=a.get("lend_grad_bytes", 0),
+                                                      grads_in_place=a.get("grads_in_place", False)))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -87,6 +91,8 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
     if opt.lender is not None:
         st = opt.lender.stats
         os.write(fd, f"lending lent_last_step={st['last_lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
+    if a.get("grads_in_place"):
+        os.write(fd, f"in_place {opt._grads.stats['in_place']}\n".encode())
     if compare_ns:
         ref = gpu_anchor.connect(a["device"], namespace=compare_ns)
         diffs = {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
@@ -107,7 +113,7 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
 
 
 def _parse(log: str) -> dict:
-    losses, resumes, compare, lending = {}, [], None, None
+    losses, resumes, compare, lending, in_place = {}, [], None, None, None
     for line in log.splitlines():
         head, _, rest = line.partition(" ")
         if head == "lending":
@@ -119,10 +125,13 @@ def _parse(log: str) -> dict:
             chunks = int(f[3])
         elif head == "compare":
             compare = json.loads(rest)
+        elif head == "in_place":
+            in_place = int(rest)
         else:
             s, v = int(head), float(rest)
             losses.setdefault(s, []).append(v)
-    return {"losses": losses, "resumes": resumes, "compare": compare, "chunks": chunks, "lending": lending}
+    return {"losses": losses, "resumes": resumes, "compare": compare, "chunks": chunks, "lending": lending,
+            "in_place_final_worker": in_place}
 
 
 def schedule(n: int) -> list[str]:
@@ -149,10 +158,10 @@ def _daemon(device: str):
         daemon.wait(timeout=30)
 
 
-def every_chunk(device: str, lend_grad_bytes: int = 0) -> dict:
+def every_chunk(device: str, lend_grad_bytes: int = 0, grads_in_place: bool = False) -> dict:
     """The ``--every-chunk`` campaign (module docstring); returns its result.  ``lend_grad_bytes``:
     the killed run lends its gradient buffers (the MLP's saved tensors are a few KiB, so any size
-    is lent), the reference does not."""
+    is lent), the reference does not; so with ``grads_in_place``."""
     import dataclasses
 
     import torch
@@ -162,7 +171,7 @@ def every_chunk(device: str, lend_grad_bytes: int = 0) -> dict:
     from gpu_anchor.train import grad_lending
     n = C.num_chunks(C.CampaignConfig())
     ref_cfg = C.CampaignConfig(steps=n + 3, progress="device", device=device)
-    cfg = dataclasses.replace(ref_cfg, lend_grad_bytes=lend_grad_bytes)
+    cfg = dataclasses.replace(ref_cfg, lend_grad_bytes=lend_grad_bytes, grads_in_place=grads_in_place)
     if lend_grad_bytes:
         grad_lending.MIN_BYTES = 256
     specs = [f"{ph}@{1 + c}:{c}" for c in range(n) for ph in ("before_update", "mid_chunk", "after_update",
@@ -184,9 +193,13 @@ def every_chunk(device: str, lend_grad_bytes: int = 0) -> dict:
     fused = all(u.endswith(" copy=0") and " fused=0 " not in u for u in updates) and bool(updates)
     lent = [int(line.split()[1].removeprefix("lent_total=")) for line in run.log.splitlines() if line.startswith("lending ")]
     out["lend_grad_bytes"], out["lent_bytes_final_worker"] = lend_grad_bytes, (lent[-1] if lent else None)
+    written = [int(line.split()[1].removeprefix("in_place=")) for line in run.log.splitlines()
+               if line.startswith("grads in_place=")]
+    out["grads_in_place"], out["in_place_final_worker"] = grads_in_place, (written[-1] if written else None)
     out["ok"] = bool(run.kills == len(specs) and losses == ref_losses and done == ref_done and not differ
                      and (fused or device == "cpu")       # on a CPU every step saves by copies
-                     and (not lend_grad_bytes or (lent and lent[-1] > 0)))
+                     and (not lend_grad_bytes or (lent and lent[-1] > 0))
+                     and (not grads_in_place or (written and written[-1] > 0)))
     return out
 
 
@@ -202,11 +215,12 @@ def main(argv=None) -> int:
     ap.add_argument("--every-chunk", action="store_true", help="the MLP killed at every chunk, bit for bit")
     ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
                     help="StepProtocolConfig.lend_grad_bytes of the killed runs")
+    ap.add_argument("--grads-in-place", action="store_true", help="StepProtocolConfig.grads_in_place of the killed runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # in case anything asks: no cuInit here
     if args.every_chunk:
-        return _report(every_chunk(args.device, args.lend_grad_bytes), args.out)
+        return _report(every_chunk(args.device, args.lend_grad_bytes, args.grads_in_place), args.out)
     if args.tiny:
         args.batch, args.seq = 2, 32
     import torch  # noqa: F401  (imported before fork on purpose)
@@ -217,7 +231,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
     a = dict(device=args.device, tiny=args.tiny, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
-             chunk_bytes=args.chunk_bytes, lend_grad_bytes=args.lend_grad_bytes)
+             chunk_bytes=args.chunk_bytes, lend_grad_bytes=args.lend_grad_bytes, grads_in_place=args.grads_in_place)
     out = {"test": "train_gpu_faults", "model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""),
            "device": args.device, "dtype": "bfloat16", "optimizer": "AdamW", **a}
     with _daemon(args.device) as tmp:
@@ -253,9 +267,11 @@ def main(argv=None) -> int:
         "state_compare": run["compare"],
         "recoveries": run["resumes"],
         "lending": run["lending"],
+        "in_place_final_worker": run["in_place_final_worker"],
     })
     out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"]
-                     and (not args.lend_grad_bytes or bool(run["lending"] and run["lending"]["lent_bytes_last_step"])))
+                     and (not args.lend_grad_bytes or bool(run["lending"] and run["lending"]["lent_bytes_last_step"]))
+                     and (not args.grads_in_place or bool(run["in_place_final_worker"])))
     return _report(out, args.out)
 
 
