@@ -3,7 +3,8 @@
 # device call (about 9 min): the GPU tests of grads_in_place (bit for bit against torch), then the
 # 1B AdamW step at 4 x 1 024 with every gradient byte lent, with the gradients written in place
 # (i) and copied home (n), alternating; `long_*` runs are the 8 x 2 048 step (H200 only: it does
-# not fit an H100's 80 GB beside its three plain twins); `prof_*` adds `--profile 3`.
+# not fit an H100's 80 GB beside its three plain twins); `prof_*` adds `--profile 3`; `camp`: the
+# 1B Llama's ten kills and `chunk`: the MLP killed at every chunk, both with --grads-in-place.
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_in_place.sh
 #   RUNS="long_i1 long_n1" OUT=/some/dir PYTHONPATH=. bash bench/h200_in_place.sh
 #   BENCH_EXTRA=--tiny TESTS=0 OUT=/tmp/x PYTHONPATH=. bash bench/h200_in_place.sh   # CPU dry run
@@ -30,12 +31,17 @@ one() {   # name, timeout (s), command...
   grep -o '"step_overhead_vs_fastest_plain_pct": [0-9.-]*' "$R/$name.json" 2>/dev/null
   pack
 }
-RUNS=${RUNS:-short_i1 short_n1 short_i2 short_n2 short_i3 short_n3}
+RUNS=${RUNS:-short_i1 short_n1 short_i2 short_n2 camp short_i3 short_n3}
+C="python -m gpu_anchor.testing.gpu_campaign --grads-in-place"
 for r in $RUNS; do
   case $r in
     short_i*) one "$r" 65 $B $S --grads-in-place ;; short_n*) one "$r" 65 $B $S ;;
     long_i*) one "$r" 100 $B $L --grads-in-place ;; long_n*) one "$r" 100 $B $L ;;
     prof_i*) one "$r" 90 $B $S --grads-in-place --profile 3 ;; prof_n*) one "$r" 90 $B $S --profile 3 ;;
+    camp) timeout -k 5 80 $C $X --out "$R/camp.json" > "$R/camp.log" 2>&1; say "camp rc=$?"
+          grep -o '"ok": [a-z]*' "$R/camp.json"; pack ;;
+    chunk) timeout -k 5 80 $C --every-chunk --out "$R/chunk.json" > "$R/chunk.log" 2>&1; say "chunk rc=$?"
+           grep -o '"ok": [a-z]*' "$R/chunk.json"; pack ;;
     *) echo "unknown run $r" ;;
   esac
 done
