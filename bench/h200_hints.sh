@@ -9,24 +9,13 @@
 # Writes $OUT/hints.tgz (re-made after each run, so a call cut short keeps what finished), holding
 # adam_kernel_graph.json and {long,short}_{h,n}N.json / .log, named as they are to be stored.
 set -u
-X=${BENCH_EXTRA:-}
-export PYTORCH_NVML_BASED_CUDA_CHECK=1 TOKENIZERS_PARALLELISM=false
-t0=$(date +%s); say() { echo "== $* after $(( $(date +%s) - t0 )) s"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
-R=/tmp/hints; mkdir -p "$R"
-pack() { tar czf "$OUT/hints.tgz" -C "$R" .; }
+R=/tmp/hints TGZ=hints.tgz
+source "$(dirname "$0")/device_call.sh"
 G=--graph; [ -n "$X" ] && G=     # a dry run on a CPU: no CUDA graphs
 timeout -k 5 60 python -m bench adam_kernel $G --reps 20 $X --out "$R" > "$R/adam_kernel.log" 2>&1; say kernel rc=$?
 pack
 L="--rounds 3 --lend-grad-bytes=2471628800"; S="--rounds 5 --batch 4 --seq 1024 --lend-grad-bytes=2471628800"
 H="python -m bench train_overhead"; N="python -m bench train_overhead --no-l2-hints"
-one() {   # name, timeout (s), command...
-  local name=$1 limit=$2; shift 2; mkdir -p "$R/$name"
-  timeout -k 5 "$limit" "$@" $X --out "$R/$name" > "$R/$name.log" 2>&1; say "$name rc=$?"
-  mv "$R/$name"/train_overhead*.json "$R/$name.json" 2>/dev/null && rmdir "$R/$name"
-  grep -o '"step_overhead_vs_fastest_plain_pct": [0-9.-]*' "$R/$name.json" 2>/dev/null
-  pack
-}
 # one run of each kind first, so that a call cut short still has a pair at each size;
 # RUNS="short_h1 short_n1 ..." runs those instead, in that order (a call with little device time left)
 RUNS=${RUNS:-long_h1 long_n1 short_h1 short_n1 long_h2 short_h2 long_n2 long_h3 short_h3}

@@ -11,12 +11,8 @@
 # Writes $OUT/in_place.tgz (re-made after each run, so a call cut short keeps what finished),
 # holding gpu_tests.txt and {short,long,prof}_{i,n}N.json / .log, named as they are to be stored.
 set -u
-X=${BENCH_EXTRA:-}
-export PYTORCH_NVML_BASED_CUDA_CHECK=1 TOKENIZERS_PARALLELISM=false
-t0=$(date +%s); say() { echo "== $* after $(( $(date +%s) - t0 )) s"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
-R=/tmp/in_place; mkdir -p "$R"
-pack() { tar czf "$OUT/in_place.tgz" -C "$R" .; }
+R=/tmp/in_place TGZ=in_place.tgz
+source "$(dirname "$0")/device_call.sh"
 if [ "${TESTS:-1}" != 0 ]; then
   timeout -k 5 "${TESTS_S:-120}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_train_grads_in_place.py \
     2>&1 | grep -v Warning | tail -15 > "$R/gpu_tests.txt"; say "tests rc=$?"; tail -3 "$R/gpu_tests.txt"; pack
@@ -24,13 +20,6 @@ fi
 LEND=--lend-grad-bytes=2471628800
 L="--rounds 3 $LEND"; S="--rounds 5 --batch 4 --seq 1024 $LEND"
 B="python -m bench train_overhead"
-one() {   # name, timeout (s), command...
-  local name=$1 limit=$2; shift 2; mkdir -p "$R/$name"
-  timeout -k 5 "$limit" "$@" $X --out "$R/$name" > "$R/$name.log" 2>&1; say "$name rc=$?"
-  mv "$R/$name"/train_overhead*.json "$R/$name.json" 2>/dev/null && rmdir "$R/$name"
-  grep -o '"step_overhead_vs_fastest_plain_pct": [0-9.-]*' "$R/$name.json" 2>/dev/null
-  pack
-}
 RUNS=${RUNS:-short_i1 short_n1 short_i2 short_n2 camp short_i3 short_n3}
 C="python -m gpu_anchor.testing.gpu_campaign --grads-in-place"
 for r in $RUNS; do

@@ -60,17 +60,9 @@ def test_random_kills(monkeypatch, tmp_path):
     emulated(monkeypatch)
     cfg = C.CampaignConfig(steps=10, progress="device")
     ref = C.run("fused-rand-ref", cfg, str(tmp_path / "ref.log"))
-    rng = random.Random(20261203)
-    kills = in_flight = runs = 0
-    while kills < 40:
-        ns = f"fused-rand-{runs}"
-        client = gpu_anchor.connect("cpu", namespace=ns)
-        res = C.run(ns, cfg, str(tmp_path / f"{ns}.log"), random_kills=40 - kills, max_delay_s=ref.wall_s * 0.8,
-                    rng=rng, client=client)
-        _check("fused-rand-ref", ref, ns, res)
-        kills, in_flight, runs = kills + res.kills, in_flight + res.in_flight_at_kill, runs + 1
-        client.drop_namespace()
-    assert in_flight > 0
+    total = C.random_kill_runs("fused-rand", cfg, str(tmp_path), ref, "fused-rand-ref", 40, random.Random(20261203),
+                               check=lambda ns, res: _check("fused-rand-ref", ref, ns, res))
+    assert total.in_flight_at_kill > 0
 
 
 def test_a_step_begun_fused_is_finished_by_the_kernel_only(monkeypatch, tmp_path):

@@ -582,16 +582,7 @@ def test_kills_while_lent_end_where_a_run_that_lends_nothing_ends(monkeypatch, t
         assert C.trajectory(r.log) == C.trajectory(ref.log)
         assert C.compare(gpu_anchor.connect("cpu", namespace=f"lend-ref-{progress}"),
                          gpu_anchor.connect("cpu", namespace=ns)) == []
-    rng = random.Random(20261204)
-    kills = runs = 0
-    while kills < 20:
-        ns = f"lend-rand-{progress}-{runs}"
-        client = gpu_anchor.connect("cpu", namespace=ns)
-        r = C.run(ns, cfg, str(tmp_path / f"{ns}.log"), random_kills=20 - kills, max_delay_s=ref.wall_s * 0.8,
-                  rng=rng, client=client)
-        assert C.trajectory(r.log) == C.trajectory(ref.log)
-        assert C.compare(gpu_anchor.connect("cpu", namespace=f"lend-ref-{progress}"), client) == []
-        kills, runs = kills + r.kills, runs + 1
-        client.drop_namespace()
+    C.random_kill_runs(f"lend-rand-{progress}", cfg, str(tmp_path), ref, f"lend-ref-{progress}", 20,
+                       random.Random(20261204))
     lent = re.search(r"lending lent_total=(\d+)", res.log)
     assert lent and int(lent.group(1)) > 0, res.log[-300:]

@@ -271,6 +271,32 @@ def run(namespace: str, cfg: CampaignConfig, log_path: str, faults_seq=(), rando
     return res
 
 
+def random_kill_runs(prefix: str, cfg: CampaignConfig, log_dir: str, ref: RunResult, ref_namespace: str,
+                     kills: int, rng: random.Random, check=None) -> RunResult:
+    """Runs of ``cfg``, each in a fresh namespace ``<prefix>-<n>`` dropped after it, killed at
+    random instants (within 80 % of the fault-free ``ref``'s wall time) until ``kills`` kills
+    in all.  Each run's losses and anchored objects must equal ``ref``'s (in
+    ``ref_namespace``), else AssertionError; ``check(namespace, run)``, if given, replaces that
+    comparison.  Returns the totals (kills, workers, steps in flight at a kill)."""
+    total, runs = RunResult(), 0
+    while total.kills < kills:
+        ns = f"{prefix}-{runs}"
+        client = gpu_anchor.connect(cfg.device, namespace=ns)
+        res = run(ns, cfg, os.path.join(log_dir, f"{ns}.log"), random_kills=kills - total.kills,
+                  max_delay_s=ref.wall_s * 0.8, rng=rng, client=client)
+        if check is not None:
+            check(ns, res)
+        else:
+            assert trajectory(res.log) == trajectory(ref.log), ns
+            differ = compare(gpu_anchor.connect(cfg.device, namespace=ref_namespace), client)
+            assert differ == [], (ns, differ)
+        total.kills, total.workers = total.kills + res.kills, total.workers + res.workers
+        total.in_flight_at_kill += res.in_flight_at_kill
+        runs += 1
+        client.drop_namespace()
+    return total
+
+
 def trajectory(log: str) -> tuple[dict[int, str], str | None]:
     """``{step: loss bits}`` from a worker log; raises if a replayed step logged other bits."""
     out: dict[int, str] = {}
