@@ -75,12 +75,14 @@ def _log_callback(log_path: str, model):
 
 
 def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = None,
-        resume_from_checkpoint=None, lora: bool = False, lend: int = 0, **overrides) -> int:
+        resume_from_checkpoint=None, lora: bool = False, lend: int = 0, in_place: bool = False,
+        **overrides) -> int:
     """One worker: ``namespace`` None trains with plain ``transformers.Trainer``; else with
     ``AnchoredTrainer`` on the host daemon's ``namespace``.  ``fault``: a
     ``GPU_ANCHOR_TRAIN_FAULT`` spec (the step protocol kills this process there);
     ``resume_from_checkpoint``: ``Trainer.train``'s; ``lora``: ``build_model``'s; ``lend``:
-    ``StepProtocolConfig.lend_grad_bytes`` (a line ``lent <bytes>`` at the end).  Warnings are
+    ``StepProtocolConfig.lend_grad_bytes`` (a line ``lent <bytes>`` at the end); ``in_place``:
+    ``StepProtocolConfig.grads_in_place`` (a line ``in_place <gradients>`` at the end).  Warnings are
     appended to ``out_dir/warnings``."""
     from transformers import Trainer
     if fault:
@@ -95,7 +97,7 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
             model = build_model(lora).to(args.device)     # where Trainer wants it (under DDP on CPU: cpu:0)
         from gpu_anchor.train import StepProtocolConfig
         trainer = AnchoredTrainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
-                                  anchor_config=StepProtocolConfig(lend_grad_bytes=lend))
+                                  anchor_config=StepProtocolConfig(lend_grad_bytes=lend, grads_in_place=in_place))
     trainer.add_callback(_log_callback(log_path, model))
     for cb in _extra_callbacks:
         trainer.add_callback(cb)
@@ -112,6 +114,8 @@ def run(namespace: str | None, log_path: str, out_dir: str, fault: str | None = 
     with open(log_path, "a") as f:
         if lend:
             f.write(f"lent {trainer.anchored.lender.stats['lent_bytes']}\n")
+        if in_place:
+            f.write(f"in_place {trainer.anchored._grads.stats['in_place']}\n")
         f.write(f"logs {json.dumps(logs)}\n")
         f.write(f"done {trainer.state.global_step} {digest(model)}\n")
     return 0

@@ -156,6 +156,22 @@ def test_gradient_lending_under_trainer(host_daemon, tmp_path, monkeypatch):
     assert int(next(line for line in log.splitlines() if line.startswith("lent ")).split()[1]) > 0
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradients_written_in_place_under_trainer(host_daemon, tmp_path, lora):
+    """``anchor_config=StepProtocolConfig(grads_in_place=True)``, with micro-batches and
+    ``max_grad_norm``, on the Qwen3 model and on peft's LoRA of it (the adapters' ``nn.Linear``
+    layers are written in place, the frozen base is not taken): plain ``Trainer``'s parameters
+    and logs, bit for bit."""
+    if lora:
+        pytest.importorskip("peft", reason="the LoRA case needs peft (the test extra)")
+    assert _train(None, tmp_path / "plain", tmp_path / "out", lora=lora) == 0
+    assert _train("hf-in-place", tmp_path / "in_place", tmp_path / "out", lora=lora, in_place=True) == 0
+    log = (tmp_path / "in_place").read_text()
+    assert job.finished(log) == job.finished((tmp_path / "plain").read_text())
+    assert job.steps(log) == job.steps((tmp_path / "plain").read_text())
+    assert int(next(line for line in log.splitlines() if line.startswith("in_place ")).split()[1]) > 0
+
+
 def test_a_rerun_after_the_last_step_trains_nothing(host_daemon, tmp_path):
     """Killed after committing the last step, before ``train()`` returned: the rerun trains no
     step and ends where the fault-free job does.  Eight steps end inside the third epoch, where
