@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Linear weight gradients written in place (StepProtocolConfig.grads_in_place) on one GPU, one
-# device call (about 9 min): the GPU tests of grads_in_place (bit for bit against torch), then the
+# device call (about 9 min): the tests of grads_in_place (bit for bit against torch; the GPU's too), then the
 # 1B AdamW step at 4 x 1 024 with every gradient byte lent, with the gradients written in place
 # (i) and copied home (n), alternating; `long_*` runs are the 8 x 2 048 step (H200 only: it does
 # not fit an H100's 80 GB beside its three plain twins); `prof_*` adds `--profile 3`; `camp`: the
@@ -14,8 +14,9 @@ set -u
 R=/tmp/in_place TGZ=in_place.tgz
 source "$(dirname "$0")/device_call.sh"
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout -k 5 "${TESTS_S:-120}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_train_grads_in_place.py \
-    2>&1 | grep -v Warning | tail -15 > "$R/gpu_tests.txt"; say "tests rc=$?"; tail -3 "$R/gpu_tests.txt"; pack
+  # the whole module (its CPU tests too: this machine's torch), and Trainer's with and without LoRA
+  timeout -k 5 "${TESTS_S:-120}" python -m pytest -q -p no:cacheprovider tests/test_train_grads_in_place.py \
+    tests/test_train_hf.py -k "in_place or inplace or grads_in_place" 2>&1 | grep -v Warning | tail -15 > "$R/gpu_tests.txt"; say "tests rc=$?"; tail -3 "$R/gpu_tests.txt"; pack
 fi
 LEND=--lend-grad-bytes=2471628800
 L="--rounds 3 $LEND"; S="--rounds 5 --batch 4 --seq 1024 $LEND"
