@@ -53,7 +53,9 @@ LONGEST_FIRST = ["test_serve_daemon_loss.py", "test_scope_matrix.py", "test_laun
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: each file keeps its order
+    # GPU-marked tests after all the others: once a CUDA backward ran here, autograd's device
+    # threads forbid a forked child's backward, which the CPU kill campaigns' workers run.
+    items.sort(key=lambda item: ("gpu" in item.keywords, rank.get(item.path.name, len(rank))))   # stable
     if _cuda_ready():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and cuda-bindings")

@@ -243,3 +243,40 @@ def test_kills_end_where_a_run_that_copies_its_gradients_ends(tmp_path):
                      gpu_anchor.connect("cpu", namespace="inplace-pts")) == []
     assert "grads in_place=" in res.log and "in_place=0 " not in res.log, res.log[-300:]
     C.random_kill_runs("inplace-rand", cfg, str(tmp_path), ref, "inplace-ref", 20, random.Random(20261206))
+
+
+@pytest.mark.parametrize("how", ["model", "blocks"])
+def test_under_torch_compile(request, how):
+    """A layer called inside a compiled frame is not taken (the graph makes its gradients):
+    the whole model compiled takes none and ``step()`` says so; decoder layers compiled in place
+    (torchtitan's way) leave ``lm_head`` to be written in place.  Every step has the bits of the
+    plain twin compiled alike (``aot_eager``: no C++ compiler here)."""
+    _, vocab, hidden, layers, shape = CASES["cpu"]
+    client = _client(request, "cpu", f"inplace-compile-{how}")
+    ref, model = (llama(0, vocab, hidden, layers, "cpu") for _ in range(2))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client)
+    if how == "model":
+        run_ref, run_model = torch.compile(ref, backend="aot_eager"), torch.compile(model, backend="aot_eager")
+    else:
+        for m in (ref, model):
+            for layer in m.model.layers:
+                layer.compile(backend="aot_eager")
+        run_ref, run_model = ref, model
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(11))
+    for step in range(3):
+        seen = []
+        for m, o in ((run_ref, ropt), (run_model, opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                o.step()
+            o.zero_grad()
+            seen.append(loss.detach())
+        assert torch.equal(*seen), step
+        said = [w for w in caught if "grads_in_place writes no gradient" in str(w.message)]
+        assert len(said) == (how == "model" and step == 0), said
+    assert opt._grads.stats["modules"] == (0 if how == "model" else 1)
+    assert opt._grads.stats["in_place"] == (0 if how == "model" else 2)
+    same_state(ref, ropt, model, opt)
