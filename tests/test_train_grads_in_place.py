@@ -48,8 +48,8 @@ def _client(request, device, namespace):
 @pytest.mark.parametrize("lend", [False, True])
 def test_a_llama_writes_its_linear_gradients_in_place_bit_for_bit(request, monkeypatch, device, lend):
     """Three micro-batches a step and ``clip_grad_norm_``: the first micro-batch's Linear
-    gradients are written in place, the later ones accumulate as torch does; the tied
-    ``lm_head`` / embedding gradient is summed by autograd and copied home."""
+    gradients are written in place, the later ones accumulate as torch does; ``lm_head``, whose
+    weight is the embedding's, is not taken: that gradient is summed by autograd and copied home."""
     _, vocab, hidden, layers, shape = CASES[device]
     client = _client(request, device, f"inplace-{lend}")
     if lend:
@@ -61,16 +61,43 @@ def test_a_llama_writes_its_linear_gradients_in_place_bit_for_bit(request, monke
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     assert len(linears) == 7 * layers + 1
     train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=1)
-    assert st["modules"] == len(linears) and all("forward" in m.__dict__ for m in linears)
+    assert "forward" not in model.lm_head.__dict__
+    assert st["modules"] == len(linears) - 1 and all("forward" in m.__dict__ for m in linears[:-1])
     before = dict(st)
     train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=4)
     same_state(ref, ropt, model, opt)
-    # a step: every Linear weight written in place (lm_head too), then copied: the norms, and the
-    # tied weight once autograd summed lm_head's gradient with the embedding's
-    assert st["in_place"] - before["in_place"] == 4 * len(linears), st
+    # a step: every other Linear weight written in place; copied: the norms and the tied weight
+    assert st["in_place"] - before["in_place"] == 4 * (len(linears) - 1), st
     assert st["copied"] - before["copied"] == 4 * (2 * layers + 1 + 1), st
     if lend:
         assert opt.lender.stats["lent_tensors"] > 0
+
+
+def test_lending_lends_as_much_with_gradients_written_in_place(host_daemon, monkeypatch):
+    """Every gradient byte lendable: the gradients written in place move no lent tensor out
+    and the lender keeps its whole budget, as when they are copied.  (With the tied ``lm_head``
+    taken, its GEMM wrote into the embedding's buffer at backward's start, where copying puts
+    that gradient at its end: the lent tensors there were moved out, and the budget shrank.)"""
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    seen = {}
+    for in_place in (False, True):
+        client = gpu_anchor.connect("cpu", namespace=f"inplace-lend-{in_place}")
+        model = llama(0, 4000, 256, 4, "cpu")
+        budget = sum(p.numel() * p.element_size() for p in model.parameters())
+        from gpu_anchor.train import AnchoredOptimizer, anchor_module
+        anchor_module(model, client)
+        opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client,
+                                config=StepProtocolConfig(lend_grad_bytes=budget, grads_in_place=in_place))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            ids = torch.randint(0, 4000, (4, 128), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.lender.stats
+        seen[in_place] = (st["lent_bytes"], st["evicted_bytes"], opt.lender.budget)
+        assert opt._grads.stats["in_place"] == (4 * 7 * 4 if in_place else 0)
+    assert seen[True] == seen[False] and seen[True][1] == 0 and seen[True][0] > 0, seen
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,6 +127,44 @@ def test_a_biased_mlp_bit_for_bit(request, device, dims):
         assert torch.equal(*losses), step
     same_state(ref, ropt, model, opt)
     assert opt._grads.stats["in_place"] == 4 * 3
+
+
+def test_a_layer_called_twice_in_a_forward_bit_for_bit(host_daemon):
+    """One ``nn.Linear`` applied twice (and one weight tied to an embedding): autograd sums the
+    gradients of both calls before accumulating, so only the first may lie in the buffer; the
+    tied weight, summed with the embedding's, is not taken at all."""
+    client = gpu_anchor.connect("cpu", namespace="inplace-twice")
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mix, self.head = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.mix(torch.tanh(self.mix(self.embed(ids)))))
+
+    def make():
+        torch.manual_seed(8)
+        return Twice()
+    ref, model = make(), make()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client)
+    for step in range(4):
+        ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, o in ((ref, ropt), (model, opt)):
+            loss = m(ids).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            o.step()
+            o.zero_grad()
+        assert torch.equal(*losses), step
+    same_state(ref, ropt, model, opt)
+    st = opt._grads.stats
+    assert st["modules"] == 1 and "forward" not in model.head.__dict__, st
+    # every step's first of mix's two gradients (its second call in step 1 already runs patched)
+    assert st["in_place"] == 4, st
 
 
 def _pair(host_daemon, namespace, **config):
@@ -245,12 +310,13 @@ def test_kills_end_where_a_run_that_copies_its_gradients_ends(tmp_path):
     C.random_kill_runs("inplace-rand", cfg, str(tmp_path), ref, "inplace-ref", 20, random.Random(20261206))
 
 
-@pytest.mark.parametrize("how", ["model", "blocks"])
+@pytest.mark.parametrize("how", ["model", "attention"])
 def test_under_torch_compile(request, how):
     """A layer called inside a compiled frame is not taken (the graph makes its gradients):
-    the whole model compiled takes none and ``step()`` says so; decoder layers compiled in place
-    (torchtitan's way) leave ``lm_head`` to be written in place.  Every step has the bits of the
-    plain twin compiled alike (``aot_eager``: no C++ compiler here)."""
+    the whole model compiled takes none and ``step()`` says so; with each layer's attention
+    compiled in place (``Module.compile``, torchtitan's way, at a finer grain) the MLPs' layers
+    are taken.  Every step has the bits of the plain twin compiled alike (``aot_eager``: no C++
+    compiler here)."""
     _, vocab, hidden, layers, shape = CASES["cpu"]
     client = _client(request, "cpu", f"inplace-compile-{how}")
     ref, model = (llama(0, vocab, hidden, layers, "cpu") for _ in range(2))
@@ -261,7 +327,7 @@ def test_under_torch_compile(request, how):
     else:
         for m in (ref, model):
             for layer in m.model.layers:
-                layer.compile(backend="aot_eager")
+                layer.self_attn.compile(backend="aot_eager")
         run_ref, run_model = ref, model
     ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(11))
     for step in range(3):
@@ -277,6 +343,6 @@ def test_under_torch_compile(request, how):
         assert torch.equal(*seen), step
         said = [w for w in caught if "grads_in_place writes no gradient" in str(w.message)]
         assert len(said) == (how == "model" and step == 0), said
-    assert opt._grads.stats["modules"] == (0 if how == "model" else 1)
-    assert opt._grads.stats["in_place"] == (0 if how == "model" else 2)
+    assert opt._grads.stats["modules"] == (0 if how == "model" else 3 * layers)
+    assert opt._grads.stats["in_place"] == (0 if how == "model" else 2 * 3 * layers)
     same_state(ref, ropt, model, opt)

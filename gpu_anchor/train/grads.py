@@ -46,6 +46,7 @@ class GradientBuffers:
         self.params, self.fresh, self.lender = params, fresh, lender
         self.cleared = [True] * len(params)
         self.stats = {"in_place": 0, "copied": 0, "modules": 0}
+        self._given: dict[int, int] = {}      # parameter -> the backward (graph task) its buffer went to
         assert all(q is params[q.index] for q in params)
         self.hooks = [q.p.register_post_accumulate_grad_hook(self._hook(q)) for q in params if q.p.requires_grad]
         # the layers are found during the first forward; the global hook goes at the first step
@@ -131,6 +132,11 @@ class GradientBuffers:
         q = self.params[index]
         if q.p.grad is not None or torch.is_grad_enabled():
             return None            # a later micro-batch accumulates; create_graph builds a graph
+        task = torch._C._current_graph_task_id()
+        if self._given.get(index) == task:
+            # a second gradient of this weight in this backward (a layer called twice): autograd
+            # sums the two before accumulating, so the buffer already holds the first
+            return None
         try:
             if not torch._C._will_engine_execute_node(accumulator):
                 return None        # a backward(inputs=...) that leaves this parameter out
@@ -138,5 +144,6 @@ class GradientBuffers:
             return None            # autograd.grad(): the gradient is returned, not accumulated
         if self.lender is not None:
             self.lender.arrived(q)
+        self._given[index] = task
         self.stats["in_place"] += 1
         return q.grad.view(q.p.shape)

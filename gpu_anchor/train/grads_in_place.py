@@ -15,7 +15,11 @@ Contract (``StepProtocolConfig.grads_in_place``; off by default):
   at the first ``step()``.  A layer is taken if its type is exactly ``nn.Linear`` (a subclass may
   compute something else), its weight is one of the optimizer's anchored parameters, and it has
   no ``forward`` of its own already (accelerate's hooks put one there), and is not called inside
-  a ``torch.compile``'d frame (whose graph makes its gradients itself).  Its ``forward`` becomes
+  a ``torch.compile``'d frame (whose graph makes its gradients itself).  A weight that a call of
+  another module also holds (Llama's ``lm_head`` tied to the embedding) is not taken, and a layer
+  taken for it is given back: autograd sums such a weight's gradients before accumulating them,
+  so the GEMM's write would be copied anyway, and it would come at backward's start, where the
+  copy comes at its end (the gradient lender plans its buffers by when gradients arrive).  Its ``forward`` becomes
   an instance method (``stats["modules"]``); a layer first called later keeps torch's, and if
   that first step took none, ``step()`` warns.
 - **Which calls.**  Grad mode on, the weight requiring grad, an input that is a plain
@@ -28,8 +32,9 @@ Contract (``StepProtocolConfig.grads_in_place``; off by default):
   ``_will_engine_execute_node`` says which), and the backward builds no graph
   (``create_graph``).  The gradient then reaches autograd as a fresh view of the buffer, which
   ``AccumulateGrad`` takes as ``p.grad`` without a copy; otherwise it is made as torch makes it
-  and copied home as before.  A tied weight (Llama's ``lm_head``) summed with another gradient
-  before it is accumulated is thus summed into torch memory and copied home.
+  and copied home as before.  A layer called twice in one backward has its first gradient
+  written in place and its second made elsewhere (the two are summed before they are
+  accumulated: the buffer must keep the first); one backward is one graph task.
 - **The same bits.**  The forward is ``F.linear``; the backward runs what torch's autograd runs
   for a linear layer (``grad @ W`` for the input; ``grad^T @ x`` into an (out, in) row-major
   result for the weight; the bias's ``sum_to_size``), with the buffer as the weight's output.  Tested bit for bit
@@ -108,16 +113,31 @@ def discover(buffers) -> "object":
     returns the global hook's handle (``remove()`` it at the first step)."""
     ref = weakref.ref(buffers)
     index = {id(q.p): q.index for q in buffers.params if q.p.requires_grad}
+    holder: dict[int, int] = {}         # parameter -> the first module seen calling with it
+    taken: dict[int, list] = {}         # parameter -> the layers taken for it
 
     def pre_hook(module, args):
-        if type(module) is not nn.Linear or "forward" in module.__dict__ or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return
+        b = ref()
+        if b is None:
+            return
+        for p in module._parameters.values():
+            if p is not None and id(p) in index and holder.setdefault(id(p), id(module)) != id(module):
+                # tied (an embedding's weight as lm_head's): its gradients are summed before they
+                # are accumulated, so a GEMM writing one of them in place saves nothing
+                for layer in taken.pop(id(p), ()):
+                    _restore(weakref.ref(layer))
+                    b.stats["modules"] -= 1
+                index.pop(id(p))
+        if type(module) is not nn.Linear or "forward" in module.__dict__:
             return
         i, w = index.get(id(module.weight)), module.weight
-        b = ref()
-        if i is None or b is None or b.params[i].p is not w or min(w.shape) < 2:
+        if i is None or b.params[i].p is not w or min(w.shape) < 2:
             return
         _targets[module] = (ref, i, w.dtype, w.get_device())
         module.forward = forward.__get__(module)
+        taken.setdefault(id(w), []).append(module)
         b.stats["modules"] += 1
         weakref.finalize(b, _restore, weakref.ref(module))
 
@@ -128,3 +148,4 @@ def _restore(module_ref) -> None:
     module = module_ref()
     if module is not None and getattr(module.__dict__.get("forward"), "__func__", None) is forward:
         del module.__dict__["forward"]
+        _targets.pop(module, None)
