@@ -86,6 +86,11 @@ def _test_table(r: dict) -> str:
     if "faulted_wall_s" in r:
         rows.append(("Wall time, fault-free vs with the kills",
                      f"{r.get('fault_free_wall_s', 0):.1f} s vs {r['faulted_wall_s']:.1f} s", ""))
+    if r.get("lending"):
+        rows.append(("Gradient lending, the last worker's last step", f"{r['lending']['lent_bytes_last_step']} B lent", ""))
+    if r.get("grads_in_place"):
+        rows.append(("Linear gradients written in place by the last worker", str(r.get("in_place_final_worker")),
+                     "more than 0"))
     rows.append(("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", ""))
     return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 
@@ -139,6 +144,9 @@ def _every_chunk_table(r: dict) -> str:
         rows.append(("Gradient lending in the killed run (the fault-free run lends nothing)",
                      f"budget {r['lend_grad_bytes']} B; {r.get('lent_bytes_final_worker')} B lent in the last worker's "
                      "last step", "more than 0 B"))
+    if r.get("grads_in_place"):
+        rows.append(("Linear gradients written in place in the killed run (the fault-free run copies them)",
+                     f"{r.get('in_place_final_worker')} in the last worker", "more than 0"))
     rows.append(("Test verdict", "**passed**" if r.get("ok") else "**FAILED**", ""))
     return "| | measured | expected |\n| --- | --- | --- |\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 

@@ -13,6 +13,7 @@ def title(r: dict) -> str:
     return (f"Training overhead: AnchoredOptimizer vs plain PyTorch ({r.get('model', '?')}, "
             f"batch {r.get('batch')} × {r.get('seq')}, progress={r.get('progress', '?')}{side}" + (f", {r['chunks']} chunks" if r.get("chunk_bytes_set") else "")
             + (f", gradient lending up to {r['lend_grad_bytes'] / 2**30:.2f} GiB" if r.get("lend_grad_bytes") else "")
+            + (", Linear gradients written in place" if r.get("grads_in_place") else "")
             + ")")
 
 
@@ -69,6 +70,11 @@ def render(r: dict) -> str:
                      f"({r['lent_tensors_per_window']:.0f} tensors a step); "
                      f"{r['lend_evicted_bytes'] / 2**20:.0f} MiB moved back before a gradient landed on them",
                      "", ""))
+    if r.get("grads_written"):
+        w = r["grads_written"]
+        rows.append(("Gradients over the run (warm-up included): written in place by their GEMM "
+                     "(`StepProtocolConfig.grads_in_place`) / copied home",
+                     f"{w['in_place']} / {w['copied']} ({w['modules']} Linear layers taken)", "", ""))
     if "gc_ms_per_step" in r:
         g, full = r["gc_ms_per_step"], r["gc_full_passes"]
         rows.append(("Python's garbage collector in the timed windows, ms a step (full passes), and the mean "
