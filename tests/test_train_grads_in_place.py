@@ -266,6 +266,31 @@ def test_a_copy_or_a_pickle_of_the_model_holds_no_buffers(host_daemon):
     assert not any("forward" in m.__dict__ for m in layers)      # the optimizer gone: torch's forward again
 
 
+def test_a_later_optimizer_over_the_same_model_takes_its_layers(host_daemon):
+    """The first optimizer still alive (a reference cycle, say) when the second is built: the
+    second takes the layers, and the first one's end leaves them to it."""
+    from gpu_anchor.train import AnchoredOptimizer
+    ref, ropt, model, old = _pair(host_daemon, "inplace-first")
+    layers = [m for m in model.modules() if type(m) is nn.Linear]
+    new = AnchoredOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model=model, client=old.client,
+                            config=StepProtocolConfig(prefix="second", grads_in_place=True))
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        model(x).sum().backward()
+        new.step()
+        new.zero_grad()
+    # taken at its first call, before its forward ran: in place from the first step on
+    assert new._grads.stats["modules"] == 2 and new._grads.stats["in_place"] == 4
+    assert old._grads.stats["in_place"] == 0      # its one step found the layers, and wrote nothing
+    del old
+    import gc
+    gc.collect()
+    assert all("forward" in m.__dict__ for m in layers)
+    model(x).sum().backward()
+    new.step()
+    assert new._grads.stats["in_place"] == 6
+
+
 def test_no_linear_layer_says_so(host_daemon):
     from gpu_anchor.train import AnchoredOptimizer, anchor_module
     client = gpu_anchor.connect("cpu", namespace="inplace-none")

@@ -14,14 +14,14 @@ Contract (``StepProtocolConfig.grads_in_place``; off by default):
   calls during the first forward after the optimizer is built: a global module pre-hook, removed
   at the first ``step()``.  A layer is taken if its type is exactly ``nn.Linear`` (a subclass may
   compute something else), its weight is one of the optimizer's anchored parameters, and it has
-  no ``forward`` of its own already (accelerate's hooks put one there), and is not called inside
-  a ``torch.compile``'d frame (whose graph makes its gradients itself).  A weight that a call of
-  another module also holds (Llama's ``lm_head`` tied to the embedding) is not taken, and a layer
-  taken for it is given back: autograd sums such a weight's gradients before accumulating them,
-  so the GEMM's write would be copied anyway, and it would come at backward's start, where the
-  copy comes at its end (the gradient lender plans its buffers by when gradients arrive).  Its ``forward`` becomes
-  an instance method (``stats["modules"]``); a layer first called later keeps torch's, and if
-  that first step took none, ``step()`` warns.
+  no ``forward`` of its own already but this module's (accelerate's hooks put one there), and is
+  not called inside a ``torch.compile``'d frame (whose graph makes its gradients itself).  A
+  weight that a call of another module also holds (Llama's ``lm_head`` tied to the embedding) is
+  not taken, and a layer taken for it is given back: autograd sums such a weight's gradients
+  before accumulating them, so the GEMM's write would be copied anyway, and it would come at
+  backward's start, where the copy comes at its end (the gradient lender plans its buffers by
+  when gradients arrive).  Its ``forward`` becomes an instance method (``stats["modules"]``); a
+  layer first called later keeps torch's, and if that first step took none, ``step()`` warns.
 - **Which calls.**  Grad mode on, the weight requiring grad, an input that is a plain
   contiguous tensor of 2 or 3 dimensions with the weight's dtype and device, no autocast for it,
   no tracing (``torch.compile``, ``jit.trace``), no functorch transform.  Any other call is
@@ -37,12 +37,13 @@ Contract (``StepProtocolConfig.grads_in_place``; off by default):
   accumulated: the buffer must keep the first); one backward is one graph task.
 - **The same bits.**  The forward is ``F.linear``; the backward runs what torch's autograd runs
   for a linear layer (``grad @ W`` for the input; ``grad^T @ x`` into an (out, in) row-major
-  result for the weight; the bias's ``sum_to_size``), with the buffer as the weight's output.  Tested bit for bit
-  against ``nn.Linear`` on the CPU and on CUDA.
+  result for the weight; the bias's ``sum_to_size``), with the buffer as the weight's output.
+  Tested bit for bit against ``nn.Linear`` on the CPU and on CUDA.
 - **Nothing lent is overwritten.**  Before the GEMM the gradient lender moves any lent tensor
   still alive out of the buffer's bytes, as before a copy (``GradientLender.arrived``).
 - **Held weakly.**  A patched layer holds the buffers through a weak reference: once the
-  optimizer is gone its calls are ``nn.Linear.forward``.  A copy of the model (``deepcopy``) and a
+  optimizer is gone its calls are ``nn.Linear.forward`` again (and a later optimizer over the
+  same model takes it anew).  A copy of the model (``deepcopy``) and a
   pickled one hold no buffers: the method is named ``forward``, so pickle restores
   ``nn.Linear.forward``, and a copy's weight is not an anchored parameter.
 """
@@ -127,10 +128,12 @@ def discover(buffers) -> "object":
                 # tied (an embedding's weight as lm_head's): its gradients are summed before they
                 # are accumulated, so a GEMM writing one of them in place saves nothing
                 for layer in taken.pop(id(p), ()):
-                    _restore(weakref.ref(layer))
+                    _restore(weakref.ref(layer), ref)
                     b.stats["modules"] -= 1
                 index.pop(id(p))
-        if type(module) is not nn.Linear or "forward" in module.__dict__:
+        own = module.__dict__.get("forward")
+        if (type(module) is not nn.Linear or (own is not None and getattr(own, "__func__", None) is not forward)
+                or _targets.get(module, (None,))[0] is ref):       # another's forward, or taken already
             return
         i, w = index.get(id(module.weight)), module.weight
         if i is None or b.params[i].p is not w or min(w.shape) < 2:
@@ -139,13 +142,14 @@ def discover(buffers) -> "object":
         module.forward = forward.__get__(module)
         taken.setdefault(id(w), []).append(module)
         b.stats["modules"] += 1
-        weakref.finalize(b, _restore, weakref.ref(module))
+        weakref.finalize(b, _restore, weakref.ref(module), ref)
 
     return nn.modules.module.register_module_forward_pre_hook(pre_hook)
 
 
-def _restore(module_ref) -> None:
+def _restore(module_ref, buffers_ref) -> None:
+    """Torch's ``forward`` back on the layer, unless another optimizer's buffers took it since."""
     module = module_ref()
-    if module is not None and getattr(module.__dict__.get("forward"), "__func__", None) is forward:
+    if module is not None and _targets.get(module, (None,))[0] is buffers_ref:
         del module.__dict__["forward"]
-        _targets.pop(module, None)
+        del _targets[module]
