@@ -74,9 +74,11 @@ class GradientBuffers:
             self._discovering.remove()
             self._discovering = None
             if not self.stats["modules"]:
-                warnings.warn("gpu_anchor: StepProtocolConfig.grads_in_place writes no gradient in place: the first "
-                              "step's forward called no nn.Linear layer (of exactly that type, outside torch.compile) over the "
-                              "optimizer's parameters; their gradients are copied home as without it", RuntimeWarning, stacklevel=4)
+                warnings.warn("gpu_anchor: StepProtocolConfig.grads_in_place writes no gradient in place: the "
+                              "first step's forward called no nn.Linear layer (of exactly that type, outside "
+                              "torch.compile, its weight not tied to another module) over the optimizer's "
+                              "parameters; their gradients are copied home as without it",
+                              RuntimeWarning, stacklevel=4)
         if self.lender is not None:
             self.lender.finalize()
         mask = []
