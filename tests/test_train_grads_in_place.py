@@ -100,6 +100,21 @@ def test_lending_lends_as_much_with_gradients_written_in_place(host_daemon, monk
     assert seen[True] == seen[False] and seen[True][1] == 0 and seen[True][0] > 0, seen
 
 
+def _twins_step_alike(ref, ropt, model, opt, inputs):
+    """A step of each twin per input, loss ``mean(model(x)^2)``: the same loss every step, the
+    same weights and Adam states at the end, bit for bit."""
+    for step, x in enumerate(inputs):
+        losses = []
+        for m, o in ((ref, ropt), (model, opt)):
+            loss = m(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            o.step()
+            o.zero_grad()
+        assert torch.equal(*losses), step
+    same_state(ref, ropt, model, opt)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dims", [2, 3])
 def test_a_biased_mlp_bit_for_bit(request, device, dims):
@@ -115,17 +130,8 @@ def test_a_biased_mlp_bit_for_bit(request, device, dims):
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = _anchored(model, client)
     gen = torch.Generator(device=device).manual_seed(4)
-    for step in range(5):
-        x = torch.randn((6, 32) if dims == 2 else (2, 3, 32), device=device, generator=gen)
-        losses = []
-        for m, o in ((ref, ropt), (model, opt)):
-            loss = m(x).square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            o.step()
-            o.zero_grad()
-        assert torch.equal(*losses), step
-    same_state(ref, ropt, model, opt)
+    _twins_step_alike(ref, ropt, model, opt, [torch.randn((6, 32) if dims == 2 else (2, 3, 32), device=device,
+                                                          generator=gen) for _ in range(5)])
     assert opt._grads.stats["in_place"] == 4 * 3
 
 
@@ -150,17 +156,8 @@ def test_a_layer_called_twice_in_a_forward_bit_for_bit(host_daemon):
     ref, model = make(), make()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = _anchored(model, client)
-    for step in range(4):
-        ids = torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(step))
-        losses = []
-        for m, o in ((ref, ropt), (model, opt)):
-            loss = m(ids).square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            o.step()
-            o.zero_grad()
-        assert torch.equal(*losses), step
-    same_state(ref, ropt, model, opt)
+    _twins_step_alike(ref, ropt, model, opt, [torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(i))
+                                              for i in range(4)])
     st = opt._grads.stats
     assert st["modules"] == 1 and "forward" not in model.head.__dict__, st
     # every step's first of mix's two gradients (its second call in step 1 already runs patched)
