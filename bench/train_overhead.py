@@ -2,6 +2,7 @@
 
     python -m bench train_overhead [--tiny] [--device cuda:0] [--steps 10] [--batch 8 --seq 2048]
                                    [--progress device|journal] [--no-fused] [--torch-fused] [--rounds 2]
+                                   [--lend-grad-bytes N] [--grads-in-place]
                                    [--profile K] [--host-forward K] [--out DIR]
 
 Llama3.2-1B shape (transformers, bf16 weights, AdamW foreach, random tokens) on the GPU;
@@ -18,7 +19,10 @@ undo copy + torch's update instead of the fused Adam kernel (``StepProtocolConfi
 the result records which one ran (``fused_update``, ``fused_steps``); ``--no-l2-hints``: that
 kernel without its L2 eviction hints (``fused_adam.L2_HINTS``, recorded as ``l2_hints``).  ``--torch-fused``:
 both models use ``AdamW(fused=True)`` (torch's own one-kernel update; other roundings than
-foreach, so the anchored side runs the undo copy + that kernel).  ``--profile K``: after the
+foreach, so the anchored side runs the undo copy + that kernel).  ``--lend-grad-bytes N`` and
+``--grads-in-place``: the anchored side's ``StepProtocolConfig.lend_grad_bytes`` and
+``grads_in_place`` (the gradients written in place and copied home are recorded as
+``grads_written``).  ``--profile K``: after the
 timed windows, ``K`` more steps of each mode under ``torch.profiler``, their device time per
 step by kind of kernel (matmuls, attention, the fused Adam/undo kernel, torch's optimizer
 kernels, copies, fills, the rest) and the anchored step's difference from plain
