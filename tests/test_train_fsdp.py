@@ -6,6 +6,7 @@ anchored state equals the fault-free run's bit for bit, and so do the per-rank l
 trajectories; the fault-free anchored run gives plain FSDP2's losses.
 """
 import random
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import gpu_anchor
 from gpu_anchor.testing import campaign as C
 from gpu_anchor.testing import ddp_campaign as D
+from gpu_anchor.train.config import StepProtocolConfig
 from test_train_ddp import _same_as_reference as ddp_check   # same per-rank comparison
 
 
@@ -92,7 +94,15 @@ def _zero_copy_worker(store):
     model = C.build_model(1)
     D.shard(model, torch.device("cpu"), 1)
     anchor_fsdp(model, client)
-    opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model, client=client)
+    # asked for, gradient lending and gradients written in place say they do nothing under FSDP2
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters()), model=model, client=client,
+                                config=StepProtocolConfig(lend_grad_bytes=1 << 30, grads_in_place=True))
+    said = [str(w.message) for w in said if issubclass(w.category, RuntimeWarning)]
+    assert any("lend_grad_bytes lends nothing here: under DDP / FSDP2" in m for m in said), said
+    assert any("grads_in_place writes no gradient in place here: under DDP / FSDP2" in m for m in said), said
+    assert opt.lender is None
     ptrs = {n: local(p).data_ptr() for n, p in model.named_parameters()}
     for step in range(2):
         x, y = C.batch(step, 1)
@@ -103,6 +113,7 @@ def _zero_copy_worker(store):
             assert local(p).data_ptr() == ptrs[n]           # the shard stayed in anchored memory
         opt.step()
         opt.zero_grad()
+    assert opt._grads.stats == {"in_place": 0, "copied": 0, "modules": 0}    # FSDP2 wrote them all
     anchored = {b.name: b.tensor.data_ptr() for b in client.bind(
         [(f"model.{n}", tuple(local(p).shape), local(p).dtype) for n, p in model.named_parameters()], "lookup")}
     assert all(anchored[f"model.{n}"] == ptrs[n] for n in ptrs)

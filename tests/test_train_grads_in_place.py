@@ -135,6 +135,36 @@ def test_a_biased_mlp_bit_for_bit(request, device, dims):
     assert opt._grads.stats["in_place"] == 4 * 3
 
 
+def test_a_layer_under_accelerate_hooks_is_left_to_them(host_daemon):
+    """accelerate's ``add_hook_to_module`` (what ``device_map`` / ``cpu_offload`` put on each
+    layer) gives the layer an instance ``forward`` of its own: that layer is not taken, its
+    hook still runs at every call, and its gradient is copied home; the other layers are
+    taken; the values are torch's."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    client = gpu_anchor.connect("cpu", namespace="inplace-accelerate")
+    calls = []
+
+    class Counting(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    def make():
+        torch.manual_seed(6)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    ref, model = make(), make()
+    hooks.add_hook_to_module(model[2], Counting())
+    hooked = model[2].forward
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client)
+    gen = torch.Generator().manual_seed(2)
+    _twins_step_alike(ref, ropt, model, opt, [torch.randn(6, 16, generator=gen) for _ in range(4)])
+    st = opt._grads.stats
+    assert model[2].forward == hooked and calls == [model[2]] * 4
+    assert st["modules"] == 2 and st["in_place"] == 3 * 2, st
+    assert st["copied"] == 6 * 4 - st["in_place"], st     # six parameters, four steps: the rest copied
+
+
 def test_a_layer_called_twice_in_a_forward_bit_for_bit(host_daemon):
     """One ``nn.Linear`` applied twice (and one weight tied to an embedding): autograd sums the
     gradients of both calls before accumulating, so only the first may lie in the buffer; the
@@ -303,6 +333,48 @@ def test_no_linear_layer_says_so(host_daemon):
         opt.zero_grad()
         model(torch.randn(2, 4, 8)).sum().backward()
         opt.step()
+
+
+def _ddp_one_rank_worker(store, bucket_view):
+    """``torchrun --nproc-per-node 1`` with the model in DDP: one rank, so the gradients are this
+    process's, and DDP's reducer handles them after they are accumulated (copying them into its
+    buckets and back, or making ``p.grad`` a view of a bucket).  Plain DDP's bits at every step."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    grad_lending.MIN_BYTES = 4096          # a forked child of its own: the test's small tensors lent
+    client = gpu_anchor.connect("cpu", namespace=f"inplace-ddp-{int(bucket_view)}")
+    _, vocab, hidden, layers, shape = CASES["cpu"]
+    ref, model = (llama(0, vocab, hidden, layers, "cpu") for _ in range(2))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = _anchored(model, client, lend_grad_bytes=1 << 40)
+    wrapped = [(DDP(m, gradient_as_bucket_view=bucket_view), o) for m, o in ((ref, ropt), (model, opt))]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids = torch.randint(0, vocab, shape, generator=gen)
+        seen = []
+        for m, o in wrapped:
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            seen.append((loss.detach(), torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+            o.step()
+            o.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(*seen)), step
+    same_state(ref, ropt, model, opt)
+    st = opt._grads.stats
+    # the first step finds the layers; every Linear but the tied lm_head, in place from the second
+    assert st["modules"] == 7 * layers and st["in_place"] == 3 * 7 * layers, st
+    assert opt.lender.stats["lent_tensors"] > 0
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_on_one_rank_bit_for_bit(host_daemon, tmp_path, bucket_view):
+    C.prewarm(C.CampaignConfig())
+    assert C._wait(C._child(_ddp_one_rank_worker, str(tmp_path / "store"), bucket_view)) == 0
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
