@@ -10,9 +10,11 @@ LLM nearly every parameter byte is such a weight.
 Contract (``StepProtocolConfig.grads_in_place``; off by default):
 
 - **Where.** Only with the fresh gradients of one process (``GradientBuffers.fresh``: no DDP
-  or FSDP2, ``zero_grad()`` freeing them), as gradient lending.  The layers are found at their
-  calls during the first forward after the optimizer is built: a global module pre-hook, removed
-  at the first ``step()``.  A layer is taken if its type is exactly ``nn.Linear`` (a subclass may
+  across ranks, no FSDP2, ``zero_grad()`` freeing them), as gradient lending.  The layers are
+  found at their calls during the first step after the optimizer is built (a global module
+  pre-hook, removed at that ``step()``), and write in place from the next step on: a forward that
+  ran torch's ``forward`` and that activation checkpointing computes again in the backward must
+  save the same tensors the second time.  A layer is taken if its type is exactly ``nn.Linear`` (a subclass may
   compute something else), its weight is one of the optimizer's anchored parameters, and it has
   no ``forward`` of its own already but this module's (accelerate's hooks put one there), and is
   not called inside a ``torch.compile``'d frame (whose graph makes its gradients itself).  A
@@ -70,9 +72,10 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
 
 def _qualifies(module: nn.Linear, x, target) -> bool:
     # per call, in about a microsecond: the weight's dtype and device were read when it was taken
-    ref, index, dtype, device = target
+    ref, index, dtype, device, live = target
     buffers, w, b = ref(), module.weight, module.bias
-    return (buffers is not None and buffers.params[index].p is w and torch.is_grad_enabled() and w.requires_grad
+    return (live[0] and buffers is not None and buffers.params[index].p is w and torch.is_grad_enabled()
+            and w.requires_grad
             and type(x) is torch.Tensor and x.dtype is dtype and x.get_device() == device and x.dim() in (2, 3)
             and x.is_contiguous() and (b is None or (type(b) in (torch.Tensor, nn.Parameter) and b.dtype is dtype
                                                      and b.dim() == 1))
@@ -109,10 +112,26 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-def discover(buffers) -> "object":
-    """Takes the qualifying ``nn.Linear`` layers over ``buffers``' parameters as they are called;
-    returns the global hook's handle (``remove()`` it at the first step)."""
-    ref = weakref.ref(buffers)
+class _Discovery:
+    """The global hook of the first step's forward; ``remove()`` (at that step's boundary) ends it
+    and puts the layers it took to work."""
+
+    def __init__(self, live: list) -> None:
+        self.live, self.handle = live, None
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self.live[0] = True
+
+
+def discover(buffers) -> _Discovery:
+    """Takes the qualifying ``nn.Linear`` layers over ``buffers``' parameters as they are called
+    in the first step; they write in place once ``remove()`` is called at its boundary.  Not at
+    once: a forward begun before a layer was taken runs torch's ``forward`` for it, and where
+    activation checkpointing computes that forward again in the backward, the second run must
+    save what the first did (``torch.utils.checkpoint`` compares them)."""
+    ref, live = weakref.ref(buffers), [False]
+    found = _Discovery(live)
     index = {id(q.p): q.index for q in buffers.params if q.p.requires_grad}
     holder: dict[int, int] = {}         # parameter -> the first module seen calling with it
     taken: dict[int, list] = {}         # parameter -> the layers taken for it
@@ -138,13 +157,14 @@ def discover(buffers) -> "object":
         i, w = index.get(id(module.weight)), module.weight
         if i is None or b.params[i].p is not w or min(w.shape) < 2:
             return
-        _targets[module] = (ref, i, w.dtype, w.get_device())
+        _targets[module] = (ref, i, w.dtype, w.get_device(), live)
         module.forward = forward.__get__(module)
         taken.setdefault(id(w), []).append(module)
         b.stats["modules"] += 1
         weakref.finalize(b, _restore, weakref.ref(module), ref)
 
-    return nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    found.handle = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    return found
 
 
 def _restore(module_ref, buffers_ref) -> None:
