@@ -14,10 +14,11 @@ Contract (``StepProtocolConfig.grads_in_place``; off by default):
   found at their calls during the first step after the optimizer is built (a global module
   pre-hook, removed at that ``step()``), and write in place from the next step on: a forward that
   ran torch's ``forward`` and that activation checkpointing computes again in the backward must
-  save the same tensors the second time.  A layer is taken if its type is exactly ``nn.Linear`` (a subclass may
-  compute something else), its weight is one of the optimizer's anchored parameters, and it has
-  no ``forward`` of its own already but this module's (accelerate's hooks put one there), and is
-  not called inside a ``torch.compile``'d frame (whose graph makes its gradients itself).  A
+  save the same tensors the second time.  A layer is taken if its type is exactly ``nn.Linear``
+  (a subclass may compute something else), its weight is one of the optimizer's anchored
+  parameters, and it has no ``forward`` of its own already but this module's (accelerate's hooks
+  put one there), and is not called inside a ``torch.compile``'d frame (whose graph makes its
+  gradients itself).  A
   weight that a call of another module also holds (Llama's ``lm_head`` tied to the embedding) is
   not taken, and a layer taken for it is given back: autograd sums such a weight's gradients
   before accumulating them, so the GEMM's write would be copied anyway, and it would come at
@@ -74,8 +75,8 @@ def _qualifies(module: nn.Linear, x, target) -> bool:
     # per call, in about a microsecond: the weight's dtype and device were read when it was taken
     ref, index, dtype, device, live = target
     buffers, w, b = ref(), module.weight, module.bias
-    return (live[0] and buffers is not None and buffers.params[index].p is w and torch.is_grad_enabled()
-            and w.requires_grad
+    return (live[0] and buffers is not None and buffers.params[index].p is w
+            and torch.is_grad_enabled() and w.requires_grad
             and type(x) is torch.Tensor and x.dtype is dtype and x.get_device() == device and x.dim() in (2, 3)
             and x.is_contiguous() and (b is None or (type(b) in (torch.Tensor, nn.Parameter) and b.dtype is dtype
                                                      and b.dim() == 1))
