@@ -18,12 +18,11 @@ Contract (``StepProtocolConfig.grads_in_place``; off by default):
   (a subclass may compute something else), its weight is one of the optimizer's anchored
   parameters, and it has no ``forward`` of its own already but this module's (accelerate's hooks
   put one there), and is not called inside a ``torch.compile``'d frame (whose graph makes its
-  gradients itself).  A
-  weight that a call of another module also holds (Llama's ``lm_head`` tied to the embedding) is
-  not taken, and a layer taken for it is given back: autograd sums such a weight's gradients
-  before accumulating them, so the GEMM's write would be copied anyway, and it would come at
-  backward's start, where the copy comes at its end (the gradient lender plans its buffers by
-  when gradients arrive).  Its ``forward`` becomes an instance method (``stats["modules"]``); a
+  gradients itself).  A weight that a call of another module also holds (Llama's ``lm_head`` tied
+  to the embedding) is not taken, and a layer taken for it is given back: autograd sums such a
+  weight's gradients before accumulating them, so the GEMM's write would be copied anyway, and
+  it would come at backward's start, where the copy comes at its end (the gradient lender plans
+  its buffers by when gradients arrive).  Its ``forward`` becomes an instance method (``stats["modules"]``); a
   layer first called later keeps torch's, and if that first step took none, ``step()`` warns.
 - **Which calls.**  Grad mode on, the weight requiring grad, an input that is a plain
   contiguous tensor of 2 or 3 dimensions with the weight's dtype and device, no autocast for it,
