@@ -23,7 +23,7 @@ from gpu_anchor.testing import campaign as C
 from gpu_anchor.train import grad_lending
 from gpu_anchor.train.config import StepProtocolConfig
 
-from test_train_grads import CASES, llama, same_state, train_side_by_side
+from test_train_grads import CASES, checkpointing, llama, same_state, train_side_by_side
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -108,11 +108,7 @@ def test_with_transformers_gradient_checkpointing(request, monkeypatch, reentran
     either way the same bits as plain torch with the same checkpointing."""
     ref, ropt, model, opt, vocab, shape = _setup(request, "cpu", monkeypatch, f"lend-ckpt-{reentrant}", 1 << 40)
     for m in (ref, model):
-        if hasattr(m, "activation_checkpointing_enable"):      # transformers >= 5.2x; the older name warns there
-            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-        else:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        m.train()
+        checkpointing(m, reentrant)
     train_side_by_side(ref, ropt, model, opt, vocab, shape, "cpu", steps=4)
     same_state(ref, ropt, model, opt)
 

@@ -26,6 +26,15 @@ def llama(seed, vocab, hidden, layers, device, attn="sdpa"):
     return transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16)
 
 
+def checkpointing(model, reentrant: bool) -> None:
+    """transformers' activation checkpointing on, as a Trainer user turns it on, in train mode."""
+    if hasattr(model, "activation_checkpointing_enable"):      # transformers >= 5.2x; the older name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+
+
 def train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=4, micro=3):
     """``steps`` steps of ``micro`` micro-batches + ``clip_grad_norm_`` on both twins; asserts the
     losses and norms are equal bit for bit at every step."""
