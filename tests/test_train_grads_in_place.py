@@ -90,8 +90,9 @@ def test_with_transformers_gradient_checkpointing(request, monkeypatch, reentran
     train_side_by_side(ref, ropt, model, opt, vocab, shape, "cpu", steps=4)
     same_state(ref, ropt, model, opt)
     st = opt._grads.stats
-    # every Linear but the tied lm_head, from the second step on: in the first, non-reentrant
-    # checkpointing refused a forward computed again with other saved tensors than its first run's
+    # every Linear but the tied lm_head, from the second step on; in the first they are only found
+    # (patched there, non-reentrant checkpointing raised CheckpointError: the forward it computed
+    # again saved other tensors than the first run's)
     assert st["modules"] == 7 * layers and st["in_place"] == 3 * 7 * layers, st
 
 
