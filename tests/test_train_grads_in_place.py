@@ -434,6 +434,7 @@ def test_under_torch_compile(request, how):
     compiled in place (``Module.compile``, torchtitan's way, at a finer grain) the MLPs' layers
     are taken.  Every step has the bits of the plain twin compiled alike (``aot_eager``: no C++
     compiler here)."""
+    torch._dynamo.reset()       # a fresh cache, as for every compiled test: no other test's code reused
     _, vocab, hidden, layers, shape = CASES["cpu"]
     client = _client(request, "cpu", f"inplace-compile-{how}")
     ref, model = (llama(0, vocab, hidden, layers, "cpu") for _ in range(2))
