@@ -164,6 +164,9 @@ def discover(buffers) -> _Discovery:
         weakref.finalize(b, _restore, weakref.ref(module), ref)
 
     found.handle = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    # an optimizer gone before its first step must not leave every module call of the process on
+    # nn.Module's slow path
+    weakref.finalize(buffers, found.handle.remove)
     return found
 
 
