@@ -43,6 +43,7 @@ _STEP_8x2048 = ["train_overhead_lendall_hints_1", "train_overhead_lendall_hints_
 _STEP_4x1024 = ["train_overhead_short_lendall_hints_1", "train_overhead_short_lendall_hints_2",
                 "train_overhead_short_lendall_hints_3"]
 _IN_PLACE_4x1024_H100 = [f"train_overhead_short_lendall_inplace_h100_{i}" for i in (1, 2, 3)]
+_IN_PLACE_4x1024 = [f"train_overhead_short_lendall_inplace_{i}" for i in (1, 2, 3)]
 
 
 def _over(agg: str, files: list[str], path: str) -> str:
@@ -107,11 +108,18 @@ TARGETS: list[Target] = [
            "3 runs with the kernel's L2 hints in one call, each 5 alternating 10-step windows a mode, between "
            "them 1 run without the hints (`train_overhead_short_lendall_nohints_1`)"),
     Target("Training step, 1B AdamW bf16, batch 4 × 1 024, gradient lending and gradients written in place "
+           "(`grads_in_place`, not on by default): over plain `AdamW(fused=True)`",
+           "≤ 3 %", _IN_PLACE_4x1024[0], _over("median", _IN_PLACE_4x1024, "step_overhead_vs_fastest_plain_pct"),
+           _over("min", _IN_PLACE_4x1024, "step_overhead_vs_fastest_plain_pct"),
+           _over("max", _IN_PLACE_4x1024, "step_overhead_vs_fastest_plain_pct"), 3, "<=", 3, " %", 2,
+           "3 runs in one call alternating with 3 copying the gradients home (`train_overhead_short_lendall_copied_*`, "
+           "+3.67 % [+3.60 – +3.98]), memory +0.57 % in all six"),
+    Target("Training step, 1B AdamW bf16, batch 4 × 1 024, gradient lending and gradients written in place "
            "(`grads_in_place`): over plain `AdamW(fused=True)`, on an H100", "",
            _IN_PLACE_4x1024_H100[0], _over("median", _IN_PLACE_4x1024_H100, "step_overhead_vs_fastest_plain_pct"),
            _over("min", _IN_PLACE_4x1024_H100, "step_overhead_vs_fastest_plain_pct"),
            _over("max", _IN_PLACE_4x1024_H100, "step_overhead_vs_fastest_plain_pct"), 3, "", 0, " %", 2,
-           "the ≤ 3 % goal is the H200's, which has not run it; 3 runs in one call alternating with 3 copying the "
+           "the ≤ 3 % goal is the H200's (the row above); 3 runs in one call alternating with 3 copying the "
            "gradients home (`train_overhead_short_lendall_copied_h100_*`), memory +0.57 % in all six"),
     Target("Training memory, 1B AdamW bf16, 8 × 2 048, lending: peak over plain with `zero_grad(set_to_none=True)`",
            "≤ 2 %", _STEP_8x2048[0], _over("median", _STEP_8x2048, "extra_memory_pct"),

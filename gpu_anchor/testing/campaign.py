@@ -191,7 +191,12 @@ def prewarm(cfg: CampaignConfig) -> None:
         # step asks whether a graph is being captured, either of which initialises CUDA here,
         # and CUDA does not survive fork.
         x, y = batch(0, cfg.seed)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if not torch.cuda.is_available():
+            # Where torch sees a GPU, autograd's first backward starts its device threads, even
+            # for CPU tensors, and no child forked after that can run a backward ("Unable to
+            # handle autograd's threading in combination with fork-based multiprocessing").
+            loss.backward()
         opt.step()
     _warm = True
 
