@@ -195,25 +195,33 @@ def test_the_server_serves_adapters_by_model_name_across_an_engine_kill(models, 
         stop_server(proc)
 
 
-def test_adapter_options_are_checked_before_anything_starts(models, tmp_path):
+def serve_refuses(capsys, *argv) -> tuple[int, str]:
+    """``gpu-anchor serve ARGV`` run by the function the command runs, in this process (an
+    interpreter start saved per refusal): its exit status and what it wrote to stderr."""
+    from gpu_anchor.launch.serve import cli
+    code = cli(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_adapter_options_are_checked_before_anything_starts(models, capsys):
     base, ads = models
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu", *extra],
-                                        capture_output=True, text=True, timeout=120)
-    r = run("--lora-modules", f"a={ads['all']}")
+    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu", "--lora-modules",
+                        f"a={ads['all']}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--lora-modules needs --enable-lora" in r.stderr
-    r = run("--enable-lora", "--lora-modules", f"a={ads['all']}", "--max-lora-rank", "2")
-    assert r.returncode == 2 and "rank 4 at model.layers.0.mlp.down_proj is above --max-lora-rank 2" in r.stderr
-    r = run("--enable-lora", "--lora-modules", f"{os.path.basename(base)}={ads['all']}")
-    assert r.returncode == 2 and "is the base model's served name" in r.stderr
-    r = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}",
-            "--tensor-parallel-size", "2")
-    assert r.returncode == 2 and "--lora-modules gives 2 adapters and --max-loras is 1: with --tensor-parallel-size" \
-        in r.stderr, r.stderr[-2000:]
-    r = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}", "--deterministic")
-    assert r.returncode == 2 and "--max-loras is 1: with --deterministic every adapter keeps a slot" in r.stderr, \
-        r.stderr[-2000:]
-    r = run("--enable-lora")
-    assert r.returncode == 2 and "--enable-lora serves the adapters of --lora-modules, and none is given" in r.stderr
+    run = lambda *extra: serve_refuses(capsys, base, "--device", "cpu", *extra)
+    code, err = run("--enable-lora", "--lora-modules", f"a={ads['all']}", "--max-lora-rank", "2")
+    assert code == 2 and "rank 4 at model.layers.0.mlp.down_proj is above --max-lora-rank 2" in err
+    code, err = run("--enable-lora", "--lora-modules", f"{os.path.basename(base)}={ads['all']}")
+    assert code == 2 and "is the base model's served name" in err
+    code, err = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}",
+                    "--tensor-parallel-size", "2")
+    assert code == 2 and "--lora-modules gives 2 adapters and --max-loras is 1: with --tensor-parallel-size" \
+        in err, err[-2000:]
+    code, err = run("--enable-lora", "--max-loras", "1", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}",
+                    "--deterministic")
+    assert code == 2 and "--max-loras is 1: with --deterministic every adapter keeps a slot" in err, err[-2000:]
+    code, err = run("--enable-lora")
+    assert code == 2 and "--enable-lora serves the adapters of --lora-modules, and none is given" in err
 
 
 @pytest.mark.gpu

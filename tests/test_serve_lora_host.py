@@ -17,7 +17,7 @@ import pytest
 
 from gpu_anchor.serve.engine import Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
-from test_serve_lora import PROMPTS, _adapter, _peft_greedy, make_models
+from test_serve_lora import PROMPTS, _adapter, _peft_greedy, make_models, serve_refuses
 
 pytest.importorskip("peft", reason="peft makes the adapters (test extra)")
 
@@ -215,15 +215,14 @@ def test_a_failed_read_ahead_is_read_again_by_the_step():
     assert host.fetch(["b"]) == {} and calls == ["b"] and host["b"].digest == "new"
 
 
-def test_the_bound_is_checked_before_anything_starts(models):
+def test_the_bound_is_checked_before_anything_starts(models, capsys):
     base, ads = models
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu",
-                                         "--enable-lora", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}",
-                                         *extra], capture_output=True, text=True, timeout=120)
-    r = run("--max-loras", "2", "--max-cpu-loras", "1")
+    args = [base, "--device", "cpu", "--enable-lora", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}"]
+    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", *args, "--max-loras", "2", "--max-cpu-loras", "1"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-cpu-loras (1) must be at least --max-loras (2)" in r.stderr, r.stderr[-2000:]
-    r = run("--max-cpu-loras", "0")
-    assert r.returncode == 2 and "--max-cpu-loras (0) must be at least --max-loras (2)" in r.stderr, r.stderr[-2000:]
+    code, err = serve_refuses(capsys, *args, "--max-cpu-loras", "0")
+    assert code == 2 and "--max-cpu-loras (0) must be at least --max-loras (2)" in err, err[-2000:]
 
 
 def test_the_server_reads_a_parked_adapter_again_across_an_engine_kill(models, want, tmp_path, host_daemon):
