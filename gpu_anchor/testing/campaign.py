@@ -192,10 +192,12 @@ def prewarm(cfg: CampaignConfig) -> None:
         # and CUDA does not survive fork.
         x, y = batch(0, cfg.seed)
         loss = torch.nn.functional.mse_loss(model(x), y)
-        if not torch.cuda.is_available():
+        if not torch.backends.cuda.is_built():
             # Where torch sees a GPU, autograd's first backward starts its device threads, even
             # for CPU tensors, and no child forked after that can run a backward ("Unable to
             # handle autograd's threading in combination with fork-based multiprocessing").
+            # Asked of the build, not the machine: counting the devices would initialise CUDA
+            # here, and a CUDA campaign forked later in this process could not use it.
             loss.backward()
         opt.step()
     _warm = True
