@@ -112,8 +112,8 @@ TARGETS: list[Target] = [
            "≤ 3 %", _IN_PLACE_4x1024[0], _over("median", _IN_PLACE_4x1024, "step_overhead_vs_fastest_plain_pct"),
            _over("min", _IN_PLACE_4x1024, "step_overhead_vs_fastest_plain_pct"),
            _over("max", _IN_PLACE_4x1024, "step_overhead_vs_fastest_plain_pct"), 3, "<=", 3, " %", 2,
-           "3 runs in one call alternating with 3 copying the gradients home (`train_overhead_short_lendall_copied_*`, "
-           "+3.67 % [+3.60 – +3.98]), memory +0.57 % in all six"),
+           "3 runs in one call alternating with 3 copying the gradients home (`train_overhead_short_lendall_copied_*`), "
+           "memory +0.57 % in all six"),
     Target("Training step, 1B AdamW bf16, batch 4 × 1 024, gradient lending and gradients written in place "
            "(`grads_in_place`): over plain `AdamW(fused=True)`, on an H100", "",
            _IN_PLACE_4x1024_H100[0], _over("median", _IN_PLACE_4x1024_H100, "step_overhead_vs_fastest_plain_pct"),
