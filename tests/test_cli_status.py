@@ -13,6 +13,7 @@ import time
 import torch
 
 import gpu_anchor
+import preloaded
 from gpu_anchor.client import control
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,11 +133,11 @@ def test_status_says_where_training_stands(host_daemon):
     """Per namespace, each training protocol's position as its next worker would resume
     (``training_state``), killed inside a step too."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    ran = subprocess.run([sys.executable, "-c", STEPPER, "3"], env=env, capture_output=True, text=True, timeout=120)
+    ran = preloaded.run([sys.executable, "-c", STEPPER, "3"], env=env, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert "training ('train'): 3 step(s) completed" in _cli("status").stdout
-    killed = subprocess.run([sys.executable, "-c", STEPPER, "5"], env={**env, "GPU_ANCHOR_TRAIN_FAULT": "after_boundary@4"},
-                            capture_output=True, text=True, timeout=120)
+    killed = preloaded.run([sys.executable, "-c", STEPPER, "5"], env={**env, "GPU_ANCHOR_TRAIN_FAULT": "after_boundary@4"},
+                           timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     out = _cli("status").stdout
     assert "training ('train'): 4 step(s) completed and one in flight (chunk 0 of 1)" in out, out

@@ -3,7 +3,6 @@ views and aliases, lifetime, optimizer state, and the no-work fully-matching bin
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 import gpu_anchor
+import preloaded
 from gpu_anchor.scope import init_optimizer_state, managed_scope, suspended
 from gpu_anchor.scope.placeholders import Placeholder
 
@@ -174,7 +174,7 @@ def test_module_level_scope_skips_modules(host_daemon, tmp_path):
         "    net = nn.Linear(2, 2)\n"
         "print(sorted(scope.report.created))\n")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    out = preloaded.run([sys.executable, str(script)], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['net.bias', 'net.weight']"
 

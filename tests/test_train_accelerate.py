@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import preloaded
+
 pytest.importorskip("accelerate", reason="the test extra installs accelerate")
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -25,8 +27,7 @@ def _run(mode, namespace="-", fault=None, cuda=False, fp16=False, **job_env):
     env.update({f"ACC_JOB_{k.upper()}": str(v) for k, v in job_env.items()})
     if fault:
         env["GPU_ANCHOR_TRAIN_FAULT"] = fault
-    return subprocess.run([sys.executable, JOB, mode, namespace], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return preloaded.run([sys.executable, JOB, mode, namespace], env=env, timeout=300, preload=preloaded.HF)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,12 +1,12 @@
 """anchor_module: match-or-create for a module's parameters and buffers; the example resumes."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import gpu_anchor
+import preloaded
 from gpu_anchor.train import anchor_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,9 +67,9 @@ def test_conflict_and_device_errors(host_daemon):
 def test_example_resumes_where_it_stopped(host_daemon):
     env = dict(os.environ, PYTHONPATH=ROOT)
     cmd = [sys.executable, os.path.join(ROOT, "examples", "train_tiny.py"), "--namespace", "ex"]
-    first = subprocess.run(cmd + ["--steps", "30"], env=env, capture_output=True, text=True, timeout=120)
+    first = preloaded.run(cmd + ["--steps", "30"], env=env, timeout=120)
     assert first.returncode == 0, first.stderr
     assert "resuming at step 0" in first.stdout and "done: 30 steps" in first.stdout
-    second = subprocess.run(cmd + ["--steps", "45"], env=env, capture_output=True, text=True, timeout=120)
+    second = preloaded.run(cmd + ["--steps", "45"], env=env, timeout=120)
     assert second.returncode == 0, second.stderr
     assert "parameters {'matched'}; resuming at step 30" in second.stdout and "done: 45 steps" in second.stdout

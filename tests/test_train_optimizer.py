@@ -1,6 +1,5 @@
 """AnchoredOptimizer against plain PyTorch, in one process with a real host daemon."""
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 import gpu_anchor
+import preloaded
 from gpu_anchor.train import AnchoredOptimizer, LoopState, anchor_module, position, training_state
 from gpu_anchor.testing import campaign as C
 from gpu_anchor.train.loop_state import LoopPosition as LoopPosition_
@@ -326,8 +326,8 @@ def test_its_state_dict_restores_the_job_whole_in_a_fresh_daemon(host_daemon, tm
     # the journal, what a restarted worker reads: a namespace with no step yet starts afresh
     # (the job loads again); once it has one, the loaded count is the job's
     assert training_state("cpu", "sd-whole-b")["completed_steps"] == 0
-    worker = subprocess.run([sys.executable, "-c", ATTACH, "sd-whole-b"], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    worker = preloaded.run([sys.executable, "-c", ATTACH, "sd-whole-b"], timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert worker.returncode == 0, worker.stderr
     assert worker.stdout.split() == ["0", "False", "0"]      # afresh: the load's records are gone, schedule at 0
     model2.load_state_dict(ckpt["model"])        # so the job loads again (the worker zeroed the states)

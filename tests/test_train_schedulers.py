@@ -2,7 +2,6 @@
 ``get_scheduler`` and torch's own), and every way a loop can leave one outside the step's
 commit refused before it does harm (``gpu_anchor/train/schedulers.py``)."""
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import gpu_anchor
+import preloaded
 from gpu_anchor.train import AnchoredOptimizer
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
@@ -182,7 +182,7 @@ def test_killed_the_schedule_resumes_where_the_fault_free_run_is(host_daemon, tm
 
     def run(ns, fault=None):
         e = {**env, "GPU_ANCHOR_TRAIN_FAULT": fault} if fault else env
-        return subprocess.run([sys.executable, str(script), ns], env=e, capture_output=True, text=True, timeout=300)
+        return preloaded.run([sys.executable, str(script), ns], env=e, timeout=300, preload=preloaded.HF)
 
     clean = run("sched-clean")
     assert clean.returncode == 0, clean.stderr
