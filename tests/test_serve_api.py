@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 
+import preloaded
 from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_http import _get, own_daemon, scrape, stop_server
 
@@ -37,9 +38,9 @@ def start_server(d, model, *extra, env=None):
     port_file, log_path = os.path.join(d, "port"), os.path.join(d, "serve.log")
     if os.path.exists(port_file):
         os.unlink(port_file)
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                             port_file, *SERVE, *extra], stdout=subprocess.DEVNULL,
-                            stderr=open(log_path, "ab"), env=env)
+    proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                            port_file, *SERVE, *extra], stdout=subprocess.DEVNULL,
+                           stderr=open(log_path, "ab"), env=env, preload=preloaded.HF)
     deadline = time.time() + 180
     while not os.path.exists(port_file):
         assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
@@ -777,8 +778,8 @@ def test_a_hub_id_from_the_local_cache(tmp_path_factory):
         (repo / "refs" / "main").write_text(h1)
         (repo / "refs" / "v2").write_text(h2)
         env = dict(os.environ, HF_HUB_CACHE=str(d / "hf"), HF_HUB_OFFLINE="1")
-        r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", "tiny-org/missing", "--socket", sock, *SERVE],
-                           env=env, capture_output=True, text=True, timeout=300)
+        r = preloaded.run([sys.executable, "-m", "gpu_anchor.serve", "tiny-org/missing", "--socket", sock, *SERVE],
+                          env=env, timeout=300, preload=preloaded.HF)
         assert r.returncode == 2 and "not in the local Hugging Face cache" in r.stderr, r.stderr[-2000:]
         assert "hf download tiny-org/missing" in r.stderr
         for rev, h in ((None, h1), ("v2", h2)):
@@ -1119,10 +1120,10 @@ def test_gpu_memory_utilization_default_on_cuda(tmp_path, cuda_daemon, standby):
     h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
     total, used_before = pynvml.nvmlDeviceGetMemoryInfo(h).total, pynvml.nvmlDeviceGetMemoryInfo(h).used
     port_file, log_path = tmp_path / "port", tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path / "config.json"), "--random-weights",
-                             "--tokenizer", str(tmp_path / "tok"), "--device", "cuda:0", "--socket", cuda_daemon[0],
-                             "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "64", *standby],
-                            stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"))
+    proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", str(tmp_path / "config.json"), "--random-weights",
+                            "--tokenizer", str(tmp_path / "tok"), "--device", "cuda:0", "--socket", cuda_daemon[0],
+                            "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "64", *standby],
+                           stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"), preload=preloaded.HF)
     try:
         deadline = time.time() + 600
         while not port_file.exists() or _get(f"http://127.0.0.1:{port_file.read_text()}/health")[0] != 200:

@@ -34,6 +34,7 @@ import urllib.request
 
 import pytest
 
+import preloaded
 from gpu_anchor.client import control
 from gpu_anchor.journal_keys import INCONSISTENT_KEY
 from gpu_anchor.testing.tiny import make_tiny_model
@@ -67,11 +68,11 @@ class _Server:
     def start(self, *extra) -> str:
         port_file = self.tmp / "port"
         port_file.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", self.model, "--port", "0", "--port-file",
-                                 str(port_file), "--socket", self.sock, *SERVE, "--device", self.device,
-                                 # vLLM's default block size on CUDA
-                                 "--block-size", "4" if self.device == "cpu" else "16", *extra],
-                                stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", self.model, "--port", "0", "--port-file",
+                                str(port_file), "--socket", self.sock, *SERVE, "--device", self.device,
+                                # vLLM's default block size on CUDA
+                                "--block-size", "4" if self.device == "cpu" else "16", *extra],
+                               stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), preload=preloaded.HF)
         self.procs.append(proc)
         _wait(lambda: port_file.exists() or proc.poll() is not None, "the port file")
         assert proc.poll() is None, self.log.read_text()[-3000:]

@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 
+import preloaded
 from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
 
@@ -66,9 +67,10 @@ def server(tmp_path, host_daemon):
     port_file = tmp_path / "port"
 
     def start(*extra, env=None):
-        proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
-                                 "--port-file", str(port_file), "--socket", host_daemon[0], *SERVE, *extra],
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), env=env)
+        proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
+                                "--port-file", str(port_file), "--socket", host_daemon[0], *SERVE, *extra],
+                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), env=env,
+                               preload=preloaded.HF)
         deadline = time.time() + 120
         while not port_file.exists():
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
@@ -114,9 +116,9 @@ def plain_server(tmp_path_factory):
     requests (each counts from where it started): its base URL."""
     with own_daemon(tmp_path_factory, "plain") as (d, path):
         model = make_tiny_model(str(d / "tiny-qwen3"), "qwen3", seed=3)
-        proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                                 str(d / "port"), "--socket", path, *SERVE],
-                                stdout=subprocess.DEVNULL, stderr=open(d / "serve.log", "ab"))
+        proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                                str(d / "port"), "--socket", path, *SERVE],
+                               stdout=subprocess.DEVNULL, stderr=open(d / "serve.log", "ab"), preload=preloaded.HF)
         try:
             deadline = time.time() + 120
             while not (d / "port").exists():
@@ -411,6 +413,6 @@ def test_client_disconnect_aborts_and_bad_model_is_a_clear_error(plain_server, t
         time.sleep(0.1)
     bad = tmp_path / "not-a-model"
     bad.mkdir()
-    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", str(bad), "--no-anchor"], capture_output=True,
-                       text=True, timeout=120)
+    r = preloaded.run([sys.executable, "-m", "gpu_anchor.serve", str(bad), "--no-anchor"], timeout=120,
+                      preload=preloaded.HF)
     assert r.returncode == 2 and "not-a-model" in r.stderr

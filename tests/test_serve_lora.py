@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import preloaded
 from gpu_anchor.serve import lora as L
 from gpu_anchor.serve import lora_slots
 from gpu_anchor.testing.tiny import make_tiny_model
@@ -161,11 +162,11 @@ def test_the_server_serves_adapters_by_model_name_across_an_engine_kill(models, 
     from tests.test_serve_http import SERVE, _wait_up, stop_server, stream_across_engine_kill
     base, ads = models
     port = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", base, "--port", "0", "--port-file", str(port),
-                             "--socket", host_daemon[0], *SERVE, "--tensor-parallel-size", str(tp),
-                             "--served-model-name", "tiny", "--enable-lora",
-                             "--lora-modules", f"all={ads['all']}", json.dumps({"name": "qv", "path": ads["qv"]})],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"))
+    proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", base, "--port", "0", "--port-file", str(port),
+                            "--socket", host_daemon[0], *SERVE, "--tensor-parallel-size", str(tp),
+                            "--served-model-name", "tiny", "--enable-lora",
+                            "--lora-modules", f"all={ads['all']}", json.dumps({"name": "qv", "path": ads["qv"]})],
+                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "ab"), preload=preloaded.HF)
     try:
         import time
         deadline = time.time() + 120
@@ -205,8 +206,8 @@ def serve_refuses(capsys, *argv) -> tuple[int, str]:
 
 def test_adapter_options_are_checked_before_anything_starts(models, capsys):
     base, ads = models
-    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu", "--lora-modules",
-                        f"a={ads['all']}"], capture_output=True, text=True, timeout=120)
+    r = preloaded.run([sys.executable, "-m", "gpu_anchor.serve", base, "--device", "cpu", "--lora-modules",
+                       f"a={ads['all']}"], timeout=120, preload=preloaded.HF)
     assert r.returncode == 2 and "--lora-modules needs --enable-lora" in r.stderr
     run = lambda *extra: serve_refuses(capsys, base, "--device", "cpu", *extra)
     code, err = run("--enable-lora", "--lora-modules", f"a={ads['all']}", "--max-lora-rank", "2")

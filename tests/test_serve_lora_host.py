@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
+import preloaded
 from gpu_anchor.serve.engine import Engine, EngineConfig
 from gpu_anchor.serve.sequence import SamplingParams
 from test_serve_lora import PROMPTS, _adapter, _peft_greedy, make_models, serve_refuses
@@ -218,8 +218,8 @@ def test_a_failed_read_ahead_is_read_again_by_the_step():
 def test_the_bound_is_checked_before_anything_starts(models, capsys):
     base, ads = models
     args = [base, "--device", "cpu", "--enable-lora", "--lora-modules", f"a={ads['all']}", f"b={ads['qv']}"]
-    r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", *args, "--max-loras", "2", "--max-cpu-loras", "1"],
-                       capture_output=True, text=True, timeout=120)
+    r = preloaded.run([sys.executable, "-m", "gpu_anchor.serve", *args, "--max-loras", "2", "--max-cpu-loras", "1"],
+                      timeout=120, preload=preloaded.HF)
     assert r.returncode == 2 and "--max-cpu-loras (1) must be at least --max-loras (2)" in r.stderr, r.stderr[-2000:]
     code, err = serve_refuses(capsys, *args, "--max-cpu-loras", "0")
     assert code == 2 and "--max-cpu-loras (0) must be at least --max-loras (2)" in err, err[-2000:]

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+import preloaded
 from bench.common import get_json as _get
 from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
@@ -199,9 +200,9 @@ def serve_process(tmp_path, model, *args):
     """``gpu-anchor serve MODEL ARGS`` on a free port; yields its base URL, SIGTERMs it after."""
     port_file = tmp_path / "port"
     port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
-                             str(port_file), *args], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "serve.log", "ab"))
+    proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0", "--port-file",
+                            str(port_file), *args], stdout=subprocess.DEVNULL,
+                           stderr=open(tmp_path / "serve.log", "ab"), preload=preloaded.HF)
     try:
         deadline = time.time() + 120
         while not port_file.exists():

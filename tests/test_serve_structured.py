@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("llguidance",
                     reason="structured output needs llguidance (gpu-anchor[serve]; make test installs it)")
 
+import preloaded  # noqa: E402
 from gpu_anchor.serve import structured_output  # noqa: E402
 from gpu_anchor.serve.grammar_matchers import Grammars, words  # noqa: E402
 from gpu_anchor.serve.openai_checks import ApiError  # noqa: E402
@@ -313,14 +314,13 @@ def test_server_structured_outputs_config(tmp_path_factory, model_dir):
     """``--structured-outputs-config``: ``disable_any_whitespace`` makes JSON replies compact unless
     a request says otherwise; ``enable_in_reasoning`` constrains an opened reasoning too (it is then
     the JSON); bad settings stop the server at start with a message naming them."""
-    import subprocess
     import sys
 
     from test_serve_api import start_server
     from test_serve_http import own_daemon, stop_server
     for bad, said in [('{"backend": "magic"}', "backend"), ('{"whitespace": 1}', "whitespace"), ("{", "JSON")]:
-        r = subprocess.run([sys.executable, "-m", "gpu_anchor.serve", model_dir, "--device", "cpu",
-                            "--structured-outputs-config", bad], capture_output=True, text=True, timeout=120)
+        r = preloaded.run([sys.executable, "-m", "gpu_anchor.serve", model_dir, "--device", "cpu",
+                           "--structured-outputs-config", bad], timeout=120, preload=preloaded.HF)
         assert r.returncode == 2 and said in r.stderr, r.stderr[-2000:]
     fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COLORS}}
     with own_daemon(tmp_path_factory, "so-config") as (d, sock):

@@ -28,6 +28,7 @@ import time
 import pytest
 import torch
 
+import preloaded
 from gpu_anchor.client import control
 from gpu_anchor.testing.tiny import make_tiny_model
 from test_serve_http import (_get, _reference, _Stream, _two_kill_jobs, _wait_up, own_daemon, scrape,
@@ -201,8 +202,8 @@ def test_bad_tensor_parallel_options_are_refused_clearly(tmp_path):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"), "qwen3", seed=3)
 
     def serve(*argv):
-        return subprocess.run([sys.executable, "-m", "gpu_anchor.serve", model, "--device", "cpu", "--no-anchor",
-                               *argv], capture_output=True, text=True, timeout=180)
+        return preloaded.run([sys.executable, "-m", "gpu_anchor.serve", model, "--device", "cpu", "--no-anchor",
+                              *argv], timeout=180, preload=preloaded.HF)
     r = serve("--tensor-parallel-size", "3")
     assert r.returncode == 2 and "num_attention_heads 4 is not divisible by 3" in r.stderr, r.stderr
     r = serve("--tensor-parallel-size", "2", "--warm-pool")
@@ -214,9 +215,10 @@ def test_bad_tensor_parallel_options_are_refused_clearly(tmp_path):
 # ------------------------------------------------------------------ through gpu-anchor serve
 def _start(directory, port_file, model, *args, env=None):
     """``gpu-anchor serve MODEL ARGS`` logging to ``directory/serve.log``: (process, base URL)."""
-    proc = subprocess.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
-                             "--port-file", str(port_file), *args],
-                            stdout=subprocess.DEVNULL, stderr=open(directory / "serve.log", "ab"), env=env)
+    proc = preloaded.Popen([sys.executable, "-m", "gpu_anchor.serve", model, "--port", "0",
+                            "--port-file", str(port_file), *args],
+                           stdout=subprocess.DEVNULL, stderr=open(directory / "serve.log", "ab"), env=env,
+                           preload=preloaded.HF)
     deadline = time.time() + 180
     while not port_file.exists():
         if proc.poll() is not None or time.time() > deadline:
