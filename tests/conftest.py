@@ -42,13 +42,13 @@ def _cuda_ready() -> bool:
         return False
 
 
-# The longest test files on CPU (about a minute or more each), run first: `make test` hands whole
-# files to two workers (pytest-xdist, --dist loadfile) in collection order, so a long file taken
-# last would keep one worker busy while the other sits idle.  Only the order changes.
-LONGEST_FIRST = ["test_serve_daemon_loss.py", "test_scope_matrix.py", "test_launch_supervisor.py", "test_readme.py",
-                 "test_serve_tp.py", "test_serve_hot_standby.py", "test_train_faults.py", "test_train_hf.py",
-                 "test_train_accelerate.py",
-                 "test_bench_baselines.py"]
+# The longest test files on CPU (40 s or more each in a clean clone's `.ci/run`), run first:
+# `make test` hands whole files to two workers (pytest-xdist, --dist loadfile) in collection
+# order, so a long file taken last would keep one worker busy while the other sits idle.  Only
+# the order changes.
+LONGEST_FIRST = ["test_train_hf.py", "test_readme.py", "test_launch_supervisor.py", "test_train_accelerate.py",
+                 "test_serve_hot_standby.py", "test_scope_matrix.py", "test_serve_tp.py", "test_train_grad_lending.py",
+                 "test_train_grads_in_place.py", "test_train_faults.py", "test_serve_daemon_loss.py"]
 
 
 def pytest_collection_modifyitems(config, items):

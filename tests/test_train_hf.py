@@ -255,7 +255,7 @@ def test_ddp_ranks_killed_end_where_the_fault_free_group_does(ddp_fault_free, tm
         assert C.compare(ref_client(f"hf-ddp-ref/rank{r}"), gpu_anchor.connect("cpu", namespace=f"hf-ddp/rank{r}")) == []
 
 
-def _supervised(cwd, opts, namespace, steps=200, step_sleep=0.01):
+def _supervised(cwd, opts, namespace, steps=100, step_sleep=0.02):
     """``gpu-anchor run [opts] -- python hf_trainer_job.py``: its job record's restarts."""
     cmd = [sys.executable, "-m", "gpu_anchor.launch.cli", "run", "--device-type", "cpu", "--namespace", namespace,
            *opts, "--", sys.executable, job.__file__, "log", "out", str(steps), str(step_sleep)]
@@ -281,16 +281,16 @@ def test_under_the_supervisor_workers_and_the_daemon_killed(clean_daemons, tmp_p
         (tmp_path / d).mkdir()
     assert _supervised(tmp_path / "ref", [], "hf-sup-ref") == []
     ref = _done(tmp_path / "ref" / "log")
-    assert ref[0] == 200
+    assert ref[0] == 100
     restarts = _supervised(tmp_path / "workers", ["--chaos-kills", "2", "--chaos-kill-every", "0.5",
                                                   "--chaos-seed", "1"], "hf-sup-workers")
     assert [(r["action"], r["kind"]) for r in restarts] == [("restart", "shallow")] * 2
     assert _done(tmp_path / "workers" / "log") == ref
-    restarts = _supervised(tmp_path / "daemon", ["--checkpoint-dir", "ckpt", "--checkpoint-every", "20",
+    restarts = _supervised(tmp_path / "daemon", ["--checkpoint-dir", "ckpt", "--checkpoint-every", "10",
                                                  "--chaos-kills", "1", "--chaos-target", "daemon",
                                                  "--chaos-kill-every", "1.0", "--chaos-seed", "2"], "hf-sup-daemon")
     assert [(r["action"], r["kind"]) for r in restarts] == [("restore", "destructive")]
-    assert restarts[0]["restore_step"] and restarts[0]["restore_step"] % 20 == 0
+    assert restarts[0]["restore_step"] and restarts[0]["restore_step"] % 10 == 0
     assert _done(tmp_path / "daemon" / "log") == ref
 
 
@@ -303,7 +303,7 @@ def test_under_the_supervisor_two_ranks_one_killed(clean_daemons, tmp_path):
         (tmp_path / d).mkdir()
     assert _supervised(tmp_path / "ref", two, "hf-np2-ref") == []
     ref = _done(tmp_path / "ref" / "log.rank0")
-    assert _done(tmp_path / "ref" / "log.rank1") == ref and ref[0] == 200      # replicas
+    assert _done(tmp_path / "ref" / "log.rank1") == ref and ref[0] == 100      # replicas
     restarts = _supervised(tmp_path / "kills", [*two, "--chaos-kills", "2", "--chaos-kill-every", "0.7",
                                                 "--chaos-seed", "3"], "hf-np2")
     assert [(r["action"], r["kind"]) for r in restarts] == [("restart", "shallow")] * 2
