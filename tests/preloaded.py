@@ -30,7 +30,8 @@ warns once):
   ``MKL_*``, ...) differ from the server's: the preloaded modules read them already (but
   ``OMP_NUM_THREADS``, given to the child's torch thread pool as it is rebuilt).
 
-One server per preload set per pytest process, started at its first use, dying with it.
+One server per preload set per pytest process, started at its first use, exiting when that
+process is gone (its children, with ``PR_SET_PDEATHSIG``, die with the server).
 """
 from __future__ import annotations
 
@@ -120,8 +121,13 @@ def _import_time_env(env: dict) -> dict:
 
 
 def _server(preload: tuple) -> "_Server | None":
-    if preload in _servers and _servers[preload] is not None and _servers[preload].owner != os.getpid():
-        return None          # a forked test worker: its parent's server, not its own to use
+    if preload in _servers and _servers[preload] is not None:
+        if _servers[preload].owner != os.getpid():
+            return None          # a forked test worker: its parent's server, not its own to use
+        if _servers[preload].proc.poll() is not None:
+            warnings.warn(f"tests/preloaded.py: the server for {preload} exited "
+                          f"({_servers[preload].proc.returncode}); starting another", stacklevel=4)
+            del _servers[preload]
     if preload not in _servers:
         try:
             _servers[preload] = _Server(preload)
@@ -278,7 +284,7 @@ def _text(f) -> str:
 def _serve(path: str, preload: list[str]) -> None:
     import importlib
     from gpu_anchor import runtime
-    runtime.set_pdeathsig()            # dies with the pytest process that started it
+    parent = os.getppid()            # watched, not PR_SET_PDEATHSIG: that follows the starting thread
     for name in preload:
         importlib.import_module(name)
     foreign = runtime.foreign_threads()
@@ -293,7 +299,7 @@ def _serve(path: str, preload: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
-    while True:
+    while os.getppid() == parent:          # the pytest process that started it is alive
         for key, _ in sel.select(timeout=0.02):
             conn, _ = listener.accept()
             _, stdio, _, _ = socket.recv_fds(conn, 1, 3)

@@ -73,3 +73,20 @@ def test_what_the_preloaded_modules_read_at_import_runs_cold():
     out = preloaded.run([sys.executable, "-c", "import sys; print(sys.warnoptions)"], env=env, timeout=60)
     assert out.stdout.strip() == "['error::DeprecationWarning']"
     assert isinstance(preloaded.Popen([sys.executable, "-c", "pass"], env=env), subprocess.Popen)
+
+
+def test_a_server_started_from_a_thread_outlives_it():
+    """PR_SET_PDEATHSIG follows the thread that started a process: the server watches the test
+    process instead, so one first used from a test's helper thread still serves afterwards."""
+    import threading
+    preload = ("torch", "json")
+    done = []
+    t = threading.Thread(target=lambda: done.append(preloaded.run([sys.executable, "-c", "print(1)"], timeout=120,
+                                                                   preload=preload)))
+    t.start()
+    t.join()
+    assert done[0].stdout == "1\n"
+    server = preloaded._servers[preload]
+    time.sleep(0.5)
+    again = preloaded.run([sys.executable, "-c", "print(2)"], timeout=60, preload=preload)
+    assert again.stdout == "2\n" and preloaded._servers[preload] is server and server.proc.poll() is None
