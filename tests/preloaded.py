@@ -8,23 +8,25 @@ their imports at every start.
 Why: on CI's two cores ``import torch`` alone takes 2 s and torch + transformers' model and
 Trainer modules 5.5 s, which was nearly all of each run of a small accelerate or Trainer job
 (a test file runs 30 of them).  ``tests/scope_matrix.py`` forks its cases from such an
-interpreter for the same reason; this is the same idea behind ``subprocess.run``'s interface.
+interpreter for the same reason; this module offers it behind ``subprocess``'s interface.
 
 What the child is: a fork (``gpu_anchor.runtime.fork``: refused while the server runs any
 thread, the child's torch thread pool rebuilt) of a server that imported only the ``preload``
-modules (never gpu-anchor's code beyond its torch-free runtime, never CUDA, never an op),
+modules (of gpu-anchor only its package root and torch-free runtime; never CUDA, never an op),
 given the command's environment, working directory, ``sys.argv`` and ``sys.path`` (the script's
-folder, then ``PYTHONPATH``, then the interpreter's own), stdin from ``/dev/null`` and stdout /
-stderr to files, then the script (``runpy``), module (``-m``) or code (``-c``) run as
-``__main__`` and the exit taken as ``python`` takes it (``runtime.exit_path``).  The return
-code is the child's (negative: killed by that signal), as ``subprocess.run`` reports it.
+folder, then ``PYTHONPATH``, then the interpreter's own) and the caller's stdin, stdout and
+stderr (``run``: ``/dev/null`` and two files), then the script (``runpy``), module (``-m``) or
+code (``-c``) run as ``__main__`` and the exit taken as ``python`` takes it
+(``runtime.exit_path``).  The return code is the child's (negative: killed by that signal), as
+``subprocess`` reports it.
 
-Run as a plain ``subprocess.run`` instead (never silently otherwise: a server that cannot start
-warns once):
+Started as a new interpreter by ``subprocess`` itself instead (never silently otherwise: a
+server that cannot start warns):
 
-- ``GPU_ANCHOR_TEST_COLD=1`` in the environment (every run cold: the GPU machine's full runs);
+- ``GPU_ANCHOR_TEST_COLD=1`` in the environment;
 - a CUDA build of torch (GPU machines: their tests start interpreters as users do);
-- a command that is not ``[sys.executable, script | -m module | -c code, ...]``;
+- a command that is not ``[sys.executable, script | -m module | -c code, ...]``, or a ``Popen``
+  given a stdin other than None or ``DEVNULL``;
 - an environment whose variables read at import time (``HF_*``, ``TRANSFORMERS_*``,
   ``TORCH*``, ``PYTORCH_*``, ``ACCELERATE_*``, ``PYTHON*`` but ``PYTHONPATH``, ``OMP_*``,
   ``MKL_*``, ...) differ from the server's: the preloaded modules read them already (but
