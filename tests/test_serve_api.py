@@ -34,7 +34,8 @@ SERVE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-bl
 
 
 def start_server(d, model, *extra, env=None):
-    """``gpu-anchor serve`` as a user starts it; returns (process, base URL, log path)."""
+    """``gpu-anchor serve`` with a user's arguments (through ``tests/preloaded.py``); returns (process,
+    base URL, log path)."""
     port_file, log_path = os.path.join(d, "port"), os.path.join(d, "serve.log")
     if os.path.exists(port_file):
         os.unlink(port_file)
