@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -33,13 +35,21 @@ except ImportError:
 
 
 def _cuda_ready() -> bool:
+    """A CUDA GPU and cuda-bindings.  The GPU is counted in a child process: counting it here
+    would initialise CUDA in this one, and the CPU kill tests' workers forked from it after that
+    fail at their first CUDA query (torch's optimizers ask whether a graph is being captured)
+    with "CUDA error: initialization error" (seen on an H100)."""
     try:
         import torch
         from gpu_anchor.cuda_driver import driver
         driver()
-        return torch.cuda.is_available()
     except Exception:
         return False
+    if not torch.backends.cuda.is_built():
+        return False
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() == "True"
 
 
 # The longest test files on CPU (40 s or more each in a clean clone's `.ci/run`), run first:

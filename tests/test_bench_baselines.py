@@ -173,7 +173,6 @@ def test_serving_method_survives_sigkill(harness, tiny_model, method, prewarm_st
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("prewarm_standby", [False, True])
 def test_kv_memory_on_cuda_survives_sigkill(harness, tiny_model, prewarm_standby):
     """KV-memory's GPU path: the per-step mirror on its own stream, landed before each commit, and

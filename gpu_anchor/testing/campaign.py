@@ -186,19 +186,17 @@ def prewarm(cfg: CampaignConfig) -> None:
     model = build_model(cfg.seed)
     opt = build_optimizer(model, cfg)
     torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    if cfg.device == "cpu":
-        # Not before CUDA workers: autograd's first backward counts the CUDA devices and torch's
-        # step asks whether a graph is being captured, either of which initialises CUDA here,
-        # and CUDA does not survive fork.
-        x, y = batch(0, cfg.seed)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if not torch.backends.cuda.is_built():
-            # Where torch sees a GPU, autograd's first backward starts its device threads, even
-            # for CPU tensors, and no child forked after that can run a backward ("Unable to
-            # handle autograd's threading in combination with fork-based multiprocessing").
-            # Asked of the build, not the machine: counting the devices would initialise CUDA
-            # here, and a CUDA campaign forked later in this process could not use it.
-            loss.backward()
+    x, y = batch(0, cfg.seed)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if not torch.backends.cuda.is_built():
+        # Only with a CPU build of torch.  With a CUDA build, autograd's first backward counts
+        # the devices and torch's step asks whether a graph is being captured: either initialises
+        # CUDA here, after which a forked child's first CUDA query fails ("initialization
+        # error"), and where torch sees a GPU the backward also starts autograd's device threads,
+        # after which no forked child can run a backward ("Unable to handle autograd's threading
+        # in combination with fork-based multiprocessing").  Asked of the build, not the
+        # machine: counting the devices would initialise CUDA too.
+        loss.backward()
         opt.step()
     _warm = True
 
