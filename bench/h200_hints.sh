@@ -14,7 +14,7 @@ source "$(dirname "$0")/device_call.sh"
 G=--graph; [ -n "$X" ] && G=     # a dry run on a CPU: no CUDA graphs
 timeout -k 5 60 python -m bench adam_kernel $G --reps 20 $X --out "$R" > "$R/adam_kernel.log" 2>&1; say kernel rc=$?
 pack
-L="--rounds 3 --lend-grad-bytes=2471628800"; S="--rounds 5 --batch 4 --seq 1024 --lend-grad-bytes=2471628800"
+L="--rounds 3 --lend-grad-bytes=2471628800 --no-grads-in-place"; S="--rounds 5 --batch 4 --seq 1024 --lend-grad-bytes=2471628800 --no-grads-in-place"
 H="python -m bench train_overhead"; N="python -m bench train_overhead --no-l2-hints"
 # one run of each kind first, so that a call cut short still has a pair at each size;
 # RUNS="short_h1 short_n1 ..." runs those instead, in that order (a call with little device time left)

@@ -30,14 +30,14 @@ if [ -z "$X" ]; then
   say "adam_kernel --graph rc=$?"
 fi
 for i in 1 2; do
-  timeout -k 10 120 python -m bench train_overhead --rounds 3 --batch 4 --seq 1024 $X --out /tmp/issue20 \
+  timeout -k 10 120 python -m bench train_overhead --rounds 3 --batch 4 --seq 1024 --lend-grad-bytes 0 --no-grads-in-place $X --out /tmp/issue20 \
     > /tmp/issue20/to_short_$i.log 2>&1
   say "train_overhead 4x1024 run $i rc=$?"
   mv /tmp/issue20/train_overhead*.json "$OUT/train_overhead_short_$i.json"
 done
-timeout -k 10 150 python -m bench train_overhead --rounds 3 $X --out "$OUT" > /tmp/issue20/to.log 2>&1
+timeout -k 10 150 python -m bench train_overhead --rounds 3 --lend-grad-bytes 0 --no-grads-in-place $X --out "$OUT" > /tmp/issue20/to.log 2>&1
 say "train_overhead 8x2048 rc=$?"
-timeout -k 10 120 python -m bench train_overhead --rounds 1 --steps 5 --batch 4 --seq 1024 --profile 3 $X \
+timeout -k 10 120 python -m bench train_overhead --rounds 1 --steps 5 --batch 4 --seq 1024 --profile 3 --lend-grad-bytes 0 --no-grads-in-place $X \
   --out "$OUT" > /tmp/issue20/to_profile.log 2>&1
 say "train_overhead --profile rc=$?"
 timeout -k 10 60 python -m bench sampling $X --out "$OUT" > /tmp/issue20/sampling.log 2>&1

@@ -27,13 +27,13 @@ for i in 1 2 3; do
   for shape in short long; do
     args=$([ $shape = short ] && echo "--batch 4 --seq 1024" || echo "")
     name=$([ $shape = short ] && echo train_overhead_short_lendall_shipped_$i || echo train_overhead_lendall_shipped_$i)
-    timeout -k 5 150 python -m bench train_overhead --rounds 3 $args --lend-grad-bytes 2471628800 $X \
+    timeout -k 5 150 python -m bench train_overhead --rounds 3 $args --lend-grad-bytes 2471628800 --no-grads-in-place $X \
       --out /tmp/lending > "/tmp/lending/$name.log" 2>&1
     say "$name rc=$?"
     mv /tmp/lending/train_overhead*.json "$OUT/$name.json" 2>/dev/null
   done
 done
-timeout -k 5 120 python -m bench train_peak --batch 4 --seq 1024 --lend-grad-bytes 2471628800 $X --out "$OUT" \
+timeout -k 5 120 python -m bench train_peak --batch 4 --seq 1024 --lend-grad-bytes 2471628800 --no-grads-in-place $X --out "$OUT" \
   > /tmp/lending/train_peak.log 2>&1
 say "train_peak rc=$?"
 if [ -z "$X" ]; then

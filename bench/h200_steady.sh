@@ -29,9 +29,9 @@ one() {   # name, then train_overhead's arguments
   mv /tmp/steady/train_overhead*.json "$OUT/$name.json" 2>/dev/null
   tail -c 2000 "/tmp/steady/$name.log" > "$OUT/$name.log"
 }
-ALL=--lend-grad-bytes=2471628800
+ALL="--lend-grad-bytes=2471628800 --no-grads-in-place"
 for i in 1 2 3; do one train_overhead_short_lendall_steady_$i --rounds 5 --batch 4 --seq 1024 $ALL; done
-one train_overhead_short_steady_nolend --rounds 5 --batch 4 --seq 1024
+one train_overhead_short_steady_nolend --rounds 5 --batch 4 --seq 1024 --lend-grad-bytes 0 --no-grads-in-place
 if [ -z "${STEADY_SHORT_ONLY:-}" ]; then     # STEADY_SHORT_ONLY=1: 4 x 1 024 only (a shorter call)
   for i in 1 2; do one train_overhead_lendall_steady_$i --rounds 3 $ALL; done
   one train_overhead_short_lendall_steady_long --rounds 10 --batch 4 --seq 1024 $ALL

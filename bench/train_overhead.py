@@ -20,9 +20,10 @@ the result records which one ran (``fused_update``, ``fused_steps``); ``--no-l2-
 kernel without its L2 eviction hints (``fused_adam.L2_HINTS``, recorded as ``l2_hints``).  ``--torch-fused``:
 both models use ``AdamW(fused=True)`` (torch's own one-kernel update; other roundings than
 foreach, so the anchored side runs the undo copy + that kernel).  ``--lend-grad-bytes N`` and
-``--grads-in-place``: the anchored side's ``StepProtocolConfig.lend_grad_bytes`` and
-``grads_in_place`` (the gradients written in place and copied home are recorded as
-``grads_written``).  ``--profile K``: after the
+``--[no-]grads-in-place``: the anchored side's ``StepProtocolConfig.lend_grad_bytes`` and
+``grads_in_place``; without them the optimizer's automatic choice, as a user gets it (on a GPU:
+every gradient byte lendable, written in place).  The result records what ran and what was
+named; the gradients written in place and copied home are recorded as ``grads_written``.  ``--profile K``: after the
 timed windows, ``K`` more steps of each mode under ``torch.profiler``, their device time per
 step by kind of kernel (matmuls, attention, the fused Adam/undo kernel, torch's optimizer
 kernels, copies, fills, the rest) and the anchored step's difference from plain
@@ -257,12 +258,12 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-fused", action="store_true", help="AdamW(fused=True) on both sides")
     ap.add_argument("--no-l2-hints", action="store_true",
                     help="the fused Adam kernel without its L2 eviction hints (fused_adam.L2_HINTS)")
-    ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
+    ap.add_argument("--lend-grad-bytes", type=int, default=None, metavar="N",
                     help="StepProtocolConfig.lend_grad_bytes: lend up to N bytes of the gradient buffers "
-                         "to the forward's last saved activations")
-    ap.add_argument("--grads-in-place", action="store_true",
+                         "to the forward's last saved activations (default: the optimizer's automatic choice)")
+    ap.add_argument("--grads-in-place", action=argparse.BooleanOptionalAction, default=None,
                     help="StepProtocolConfig.grads_in_place: Linear layers write their weight gradients into the "
-                         "anchored buffers (no copy home)")
+                         "anchored buffers, no copy home (default: the optimizer's automatic choice)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="then K profiled steps of each mode: device time by kind of kernel")
     ap.add_argument("--host-forward", type=int, default=0, metavar="K",
@@ -403,8 +404,10 @@ def main(argv=None) -> int:
             "commits_per_step": (opt.stats["commits"] - before["commits"]) / n,
             "commit_ms_per_step": commit_ms, "host_wait_ms_per_step": wait_ms,
             "anchored_bytes": anchored,
-            "lend_grad_bytes": args.lend_grad_bytes,
-            "grads_in_place": args.grads_in_place,
+            # what ran (opt.config: the automatic choice decided) and what the command named (None: nothing)
+            "lend_grad_bytes": opt.config.lend_grad_bytes,
+            "grads_in_place": opt.config.grads_in_place,
+            "settings_named": {"lend_grad_bytes": args.lend_grad_bytes, "grads_in_place": args.grads_in_place},
             # gradients written in place and copied home, over the whole run (warm-up and profile included)
             "grads_written": dict(opt._grads.stats),
             **({"lent_bytes_last_step": opt.lender.stats["last_lent_bytes"],
@@ -463,7 +466,7 @@ def main(argv=None) -> int:
         f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
         "_profile" if args.profile else "") + ("_hostfwd" if args.host_forward else "") + (
         f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + (
-        "_inplace" if args.grads_in_place else "") + ("_tiny" if args.tiny else "")
+        "_inplace" if args.grads_in_place else "_copied" if args.grads_in_place is False else "") + ("_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0
 

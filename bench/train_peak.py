@@ -8,7 +8,7 @@ the largest total the allocator held above what was allocated when the step bega
 which it came, and the blocks alive there grouped by the Python line that allocated them
 (autograd's own frames left out; a block the backward engine made has no Python line and is
 listed as "backward").  Anchored memory (parameters, gradients, optimizer state, undo) is the
-daemon's and not in these totals.  With ``--lend-grad-bytes`` the lending plan too: the gradient
+daemon's and not in these totals.  With lending (on a GPU by default; ``--lend-grad-bytes`` sets it) the plan too: the gradient
 areas, the candidates and their sizes, those chosen, the bytes lent.  This is what to read
 before choosing a lending budget: a lent byte lowers the peak only if its tensor is alive there.
 On a CPU (``--tiny``) the allocator keeps no history: the plan alone.
@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N")
+    ap.add_argument("--lend-grad-bytes", type=int, default=None, metavar="N",
+                    help="default: the optimizer's automatic choice (every byte lendable on a GPU)")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.tiny else "cuda:0")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     from gpu_anchor.train import AnchoredOptimizer, StepProtocolConfig, anchor_module
 
     out = {"model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""), "device": device, "batch": args.batch,
-           "seq": args.seq, "lend_grad_bytes": args.lend_grad_bytes}
+           "seq": args.seq}
     plain = _llama(args.tiny, device, 0)
     win = _Window(device, args.batch, args.seq, plain.config.vocab_size)
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
         anchor_module(model, client)
         opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-5), model=model, client=client,
                                 config=StepProtocolConfig(lend_grad_bytes=args.lend_grad_bytes))
+        out["lend_grad_bytes"], out["grads_in_place"] = opt.config.lend_grad_bytes, opt.config.grads_in_place
         win.run(model, opt, 3, 0)
         out["anchored"] = _history(lambda: win.run(model, opt, 1, 3), device)
         out["anchored_bytes"] = sum(o.nbytes for o in client.objects().values())

@@ -27,17 +27,20 @@ def _run(args, timeout):
     return subprocess.run([sys.executable, *args], env=env, timeout=timeout, cwd=ROOT)
 
 
-LEND_1B = 1 << 32     # more than the 1B Llama's 2.5 GB of gradients: lend all that fits (StepProtocolConfig.lend_grad_bytes)
+# the optimizer's settings of the killed runs: none named (on a GPU, its gradients lent and
+# written in place), or the gradients copied home and nothing lent
+SETTINGS = {"defaults": [], "copied": ["--lend-grad-bytes", "0", "--no-grads-in-place"]}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lend", [0, LEND_1B], ids=["no-lending", "lending"])
-def test_llama_1b_ten_kills_at_the_five_phases(tmp_path, lend):
-    path = _out("train_gpu_faults_lend.json" if lend else "train_gpu_faults.json", tmp_path)
-    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--out", path, "--lend-grad-bytes", str(lend)], timeout=540)
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_llama_1b_ten_kills_at_the_five_phases(tmp_path, settings):
+    path = _out(f"train_gpu_faults_{settings}.json", tmp_path)
+    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--out", path, *SETTINGS[settings]], timeout=540)
     r = json.load(open(path))
-    if lend:
+    if settings == "defaults":
         assert r["lending"] and r["lending"]["lent_bytes_last_step"] > 0, r["lending"]
+        assert r["in_place_final_worker"], r
     print(f"kills={r['kills']} max per-step loss diff={r['max_step_loss_diff']} "
           f"bit-identical={r['losses_bit_identical']} state={r['state_compare']}")
     assert proc.returncode == 0 and r["ok"]
@@ -47,15 +50,16 @@ def test_llama_1b_ten_kills_at_the_five_phases(tmp_path, lend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lend", [0, 1 << 20], ids=["no-lending", "lending"])
-def test_mlp_killed_at_every_chunk_of_a_fused_step_bit_for_bit(tmp_path, lend):
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_mlp_killed_at_every_chunk_of_a_fused_step_bit_for_bit(tmp_path, settings):
     """The fused update's cursor is its tags: kills at the four chunk phases of every chunk
     (each while the previous one is recovered) end bit for bit where a fault-free run does
-    (with ``lending``: the killed run lends its gradient buffers, the reference does not)."""
+    (``defaults``: the killed run lends its gradient buffers and writes its gradients in place,
+    the reference does neither)."""
     pytest.importorskip("triton", reason="the fused kernel needs Triton: without it every step saves by copies")
-    path = _out("train_gpu_every_chunk_lend.json" if lend else "train_gpu_every_chunk.json", tmp_path)
-    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--every-chunk", "--out", path,
-                 "--lend-grad-bytes", str(lend)], timeout=300)
+    path = _out(f"train_gpu_every_chunk_{settings}.json", tmp_path)
+    proc = _run(["-m", "gpu_anchor.testing.gpu_campaign", "--every-chunk", "--out", path, *SETTINGS[settings]],
+                timeout=300)
     r = json.load(open(path))
     print(f"kills={r['kills']} chunks={r['chunks']} bit-identical={r['losses_bit_identical']} "
           f"differing={r['objects_differing']} {r['final_workers_updates']}")

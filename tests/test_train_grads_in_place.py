@@ -400,10 +400,50 @@ def test_ddp_on_one_rank_bit_for_bit(host_daemon, tmp_path, bucket_view):
     assert C._wait(C._child(_ddp_one_rank_worker, str(tmp_path / "store"), bucket_view)) == 0
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
+@pytest.mark.parametrize("bad", [1, "yes", 0.5])
 def test_config_refuses_a_non_boolean(bad):
-    with pytest.raises(ValueError, match="grads_in_place must be True or False"):
+    with pytest.raises(ValueError, match="grads_in_place must be True, False or None"):
         StepProtocolConfig(grads_in_place=bad)
+
+
+def test_the_automatic_choice_resolves_both_settings():
+    """None (the default) is decided by the optimizer: both on where they apply (a CUDA device,
+    one process, fresh gradients), every gradient byte lendable; both off elsewhere; a value
+    named is kept as named."""
+    auto = StepProtocolConfig()
+    assert (auto.lend_grad_bytes, auto.grads_in_place) == (None, None)
+    on, off = auto.resolve(True, 12345), auto.resolve(False, 12345)
+    assert (on.lend_grad_bytes, on.grads_in_place) == (12345, True)
+    assert (off.lend_grad_bytes, off.grads_in_place) == (0, False)
+    named = StepProtocolConfig(lend_grad_bytes=7, grads_in_place=False)
+    assert named.resolve(True, 12345) == named and named.resolve(False, 1) == named
+    assert StepProtocolConfig(grads_in_place=True).resolve(False, 1).grads_in_place is True
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_defaults_lend_and_write_in_place_on_a_gpu_only_and_quietly(request, monkeypatch, device):
+    """An optimizer built with no setting named: on a GPU its gradients are lent and written in
+    place, and training equals plain PyTorch bit for bit; on the CPU neither, and ``opt.config``
+    says so.  Either way nothing warns (the first step taking a layer or not is no news)."""
+    from gpu_anchor.train import AnchoredOptimizer, anchor_module
+    _, vocab, hidden, layers, shape = CASES[device]
+    client = _client(request, device, "inplace-defaults")
+    monkeypatch.setattr(grad_lending, "MIN_BYTES", 4096)
+    ref, model = (llama(0, vocab, hidden, layers, device) for _ in range(2))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    anchor_module(model, client)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, client=client)
+        train_side_by_side(ref, ropt, model, opt, vocab, shape, device, steps=3)
+    same_state(ref, ropt, model, opt)
+    gpu = device == "cuda"
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert opt.config.lend_grad_bytes == (grad_bytes if gpu else 0)
+    assert opt.config.grads_in_place is gpu and (opt.lender is not None) is gpu
+    assert (opt._grads.stats["in_place"] > 0) is gpu, opt._grads.stats
+    if gpu:
+        assert opt.lender.stats["lent_tensors"] > 0
 
 
 # ---------------------------------------------------------------------- the step protocol, killed

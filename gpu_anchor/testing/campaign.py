@@ -45,8 +45,8 @@ class CampaignConfig:
                                     # ``scaler.unscale_(opt)``, torch's recipe); 0: no clipping
     device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
                                     # forking process must not have initialised CUDA)
-    lend_grad_bytes: int = 0        # StepProtocolConfig.lend_grad_bytes (the log then says what the last worker lent in all)
-    grads_in_place: bool = False    # StepProtocolConfig.grads_in_place (the log then says what the last worker wrote in place)
+    lend_grad_bytes: int | None = None   # StepProtocolConfig.lend_grad_bytes (None: automatic; the log says what the last worker lent)
+    grads_in_place: bool | None = None   # StepProtocolConfig.grads_in_place (None: automatic; the log says what it wrote in place)
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:
@@ -164,7 +164,7 @@ def train(namespace: str, cfg: CampaignConfig, log_path: str, fault: str | None 
         if opt.lender is not None:
             st = opt.lender.stats
             os.write(fd, f"lending lent_total={st['lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
-        if cfg.grads_in_place:
+        if opt.config.grads_in_place:
             st = opt._grads.stats
             os.write(fd, f"grads in_place={st['in_place']} copied={st['copied']} modules={st['modules']}\n".encode())
     finally:

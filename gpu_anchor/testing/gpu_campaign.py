@@ -4,8 +4,9 @@
     python -m gpu_anchor.testing.gpu_campaign --device cpu --tiny      # the same on a toy model
     PYTHONPATH=. python -m gpu_anchor.testing.gpu_campaign --every-chunk   # the MLP, bit for bit
 
-``--lend-grad-bytes N`` / ``--grads-in-place``: the killed runs lend their gradient buffers /
-write their Linear layers' weight gradients in place (``StepProtocolConfig``).
+``--lend-grad-bytes N`` / ``--[no-]grads-in-place``: the runs lend their gradient buffers /
+write their Linear layers' weight gradients in place (``StepProtocolConfig``); without them, the
+optimizer's automatic choice, as a user's job has it (both on for a CUDA device).
 
 ``--every-chunk``: the CPU campaign's MLP (``campaign.py``, fp32 AdamW, so the fused update
 on CUDA) killed at the four chunk phases of every chunk, each phase once more while the
@@ -73,8 +74,8 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 5))
     opt = AnchoredOptimizer(inner, model=model, client=client, schedulers=[sched],
                             config=StepProtocolConfig(chunk_bytes=a["chunk_bytes"],
-                                                      lend_grad_bytes=a.get("lend_grad_bytes", 0),
-                                                      grads_in_place=a.get("grads_in_place", False)))
+                                                      lend_grad_bytes=a.get("lend_grad_bytes"),
+                                                      grads_in_place=a.get("grads_in_place")))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -91,7 +92,7 @@ def worker(ns: str, a: dict, log_path: str, fault: str | None, compare_ns: str |
     if opt.lender is not None:
         st = opt.lender.stats
         os.write(fd, f"lending lent_last_step={st['last_lent_bytes']} evicted={st['evicted_bytes']}\n".encode())
-    if a.get("grads_in_place"):
+    if opt.config.grads_in_place:
         os.write(fd, f"in_place {opt._grads.stats['in_place']}\n".encode())
     if compare_ns:
         ref = gpu_anchor.connect(a["device"], namespace=compare_ns)
@@ -158,10 +159,11 @@ def _daemon(device: str):
         daemon.wait(timeout=30)
 
 
-def every_chunk(device: str, lend_grad_bytes: int = 0, grads_in_place: bool = False) -> dict:
+def every_chunk(device: str, lend_grad_bytes: int | None = None, grads_in_place: bool | None = None) -> dict:
     """The ``--every-chunk`` campaign (module docstring); returns its result.  ``lend_grad_bytes``:
     the killed run lends its gradient buffers (the MLP's saved tensors are a few KiB, so any size
-    is lent), the reference does not; so with ``grads_in_place``."""
+    is lent), the reference neither lends nor writes in place; so with ``grads_in_place``.  None:
+    the optimizer's automatic choice (``_expected`` says what it is)."""
     import dataclasses
 
     import torch
@@ -171,8 +173,10 @@ def every_chunk(device: str, lend_grad_bytes: int = 0, grads_in_place: bool = Fa
     from gpu_anchor.train import grad_lending
     n = C.num_chunks(C.CampaignConfig())
     ref_cfg = C.CampaignConfig(steps=n + 3, progress="device", device=device)
+    ref_cfg = dataclasses.replace(ref_cfg, lend_grad_bytes=0, grads_in_place=False)
     cfg = dataclasses.replace(ref_cfg, lend_grad_bytes=lend_grad_bytes, grads_in_place=grads_in_place)
-    if lend_grad_bytes:
+    lends, in_place = _expected(lend_grad_bytes, device), _expected(grads_in_place, device)
+    if lends:
         grad_lending.MIN_BYTES = 256
     specs = [f"{ph}@{1 + c}:{c}" for c in range(n) for ph in ("before_update", "mid_chunk", "after_update",
                                                                "after_commit")]
@@ -198,9 +202,15 @@ def every_chunk(device: str, lend_grad_bytes: int = 0, grads_in_place: bool = Fa
     out["grads_in_place"], out["in_place_final_worker"] = grads_in_place, (written[-1] if written else None)
     out["ok"] = bool(run.kills == len(specs) and losses == ref_losses and done == ref_done and not differ
                      and (fused or device == "cpu")       # on a CPU every step saves by copies
-                     and (not lend_grad_bytes or (lent and lent[-1] > 0))
-                     and (not grads_in_place or (written and written[-1] > 0)))
+                     and (not lends or (lent and lent[-1] > 0))
+                     and (not in_place or (written and written[-1] > 0)))
     return out
+
+
+def _expected(setting, device: str) -> bool:
+    """Whether a run with this ``lend_grad_bytes`` / ``grads_in_place`` lends / writes in place:
+    None is the optimizer's automatic choice, on for a CUDA device (one process here)."""
+    return bool(setting) if setting is not None else device.startswith("cuda")
 
 
 def main(argv=None) -> int:
@@ -213,9 +223,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--chunk-bytes", type=int, default=None)
     ap.add_argument("--every-chunk", action="store_true", help="the MLP killed at every chunk, bit for bit")
-    ap.add_argument("--lend-grad-bytes", type=int, default=0, metavar="N",
-                    help="StepProtocolConfig.lend_grad_bytes of the killed runs")
-    ap.add_argument("--grads-in-place", action="store_true", help="StepProtocolConfig.grads_in_place of the killed runs")
+    ap.add_argument("--lend-grad-bytes", type=int, default=None, metavar="N",
+                    help="StepProtocolConfig.lend_grad_bytes of the runs (default: the automatic choice)")
+    ap.add_argument("--grads-in-place", action=argparse.BooleanOptionalAction, default=None,
+                    help="StepProtocolConfig.grads_in_place of the runs (default: the automatic choice)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # in case anything asks: no cuInit here
@@ -270,8 +281,9 @@ def main(argv=None) -> int:
         "in_place_final_worker": run["in_place_final_worker"],
     })
     out["ok"] = bool(kills == len(specs) and codes[-1] == 0 and out["all_steps_present"]
-                     and (not args.lend_grad_bytes or bool(run["lending"] and run["lending"]["lent_bytes_last_step"]))
-                     and (not args.grads_in_place or bool(run["in_place_final_worker"])))
+                     and (not _expected(args.lend_grad_bytes, args.device)
+                          or bool(run["lending"] and run["lending"]["lent_bytes_last_step"]))
+                     and (not _expected(args.grads_in_place, args.device) or bool(run["in_place_final_worker"])))
     return _report(out, args.out)
 
 

@@ -38,12 +38,13 @@ from .fsdp import local as _local
 
 
 class GradientBuffers:
-    def __init__(self, params, fresh: bool, lender=None, in_place: bool = False) -> None:
+    def __init__(self, params, fresh: bool, lender=None, in_place: bool = False, quiet: bool = False) -> None:
         if lender is not None and not fresh:
             raise ValueError("gradient lending needs the fresh gradients of one process")
         if in_place and not fresh:
             raise ValueError("gradients written in place need the fresh gradients of one process")
         self.params, self.fresh, self.lender = params, fresh, lender
+        self._quiet = quiet     # in place by the automatic choice: a first step that took no layer is no news
         self.cleared = [True] * len(params)
         self.stats = {"in_place": 0, "copied": 0, "modules": 0}
         self._given: dict[int, int] = {}      # parameter -> the backward (graph task) its buffer went to
@@ -73,7 +74,7 @@ class GradientBuffers:
         if self._discovering is not None:
             self._discovering.remove()
             self._discovering = None
-            if not self.stats["modules"]:
+            if not self.stats["modules"] and not self._quiet:
                 warnings.warn("gpu_anchor: StepProtocolConfig.grads_in_place writes no gradient in place: the "
                               "first step's forward called no nn.Linear layer (of exactly that type, outside "
                               "torch.compile, its weight not tied to another module) over the optimizer's "

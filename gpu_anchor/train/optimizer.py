@@ -198,19 +198,23 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         self._counts = [0] * len(self._params)
         self._rank, self._world = distributed.world()
         fresh = self._world == 1 and all(_local(q.p) is q.p for q in self._params)
-        self.lender = GradientLender(self._params, self.config.lend_grad_bytes, self.device) \
-            if fresh and self.config.lend_grad_bytes > 0 else None
+        asked = self.config
+        self.config = cfg = asked.resolve(fresh and self.device.type == "cuda",
+                                          sum(q.grad.numel() * q.grad.element_size() for q in self._params))
+        self.lender = GradientLender(self._params, cfg.lend_grad_bytes, self.device) \
+            if fresh and cfg.lend_grad_bytes > 0 else None
         framework = "under DDP / FSDP2 the gradient buffers are the framework's and zero_grad() does not free them"
-        why_not = (framework if self.config.lend_grad_bytes > 0 and not fresh else
+        why_not = (framework if cfg.lend_grad_bytes > 0 and not fresh else
                    self.lender.disabled if self.lender is not None else None)
-        if why_not:
+        if why_not and asked.lend_grad_bytes is not None:      # an automatic choice stays quiet
             warnings.warn(f"gpu_anchor: StepProtocolConfig.lend_grad_bytes lends nothing here: {why_not}",
                           RuntimeWarning, stacklevel=3)
-        if self.config.grads_in_place and not fresh:
+        if cfg.grads_in_place and not fresh:
             warnings.warn(f"gpu_anchor: StepProtocolConfig.grads_in_place writes no gradient in place here: {framework}",
                           RuntimeWarning, stacklevel=3)
         self._grads = GradientBuffers(self._params, fresh=fresh, lender=self.lender,
-                                      in_place=self.config.grads_in_place and fresh)
+                                      in_place=cfg.grads_in_place and fresh,
+                                      quiet=asked.grads_in_place is None)
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
 
         with torch.no_grad():
