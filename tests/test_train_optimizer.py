@@ -1,4 +1,5 @@
 """AnchoredOptimizer against plain PyTorch, in one process with a real host daemon."""
+import dataclasses
 import os
 import sys
 import textwrap
@@ -261,7 +262,12 @@ def test_protocol_settings_are_one_record(host_daemon):
     anchor_module(lin, client)
     cfg = StepProtocolConfig(prefix="p1", progress="journal")
     opt = AnchoredOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model=lin, client=client, config=cfg)
-    assert opt.config is cfg and opt.prefix == "p1" and opt.progress == "journal"
+    # the automatic settings decided (on the CPU: off); a record that names them is kept as it is
+    assert opt.config == dataclasses.replace(cfg, lend_grad_bytes=0, grads_in_place=False)
+    assert opt.prefix == "p1" and opt.progress == "journal"
+    named = StepProtocolConfig(prefix="p2", lend_grad_bytes=0, grads_in_place=False)
+    assert AnchoredOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model=lin, client=client,
+                             config=named).config is named
     lin(torch.ones(2, 4)).sum().backward()
     opt.step()
     assert opt.completed_steps == 1

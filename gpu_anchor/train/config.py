@@ -68,6 +68,8 @@ class StepProtocolConfig:
     def resolve(self, applies: bool, grad_bytes: int) -> "StepProtocolConfig":
         """This record with ``AUTO`` decided: ``applies`` (a CUDA device, one process, fresh
         gradients) turns both on, every one of the ``grad_bytes`` gradient bytes lendable."""
+        if self.lend_grad_bytes is not AUTO and self.grads_in_place is not AUTO:
+            return self
         return replace(self, lend_grad_bytes=(grad_bytes if applies else 0) if self.lend_grad_bytes is AUTO
                        else self.lend_grad_bytes,
                        grads_in_place=applies if self.grads_in_place is AUTO else self.grads_in_place)
