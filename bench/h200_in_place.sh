@@ -2,8 +2,9 @@
 # Linear weight gradients written in place (StepProtocolConfig.grads_in_place) on one GPU, one
 # device call (about 9 min): the tests of grads_in_place (bit for bit against torch; the GPU's too), then the
 # 1B AdamW step at 4 x 1 024 with every gradient byte lent, with the gradients written in place
-# (i) and copied home (n), alternating, or with no setting named (d: the defaults, both on); `long_*` runs are the 8 x 2 048 step (H200 only: it does
-# not fit an H100's 80 GB beside its three plain twins); `prof_*` adds `--profile 3`; `camp`: the
+# (i) and copied home (n), alternating, or with no setting named (d: the optimizer's defaults, on
+# a GPU both on); `long_*` runs are the 8 x 2 048 step (H200 only: it does not fit an H100's
+# 80 GB beside its three plain twins); `prof_*` adds `--profile 3`; `camp`: the
 # 1B Llama's ten kills and `chunk`: the MLP killed at every chunk, both with the defaults (on a GPU:
 # gradients lent and written in place).
 #   OUT=/some/dir PYTHONPATH=. bash bench/h200_in_place.sh
