@@ -7,7 +7,7 @@ gradient byte, every step.  An ``nn.Linear`` weight's gradient is one GEMM,
 ``grad_output^T @ input``; here that GEMM writes into the buffer, and the copy is gone.  For an
 LLM nearly every parameter byte is such a weight.
 
-Contract (``StepProtocolConfig.grads_in_place``; off by default):
+Contract (``StepProtocolConfig.grads_in_place``; by default on where it applies, ``config``):
 
 - **Where.** Only with the fresh gradients of one process (``GradientBuffers.fresh``: no DDP
   across ranks, no FSDP2, ``zero_grad()`` freeing them), as gradient lending.  The layers are
