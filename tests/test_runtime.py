@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,6 +51,42 @@ def test_fork_refuses_after_an_openmp_team_started():
             print("refused:", e)
     """)
     assert r.returncode == 0 and "refused:" in r.stdout and "OpenMP" in r.stdout, r.stdout + r.stderr
+
+
+_FORK_AFTER_CUDA = """
+    from gpu_anchor import runtime
+    for reason in (None, "a test driver's children touch no thread of this process"):
+        try:
+            runtime.fork(lambda: None, unsafe_ok=reason)
+            print("forked")
+        except runtime.ForkUnsafe as e:
+            print("refused:", e)
+"""
+
+
+def test_fork_refuses_once_cuda_was_initialised():
+    """A child forked after CUDA was initialised fails at its first CUDA call, which torch's
+    optimizers make even for CPU tensors ("CUDA error: initialization error", seen on an H100):
+    the fork is refused, naming CUDA, even with a reason to fork past foreign threads.  Without
+    a GPU here torch's answer is put in place (the GPU test below runs the real one)."""
+    r = _py(textwrap.dedent("""
+        import torch
+        torch.cuda.is_initialized = lambda: True
+    """) + textwrap.dedent(_FORK_AFTER_CUDA))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr
+    assert all(line.startswith("refused:") and "initialised CUDA" in line for line in lines), r.stdout
+
+
+@pytest.mark.gpu
+def test_fork_refuses_once_cuda_was_initialised_on_a_gpu():
+    r = _py(textwrap.dedent("""
+        import torch
+        torch.zeros(1, device="cuda")
+    """) + textwrap.dedent(_FORK_AFTER_CUDA))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr
+    assert all(line.startswith("refused:") and "initialised CUDA" in line for line in lines), r.stdout
 
 
 def test_fork_past_openblas_threads_and_blas_works_in_the_child():

@@ -9,7 +9,8 @@ What every fork here does, in one place (docs/runtime.md):
 
 - **before**: refuse to fork while a thread other than the caller runs — a Python thread, or
   a native thread no library stops for the fork (``threads.foreign_threads``: a lock it holds,
-  or a pool's bookkeeping, would be copied into a child that lacks the thread) — then
+  or a pool's bookkeeping, would be copied into a child that lacks the thread), or once torch
+  initialised CUDA here (the child could make no CUDA call, and torch's optimizers make one) — then
   ``gc.freeze()``: what the parent built is never collected or finalised in the child;
 - **in the child** (``after_fork_in_child``): default signal dispositions, a new process group
   if asked, ``PR_SET_PDEATHSIG`` (it dies with its parent), faulthandler on (SIGABRT, SIGSEGV,

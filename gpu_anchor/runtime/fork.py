@@ -25,10 +25,27 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA through torch (never initialises it)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
 def check_fork_safe(unsafe_ok: str | None = None) -> None:
-    """Raise ``ForkUnsafe`` if a foreign thread runs.  ``unsafe_ok``: the caller's reason why
-    forking past them is safe anyway (kept for the error text; a test driver in a busy pytest
-    process whose children touch none of those threads' state)."""
+    """Raise ``ForkUnsafe`` if a foreign thread runs, or if this process has initialised CUDA.
+    ``unsafe_ok``: the caller's reason why forking past the threads is safe anyway (a test
+    driver in a busy pytest process whose children touch none of those threads' state); it
+    does not cover CUDA, which no child of such a process can use: its first CUDA call fails
+    with "CUDA error: initialization error", and torch's optimizers make one even for CPU
+    tensors (``step()`` asks whether a graph is being captured)."""
+    if cuda_initialised():
+        raise ForkUnsafe("refusing to fork: this process has initialised CUDA, and a forked child's first CUDA "
+                         "call (torch's optimizers make one even for CPU tensors) fails with 'CUDA error: "
+                         "initialization error'; fork from a process that has not touched CUDA (a fork server "
+                         "started first), or start the child with subprocess")
     if unsafe_ok:
         return
     bad = foreign_threads()

@@ -166,8 +166,6 @@ def every_chunk(device: str, lend_grad_bytes: int | None = None, grads_in_place:
     the optimizer's automatic choice (``_expected`` says what it is)."""
     import dataclasses
 
-    import torch
-
     import gpu_anchor
     from gpu_anchor.testing import campaign as C
     from gpu_anchor.train import grad_lending
@@ -181,9 +179,7 @@ def every_chunk(device: str, lend_grad_bytes: int | None = None, grads_in_place:
     specs = [f"{ph}@{1 + c}:{c}" for c in range(n) for ph in ("before_update", "mid_chunk", "after_update",
                                                                "after_commit")]
     with _daemon(device) as tmp:
-        C.prewarm(cfg)        # for a CUDA campaign: no backward, no step here (CUDA does not survive fork)
-        if torch.cuda.is_initialized():
-            raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
+        C.prewarm(cfg)        # for a CUDA campaign: no backward, no step here (runtime.fork refuses after CUDA)
         ref = C.run("every-chunk-ref", ref_cfg, os.path.join(tmp, "ref.log"))
         run = C.run("every-chunk-run", cfg, os.path.join(tmp, "run.log"), faults_seq=specs)
         ref_losses, ref_done = C.trajectory(ref.log)
@@ -239,8 +235,6 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)   # no OpenMP team before fork (libgomp is not fork-safe)
     build(True, "cpu")         # resolve transformers' lazy imports once, here, not in every worker
-    if torch.cuda.is_initialized():
-        raise RuntimeError("CUDA was initialised before forking the workers; they could not use it")
     a = dict(device=args.device, tiny=args.tiny, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
              chunk_bytes=args.chunk_bytes, lend_grad_bytes=args.lend_grad_bytes, grads_in_place=args.grads_in_place)
     out = {"test": "train_gpu_faults", "model": "llama3.2-1b" + (" (tiny)" if args.tiny else ""),
