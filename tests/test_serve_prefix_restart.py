@@ -54,7 +54,9 @@ def _incarnation(cfg, client, conn):
     """An engine's life: restore, report the KV of every cached block it trusts, re-add what the
     client still waits for, step until done (or killed)."""
     eng = Engine(cfg)
-    trusted = {d: _block_kv(eng, b) for b, d in eng.blocks._digest.items() if b in eng.blocks._cached}
+    # by value (numpy): a tensor would cross as a descriptor that the parent fetches from this
+    # process later, which fails once a fault has killed it (FileNotFoundError, seen in CI)
+    trusted = {d: _block_kv(eng, b).numpy() for b, d in eng.blocks._digest.items() if b in eng.blocks._cached}
     msgs = [("trusted", trusted)] + [("ev", (s.rid, 0, s.output_ids, None)) for s in eng.restored]
     for rid in client.pending({s.rid for s in eng.restored}):
         prompt, params = client.requests[rid]
@@ -82,7 +84,7 @@ def _run(cfg, client, fault=None):
             if kind == "ev":
                 client.apply(*x)
             elif kind == "trusted":
-                trusted = x
+                trusted = {d: torch.from_numpy(kv) for d, kv in x.items()}
             elif kind == "hits":
                 hits = x
             elif kind == "unrecorded":
