@@ -466,7 +466,8 @@ def main(argv=None) -> int:
         f"_chunk{max(1, round(args.chunk_bytes / 2**20))}m" if args.chunk_bytes else "") + (
         "_profile" if args.profile else "") + ("_hostfwd" if args.host_forward else "") + (
         f"_lend{round(args.lend_grad_bytes / 2**20)}m" if args.lend_grad_bytes else "") + (
-        "_inplace" if args.grads_in_place else "_copied" if args.grads_in_place is False else "") + ("_tiny" if args.tiny else "")
+        "_inplace" if args.grads_in_place else "_copied" if args.grads_in_place is False else "") + (
+        "_tiny" if args.tiny else "")
     print(write_result(name, out, args.out))
     return 0
 

@@ -1,6 +1,7 @@
 """Where a training step's memory peak is, plain PyTorch and anchored (gradient lending on or off).
 
-    python -m bench train_peak [--tiny] [--batch 4 --seq 1024] [--lend-grad-bytes N] [--out DIR]
+    python -m bench train_peak [--tiny] [--batch 4 --seq 1024] [--lend-grad-bytes N] [--[no-]grads-in-place]
+                               [--out DIR]
 
 The Llama3.2-1B shape of ``bench train_overhead`` (bf16, AdamW, random tokens).  After three
 warm-up steps, one step of each side runs under ``torch.cuda.memory._record_memory_history``:
@@ -8,9 +9,10 @@ the largest total the allocator held above what was allocated when the step bega
 which it came, and the blocks alive there grouped by the Python line that allocated them
 (autograd's own frames left out; a block the backward engine made has no Python line and is
 listed as "backward").  Anchored memory (parameters, gradients, optimizer state, undo) is the
-daemon's and not in these totals.  With lending (on a GPU by default; ``--lend-grad-bytes`` sets it) the plan too: the gradient
-areas, the candidates and their sizes, those chosen, the bytes lent.  This is what to read
-before choosing a lending budget: a lent byte lowers the peak only if its tensor is alive there.
+daemon's and not in these totals.  With lending (on a GPU by default; ``--lend-grad-bytes`` sets
+it) the lending plan too: the gradient areas, the candidates and their sizes, those chosen, the
+bytes lent.  This is what to read before choosing a lending budget: a lent byte lowers the peak
+only if its tensor is alive there.
 On a CPU (``--tiny``) the allocator keeps no history: the plan alone.
 """
 from __future__ import annotations
@@ -92,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--lend-grad-bytes", type=int, default=None, metavar="N",
                     help="default: the optimizer's automatic choice (every byte lendable on a GPU)")
+    ap.add_argument("--grads-in-place", action=argparse.BooleanOptionalAction, default=None,
+                    help="StepProtocolConfig.grads_in_place (default: the optimizer's automatic choice)")
     ap.add_argument("--out", default=None, help="result directory (default bench/results)")
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.tiny else "cuda:0")
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
         model = _llama(args.tiny, device, 0)
         anchor_module(model, client)
         opt = AnchoredOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-5), model=model, client=client,
-                                config=StepProtocolConfig(lend_grad_bytes=args.lend_grad_bytes))
+                                config=StepProtocolConfig(lend_grad_bytes=args.lend_grad_bytes,
+                                                          grads_in_place=args.grads_in_place))
         out["lend_grad_bytes"], out["grads_in_place"] = opt.config.lend_grad_bytes, opt.config.grads_in_place
         win.run(model, opt, 3, 0)
         out["anchored"] = _history(lambda: win.run(model, opt, 1, 3), device)

@@ -45,8 +45,10 @@ class CampaignConfig:
                                     # ``scaler.unscale_(opt)``, torch's recipe); 0: no clipping
     device: str = "cpu"             # where the model trains (a CUDA device: forked workers, so the
                                     # forking process must not have initialised CUDA)
-    lend_grad_bytes: int | None = None   # StepProtocolConfig.lend_grad_bytes (None: automatic; the log says what the last worker lent)
-    grads_in_place: bool | None = None   # StepProtocolConfig.grads_in_place (None: automatic; the log says what it wrote in place)
+    # StepProtocolConfig's (None: the optimizer's automatic choice); the log says what the last
+    # worker lent and wrote in place
+    lend_grad_bytes: int | None = None
+    grads_in_place: bool | None = None
 
 
 def build_model(seed: int, hidden: int = 0) -> torch.nn.Module:

@@ -55,9 +55,9 @@ class StepProtocolConfig:
             raise ValueError(f"prefix must be a non-empty string, got {self.prefix!r}")
         if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0):
             raise ValueError(f"chunk_bytes must be a positive integer, got {self.chunk_bytes!r}")
-        if self.lend_grad_bytes is not AUTO and (isinstance(self.lend_grad_bytes, bool)
-                                                 or not isinstance(self.lend_grad_bytes, int) or self.lend_grad_bytes < 0):
-            raise ValueError(f"lend_grad_bytes must be a byte count >= 0 or None (automatic), got {self.lend_grad_bytes!r}")
+        lend = self.lend_grad_bytes
+        if lend is not AUTO and (isinstance(lend, bool) or not isinstance(lend, int) or lend < 0):
+            raise ValueError(f"lend_grad_bytes must be a byte count >= 0 or None (automatic), got {lend!r}")
         if not isinstance(self.fused_update, bool):
             raise ValueError(f"fused_update must be True or False, got {self.fused_update!r}")
         if self.grads_in_place is not AUTO and not isinstance(self.grads_in_place, bool):

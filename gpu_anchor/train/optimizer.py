@@ -29,7 +29,7 @@ import torch
 
 from . import carry as carry_mod
 from . import chunking, distributed, faults
-from .config import StepProtocolConfig
+from .config import AUTO, StepProtocolConfig
 from .device_progress import DeviceProgress
 from .fsdp import local as _local
 from . import amp
@@ -206,7 +206,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
         framework = "under DDP / FSDP2 the gradient buffers are the framework's and zero_grad() does not free them"
         why_not = (framework if cfg.lend_grad_bytes > 0 and not fresh else
                    self.lender.disabled if self.lender is not None else None)
-        if why_not and asked.lend_grad_bytes is not None:      # an automatic choice stays quiet
+        if why_not and asked.lend_grad_bytes is not AUTO:      # an automatic choice stays quiet
             warnings.warn(f"gpu_anchor: StepProtocolConfig.lend_grad_bytes lends nothing here: {why_not}",
                           RuntimeWarning, stacklevel=3)
         if cfg.grads_in_place and not fresh:
@@ -214,7 +214,7 @@ class AnchoredOptimizer(StateDictMixin, RecoveryMixin, UndoMixin):
                           RuntimeWarning, stacklevel=3)
         self._grads = GradientBuffers(self._params, fresh=fresh, lender=self.lender,
                                       in_place=cfg.grads_in_place and fresh,
-                                      quiet=asked.grads_in_place is None)
+                                      quiet=asked.grads_in_place is AUTO)
         self._barrier = distributed.BoundaryBarrier(self.device) if self._world > 1 else None
 
         with torch.no_grad():
